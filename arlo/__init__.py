@@ -1,0 +1,1 @@
+"""arlo: high-throughput RL for LLM agents (shared library)."""

@@ -1,0 +1,282 @@
+"""Typed run configuration: frozen dataclasses, loaded from YAML, validated at load.
+
+A run is one YAML file whose sections map onto `RunConfig`'s fields; every field has a
+default, so `{}` is a valid (the built-in) config. Unknown keys and wrong types are errors
+that name the field's full path, e.g. `trainer.learning_rate: expected float, got 'abc'`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or out of range."""
+
+
+def _frozen(cls: type[T]) -> type[T]:
+    return dataclass(frozen=True, kw_only=True, slots=True)(cls)
+
+
+def _check(path: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {message}")
+
+
+@_frozen
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL; `arlo up` starts a local redis-server when nothing answers here."""
+    socket_timeout_s: float = 10.0
+    """Socket timeout; blocking reads always block for less than this (redis-py raises otherwise)."""
+    max_backlog: int = 4096
+    """Unread trajectories allowed in the stream before producers are told to back off."""
+    reconnect_max_s: float = 5.0
+    """Cap of the exponential reconnect backoff."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.url", self.url.startswith(("redis://", "rediss://", "unix://")), "must be a redis:// URL")
+        _check(f"{path}.max_backlog", self.max_backlog >= 1, "must be >= 1")
+
+
+@_frozen
+class AuthConfig:
+    token_env: str = "ARLO_TOKEN"
+    """Environment variable holding the bearer token."""
+    token_file: str = ""
+    """File holding the token (used when the variable is unset)."""
+    disabled: bool = False
+    """Serve without auth. Only ever on when set explicitly."""
+
+
+@_frozen
+class ServerConfig:
+    """Where one service listens. Port 0 picks a free port (tests)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    """Prometheus /metrics port; 0 picks a free port, -1 disables it."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    grace_s: float = 5.0
+    """On SIGTERM: NOT_SERVING, then this long for in-flight RPCs to finish."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.port", 0 <= self.port < 65536, "must be in [0, 65535]")
+        _check(f"{path}.metrics_port", -1 <= self.metrics_port < 65536, "must be in [-1, 65535]")
+        _check(f"{path}.max_message_bytes", 1024 <= self.max_message_bytes < 2**31, "must be in [1 KiB, 2 GiB)")
+
+
+@_frozen
+class ModelSpec:
+    name: str = "tiny"
+    """Model config name (see arlo.model.config)."""
+    tokenizer: str = "byte"
+    seed: int = 0
+    """Seed of the initial weights (trainer and a cold inference server agree on it)."""
+
+
+@_frozen
+class InferenceConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051, metrics_port=9101))
+    max_n: int = 64
+    max_tokens: int = 256
+    max_prompt_tokens: int = 512
+    weight_poll_s: float = 2.0
+    """Poll the weight pointer this often in case a pub/sub event was missed."""
+
+    def validate(self, path: str) -> None:
+        self.server.validate(f"{path}.server")
+        _check(f"{path}.max_n", 1 <= self.max_n <= 1024, "must be in [1, 1024]")
+        _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
+        _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
+        _check(f"{path}.weight_poll_s", self.weight_poll_s > 0, "must be > 0")
+
+
+@_frozen
+class TrainerConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50052, metrics_port=9102))
+    groups_per_step: int = 4
+    """GRPO groups in one optimizer step."""
+    learning_rate: float = 1e-3
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    max_staleness: int = 1
+    """Drop trajectories whose oldest token is more than this many versions behind."""
+    checkpoint_dir: str = ""
+    """Orbax checkpoint directory; empty disables checkpoints."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every k versions; 0 disables."""
+    read_block_ms: int = 1000
+
+    def validate(self, path: str) -> None:
+        self.server.validate(f"{path}.server")
+        _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
+        _check(f"{path}.learning_rate", 0 < self.learning_rate < 1, "must be in (0, 1)")
+        _check(f"{path}.clip_eps", 0 < self.clip_eps < 1, "must be in (0, 1)")
+        _check(f"{path}.max_staleness", self.max_staleness >= 0, "must be >= 0")
+        _check(f"{path}.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
+
+
+@_frozen
+class EnvGatewayConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50053, metrics_port=9103))
+    session_idle_timeout_s: float = 600.0
+    max_sessions: int = 10000
+
+    def validate(self, path: str) -> None:
+        self.server.validate(f"{path}.server")
+        _check(f"{path}.session_idle_timeout_s", self.session_idle_timeout_s > 0, "must be > 0")
+
+
+@_frozen
+class RewardConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50054, metrics_port=9104))
+    timeout_s: float = 5.0
+    """Per-item verifier deadline; past it the item gets SCORE_STATUS_TIMEOUT."""
+
+    def validate(self, path: str) -> None:
+        self.server.validate(f"{path}.server")
+        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
+
+
+@_frozen
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 8
+    """New tokens per model turn."""
+
+
+@_frozen
+class RolloutConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50055, metrics_port=9105))
+    env_name: str = "arith"
+    env_config_json: str = ""
+    reward_fn: str = "exact_match"
+    group_size: int = 4
+    max_turns: int = 3
+    max_episode_tokens: int = 256
+    episode_timeout_s: float = 120.0
+    concurrent_groups: int = 4
+    """Groups in flight per worker."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rpc_timeout_s: float = 30.0
+
+    def validate(self, path: str) -> None:
+        self.server.validate(f"{path}.server")
+        _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
+        _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
+        _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")
+        _check(f"{path}.sampling.temperature", 0 <= self.sampling.temperature <= 10, "must be in [0, 10]")
+        _check(f"{path}.sampling.max_tokens", self.sampling.max_tokens >= 1, "must be >= 1")
+
+
+@_frozen
+class RunConfig:
+    run_id: str = "default"
+    """Namespace of every Redis key (`arlo:{run_id}:...`)."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    env_gateway: EnvGatewayConfig = field(default_factory=EnvGatewayConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def validate(self, path: str = "") -> None:
+        _check("run_id", bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id),
+               "must be non-empty and use only letters, digits, '-', '_' and '.'")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if hasattr(value, "validate"):
+                value.validate(f.name)
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Builds dataclass `cls` from plain data, checking keys and types; errors name the field."""
+    where = path or "<root>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, path)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Loads a YAML run config (the built-in one when `path` is None) and validates it."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    if overrides:
+        data = _merge(data, overrides)
+    cfg = from_dict(RunConfig, data)
+    cfg.validate()
+    return cfg
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

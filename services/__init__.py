@@ -1,0 +1,1 @@
+"""The arlo services; each runs with `python -m services.<name>`."""
