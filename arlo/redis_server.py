@@ -1,0 +1,85 @@
+"""Finding or starting a Redis server: `arlo up` and the tests start their own when none answers."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+INSTALL_HINT = (
+    "no redis-server on PATH. Install one (Debian/Ubuntu: `sudo apt-get install redis-server`; "
+    "macOS: `brew install redis`) or point redis.url at a running Redis."
+)
+
+
+def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
+    """True when a Redis server answers PING at `url`."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalRedis:
+    """A redis-server child process in a temp dir, persisting nothing."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    workdir: tempfile.TemporaryDirectory[str]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.workdir.cleanup()
+
+
+def start_local_redis(port: int | None = None, timeout_s: float = 10.0) -> LocalRedis:
+    """Starts redis-server on 127.0.0.1:`port` (a free one when None) and waits for PING."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(INSTALL_HINT)
+    port = port or free_port()
+    workdir = tempfile.TemporaryDirectory(prefix="arlo-redis-")
+    proc = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", workdir.name, "--logfile", f"{workdir.name}/redis.log"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            workdir.cleanup()
+            raise RuntimeError(f"redis-server exited with {proc.returncode} on port {port}")
+        if redis_answers(url, 0.2):
+            return LocalRedis(url=url, process=proc, workdir=workdir)
+        time.sleep(0.05)
+    LocalRedis(url=url, process=proc, workdir=workdir).stop()
+    raise RuntimeError(f"redis-server did not answer on port {port} within {timeout_s}s")
+
+
+def host_port(url: str) -> tuple[str, int]:
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or 6379
