@@ -1,0 +1,58 @@
+"""Connecting to Redis so that a Redis restart is survived, and small reply helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from arlo.config import RedisConfig
+
+# With the backoff capped at reconnect_max_s (default 5 s) this rides out roughly 30 s of
+# outage (0.1+0.2+...+3.2 then the cap) before a call gives up: long enough for a Redis pod
+# restart, short enough that a dead Redis surfaces as an error rather than a hang.
+RETRIES = 12
+BACKOFF_BASE_S = 0.05
+# A pooled connection idle this long is PINGed before use, so one broken by a restart is
+# replaced up front instead of failing the first command.
+HEALTH_CHECK_INTERVAL_S = 15
+
+
+async def connect(cfg: RedisConfig) -> aioredis.Redis:
+    """A client that retries ConnectionError/TimeoutError with capped exponential backoff.
+
+    Responses stay bytes (trajectories are protobuf bytes). The first PING is awaited so a
+    wrong URL fails here, after the retries, not at the first real call.
+    """
+    client: aioredis.Redis = aioredis.from_url(
+        cfg.url,
+        socket_timeout=cfg.socket_timeout_s,
+        socket_connect_timeout=cfg.socket_timeout_s,
+        health_check_interval=HEALTH_CHECK_INTERVAL_S,
+        retry=Retry(ExponentialBackoff(cap=cfg.reconnect_max_s, base=BACKOFF_BASE_S), RETRIES),
+    )
+    try:
+        await client.ping()
+    except BaseException:
+        await client.aclose()
+        raise
+    return client
+
+
+def socket_timeout_s(redis: aioredis.Redis) -> float | None:
+    """The client's socket timeout (None: reads never time out)."""
+    value = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    return None if value is None else float(value)
+
+
+def decodes_responses(redis: aioredis.Redis) -> bool:
+    return bool(redis.connection_pool.connection_kwargs.get("decode_responses", False))
+
+
+def text(value: Any) -> str:
+    """A reply value as str, whether the client decodes responses or not."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)

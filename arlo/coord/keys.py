@@ -1,0 +1,92 @@
+"""The Redis key names of one run: everything a run writes lives under `arlo:{run_id}:`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+_RUN_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def check_run_id(run_id: str) -> None:
+    """Same rule as `RunConfig.run_id`; it also keeps glob characters out of SCAN patterns."""
+    if not run_id or not set(run_id) <= _RUN_ID_CHARS:
+        raise ValueError(f"run_id {run_id!r}: must be non-empty and use only letters, digits, '-', '_' and '.'")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names for one run. Every module builds keys here so the layout has one source."""
+
+    run_id: str
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+
+    @property
+    def prefix(self) -> str:
+        return f"arlo:{self.run_id}:"
+
+    @property
+    def traj(self) -> str:
+        """Stream of serialized `Trajectory` messages, consumer group `trainer`."""
+        return self.prefix + "traj"
+
+    @property
+    def traj_dead(self) -> str:
+        """Stream of entries that could not be decoded, kept for inspection."""
+        return self.prefix + "traj:dead"
+
+    @property
+    def traj_acked(self) -> str:
+        """Counter of acknowledged entries still in `traj` (backlog fallback when XINFO has no lag)."""
+        return self.prefix + "traj:acked"
+
+    @property
+    def weights(self) -> str:
+        return self.prefix + "weights"
+
+    @property
+    def weights_events(self) -> str:
+        """Pub/sub channel carrying each newly published version number."""
+        return self.prefix + "weights:events"
+
+    def seen(self, traj_id: str) -> str:
+        """Marker of a trajectory that was trained on (de-duplication)."""
+        return f"{self.prefix}seen:{traj_id}"
+
+    def status(self, service: str, instance: str) -> str:
+        if not service or ":" in service:
+            raise ValueError(f"service {service!r}: must be non-empty and contain no ':'")
+        if not instance:
+            raise ValueError("instance: must be non-empty")
+        return f"{self.prefix}status:{service}:{instance}"
+
+    @property
+    def status_prefix(self) -> str:
+        return self.prefix + "status:"
+
+    @property
+    def status_pattern(self) -> str:
+        return self.status_prefix + "*"
+
+    @property
+    def pattern(self) -> str:
+        """Every key of the run (SCAN pattern)."""
+        return self.prefix + "*"
+
+
+async def delete_run(redis: Redis, run_id: str) -> int:
+    """Deletes every key of a run (SCAN + UNLINK, never KEYS); returns how many were removed."""
+    pattern = Keys(run_id).pattern
+    removed = 0
+    batch: list[bytes | str] = []
+    async for key in redis.scan_iter(match=pattern, count=500):
+        batch.append(key)
+        if len(batch) >= 500:
+            removed += int(await redis.unlink(*batch))
+            batch = []
+    if batch:
+        removed += int(await redis.unlink(*batch))
+    return removed

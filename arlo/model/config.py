@@ -1,0 +1,81 @@
+"""Model hyper-parameters: one frozen dataclass, plus a few named presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """A decoder-only Llama/Qwen-style transformer (RMSNorm, GQA + RoPE, SwiGLU)."""
+
+    vocab_size: int
+    """Rows of the embedding table; may exceed the tokenizer's vocabulary (padding for alignment)."""
+    dim: int
+    """Width of the residual stream."""
+    num_layers: int
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads; must divide num_heads (grouped-query attention)."""
+    head_dim: int
+    """Width of one head; even, because RoPE rotates pairs."""
+    mlp_dim: int
+    """Hidden width of the SwiGLU MLP."""
+    max_seq_len: int
+    """Longest sequence (prompt + generated) the model is used with."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    """Share the embedding table with the output projection."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"); parameters always stay float32."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name}: must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_kv_heads: {self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim: must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("ModelConfig.rope_theta and norm_eps must be > 0")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.dtype: expected one of {_DTYPES}, got {self.dtype!r}")
+
+    @classmethod
+    def named(cls, name: str) -> ModelConfig:
+        try:
+            return _PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown model config {name!r}; known: {sorted(_PRESETS)}") from None
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    def num_params(self) -> int:
+        d, h = self.dim, self.head_dim
+        attn = d * self.num_heads * h * 2 + d * self.num_kv_heads * h * 2  # q, o + k, v
+        mlp = 3 * d * self.mlp_dim
+        per_layer = attn + mlp + 2 * d  # two RMSNorm scales
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return embed + self.num_layers * per_layer + d  # + final norm
+
+
+# vocab 264 = the byte tokenizer's 263 ids rounded up to a multiple of 8.
+_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=264, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        mlp_dim=256, max_seq_len=256),
+    # ~25M parameters: big enough to learn toy tasks, small enough for one CPU host.
+    "small": ModelConfig(vocab_size=264, dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                         mlp_dim=1536, max_seq_len=1024),
+}

@@ -1,0 +1,146 @@
+"""Transformer building blocks: RMSNorm, embedding, RoPE, GQA attention, SwiGLU MLP.
+
+Parameters carry MaxText-style logical axis names in their `out_sharding` metadata
+("vocab", "embed", "heads", "kv_heads", "kv", "mlp", "norm"); a trainer maps them onto mesh
+axes with `flax.core.spmd.logical_axis_rules(...)` + `nnx.get_partition_spec(state)`.
+`eager_sharding=False` keeps construction mesh-free (the CPU default); placement is the
+caller's job. Parameters are float32; matmuls run in `cfg.dtype`; norms, softmax and
+logits in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from arlo.model.config import ModelConfig
+
+# Large negative instead of -inf, so a fully masked row (padding queries) gives a uniform
+# softmax rather than NaNs.
+_MASK_VALUE = -1e30
+
+
+def _param(init: nnx.Initializer, key: jax.Array, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(init(key, shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+
+
+def _fan_in(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]) -> nnx.Initializer:
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis,
+                                             out_axis=out_axis)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
+        del rngs  # ones-initialised (Llama convention, so HF weights load as-is)
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x = x_btd.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...]).astype(x_btd.dtype)
+
+
+class Embedder(nnx.Module):
+    """Token embedding; also the output projection when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, dim: int, *, rngs: nnx.Rngs):
+        # std 1/sqrt(dim): tied logits of a unit-RMS hidden state then start with std ~1.
+        init = nnx.initializers.normal(stddev=dim**-0.5)
+        self.table_vd = _param(init, rngs.params(), (vocab_size, dim), ("vocab", "embed"))
+
+    def encode(self, tokens_bt: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        return self.table_vd[...][tokens_bt].astype(dtype)
+
+    def decode(self, x_btd: jax.Array) -> jax.Array:
+        table_vd = self.table_vd[...].astype(x_btd.dtype)
+        return jnp.einsum("btd,vd->btv", x_btd, table_vd, preferred_element_type=jnp.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF Llama "rotate half" layout (first half pairs with second half)."""
+    half = x_btnh.shape[-1] // 2
+    inv_freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h
+    sin, cos = jnp.sin(angle_bth)[:, :, None, :], jnp.cos(angle_bth)[:, :, None, :]
+    x = x_btnh.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_btnh.dtype)
+
+
+def _write_cache(cache_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
+    # Per-row start so rows at different positions (continuous batching) share one cache.
+    # dynamic_update_slice clamps out-of-range starts: callers guarantee start + t <= s.
+    def write_row(c_skh: jax.Array, n_tkh: jax.Array, s: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(c_skh, n_tkh.astype(c_skh.dtype), (s, 0, 0))
+
+    return jax.vmap(write_row)(cache_bskh, new_btkh, start_b)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with RoPE and an optional KV cache."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        in_init, out_init = _fan_in(0, (1, 2)), _fan_in((0, 1), 2)
+        self.q_dnh = _param(in_init, rngs.params(), (d, n, h), ("embed", "heads", "kv"))
+        self.k_dkh = _param(in_init, rngs.params(), (d, k, h), ("embed", "kv_heads", "kv"))
+        self.v_dkh = _param(in_init, rngs.params(), (d, k, h), ("embed", "kv_heads", "kv"))
+        self.o_nhd = _param(out_init, rngs.params(), (n, h, d), ("heads", "kv", "embed"))
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        positions_bt: jax.Array,
+        mask_bts: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        start_b: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Without `kv`, keys are this chunk's own tokens (training). With `kv` (two
+        [b, s, kv_heads, head_dim] arrays), this chunk's keys/values are written at slots
+        start_b.. and the query attends over all s slots under `mask_bts`."""
+        dt = x_btd.dtype
+        q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
+        k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt))
+        v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt))
+        q_btnh = apply_rope(q_btnh, positions_bt, self.theta)
+        k_btkh = apply_rope(k_btkh, positions_bt, self.theta)
+        new_kv = None
+        if kv is not None:
+            assert start_b is not None, "a KV cache write needs start_b"
+            k_btkh = _write_cache(kv[0], k_btkh, start_b)  # now k_bskh
+            v_btkh = _write_cache(kv[1], v_btkh, start_b)
+            new_kv = (k_btkh, v_btkh)
+        out_btnh = _attend(q_btnh, k_btkh.astype(dt), v_btkh.astype(dt), mask_bts)
+        return jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt)), new_kv
+
+
+def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    b, t, n, h = q_btnh.shape
+    k = k_bskh.shape[2]
+    # Group query heads by the kv head they share, instead of repeating k/v in memory.
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h) * jnp.asarray(h**-0.5, q_btnh.dtype)
+    scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASK_VALUE)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    return out_btkgh.reshape(b, t, n, h)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.dim, cfg.mlp_dim
+        self.gate_df = _param(_fan_in(0, 1), rngs.params(), (d, f), ("embed", "mlp"))
+        self.up_df = _param(_fan_in(0, 1), rngs.params(), (d, f), ("embed", "mlp"))
+        self.down_fd = _param(_fan_in(0, 1), rngs.params(), (f, d), ("mlp", "embed"))
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dt = x_btd.dtype
+        gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_df[...].astype(dt))
+        up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_df[...].astype(dt))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_btf) * up_btf, self.down_fd[...].astype(dt))

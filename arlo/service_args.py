@@ -1,0 +1,37 @@
+"""Command line shared by every `python -m services.<name>`: a config file plus port overrides."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from arlo.config import ConfigError, RunConfig, load_config
+
+SECTIONS = ("inference", "trainer", "env_gateway", "reward", "rollout")
+
+
+def parse_service_config(service: str, argv: Sequence[str] | None = None) -> RunConfig:
+    """Parses `-c CONFIG [--port P] [--metrics-port M]` and returns the validated run config.
+
+    The config file also comes from $ARLO_CONFIG, so one manifest can point every service at it.
+    A bad config exits with status 2 and a message naming the field.
+    """
+    if service not in SECTIONS:
+        raise ValueError(f"unknown service {service!r}; known: {SECTIONS}")
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=f"Run the arlo {service} service.")
+    parser.add_argument("-c", "--config", default=os.environ.get("ARLO_CONFIG"), help="run config YAML (default: built-in)")
+    parser.add_argument("--port", type=int, help=f"override {service}.server.port (0 = any free port)")
+    parser.add_argument("--metrics-port", type=int, help=f"override {service}.server.metrics_port (-1 = off)")
+    args = parser.parse_args(argv)
+    server: dict[str, int] = {}
+    if args.port is not None:
+        server["port"] = args.port
+    if args.metrics_port is not None:
+        server["metrics_port"] = args.metrics_port
+    try:
+        return load_config(args.config, {service: {"server": server}} if server else None)
+    except ConfigError as e:
+        print(f"arlo {service}: bad config: {e}", file=sys.stderr)
+        raise SystemExit(2) from e

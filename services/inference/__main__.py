@@ -1,0 +1,52 @@
+"""`python -m services.inference [-c CONFIG] [--port P] [--metrics-port M]`."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from arlo.background import TaskGroup
+from arlo.config import RunConfig
+from arlo.coord import Heartbeat, WeightPointer, connect
+from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
+from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal, setup_logging, start_server
+from arlo.service_args import parse_service_config
+from services.inference.engine import Engine, EngineLimits
+from services.inference.server import InferenceServicer
+from services.inference.weights import WeightSync
+
+
+async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, Engine]:
+    ic = cfg.inference
+    engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, limits=EngineLimits(
+        max_n=ic.max_n, max_tokens=ic.max_tokens, max_prompt_tokens=ic.max_prompt_tokens))
+    redis = await connect(cfg.redis)
+    sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth),
+                      poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
+    name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    running = await start_server("inference", ic.server, cfg.auth, [
+        ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
+                       servicer=InferenceServicer(engine, cfg.model.tokenizer))])
+    host = os.environ.get("ARLO_ADVERTISE_HOST") or ic.server.host
+    heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=f"{socket.gethostname()}-{os.getpid()}")
+    tasks.spawn("weight-sync", sync.run)
+    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
+        "address": f"{host}:{running.port}", "weight_version": engine.version,
+        "requests": engine.stats.requests, "generated_tokens": engine.stats.generated_tokens}))
+    return running, engine
+
+
+def main() -> None:
+    cfg = parse_service_config("inference")
+    setup_logging("inference")
+    tasks = TaskGroup()
+
+    async def start() -> RunningServer:
+        running, _ = await start_inference(cfg, tasks)
+        return running
+
+    run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.inference.server.grace_s)
+
+
+if __name__ == "__main__":
+    main()

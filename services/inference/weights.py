@@ -1,0 +1,113 @@
+"""Hot weight swap: learn of a new version (pub/sub, polling fallback), pull, verify, swap.
+
+A pull that fails part-way resumes from the bytes already received; a payload whose sha256
+does not match the pointer's is thrown away and pulled again. The old weights keep serving
+throughout, so a bad publication can never take a replica down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from arlo.coord import WeightPointer, WeightPointerState
+from arlo.model.weights import state_from_bytes
+from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
+from arlo.rpc import make_channel
+from services.inference.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class WeightPullError(Exception):
+    """The pulled payload is unusable (checksum, size, gaps); the pull is retried."""
+
+
+@dataclass
+class SyncStats:
+    pulls: int = 0
+    failures: int = 0
+    last_swap_s: float = 0.0
+
+
+async def pull_weights(target: str, version: int, *, token: str | None, timeout_s: float = 120.0,
+                       max_message_bytes: int = 64 << 20, attempts: int = 3) -> tuple[bytes, str]:
+    """Pulls `version` from a trainer; resumes at the last good offset after a broken stream."""
+    buf = bytearray()
+    total: int | None = None
+    sha = ""
+    async with make_channel(target, token=token, max_message_bytes=max_message_bytes) as channel:
+        stub = trainer_pb2_grpc.TrainerStub(channel)
+        for attempt in range(attempts):
+            try:
+                call = stub.PullWeights(trainer_pb2.PullWeightsRequest(version=version, offset=len(buf)),
+                                        timeout=timeout_s)
+                async for chunk in call:
+                    if chunk.version.version != version:
+                        raise WeightPullError(f"asked for version {version}, got {chunk.version.version}")
+                    if chunk.offset != len(buf):
+                        raise WeightPullError(f"chunk at offset {chunk.offset}, expected {len(buf)}")
+                    if hashlib.sha256(chunk.data).hexdigest() != chunk.chunk_sha256:
+                        raise WeightPullError(f"chunk at offset {chunk.offset} fails its checksum")
+                    buf += chunk.data
+                    total, sha = chunk.total_bytes, chunk.version.sha256
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT) or attempt == attempts - 1:
+                    raise
+                log.warning("pull of version %d broke at %d bytes (%s); resuming", version, len(buf), e.code())
+    if total is None or len(buf) != total:
+        raise WeightPullError(f"received {len(buf)} of {total} bytes")
+    data = bytes(buf)
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise WeightPullError("payload sha256 does not match the published checksum")
+    return data, sha
+
+
+class WeightSync:
+    """Keeps `engine` on the newest published version."""
+
+    def __init__(self, engine: Engine, pointer: WeightPointer, *, token: str | None, poll_s: float,
+                 max_message_bytes: int) -> None:
+        self.engine = engine
+        self.pointer = pointer
+        self.token = token
+        self.poll_s = poll_s
+        self.max_message_bytes = max_message_bytes
+        self.stats = SyncStats()
+
+    async def run(self) -> None:
+        backoff = 0.5
+        while True:
+            newer = await self.pointer.wait_for_newer(self.engine.version, timeout_s=30.0, poll_s=self.poll_s)
+            if newer is None:
+                continue
+            try:
+                await self.sync_to(newer)
+                backoff = 0.5
+            except (WeightPullError, grpc.aio.AioRpcError, ValueError) as e:
+                self.stats.failures += 1
+                log.warning("could not install version %d (%s); still serving %d; retrying in %.1fs",
+                            newer.version, e, self.engine.version, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    async def sync_to(self, pointer: WeightPointerState) -> None:
+        if not pointer.source.startswith("grpc://"):
+            raise ValueError(f"unsupported weight source {pointer.source!r}")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        data, sha = await pull_weights(pointer.source.removeprefix("grpc://"), pointer.version,
+                                       token=self.token, max_message_bytes=self.max_message_bytes)
+        if sha != pointer.sha256:
+            raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
+        state = await asyncio.to_thread(state_from_bytes, data, self.engine.state)
+        if pointer.version > self.engine.version:
+            self.engine.swap(state, pointer.version)
+            self.stats.pulls += 1
+            self.stats.last_swap_s = loop.time() - started
+            log.info("serving version %d (%d bytes, %.3fs)", pointer.version, len(data), self.stats.last_swap_s)

@@ -1,0 +1,58 @@
+"""`python -m services.rollout [-c CONFIG] [--port P] [--metrics-port M]`.
+
+Serves only health, reflection and metrics on its port (for probes); the work is the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from arlo.background import TaskGroup
+from arlo.config import RunConfig
+from arlo.coord import Heartbeat, TrajectoryStream, connect
+from arlo.model import get_tokenizer
+from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
+from arlo.service_args import parse_service_config
+from services.rollout.clients import EnvironmentClient, InferenceClient, RewardClient
+from services.rollout.worker import RolloutWorker
+
+
+async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, RolloutWorker]:
+    rc = cfg.rollout
+    token = load_token(cfg.auth)
+    channels = {name: make_channel(section.server.address, token=token)
+                for name, section in (("inference", cfg.inference), ("env", cfg.env_gateway), ("reward", cfg.reward))}
+    tok = get_tokenizer(cfg.model.tokenizer)
+    redis = await connect(cfg.redis)
+    stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
+    await stream.ensure_group()
+    worker = RolloutWorker(
+        rc, run_id=cfg.run_id, tokenizer=tok,
+        gen=InferenceClient(channels["inference"], rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
+        env=EnvironmentClient(channels["env"], timeout_s=rc.rpc_timeout_s),
+        scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
+    )
+    running = await start_server("rollout", rc.server, cfg.auth, [])
+    heartbeat = Heartbeat(redis, cfg.run_id, service="rollout", instance=f"{socket.gethostname()}-{os.getpid()}")
+    tasks.spawn("rollout", worker.run)
+    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
+        "groups": worker.stats.groups, "episodes": worker.stats.episodes, "retries": worker.stats.retries,
+        "failed_groups": worker.stats.failed_groups}))
+    return running, worker
+
+
+def main() -> None:
+    cfg = parse_service_config("rollout")
+    setup_logging("rollout")
+    tasks = TaskGroup()
+
+    async def start() -> RunningServer:
+        running, _ = await start_rollout(cfg, tasks)
+        return running
+
+    run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.rollout.server.grace_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The episode loop, token-in/token-out: generate -> env step -> ... -> score.
+
+The trajectory is the exact tokens the engine produced plus the exact tokens of each
+observation, concatenated; the conversation is never re-tokenized (re-tokenization drift
+breaks PPO in peers). The loop depends on three small Protocols, so it runs against
+in-process objects in tests and gRPC clients in production alike.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from arlo.model.tokenizer import ByteTokenizer
+from arlo.proto.v1 import common_pb2, env_pb2, reward_pb2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Turn:
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finished_by_stop: bool
+
+
+class Generator(Protocol):
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int) -> Turn: ...
+
+
+class EnvClient(Protocol):
+    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse: ...
+    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse: ...
+    async def close(self, session_id: str) -> None: ...
+
+
+class Scorer(Protocol):
+    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpisodeSpec:
+    env_name: str
+    env_config_json: str
+    reward_fn: str
+    seed: int
+    max_turns: int
+    max_tokens_per_turn: int
+    max_episode_tokens: int
+    run_id: str
+    group_id: str
+    group_size: int
+
+
+@dataclass(kw_only=True)
+class _Builder:
+    """Accumulates the token-aligned arrays of a trajectory."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.tokens += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_model(self, turn: Turn) -> None:
+        self.tokens += turn.token_ids
+        self.logprobs += turn.logprobs
+        self.mask += [1] * len(turn.token_ids)
+        self.versions += turn.policy_versions
+
+
+async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env: EnvClient,
+                      scorer: Scorer) -> common_pb2.Trajectory:
+    """Runs one episode to a Trajectory; backend errors propagate (the worker decides retry or mask)."""
+    started = time.monotonic()
+    timings = common_pb2.Timings()
+    reset = await env.reset(spec.env_name, spec.env_config_json, spec.seed)
+    b = _Builder()
+    b.add_context(tok.encode_messages(list(reset.observation), add_generation_prompt=True, add_bos=True))
+    prompt_length = len(b.tokens)
+    finish, answer, reference, turns = "max_turns", "", "", 0
+    try:
+        for turns in range(1, spec.max_turns + 1):
+            budget = min(spec.max_tokens_per_turn, spec.max_episode_tokens - len(b.tokens))
+            if budget <= 0:
+                finish = "max_tokens"
+                break
+            t0 = time.monotonic()
+            turn = await gen.generate(b.tokens, max_tokens=budget)
+            timings.generate_s += time.monotonic() - t0
+            b.add_model(turn)
+            if not turn.finished_by_stop:
+                # Close the turn the way the template would, but as context: the model did not say it.
+                b.add_context([tok.eos_id])
+            t0 = time.monotonic()
+            step = await env.step(reset.session_id, tok.decode(turn.token_ids))
+            timings.env_s += time.monotonic() - t0
+            if step.done:
+                finish, answer, reference = "done", step.answer, step.reference
+                break
+            b.add_context(tok.encode_messages(list(step.observation), add_generation_prompt=True, add_bos=False))
+    finally:
+        await env.close(reset.session_id)
+    t0 = time.monotonic()
+    score = await scorer.score(spec.reward_fn, answer, reference) if finish == "done" else None
+    timings.reward_s = time.monotonic() - t0
+    timings.total_s = time.monotonic() - started
+    return _trajectory(spec, reset.task_id, b, prompt_length, finish, turns, score, timings)
+
+
+def _trajectory(spec: EpisodeSpec, task_id: str, b: _Builder, prompt_length: int, finish: str, turns: int,
+                score: reward_pb2.ScoreResponse | None, timings: common_pb2.Timings) -> common_pb2.Trajectory:
+    traj = common_pb2.Trajectory(
+        id=uuid.uuid4().hex, run_id=spec.run_id, task_id=task_id, group_id=spec.group_id,
+        group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
+        policy_versions=b.versions, prompt_length=prompt_length, finish_reason=finish,
+        num_turns=turns, timings=timings, created_at=time.time(),
+    )
+    if score is None:
+        # A limit ended the episode before an answer: trainable, with reward 0 for no answer.
+        traj.status = common_pb2.TRAJECTORY_STATUS_TRUNCATED
+    elif score.status != reward_pb2.SCORE_STATUS_OK:
+        traj.status = common_pb2.TRAJECTORY_STATUS_ERROR
+        traj.error = f"reward {reward_pb2.ScoreStatus.Name(score.status)}: {score.error}"
+    else:
+        traj.status = common_pb2.TRAJECTORY_STATUS_OK
+        traj.reward = score.reward
+        traj.reward_components.update(score.components)
+    return traj

@@ -1,0 +1,66 @@
+"""gRPC-backed implementations of the agent loop's Protocols (the transport edge of rollout)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from arlo.config import SamplingConfig
+from arlo.proto.v1 import env_pb2, env_pb2_grpc, inference_pb2, inference_pb2_grpc, reward_pb2, reward_pb2_grpc
+from services.rollout.agent import Turn
+
+# Worth retrying with backoff: the backend may be restarting or overloaded.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class InferenceClient:
+    def __init__(self, channel: grpc.aio.Channel, sampling: SamplingConfig, *, eos_id: int, timeout_s: float) -> None:
+        self.stub = inference_pb2_grpc.InferenceStub(channel)
+        self.sampling = sampling
+        self.eos_id = eos_id
+        self.timeout_s = timeout_s
+
+    async def model_info(self) -> inference_pb2.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int) -> Turn:
+        s = self.sampling
+        resp = await self.stub.Generate(inference_pb2.GenerateRequest(
+            prompt_token_ids=prompt, n=1, sampling=inference_pb2.SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
+                stop_token_ids=[self.eos_id])), timeout=self.timeout_s)
+        c = resp.completions[0]
+        return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
+                    policy_versions=list(c.policy_versions),
+                    finished_by_stop=c.finish_reason == inference_pb2.FINISH_REASON_STOP)
+
+
+class EnvironmentClient:
+    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float) -> None:
+        self.stub = env_pb2_grpc.EnvironmentStub(channel)
+        self.timeout_s = timeout_s
+
+    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse:
+        return await self.stub.Reset(env_pb2.ResetRequest(env_name=env_name, config_json=config_json, seed=seed),
+                                     timeout=self.timeout_s)
+
+    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
+        return await self.stub.Step(env_pb2.StepRequest(session_id=session_id, action=action), timeout=self.timeout_s)
+
+    async def close(self, session_id: str) -> None:
+        try:
+            await self.stub.Close(env_pb2.CloseRequest(session_id=session_id), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError:
+            pass  # the gateway expires idle sessions anyway; closing is a courtesy
+
+
+class RewardClient:
+    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float) -> None:
+        self.stub = reward_pb2_grpc.RewardStub(channel)
+        self.timeout_s = timeout_s
+
+    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse:
+        return await self.stub.Score(reward_pb2.ScoreRequest(reward_fn=reward_fn, response=response,
+                                                             reference=reference), timeout=self.timeout_s)

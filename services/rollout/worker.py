@@ -1,0 +1,129 @@
+"""Rollout worker: keeps `concurrent_groups` GRPO groups in flight and writes their trajectories.
+
+A group's episodes run concurrently on the same task (same env seed). A retryable backend
+error retries the episode with backoff; a terminal error masks the whole group (every member
+is written with status ERROR, so the trainer drops the group, never half of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from arlo.config import RolloutConfig
+from arlo.coord import BacklogFull, TrajectoryStream
+from arlo.model.tokenizer import ByteTokenizer
+from arlo.proto.v1 import common_pb2
+from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, run_episode
+from services.rollout.clients import RETRYABLE
+
+log = logging.getLogger(__name__)
+
+MAX_EPISODE_ATTEMPTS = 4
+
+
+@dataclass
+class WorkerStats:
+    groups: int = 0
+    episodes: int = 0
+    retries: int = 0
+    failed_groups: int = 0
+    backpressure_waits: int = 0
+    reward_sum: float = 0.0
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RolloutConfig, *, run_id: str, tokenizer: ByteTokenizer, gen: Generator,
+                 env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.tok = tokenizer
+        self.gen, self.env, self.scorer = gen, env, scorer
+        self.stream = stream
+        self.rng = random.Random(seed)
+        self.stats = WorkerStats()
+
+    async def run(self, max_groups: int | None = None) -> None:
+        """Runs groups until cancelled (or `max_groups` have been written)."""
+        sem = asyncio.Semaphore(self.cfg.concurrent_groups)
+        pending: set[asyncio.Task[None]] = set()
+        started = 0
+        try:
+            while max_groups is None or started < max_groups:
+                await sem.acquire()
+                task = asyncio.create_task(self._group_then_release(sem))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                started += 1
+            await asyncio.gather(*pending)
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
+        try:
+            await self.run_group(self.rng.randrange(2**31))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("group failed outside the episode loop")
+        finally:
+            sem.release()
+
+    async def run_group(self, task_seed: int) -> list[common_pb2.Trajectory]:
+        group_id = uuid.uuid4().hex
+        spec = EpisodeSpec(
+            env_name=self.cfg.env_name, env_config_json=self.cfg.env_config_json, reward_fn=self.cfg.reward_fn,
+            seed=task_seed, max_turns=self.cfg.max_turns, max_tokens_per_turn=self.cfg.sampling.max_tokens,
+            max_episode_tokens=self.cfg.max_episode_tokens, run_id=self.run_id, group_id=group_id,
+            group_size=self.cfg.group_size,
+        )
+        results = await asyncio.gather(*(self._episode_with_retries(spec) for _ in range(self.cfg.group_size)),
+                                       return_exceptions=True)
+        trajs = self._mask_if_failed(spec, results)
+        for traj in trajs:
+            await self._add_with_backpressure(traj)
+        self.stats.groups += 1
+        self.stats.episodes += len(trajs)
+        self.stats.reward_sum += sum(t.reward for t in trajs)
+        return trajs
+
+    async def _episode_with_retries(self, spec: EpisodeSpec) -> common_pb2.Trajectory:
+        for attempt in range(MAX_EPISODE_ATTEMPTS):
+            try:
+                return await asyncio.wait_for(run_episode(spec, self.tok, self.gen, self.env, self.scorer),
+                                              self.cfg.episode_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE or attempt == MAX_EPISODE_ATTEMPTS - 1:
+                    raise
+                self.stats.retries += 1
+                await asyncio.sleep(min(0.2 * 2**attempt, 5.0) * (0.5 + self.rng.random()))
+        raise AssertionError("unreachable")
+
+    def _mask_if_failed(self, spec: EpisodeSpec, results: list) -> list[common_pb2.Trajectory]:
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return list(results)
+        self.stats.failed_groups += 1
+        log.warning("group %s masked: %s", spec.group_id, errors[0])
+        return [common_pb2.Trajectory(
+            id=uuid.uuid4().hex, run_id=spec.run_id, group_id=spec.group_id, group_size=spec.group_size,
+            status=common_pb2.TRAJECTORY_STATUS_ERROR, error=str(errors[0])[:1000], finish_reason="error",
+        ) for _ in results]
+
+    async def _add_with_backpressure(self, traj: common_pb2.Trajectory) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self.stream.add(traj)
+                return
+            except BacklogFull:
+                # The trainer is behind: wait rather than let MAXLEN drop unread data.
+                self.stats.backpressure_waits += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)

@@ -1,0 +1,71 @@
+"""`python -m services.trainer [-c CONFIG] [--port P] [--metrics-port M]`."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from arlo.background import TaskGroup
+from arlo.config import RunConfig
+from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
+from arlo.model import ModelConfig
+from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
+from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
+from arlo.service_args import parse_service_config
+from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.losses import ClipConfig
+from services.trainer.loop import TrainingLoop
+from services.trainer.publish import VersionStore
+from services.trainer.server import TrainerServicer
+
+
+def advertise_host(cfg: RunConfig) -> str:
+    """Host other services pull weights from: $ARLO_ADVERTISE_HOST (a pod IP on k8s) or the bind host."""
+    host = os.environ.get("ARLO_ADVERTISE_HOST") or cfg.trainer.server.host
+    return socket.gethostname() if host in ("0.0.0.0", "::") else host
+
+
+async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, TrainingLoop]:
+    tc = cfg.trainer
+    redis = await connect(cfg.redis)
+    instance = f"{socket.gethostname()}-{os.getpid()}"
+    # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
+    stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
+                              max_backlog=cfg.redis.max_backlog)
+    learner = Learner(ModelConfig.named(cfg.model.name), seed=cfg.model.seed, cfg=LearnerConfig(
+        learning_rate=tc.learning_rate, max_grad_norm=tc.max_grad_norm,
+        clip=ClipConfig(eps_low=tc.clip_eps, eps_high=tc.clip_eps)))
+    loop = TrainingLoop(
+        learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
+        source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,
+        read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir, checkpoint_every=tc.checkpoint_every,
+        tokenizer=cfg.model.tokenizer,
+    )
+    name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+    running = await start_server("trainer", tc.server, cfg.auth, [
+        ServiceBinding(name=name, add_to_server=trainer_pb2_grpc.add_TrainerServicer_to_server,
+                       servicer=TrainerServicer(loop))])
+    loop.source = f"grpc://{advertise_host(cfg)}:{running.port}"
+    await loop.start()
+    heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
+    tasks.spawn("training-loop", loop.run)
+    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
+        "address": f"{advertise_host(cfg)}:{running.port}", "version": loop.state.version,
+        "step": loop.learner.step_count, "consumed": loop.state.consumed}))
+    return running, loop
+
+
+def main() -> None:
+    cfg = parse_service_config("trainer")
+    setup_logging("trainer")
+    tasks = TaskGroup()
+
+    async def start() -> RunningServer:
+        running, _ = await start_trainer(cfg, tasks)
+        return running
+
+    run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.trainer.server.grace_s)
+
+
+if __name__ == "__main__":
+    main()

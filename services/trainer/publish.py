@@ -1,0 +1,77 @@
+"""Published weight versions held in host memory and cut into checksummed chunks for PullWeights."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 64 << 10
+MAX_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PublishedVersion:
+    version: int
+    data: bytes
+    sha256: str
+    time: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Chunk:
+    offset: int
+    data: bytes
+    sha256: str
+
+
+class VersionStore:
+    """The newest `keep` versions; older ones are released (a puller then gets NOT_FOUND)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self._keep = keep
+        self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()
+
+    def put(self, version: int, data: bytes) -> PublishedVersion:
+        if self._versions and version <= next(reversed(self._versions)):
+            raise ValueError(f"version {version} is not newer than {next(reversed(self._versions))}")
+        pv = PublishedVersion(version=version, data=data, sha256=hashlib.sha256(data).hexdigest(), time=time.time())
+        self._versions[version] = pv
+        while len(self._versions) > self._keep:
+            self._versions.popitem(last=False)
+        return pv
+
+    def get(self, version: int = 0) -> PublishedVersion | None:
+        """`version` 0 means the newest."""
+        if not self._versions:
+            return None
+        if version == 0:
+            return next(reversed(self._versions.values()))
+        return self._versions.get(version)
+
+    @property
+    def newest_version(self) -> int:
+        return next(reversed(self._versions)) if self._versions else 0
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """The chunk size to use; ValueError (-> INVALID_ARGUMENT) outside [64 KiB, 4 MiB]."""
+    if chunk_bytes == 0:
+        return DEFAULT_CHUNK_BYTES
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be 0 or in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    return chunk_bytes
+
+
+def iter_chunks(data: bytes, *, offset: int, chunk_bytes: int) -> Iterator[Chunk]:
+    if offset < 0 or (offset >= len(data) and len(data) > 0):
+        raise ValueError(f"offset {offset} is outside the {len(data)}-byte payload")
+    view = memoryview(data)
+    for start in range(offset, len(data), chunk_bytes):
+        piece = bytes(view[start : start + chunk_bytes])
+        yield Chunk(offset=start, data=piece, sha256=hashlib.sha256(piece).hexdigest())

@@ -1,0 +1,70 @@
+"""Thin gRPC servicer for arlo.v1.Trainer over the training loop and the version store."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from arlo.coord import WeightPointerState
+from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
+from services.trainer.loop import TrainingLoop
+from services.trainer.publish import check_chunk_bytes, iter_chunks
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, loop: TrainingLoop) -> None:
+        self.loop = loop
+
+    async def GetStatus(self, request, context):  # noqa: N802 (gRPC names)
+        s = self.loop.state
+        last = s.last
+        return trainer_pb2.GetStatusResponse(
+            version=s.version, step=self.loop.learner.step_count, paused=s.paused,
+            checkpoint_version=s.checkpoint_version, trajectories_consumed=s.consumed,
+            trajectories_dropped=sum(self.loop.dropped().values()),
+            last_loss=last.loss if last else 0.0, last_reward=last.reward_mean if last else 0.0,
+        )
+
+    async def PullWeights(  # noqa: N802
+        self, request: trainer_pb2.PullWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trainer_pb2.PullWeightsResponse]:
+        try:
+            chunk_bytes = check_chunk_bytes(request.chunk_bytes)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "version must be >= 0 (0 = newest)")
+        published = self.loop.store.get(request.version)
+        if published is None:
+            held = self.loop.store.newest_version
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"version {request.version} is not held (newest held: {held or 'none'})")
+        if request.offset >= max(len(published.data), 1):
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"offset {request.offset} >= payload size {len(published.data)}")
+        version = WeightPointerState(
+            version=published.version, source=self.loop.source, sha256=published.sha256,
+            checkpoint_version=self.loop.state.checkpoint_version,
+            checkpoint_uri=self.loop.state.checkpoint_uri, time=published.time,
+        ).to_proto()
+        for chunk in iter_chunks(published.data, offset=request.offset, chunk_bytes=chunk_bytes):
+            yield trainer_pb2.PullWeightsResponse(
+                version=version, offset=chunk.offset, data=chunk.data,
+                total_bytes=len(published.data), chunk_sha256=chunk.sha256,
+            )
+
+    async def SaveCheckpoint(self, request, context):  # noqa: N802
+        try:
+            version, uri = await self.loop.checkpoint()
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return trainer_pb2.SaveCheckpointResponse(checkpoint_version=version, checkpoint_uri=uri)
+
+    async def Pause(self, request, context):  # noqa: N802
+        self.loop.state.paused = True
+        return trainer_pb2.PauseResponse(paused=True)
+
+    async def Resume(self, request, context):  # noqa: N802
+        self.loop.state.paused = False
+        return trainer_pb2.ResumeResponse(paused=False)
