@@ -280,3 +280,10 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def replace_config(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """A copy of `cfg` with nested `overrides` applied, validated like a loaded config."""
+    new = from_dict(RunConfig, _merge(to_dict(cfg), overrides))
+    new.validate()
+    return new

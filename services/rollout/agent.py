@@ -87,11 +87,12 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
     prompt_length = len(b.tokens)
     finish, answer, reference, turns = "max_turns", "", "", 0
     try:
-        for turns in range(1, spec.max_turns + 1):
+        for _ in range(spec.max_turns):
             budget = min(spec.max_tokens_per_turn, spec.max_episode_tokens - len(b.tokens))
             if budget <= 0:
                 finish = "max_tokens"
                 break
+            turns += 1
             t0 = time.monotonic()
             turn = await gen.generate(b.tokens, max_tokens=budget)
             timings.generate_s += time.monotonic() - t0

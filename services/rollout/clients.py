@@ -7,7 +7,14 @@ from collections.abc import Sequence
 import grpc
 
 from arlo.config import SamplingConfig
-from arlo.proto.v1 import env_pb2, env_pb2_grpc, inference_pb2, inference_pb2_grpc, reward_pb2, reward_pb2_grpc
+from arlo.proto.v1 import (
+    env_pb2,
+    env_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
+)
 from services.rollout.agent import Turn
 
 # Worth retrying with backoff: the backend may be restarting or overloaded.

@@ -13,8 +13,8 @@ from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
 from services.trainer.learner import Learner, LearnerConfig
-from services.trainer.losses import ClipConfig
 from services.trainer.loop import TrainingLoop
+from services.trainer.losses import ClipConfig
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 

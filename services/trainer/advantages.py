@@ -5,7 +5,6 @@ Groups are the rows of a [G, K] array: K trajectories sampled for the same promp
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax import Array
 
 

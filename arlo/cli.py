@@ -1,0 +1,199 @@
+"""`arlo up | train | demo | status`: the local front door.
+
+`up` starts Redis (if none answers) and the services, and stays in the foreground until
+SIGINT/SIGTERM; `train` drives a run against running services; `demo` does both on the
+built-in config and exits; `status` shows versions, queue depth and health.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from arlo.config import ConfigError, load_config
+from arlo.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
+from arlo.local import (
+    INFRA_SERVICES,
+    LocalCluster,
+    arlo_home,
+    attach_cluster,
+    load_cli_config,
+    prepare_cluster,
+    resolve_token,
+)
+from arlo.supervisor import ServiceFailed
+
+console = Console(stderr=True)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop()
+
+
+def _start_cluster(config: str | None, *, free_ports: bool, with_rollout: bool) -> LocalCluster:
+    # `up` and `demo` start from the given or built-in config, never from a previous run's.
+    cluster = prepare_cluster(load_config(config), home=arlo_home(), free_ports=free_ports)
+    if cluster.redis:
+        console.print(f"started redis-server at {cluster.cfg.redis.url}")
+    try:
+        with console.status("starting services (first start compiles JAX programs)..."):
+            cluster.start(INFRA_SERVICES)
+            if with_rollout:
+                cluster.start(("rollout",))
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    cluster = _start_cluster(args.config, free_ports=False, with_rollout=False)
+    table = Table(title=f"arlo run '{cluster.cfg.run_id}'")
+    for col in ("service", "address", "log"):
+        table.add_column(col)
+    for spec in cluster.supervisor.specs:
+        table.add_row(spec.name, spec.address, str(spec.log_path))
+    console.print(table)
+    console.print(f"config: {cluster.config_path}\nrun `arlo train` in another terminal; Ctrl-C stops everything")
+    try:
+        while True:
+            for name in cluster.supervisor.check():
+                console.print(f"[yellow]{name} died and was restarted")
+            time.sleep(1.0)
+    except (KeyboardInterrupt, _Stop):
+        console.print("stopping...")
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None) -> TrainReport:
+    with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("train", total=steps, info="waiting for the first step")
+
+        def on_progress(done: int, total: int | None, m: dict[str, float]) -> None:
+            info = f"v{int(m['version'])} loss {m['loss']:.4f} reward {m['reward']:.3f}"
+            progress.update(task, completed=done, info=info)
+
+        check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
+        return asyncio.run(run_training(cfg, token, steps=steps, on_progress=on_progress, check_children=check))
+
+
+def _print_report(report: TrainReport, json_path: str | None) -> None:
+    console.print(f"trained {report.steps} steps in {report.wall_s:.1f}s; pointer at version {report.pointer_version}; "
+                  f"inference serving {report.inference_versions}")
+    if report.rewards:
+        console.print(f"reward: first step {report.rewards[0]:.3f}, last step {report.rewards[-1]:.3f}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args.config)
+    token = resolve_token(cfg)
+    require_serving(cfg, INFRA_SERVICES)
+    cluster = attach_cluster(cfg, token, config_path=args.config)
+    try:
+        cluster.start(("rollout",))
+        report = _train_with_progress(cluster, cfg, token, args.steps)
+    except KeyboardInterrupt:
+        console.print("interrupted; pausing the trainer")
+        return 130
+    finally:
+        cluster.stop()
+    _print_report(report, args.json)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    cluster = _start_cluster(args.config, free_ports=True, with_rollout=True)
+    try:
+        report = _train_with_progress(cluster, cluster.cfg, cluster.token, args.steps)
+    except (KeyboardInterrupt, _Stop):
+        console.print("interrupted")
+        return 130
+    finally:
+        codes = cluster.stop()
+        bad = {k: v for k, v in codes.items() if v not in (0, None)}
+        if bad:
+            console.print(f"[yellow]services exited uncleanly: {bad}")
+    _print_report(report, args.json)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args.config)
+    status = asyncio.run(collect_status(cfg, resolve_token(cfg)))
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    table = Table(title=f"run '{status['run_id']}': trainer v{status['trainer_version']}, "
+                        f"pointer v{status['pointer_version']}, queue depth {status['queue_depth']}")
+    for col in ("service", "address", "healthy", "weight version"):
+        table.add_column(col)
+    for s in status["services"]:
+        table.add_row(s["name"], s["address"], "yes" if s["healthy"] else "[red]no",
+                      "-" if s["weight_version"] is None else str(s["weight_version"]))
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arlo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start Redis (if needed) and every service; Ctrl-C stops them")
+    up.add_argument("-c", "--config", help="run config YAML (default: built-in)")
+    train = sub.add_parser("train", help="run training against running services")
+    train.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
+    train.add_argument("--steps", type=int, help="stop after N trainer steps (default: until Ctrl-C)")
+    train.add_argument("--json", help="write the run's figures to this file")
+    demo = sub.add_parser("demo", help="start everything on the built-in config, train, stop")
+    demo.add_argument("-c", "--config", help="run config YAML (default: built-in)")
+    demo.add_argument("--steps", type=int, default=5, help="trainer steps to run (default 5)")
+    demo.add_argument("--json", help="write the run's figures to this file")
+    status = sub.add_parser("status", help="versions, queue depth and health of a run")
+    status.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+COMMANDS = {"up": cmd_up, "train": cmd_train, "demo": cmd_demo, "status": cmd_status}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "steps", None) is not None and args.steps < 1:
+        console.print("arlo: --steps must be >= 1")
+        return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        console.print(f"[red]arlo: bad config: {e}")
+        return 2
+    except (NotRunning, ServiceFailed, RuntimeError) as e:
+        console.print(f"[red]arlo {args.command}: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The trajectory stream: rollout workers XADD, the trainer XREADGROUPs and XACKs after use.
+
+Delivery is at least once: entries are acknowledged only after the step that used them,
+a dead consumer's entries are reclaimed with XAUTOCLAIM, and the trainer de-duplicates by
+trajectory id. Entries that cannot be decoded are moved to `traj:dead` and acknowledged,
+so one bad producer can never wedge the trainer in a redelivery loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from arlo.coord import codec
+from arlo.coord.client import decodes_responses, socket_timeout_s, text
+from arlo.coord.keys import Keys
+from arlo.proto.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+# The dead-letter stream is for inspection only, so capping it (approximately) loses nothing
+# the run needs and keeps a flood of garbage from filling memory.
+DEAD_MAXLEN = 10_000
+
+# XACK and the count of acknowledged-but-not-trimmed entries move together, so the backlog
+# fallback (XLEN - acked) stays exact.
+_ACK_LUA = """
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+if n > 0 then redis.call('INCRBY', KEYS[2], n) end
+return n
+"""
+
+_TRIM_LUA = """
+local n = redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1])
+if n > 0 then
+  local left = redis.call('DECRBY', KEYS[2], n)
+  if left < 0 then redis.call('SET', KEYS[2], 0) end
+end
+return n
+"""
+
+
+class BacklogFull(Exception):
+    """The stream already holds `limit` or more unconsumed entries; the producer should back off."""
+
+    def __init__(self, backlog: int, limit: int) -> None:
+        super().__init__(f"trajectory backlog {backlog} >= limit {limit}")
+        self.backlog = backlog
+        self.limit = limit
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamEntry:
+    entry_id: str
+    trajectory: common_pb2.Trajectory
+
+
+class TrajectoryStream:
+    """One consumer (or producer) of a run's trajectory stream."""
+
+    def __init__(self, redis: Redis, run_id: str, *, consumer: str, group: str = "trainer",
+                 max_backlog: int = 4096) -> None:
+        if decodes_responses(redis):
+            raise ValueError("TrajectoryStream needs a client with decode_responses=False (payloads are bytes)")
+        if not consumer or not group:
+            raise ValueError("consumer and group must be non-empty")
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog: must be >= 1, got {max_backlog}")
+        self._redis = redis
+        self._keys = Keys(run_id)
+        self._consumer = consumer
+        self._group = group
+        self._max_backlog = max_backlog
+        self._ack_script = redis.register_script(_ACK_LUA)
+        self._trim_script = redis.register_script(_TRIM_LUA)
+        self.malformed = 0
+        """Entries moved to the dead-letter stream by this instance."""
+        self.duplicates = 0
+        """Entries dropped by filter_unseen (already trained, or repeated in a batch)."""
+
+    @property
+    def keys(self) -> Keys:
+        return self._keys
+
+    async def ensure_group(self) -> None:
+        """Creates the stream and the group reading from the start; a no-op when they exist."""
+        try:
+            await self._redis.xgroup_create(self._keys.traj, self._group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def length(self) -> int:
+        return int(await self._redis.xlen(self._keys.traj))
+
+    async def backlog(self) -> int:
+        """Entries the group has not finished with: never delivered (lag) plus delivered, unacked."""
+        group = await self._group_info(self._group)
+        if group is None:
+            return await self.length()  # no consumer yet: everything is unread
+        lag = group.get("lag")
+        if lag is not None:
+            return int(lag) + int(group["pending"])
+        # Redis 6.2 has no lag, and 7.x reports None after deletions past the read point.
+        xlen, acked = await self._redis.pipeline(transaction=False).xlen(self._keys.traj).get(
+            self._keys.traj_acked).execute()
+        return max(0, int(xlen) - int(acked or 0))
+
+    async def add(self, traj: common_pb2.Trajectory) -> str:
+        """Appends a trajectory; raises BacklogFull instead of letting unread data pile up.
+
+        The check is a soft bound: concurrent producers may each pass it, so the stream can
+        exceed the limit by at most one entry per producer. MAXLEN is never used, because it
+        drops entries nobody has read.
+        """
+        fields = codec.encode(traj)
+        backlog = await self.backlog()
+        if backlog >= self._max_backlog:
+            raise BacklogFull(backlog, self._max_backlog)
+        return text(await self._redis.xadd(self._keys.traj, fields))  # type: ignore[arg-type]
+
+    async def read(self, count: int, block_ms: int) -> list[StreamEntry]:
+        """Up to `count` new entries for this consumer, waiting at most `block_ms` (0: no wait).
+
+        `block_ms` must stay under the socket timeout, or the client times out first and
+        retries the read. Unlike Redis, 0 means "do not block", never "block forever".
+        """
+        if count < 1:
+            raise ValueError(f"count: must be >= 1, got {count}")
+        self._check_block(block_ms)
+        reply = await self._with_group(lambda: self._redis.xreadgroup(
+            self._group, self._consumer, {self._keys.traj: ">"}, count=count, block=block_ms or None))
+        return await self._accept(_stream_entries(reply))
+
+    async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
+        """Takes over up to `count` entries another consumer was given but did not ack in `min_idle_ms`."""
+        if count < 1:
+            raise ValueError(f"count: must be >= 1, got {count}")
+        claimed: list[tuple[Any, Any]] = []
+        cursor = "0-0"
+        while len(claimed) < count:
+            reply = await self._with_group(lambda c=cursor: self._redis.xautoclaim(
+                self._keys.traj, self._group, self._consumer, min_idle_ms,
+                start_id=c, count=count - len(claimed)))
+            if not reply:
+                break
+            # 6.2 replies [cursor, entries]; 7.x adds the ids of deleted entries, which
+            # Redis has already dropped from the pending list.
+            cursor, entries = text(reply[0]), reply[1] or []
+            claimed.extend(entries)
+            if cursor == "0-0":
+                break
+        return await self._accept(claimed)
+
+    async def ack(self, entry_ids: Sequence[str]) -> int:
+        """Acknowledges entries after the step that used them; acked entries are then trimmed."""
+        if not entry_ids:
+            return 0
+        n = int(await self._ack_script(keys=[self._keys.traj, self._keys.traj_acked],
+                                       args=[self._group, *entry_ids]))
+        await self.trim_acked()
+        return n
+
+    async def trim_acked(self) -> int:
+        """Deletes entries every group has acknowledged, so the stream does not grow forever."""
+        groups = await self._groups()
+        if not groups:
+            return 0
+        floors = []
+        for group in groups:
+            if int(group["pending"]) > 0:
+                summary = await self._redis.xpending(self._keys.traj, group["name"])
+                floors.append(text(summary["min"]))
+            else:
+                # Everything up to the last delivered id is acked; keeping that one entry
+                # avoids stream-id arithmetic.
+                floors.append(text(group["last-delivered-id"]))
+        floor = min(floors, key=codec.parse_stream_id)
+        if floor == "0-0":
+            return 0
+        return int(await self._trim_script(keys=[self._keys.traj, self._keys.traj_acked], args=[floor]))
+
+    async def filter_unseen(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:
+        """Drops entries already trained on, and repeats within the batch; the dropped ones are acked.
+
+        Acking them here is safe (their trajectory was or will be trained via the kept entry)
+        and keeps them from being reclaimed forever.
+        """
+        if not entries:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for e in entries:
+            pipe.exists(self._keys.seen(e.trajectory.id))
+        seen = await pipe.execute()
+        keep: list[StreamEntry] = []
+        dropped: list[str] = []
+        ids_in_batch: set[str] = set()
+        for entry, was_seen in zip(entries, seen, strict=True):
+            if was_seen or entry.trajectory.id in ids_in_batch:
+                dropped.append(entry.entry_id)
+            else:
+                keep.append(entry)
+                ids_in_batch.add(entry.trajectory.id)
+        if dropped:
+            self.duplicates += len(dropped)
+            log.info("dropped %d duplicate trajectory entries", len(dropped))
+            await self.ack(dropped)
+        return keep
+
+    async def mark_trained(self, traj_ids: Sequence[str], ttl_s: int = 7 * 24 * 3600) -> None:
+        """Records trajectories as trained. Call before ack: a crash in between then costs nothing."""
+        if not traj_ids:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for traj_id in traj_ids:
+            pipe.set(self._keys.seen(traj_id), 1, ex=ttl_s)
+        await pipe.execute()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_block(self, block_ms: int) -> None:
+        if block_ms < 0:
+            raise ValueError(f"block_ms: must be >= 0, got {block_ms}")
+        timeout = socket_timeout_s(self._redis)
+        if timeout is not None and block_ms / 1000 >= timeout:
+            raise ValueError(f"block_ms {block_ms} must be below the socket timeout ({timeout} s)")
+
+    async def _with_group(self, call: Any) -> Any:
+        """Runs a group command, recreating the group once if it vanished (e.g. a Redis restart without persistence)."""
+        try:
+            return await call()
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("consumer group %s of %s missing; recreating it", self._group, self._keys.traj)
+            await self.ensure_group()
+            return await call()
+
+    async def _accept(self, raw: Sequence[tuple[Any, Any]]) -> list[StreamEntry]:
+        good: list[StreamEntry] = []
+        bad: list[tuple[str, Any, str]] = []
+        for entry_id, fields in raw:
+            if entry_id is None:
+                continue  # 6.2 reports an entry deleted while pending as nil
+            eid = text(entry_id)
+            try:
+                good.append(StreamEntry(entry_id=eid, trajectory=codec.decode(fields or {})))
+            except codec.MalformedEntry as e:
+                bad.append((eid, fields or {}, e.reason))
+        if bad:
+            await self._dead_letter(bad)
+        return good
+
+    async def _dead_letter(self, bad: Sequence[tuple[str, Any, str]]) -> None:
+        # One transaction: an entry is either still pending or both copied and acked.
+        pipe = self._redis.pipeline(transaction=True)
+        for eid, fields, reason in bad:
+            log.warning("trajectory entry %s is malformed (%s); moved to %s", eid, reason, self._keys.traj_dead)
+            dead = codec.dead_fields(fields, reason=reason, entry_id=eid, consumer=self._consumer)
+            pipe.xadd(self._keys.traj_dead, dead, maxlen=DEAD_MAXLEN, approximate=True)
+        await self._ack_script(keys=[self._keys.traj, self._keys.traj_acked],
+                               args=[self._group, *(eid for eid, _, _ in bad)], client=pipe)
+        await pipe.execute()
+        self.malformed += len(bad)
+
+    async def _groups(self) -> list[dict[str, Any]]:
+        try:
+            groups = await self._redis.xinfo_groups(self._keys.traj)
+        except ResponseError as e:
+            if "no such key" in str(e).lower():
+                return []
+            raise
+        return [{**g, "name": text(g["name"])} for g in groups]
+
+    async def _group_info(self, name: str) -> dict[str, Any] | None:
+        return next((g for g in await self._groups() if g["name"] == name), None)
+
+
+def _stream_entries(reply: Any) -> list[tuple[Any, Any]]:
+    """The entries of a one-stream XREADGROUP reply (a list on RESP2, a dict on RESP3)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):  # RESP3: {stream: [[entries]]}
+        return [e for value in reply.values() for chunk in value for e in chunk]
+    return [e for _, entries in reply for e in entries]

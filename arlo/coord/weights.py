@@ -1,0 +1,202 @@
+"""The weight-version pointer: which policy version is newest, where to pull it, its checksum.
+
+The pointer only moves forward (a Lua compare-and-set), so a late or restarted trainer can
+never make inference step back to older weights. Each move is announced on a pub/sub
+channel; watchers also poll, because pub/sub drops messages while a subscriber is
+disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+from arlo.coord.client import text
+from arlo.coord.keys import Keys
+from arlo.proto.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+# Versions are compared as Lua numbers (doubles): exact up to 2^53, far beyond any run.
+_PUBLISH_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'version')
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'source', ARGV[2], 'sha256', ARGV[3], 'time', ARGV[4])
+redis.call('PUBLISH', ARGV[5], ARGV[1])
+return 1
+"""
+
+_CHECKPOINT_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'checkpoint_version')
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'checkpoint_version', ARGV[1], 'checkpoint_uri', ARGV[2])
+return 1
+"""
+
+# How long one pub/sub read waits: bounds how late a watcher notices it was closed or that
+# its connection broke. Not a polling interval (nothing is re-read when it elapses).
+_EVENT_READ_S = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightPointerState:
+    version: int
+    """0 until the first publish (the hash may hold only a checkpoint)."""
+    source: str
+    sha256: str
+    checkpoint_version: int
+    checkpoint_uri: str
+    time: float
+
+    def to_proto(self) -> common_pb2.WeightVersion:
+        return common_pb2.WeightVersion(
+            version=self.version, source=self.source, sha256=self.sha256,
+            checkpoint_version=self.checkpoint_version, checkpoint_uri=self.checkpoint_uri, time=self.time)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.WeightVersion) -> WeightPointerState:
+        return cls(version=msg.version, source=msg.source, sha256=msg.sha256,
+                   checkpoint_version=msg.checkpoint_version, checkpoint_uri=msg.checkpoint_uri, time=msg.time)
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[Any, Any]) -> WeightPointerState:
+        h = {text(k): text(v) for k, v in raw.items()}
+        return cls(version=int(h.get("version") or 0), source=h.get("source", ""), sha256=h.get("sha256", ""),
+                   checkpoint_version=int(h.get("checkpoint_version") or 0),
+                   checkpoint_uri=h.get("checkpoint_uri", ""), time=float(h.get("time") or 0.0))
+
+
+class WeightPointer:
+    def __init__(self, redis: Redis, run_id: str) -> None:
+        self._redis = redis
+        self._keys = Keys(run_id)
+        # register_script re-sends the script after NOSCRIPT (a restarted or flushed Redis).
+        self._publish = redis.register_script(_PUBLISH_LUA)
+        self._checkpoint = redis.register_script(_CHECKPOINT_LUA)
+
+    async def publish(self, version: int, *, source: str, sha256: str) -> bool:
+        """Moves the pointer to `version` if it is newer; True when moved, False when stale."""
+        if version < 1:
+            raise ValueError(f"version: must be >= 1, got {version}")
+        moved = await self._publish(
+            keys=[self._keys.weights],
+            args=[str(version), source, sha256, repr(time.time()), self._keys.weights_events])
+        return bool(moved)
+
+    async def set_checkpoint(self, version: int, uri: str) -> bool:
+        """Records a complete checkpoint if it is newer than the recorded one."""
+        if version < 1:
+            raise ValueError(f"version: must be >= 1, got {version}")
+        return bool(await self._checkpoint(keys=[self._keys.weights], args=[str(version), uri]))
+
+    async def get(self) -> WeightPointerState | None:
+        raw = await self._redis.hgetall(self._keys.weights)
+        return WeightPointerState.from_hash(raw) if raw else None
+
+    async def wait_for_newer(self, version: int, timeout_s: float, poll_s: float = 2.0) -> WeightPointerState | None:
+        """The pointer once its version exceeds `version`; None after `timeout_s`.
+
+        Wakes on the pub/sub event and re-reads the hash at least every `poll_s` (events
+        are lost while disconnected). Redis errors are logged and waited out until the
+        deadline; the client's own retries may stretch one call past it.
+        """
+        if poll_s <= 0:
+            raise ValueError(f"poll_s: must be > 0, got {poll_s}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            # Subscribe before reading, so a publish between the read and the wait still wakes us.
+            subscribed = await self._subscribe(pubsub)
+            while True:
+                state = await self._get_logged()
+                if state is not None and state.version > version:
+                    return state
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                subscribed = await self._wait_event(pubsub, subscribed, min(poll_s, remaining))
+        finally:
+            await _close(pubsub)
+
+    async def events(self) -> AsyncIterator[int]:
+        """Versions as they are published, until the iterator is closed (then it unsubscribes).
+
+        Best effort: versions published while the connection is down are missed, so pair it
+        with an occasional get().
+        """
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            subscribed = await self._subscribe(pubsub)
+            while True:
+                if not subscribed:
+                    await asyncio.sleep(_EVENT_READ_S)
+                    subscribed = await self._subscribe(pubsub)
+                    continue
+                try:
+                    message = await pubsub.get_message(timeout=_EVENT_READ_S)
+                except (RedisError, OSError) as e:
+                    log.warning("weight events: %s; resubscribing", e)
+                    subscribed = False
+                    continue
+                version = _event_version(message)
+                if version is not None:
+                    yield version
+        finally:
+            await _close(pubsub)
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _subscribe(self, pubsub: PubSub) -> bool:
+        try:
+            await pubsub.subscribe(self._keys.weights_events)
+            return True
+        except (RedisError, OSError) as e:
+            log.warning("cannot subscribe to %s (%s); polling only", self._keys.weights_events, e)
+            return False
+
+    async def _get_logged(self) -> WeightPointerState | None:
+        try:
+            return await self.get()
+        except (RedisError, OSError) as e:
+            log.warning("reading weight pointer failed: %s", e)
+            return None
+
+    async def _wait_event(self, pubsub: PubSub, subscribed: bool, wait_s: float) -> bool:
+        """Waits up to `wait_s` for any event; returns whether the subscription is still usable."""
+        if not subscribed:
+            await asyncio.sleep(wait_s)
+            return await self._subscribe(pubsub)
+        try:
+            # Any message (or the timeout) just triggers a re-read of the hash, which is
+            # the source of truth.
+            await pubsub.get_message(timeout=wait_s)
+            return True
+        except (RedisError, OSError) as e:
+            log.warning("weight events: %s; polling", e)
+            return False
+
+
+def _event_version(message: Mapping[str, Any] | None) -> int | None:
+    if not message or message.get("type") != "message":
+        return None
+    try:
+        return int(text(message["data"]))
+    except ValueError:
+        log.warning("ignoring malformed weight event %r", message.get("data"))
+        return None
+
+
+async def _close(pubsub: PubSub) -> None:
+    try:
+        await pubsub.aclose()
+    except (RedisError, OSError) as e:
+        log.debug("closing pubsub: %s", e)

@@ -1,0 +1,122 @@
+"""The embedded default: every service as a local process beside a local Redis.
+
+State lives in $ARLO_HOME (default ./.arlo): the resolved config the services run with,
+the bearer token (mode 0600) and one log file per service, so `arlo train` and
+`arlo status` in another terminal find what `arlo up` started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from arlo.config import RunConfig, dump_config, load_config, replace_config
+from arlo.redis_server import LocalRedis, free_port, redis_answers, start_local_redis
+from arlo.supervisor import Supervisor, service_spec
+
+log = logging.getLogger(__name__)
+
+# Dependencies first: inference and the trainer need nothing else; rollout needs all four.
+INFRA_SERVICES = ("env_gateway", "reward", "inference", "trainer")
+SERVICE_SECTIONS = (*INFRA_SERVICES, "rollout")
+
+
+def arlo_home() -> Path:
+    return Path(os.environ.get("ARLO_HOME", ".arlo")).resolve()
+
+
+def resolved_config_path(home: Path | None = None) -> Path:
+    return (home or arlo_home()) / "config.yaml"
+
+
+def load_cli_config(path: str | None) -> RunConfig:
+    """-c when given; else the config a running `arlo up` wrote; else the built-in one."""
+    if path:
+        return load_config(path)
+    resolved = resolved_config_path()
+    return load_config(resolved if resolved.is_file() else None)
+
+
+def resolve_token(cfg: RunConfig, home: Path | None = None) -> str | None:
+    """Token from the config's env var/file, else the one `arlo up` wrote; None when auth is off."""
+    if cfg.auth.disabled:
+        return None
+    token = os.environ.get(cfg.auth.token_env)
+    if token:
+        return token.strip()
+    for path in (cfg.auth.token_file, str((home or arlo_home()) / "token")):
+        if path and Path(path).is_file():
+            return Path(path).read_text().strip()
+    return None
+
+
+@dataclass
+class LocalCluster:
+    cfg: RunConfig
+    config_path: Path
+    home: Path
+    token: str | None
+    redis: LocalRedis | None
+    supervisor: Supervisor
+
+    def service_env(self) -> dict[str, str]:
+        env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PYTHONUNBUFFERED": "1"}
+        if self.token:
+            env[self.cfg.auth.token_env] = self.token
+        return env
+
+    def start(self, names: tuple[str, ...], timeout_s: float = 180.0) -> None:
+        for name in names:
+            section = getattr(self.cfg, name)
+            self.supervisor.specs.append(service_spec(name, self.config_path, section.server.address,
+                                                      self.home / "logs", self.service_env()))
+        for spec in self.supervisor.specs[-len(names):]:
+            self.supervisor.start(spec, timeout_s)
+
+    def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
+        codes = self.supervisor.stop_all(grace_s)
+        if self.redis is not None:
+            self.redis.stop()
+        return codes
+
+
+def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool) -> LocalCluster:
+    """Starts Redis if none answers, settles ports and the token, writes the resolved config."""
+    home.mkdir(parents=True, exist_ok=True)
+    overrides: dict = {}
+    redis = None
+    if not redis_answers(cfg.redis.url):
+        log.info("no Redis answers at %s; starting a local redis-server", cfg.redis.url)
+        redis = start_local_redis()
+        overrides["redis"] = {"url": redis.url}
+    if free_ports:
+        for name in SERVICE_SECTIONS:
+            overrides[name] = {"server": {"port": free_port(), "metrics_port": free_port()}}
+    token = None
+    if not cfg.auth.disabled:
+        token = resolve_token(cfg, home) or secrets.token_urlsafe(32)
+        token_path = home / "token"
+        token_path.write_text(token)
+        token_path.chmod(0o600)
+        overrides["auth"] = {"token_file": str(token_path)}
+    resolved = replace_config(cfg, overrides)
+    config_path = resolved_config_path(home)
+    dump_config(resolved, config_path)
+    return LocalCluster(cfg=resolved, config_path=config_path, home=home, token=token, redis=redis,
+                        supervisor=Supervisor([]))
+
+
+def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None) -> LocalCluster:
+    """A cluster handle for services that are already running (`arlo train` adds rollout workers)."""
+    home = arlo_home()
+    if config_path:
+        path = Path(config_path).resolve()
+    else:
+        path = resolved_config_path(home)
+        if not path.is_file():
+            home.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, path)
+    return LocalCluster(cfg=cfg, config_path=path, home=home, token=token, redis=None, supervisor=Supervisor([]))

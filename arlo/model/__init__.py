@@ -1,0 +1,34 @@
+"""Flax NNX decoder-only transformer, byte tokenizer, sampling, generation, weight bytes.
+
+Typical use: `model = create_model(ModelConfig.named("tiny"), seed=0)`, then
+`graphdef, state = nnx.split(model)` once; jit functional code over `state` and pass
+`graphdef` as a static argument (see `generate`).
+"""
+
+from arlo.model.config import ModelConfig
+from arlo.model.generate import GenerationResult, generate
+from arlo.model.kv_cache import KVCache, init_cache
+from arlo.model.logprobs import token_logprobs
+from arlo.model.sampling import sample, sampling_logprobs
+from arlo.model.tokenizer import ByteTokenizer, get_tokenizer
+from arlo.model.transformer import Transformer, abstract_model, create_model
+from arlo.model.weights import sha256_hex, state_from_bytes, state_to_bytes
+
+__all__ = [
+    "ByteTokenizer",
+    "GenerationResult",
+    "KVCache",
+    "ModelConfig",
+    "Transformer",
+    "abstract_model",
+    "create_model",
+    "generate",
+    "get_tokenizer",
+    "init_cache",
+    "sample",
+    "sampling_logprobs",
+    "sha256_hex",
+    "state_from_bytes",
+    "state_to_bytes",
+    "token_logprobs",
+]

@@ -1,0 +1,98 @@
+"""Token sampling: temperature, top-k, top-p, min-p. Pure and jittable.
+
+All four knobs may be traced scalars, so one compiled program serves every setting. The
+filters work on the vocabulary sorted by probability, where each keeps a prefix: top-k by
+rank, top-p by the mass before a token (on the top-k renormalised distribution, as HF and
+vLLM do), min-p by the ratio to the top token. The most likely token is always kept. Off
+values: top_k <= 0, top_p <= 0 or >= 1, min_p <= 0.
+
+Reported logprobs are those of the distribution actually sampled from (after temperature
+and filtering, renormalised), so they are the behaviour policy's for off-policy
+corrections. Temperature 0 is greedy: the token is the argmax (lowest id on ties) and its
+logprob is taken under the *untempered, unfiltered* softmax, i.e. the model's own
+confidence, since the point mass's logprob (always 0) carries no information.
+
+One full sort per row and step; on a large vocabulary a static `lax.top_k` cap would be
+cheaper, at the price of a recompile per cap.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ArrayLike = jax.Array | float | int
+
+
+def sampling_logprobs(
+    logits_bv: jax.Array, *, temperature: ArrayLike, top_k: ArrayLike, top_p: ArrayLike, min_p: ArrayLike
+) -> jax.Array:
+    """Log-probabilities of the sampling distribution over the vocabulary (-inf where
+    filtered out); float32 [b, v]. At temperature 0, the untempered log-softmax."""
+    order_bv, logprobs_sorted_bv = _sorted_sampling_logprobs(logits_bv, temperature, top_k, top_p, min_p)
+    rows_b1 = jnp.arange(order_bv.shape[0])[:, None]
+    return jnp.zeros_like(logprobs_sorted_bv).at[rows_b1, order_bv].set(logprobs_sorted_bv)
+
+
+def sample(
+    logits_bv: jax.Array,
+    key: jax.Array,
+    *,
+    temperature: ArrayLike,
+    top_k: ArrayLike,
+    top_p: ArrayLike,
+    min_p: ArrayLike,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row; returns (tokens_b int32, logprobs_b float32).
+
+    `key` is one PRNG key (row r then uses fold_in(key, r), so a row's draw does not depend
+    on how many rows share the call) or a batch of keys [b], one stream per row. Raw
+    uint32 key data is accepted too.
+    """
+    b = logits_bv.shape[0]
+    order_bv, logprobs_sorted_bv = _sorted_sampling_logprobs(logits_bv, temperature, top_k, top_p, min_p)
+    keys_b = _row_keys(key, b)
+    index_b = jax.vmap(jax.random.categorical)(keys_b, logprobs_sorted_bv)
+    greedy = jnp.asarray(temperature, jnp.float32) <= 0
+    index_b = jnp.where(greedy, 0, index_b)[:, None]
+    tokens_b = jnp.take_along_axis(order_bv, index_b, axis=-1)[:, 0]
+    logprobs_b = jnp.take_along_axis(logprobs_sorted_bv, index_b, axis=-1)[:, 0]
+    return tokens_b.astype(jnp.int32), logprobs_b
+
+
+def _sorted_sampling_logprobs(
+    logits_bv: jax.Array, temperature: ArrayLike, top_k: ArrayLike, top_p: ArrayLike, min_p: ArrayLike
+) -> tuple[jax.Array, jax.Array]:
+    """(order_bv: token ids by descending probability, logprobs of the sampling
+    distribution in that order)."""
+    t = jnp.asarray(temperature, jnp.float32)
+    greedy = t <= 0
+    scaled_bv = logits_bv.astype(jnp.float32) / jnp.where(greedy, 1.0, t)
+    order_bv = jnp.argsort(scaled_bv, axis=-1, descending=True, stable=True)
+    sorted_bv = jnp.take_along_axis(scaled_bv, order_bv, axis=-1)
+    rank_v = jnp.arange(sorted_bv.shape[-1])
+
+    k = jnp.asarray(top_k, jnp.int32)
+    keep_bv = jnp.broadcast_to((k <= 0) | (rank_v < k), sorted_bv.shape)
+
+    p = jnp.asarray(top_p, jnp.float32)
+    probs_bv = jax.nn.softmax(jnp.where(keep_bv, sorted_bv, -jnp.inf), axis=-1)
+    mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+    keep_bv &= (p <= 0) | (p >= 1) | (mass_before_bv < p)
+
+    m = jnp.asarray(min_p, jnp.float32)
+    log_m = jnp.log(jnp.maximum(m, jnp.finfo(jnp.float32).tiny))
+    keep_bv &= (m <= 0) | (sorted_bv >= sorted_bv[:, :1] + log_m)
+
+    keep_bv |= (rank_v == 0) | greedy
+    return order_bv, jax.nn.log_softmax(jnp.where(keep_bv, sorted_bv, -jnp.inf), axis=-1)
+
+
+def _row_keys(key: jax.Array, b: int) -> jax.Array:
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+        return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(b, dtype=jnp.uint32))
+    if key.shape != (b,):
+        raise ValueError(f"sample: key must be one key or {b} keys (one per row), got shape {key.shape}")
+    return key

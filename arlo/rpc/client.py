@@ -1,0 +1,69 @@
+"""Client channels to arlo services: bearer token, request-id forwarding, round-robin LB."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from arlo.rpc.logs import REQUEST_ID_HEADER, current_request_id
+
+# pick_first (the default) sent every call to one of three servers; round_robin spreads a
+# dns:/// target's addresses (a headless Service's pods).
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+
+
+class _CallMetadata(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds `authorization` and `x-request-id` to every call, whatever its kind."""
+
+    def __init__(self, token: str | None) -> None:
+        self._auth = ("authorization", f"Bearer {token}") if token else None
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = list(details.metadata or ())
+        keys = {key for key, _ in metadata}
+        if self._auth is not None and "authorization" not in keys:
+            metadata.append(self._auth)
+        rid = current_request_id()
+        if rid is not None and REQUEST_ID_HEADER not in keys:
+            metadata.append((REQUEST_ID_HEADER, rid))
+        return grpc.aio.ClientCallDetails(method=details.method, timeout=details.timeout,
+                                          metadata=grpc.aio.Metadata(*metadata), credentials=details.credentials,
+                                          wait_for_ready=details.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation: Callable[..., Awaitable[Any]],
+                                    client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation: Callable[..., Awaitable[Any]],
+                                     client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_stream_unary(self, continuation: Callable[..., Awaitable[Any]],
+                                     client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
+        return await continuation(self._details(client_call_details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Callable[..., Awaitable[Any]],
+                                      client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def make_channel(target: str, *, token: str | None, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
+    """An insecure aio channel to `target` ("host:port" or "dns:///name:port").
+
+    Create it inside the running event loop that will use it (grpc.aio binds to that loop),
+    and after any child processes are started (gRPC does not survive fork).
+    """
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.service_config", SERVICE_CONFIG),
+    ]
+    return grpc.aio.insecure_channel(target, options=options, interceptors=[_CallMetadata(token)])

@@ -1,0 +1,191 @@
+"""The one server bootstrap every service uses: grpc.aio server, health, reflection, auth,
+metrics, request ids, and graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from arlo.config import AuthConfig, ConfigError, ServerConfig
+from arlo.rpc.auth import AuthInterceptor, load_token
+from arlo.rpc.interceptors import ErrorInterceptor, MetricsInterceptor, RequestIdInterceptor
+from arlo.rpc.metrics import MetricsHttpServer, RpcMetrics
+
+log = logging.getLogger(__name__)
+
+# Clients resolve DNS (a headless Service's pod IPs) only when connecting: ageing connections
+# out makes them re-resolve and spread over new replicas. In-flight calls, including long
+# streams, are not cut (the age grace is unbounded).
+MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceBinding:
+    """One proto service to serve: its full name, the generated add-function, the servicer.
+
+    Not keyword-only, so both `ServiceBinding(name, add, servicer)` and keywords work.
+    """
+
+    name: str
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+class RunningServer:
+    """A started server. `stop()` flips health to NOT_SERVING, then drains for `grace` seconds."""
+
+    def __init__(self, *, service: str, server: grpc.aio.Server, port: int, metrics_http: MetricsHttpServer | None,
+                 registry: CollectorRegistry, health: health_aio.HealthServicer) -> None:
+        self.service = service
+        self.port = port
+        self.metrics_port = metrics_http.port if metrics_http else None
+        self.registry = registry
+        self.health = health
+        self._server = server
+        self._metrics_http = metrics_http
+        self._stopped: asyncio.Future[None] | None = None
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Idempotent; a second caller waits for the first stop to finish."""
+        if self._stopped is not None:
+            await asyncio.shield(self._stopped)
+            return
+        self._stopped = asyncio.get_running_loop().create_future()
+        try:
+            log.info("%s: stopping (grace %ss)", self.service, grace)
+            await self.health.enter_graceful_shutdown()
+            await self._server.stop(grace)
+            if self._metrics_http is not None:
+                await self._metrics_http.close()
+        finally:
+            self._stopped.set_result(None)
+
+    async def wait(self) -> None:
+        """Returns when the server has terminated."""
+        await self._server.wait_for_termination()
+
+
+def _server_options(cfg: ServerConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        # gRPC sets SO_REUSEPORT by default: a second server would silently share a busy port.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+    ]
+
+
+def _check_bindings(bindings: Sequence[ServiceBinding]) -> None:
+    names = [b.name for b in bindings]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate service bindings: {names}")
+    pool = descriptor_pool.Default()
+    for name in names:
+        try:
+            pool.FindServiceByName(name)
+        except KeyError:
+            raise ValueError(f"ServiceBinding name {name!r} is not a known proto service "
+                             "(use the full name, e.g. 'arlo.v1.Reward')") from None
+
+
+async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
+                       bindings: Sequence[ServiceBinding], *,
+                       registry: CollectorRegistry | None = None) -> RunningServer:
+    """Starts serving `bindings` plus health and reflection; returns once the port is bound.
+
+    Raises ConfigError when auth is on and no token is found, OSError when a port is busy.
+    """
+    _check_bindings(bindings)
+    token = load_token(auth)
+    registry = registry if registry is not None else CollectorRegistry()
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestIdInterceptor(), MetricsInterceptor(RpcMetrics(registry, service))]
+    if token is not None:
+        interceptors.append(AuthInterceptor(token))
+    interceptors.append(ErrorInterceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=_server_options(server_cfg))
+
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for binding in bindings:
+        binding.add_to_server(binding.servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([*(b.name for b in bindings), health_name, reflection.SERVICE_NAME], server)
+
+    address = f"{server_cfg.host}:{server_cfg.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind ...")
+        raise OSError(f"{service}: cannot listen on {address} (port in use?): {e}") from e
+    metrics_http = None
+    if server_cfg.metrics_port >= 0:
+        metrics_http = MetricsHttpServer.start(server_cfg.host, server_cfg.metrics_port, registry)
+    try:
+        await server.start()
+        # Not SERVING until every binding is registered and marked: probes never see a half-up server.
+        await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for binding in bindings:
+            await health.set(binding.name, health_pb2.HealthCheckResponse.SERVING)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    except BaseException:
+        await server.stop(None)
+        if metrics_http is not None:
+            await metrics_http.close()
+        raise
+    running = RunningServer(service=service, server=server, port=port, metrics_http=metrics_http,
+                            registry=registry, health=health)
+    log.info("%s: serving %s on %s:%d (metrics port %s, auth %s)", service, ", ".join(b.name for b in bindings),
+             server_cfg.host, port, running.metrics_port, "on" if token else "OFF")
+    return running
+
+
+def run_until_signal(start: Callable[[], Awaitable[RunningServer]], *,
+                     on_stop: Callable[[], Awaitable[None]] | None = None, grace_s: float = 5.0) -> None:
+    """Runs a service until SIGTERM/SIGINT (or its server ends), then shuts down gracefully.
+
+    Health turns NOT_SERVING first, in-flight calls get `grace_s`, then `on_stop` runs. A
+    startup ConfigError or busy port exits with a one-line message instead of a traceback.
+    """
+    try:
+        asyncio.run(_serve(start, on_stop, grace_s))
+    except ConfigError as e:
+        log.error("bad config: %s", e)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    except OSError as e:
+        log.error("cannot start: %s", e)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from e
+
+
+async def _serve(start: Callable[[], Awaitable[RunningServer]],
+                 on_stop: Callable[[], Awaitable[None]] | None, grace_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        running = await start()
+        waiters = [asyncio.create_task(stop_requested.wait()), asyncio.create_task(running.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for task in waiters:
+            task.cancel()
+        log.info("%s: %s", running.service, "signal received" if stop_requested.is_set() else "server ended")
+        await running.stop(grace_s)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        if on_stop is not None:
+            await on_stop()

@@ -1,0 +1,144 @@
+"""Local process supervision for `arlo up` / `arlo demo`: start, wait healthy, restart, stop.
+
+Each service is a real subprocess (`python -m services.<name>`) logging to its own file.
+Children are started with the `spawn`-safe exec model (a fresh interpreter), never fork-only,
+because gRPC does not survive fork() without exec.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ServiceFailed(RuntimeError):
+    """A service exited or never became healthy; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProcessSpec:
+    name: str
+    argv: tuple[str, ...]
+    address: str
+    """host:port answering grpc.health.v1."""
+    log_path: Path
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def service_spec(name: str, config_path: Path, address: str, log_dir: Path, env: Mapping[str, str]) -> ProcessSpec:
+    return ProcessSpec(name=name, argv=(sys.executable, "-m", f"services.{name}", "-c", str(config_path)),
+                       address=address, log_path=log_dir / f"{name}.log", env=env)
+
+
+def health_status(address: str, timeout_s: float = 1.0) -> int:
+    """The overall health status of the server at `address` (UNKNOWN when unreachable)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=timeout_s)
+            return int(resp.status)
+        except grpc.RpcError:
+            return int(health_pb2.HealthCheckResponse.UNKNOWN)
+
+
+def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+    return health_status(address, timeout_s) == health_pb2.HealthCheckResponse.SERVING
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class _Child:
+    spec: ProcessSpec
+    process: subprocess.Popen[bytes]
+    restarts: int = 0
+
+
+class Supervisor:
+    """Starts services in order, restarts a crashed one (up to `max_restarts`), stops all in reverse."""
+
+    def __init__(self, specs: Sequence[ProcessSpec], *, max_restarts: int = 3) -> None:
+        self.specs = list(specs)
+        self.max_restarts = max_restarts
+        self.children: dict[str, _Child] = {}
+
+    def _spawn(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(spec.log_path, "ab")  # noqa: SIM115 (owned by the child for its lifetime)
+        try:
+            return subprocess.Popen(spec.argv, stdout=logf, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **spec.env}, start_new_session=True)
+        finally:
+            logf.close()
+
+    def start(self, spec: ProcessSpec, timeout_s: float = 120.0) -> None:
+        self.children[spec.name] = _Child(spec=spec, process=self._spawn(spec))
+        self.wait_healthy(spec.name, timeout_s)
+
+    def start_all(self, timeout_s: float = 120.0) -> None:
+        for spec in self.specs:
+            self.children[spec.name] = _Child(spec=spec, process=self._spawn(spec))
+        for spec in self.specs:
+            self.wait_healthy(spec.name, timeout_s)
+
+    def wait_healthy(self, name: str, timeout_s: float) -> None:
+        child = self.children[name]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if child.process.poll() is not None:
+                raise ServiceFailed(f"{name} exited with {child.process.returncode} while starting; "
+                                    f"log {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
+            if is_serving(child.spec.address, 0.5):
+                log.info("%s is serving on %s", name, child.spec.address)
+                return
+            time.sleep(0.2)
+        raise ServiceFailed(f"{name} not healthy on {child.spec.address} after {timeout_s:.0f}s; "
+                            f"log {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
+
+    def check(self) -> list[str]:
+        """Restarts any child that died; returns the names restarted. Raises when one keeps dying."""
+        restarted = []
+        for name, child in self.children.items():
+            code = child.process.poll()
+            if code is None:
+                continue
+            if child.restarts >= self.max_restarts:
+                raise ServiceFailed(f"{name} exited with {code} after {child.restarts} restarts; "
+                                    f"log {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
+            log.warning("%s exited with %s; restarting", name, code)
+            child.process = self._spawn(child.spec)
+            child.restarts += 1
+            restarted.append(name)
+        return restarted
+
+    def stop_all(self, grace_s: float = 10.0) -> dict[str, int | None]:
+        """SIGTERM in reverse start order, SIGKILL what is left after `grace_s`; returns exit codes."""
+        for child in reversed(list(self.children.values())):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children.values():
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.0fs; killing", child.spec.name, grace_s)
+                os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+        return {name: c.process.returncode for name, c in self.children.items()}
