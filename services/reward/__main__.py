@@ -1,0 +1,31 @@
+"""`python -m services.reward [-c CONFIG] [--port P] [--metrics-port M]`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from arlo.config import RunConfig
+from arlo.proto.v1 import reward_pb2_grpc
+from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
+from arlo.service_args import parse_service_config
+from services.reward.registry import default_registry
+from services.reward.scoring import Scorer
+from services.reward.server import SERVICE_NAME, RewardServicer
+
+
+async def start_reward(cfg: RunConfig) -> RunningServer:
+    registry = CollectorRegistry()
+    servicer = RewardServicer(default_registry(), Scorer(timeout_s=cfg.reward.timeout_s), metrics_registry=registry)
+    binding = ServiceBinding(name=SERVICE_NAME, add_to_server=reward_pb2_grpc.add_RewardServicer_to_server,
+                             servicer=servicer)
+    return await start_server("reward", cfg.reward.server, cfg.auth, [binding], registry=registry)
+
+
+def main() -> None:
+    cfg = parse_service_config("reward")
+    setup_logging("reward")
+    run_until_signal(lambda: start_reward(cfg), grace_s=cfg.reward.server.grace_s)
+
+
+if __name__ == "__main__":
+    main()

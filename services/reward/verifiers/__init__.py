@@ -1,0 +1,1 @@
+"""Verifiers: pure functions (response, reference, metadata) -> Verdict."""

@@ -1,0 +1,68 @@
+"""Heartbeats against a real Redis: fields readable by `arlo status`, expiry of dead instances."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from arlo.config import RedisConfig
+from arlo.coord import Heartbeat, Keys, connect, delete_run, read_statuses
+
+
+@pytest.fixture
+async def r(redis_url: str, run_id: str) -> AsyncIterator[Redis]:
+    client = await connect(RedisConfig(url=redis_url))
+    yield client
+    await delete_run(client, run_id)
+    await client.aclose()
+
+
+async def test_beat_fields_are_listed_per_instance(r: Redis, run_id: str) -> None:
+    await Heartbeat(r, run_id, service="trainer", instance="0").beat(version=3, loss=0.25, state="training")
+    await Heartbeat(r, run_id, service="inference", instance="10.0.0.7:50051").beat(busy=True, queue=2)
+    statuses = await read_statuses(r, run_id)
+    assert [(s["service"], s["instance"]) for s in statuses] == [("inference", "10.0.0.7:50051"), ("trainer", "0")]
+    inference, trainer = statuses
+    assert (trainer["version"], trainer["loss"], trainer["state"]) == ("3", "0.25", "training")
+    assert (inference["busy"], inference["queue"]) == ("1", "2")
+    assert abs(float(trainer["ts"]) - time.time()) < 60
+
+
+async def test_statuses_of_other_runs_are_not_listed(r: Redis, run_id: str) -> None:
+    other = run_id + "-other"
+    try:
+        await Heartbeat(r, other, service="trainer", instance="0").beat(x=1)
+        assert await read_statuses(r, run_id) == []
+    finally:
+        await delete_run(r, other)
+
+
+async def test_status_expires_without_beats(r: Redis, run_id: str) -> None:
+    hb = Heartbeat(r, run_id, service="reward", instance="a", ttl_s=0.3)
+    await hb.beat(n=1)
+    assert 0 < await r.pttl(Keys(run_id).status("reward", "a")) <= 300
+    assert len(await read_statuses(r, run_id)) == 1
+    await asyncio.sleep(0.5)
+    assert await read_statuses(r, run_id) == []
+
+
+async def test_run_beats_until_cancelled(r: Redis, run_id: str) -> None:
+    hb = Heartbeat(r, run_id, service="rollout", instance="w1", ttl_s=2.0)
+    counter = iter(range(1_000_000))
+    task = asyncio.ensure_future(hb.run(0.02, lambda: {"episodes": next(counter)}))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (status,) = await read_statuses(r, run_id)
+    assert int(status["episodes"]) >= 3
+
+
+async def test_run_rejects_an_interval_past_the_ttl(r: Redis, run_id: str) -> None:
+    hb = Heartbeat(r, run_id, service="s", instance="i", ttl_s=1.0)
+    with pytest.raises(ValueError, match="interval_s"):
+        await hb.run(1.0, dict)

@@ -1,0 +1,88 @@
+"""End to end: every service as a real subprocess against a real Redis, driven by the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from arlo.redis_server import free_port
+
+pytestmark = pytest.mark.e2e
+
+SERVICES = ("inference", "trainer", "env_gateway", "reward", "rollout")
+
+
+def write_config(path: Path, run_id: str, redis_url: str, *, fixed_ports: bool) -> Path:
+    cfg: dict = {"run_id": run_id, "redis": {"url": redis_url}, "trainer": {"groups_per_step": 2},
+                 "rollout": {"group_size": 4, "concurrent_groups": 2}}
+    if fixed_ports:
+        for name in SERVICES:
+            cfg.setdefault(name, {})["server"] = {"port": free_port(), "metrics_port": free_port()}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def arlo(*args: str, home: Path, **kw) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    return subprocess.run([sys.executable, "-m", "arlo.cli", *args], env=env, capture_output=True, text=True, **kw)
+
+
+def test_demo_trains_three_steps_and_fleet_serves_the_pointer(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=False)
+    out = tmp_path / "demo.json"
+    result = arlo("demo", "-c", str(config), "--steps", "3", "--json", str(out), home=tmp_path / "home", timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["steps"] >= 3
+    assert report["pointer_version"] >= 3
+    assert report["inference_versions"] and all(v == report["pointer_version"]
+                                                 for v in report["inference_versions"].values())
+    client = redis.Redis.from_url(redis_url)
+    assert int(client.hget(f"arlo:{run_id}:weights", "version")) >= 3
+
+
+def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=True)
+    home = tmp_path / "home"
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    up = subprocess.Popen([sys.executable, "-m", "arlo.cli", "up", "-c", str(config)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        status: dict = {}
+        while time.monotonic() < deadline:
+            assert up.poll() is None, up.stdout.read() if up.stdout else ""
+            result = arlo("status", "--json", home=home, timeout=60)
+            if result.returncode == 0:
+                status = json.loads(result.stdout)
+                if all(s["healthy"] for s in status["services"] if s["name"] != "rollout"):
+                    break
+            time.sleep(1)
+        assert {s["name"] for s in status["services"]} == set(SERVICES)
+        assert status["queue_depth"] >= 0 and "trainer_version" in status
+        train = arlo("train", "--steps", "2", "--json", str(tmp_path / "train.json"), home=home, timeout=600)
+        assert train.returncode == 0, train.stderr[-4000:]
+        report = json.loads((tmp_path / "train.json").read_text())
+        assert report["steps"] >= 2 and report["pointer_version"] >= 2
+        after = json.loads(arlo("status", "--json", home=home, timeout=60).stdout)
+        inference = next(s for s in after["services"] if s["name"] == "inference")
+        assert inference["weight_version"] == after["pointer_version"] >= 2
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            code = up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert code == 0

@@ -1,0 +1,62 @@
+"""Whole groups only: incomplete groups wait, failed/stale/malformed groups are dropped as a whole."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from arlo.proto.v1 import common_pb2
+from services.trainer.batching import GroupAssembler, build_batch, bucket_length
+
+
+def traj(group: str, *, size: int = 2, version: int = 0, reward: float = 1.0, n: int = 5,
+         status: int = common_pb2.TRAJECTORY_STATUS_OK, tid: str = "") -> common_pb2.Trajectory:
+    mask = [0, 0] + [1] * (n - 2)
+    return common_pb2.Trajectory(
+        id=tid or f"{group}-{np.random.randint(1 << 30)}", group_id=group, group_size=size,
+        token_ids=list(range(n)), logprobs=[-0.5 * m for m in mask], loss_mask=mask,
+        policy_versions=[version if m else -1 for m in mask], reward=reward, status=status)
+
+
+def test_incomplete_group_waits_then_comes_out_whole() -> None:
+    a = GroupAssembler(max_staleness=1)
+    a.add([("1-0", traj("g"))])
+    assert a.take_ready(0) == ([], [])
+    a.add([("2-0", traj("g"))])
+    ready, consumed = a.take_ready(0)
+    assert len(ready) == 1 and len(ready[0]) == 2 and consumed == ["1-0", "2-0"]
+
+
+def test_failed_member_masks_the_whole_group() -> None:
+    a = GroupAssembler(max_staleness=1)
+    a.add([("1-0", traj("g")), ("2-0", traj("g", status=common_pb2.TRAJECTORY_STATUS_ERROR))])
+    ready, consumed = a.take_ready(0)
+    assert ready == [] and len(consumed) == 2 and a.drops.failed == 2
+
+
+def test_stale_group_dropped_and_counted() -> None:
+    a = GroupAssembler(max_staleness=1)
+    a.add([("1-0", traj("old", version=3)), ("2-0", traj("old", version=5)),
+           ("3-0", traj("ok", version=4)), ("4-0", traj("ok", version=5))])
+    ready, _ = a.take_ready(5)
+    assert [t[0].group_id for t in ready] == ["ok"] and a.drops.stale == 2
+
+
+def test_malformed_member_drops_group() -> None:
+    bad = traj("g")
+    del bad.logprobs[:]
+    a = GroupAssembler(max_staleness=0)
+    a.add([("1-0", traj("g")), ("2-0", bad)])
+    assert a.take_ready(0)[0] == [] and a.drops.malformed == 2
+
+
+def test_build_batch_pads_right_to_a_bucket() -> None:
+    groups = [[traj("a", n=5, reward=1.0), traj("a", n=9, reward=0.0)]]
+    b = build_batch(groups, max_seq_len=256, pad_id=256)
+    assert b.tokens_bt.shape == (2, 16)
+    assert (b.tokens_bt[0, 5:] == 256).all() and b.mask_bt[0, 5:].sum() == 0
+    assert b.num_tokens == 3 + 7
+    np.testing.assert_array_equal(b.rewards_gk, [[1.0, 0.0]])
+
+
+def test_bucket_length() -> None:
+    assert [bucket_length(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
