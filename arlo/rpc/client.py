@@ -15,13 +15,8 @@ from arlo.rpc.logs import REQUEST_ID_HEADER, current_request_id
 SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 
 
-class _CallMetadata(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds `authorization` and `x-request-id` to every call, whatever its kind."""
+class _CallMetadata:
+    """Adds `authorization` and `x-request-id` to a call's metadata."""
 
     def __init__(self, token: str | None) -> None:
         self._auth = ("authorization", f"Bearer {token}") if token else None
@@ -38,18 +33,28 @@ class _CallMetadata(
                                           metadata=grpc.aio.Metadata(*metadata), credentials=details.credentials,
                                           wait_for_ready=details.wait_for_ready)
 
+
+# grpc.aio files each interceptor under the FIRST kind it is an instance of (an if/elif
+# chain), so one class implementing all four kinds would only see unary-unary calls.
+class _UnaryUnary(_CallMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Callable[..., Awaitable[Any]],
                                     client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStream(_CallMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Callable[..., Awaitable[Any]],
                                      client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _StreamUnary(_CallMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Callable[..., Awaitable[Any]],
                                      client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _StreamStream(_CallMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Callable[..., Awaitable[Any]],
                                       client_call_details: grpc.aio.ClientCallDetails, request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
@@ -66,4 +71,4 @@ def make_channel(target: str, *, token: str | None, max_message_bytes: int = 64 
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.service_config", SERVICE_CONFIG),
     ]
-    return grpc.aio.insecure_channel(target, options=options, interceptors=[_CallMetadata(token)])
+    return grpc.aio.insecure_channel(target, options=options, interceptors=[kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)])

@@ -66,15 +66,20 @@ class RunningServer:
         try:
             log.info("%s: stopping (grace %ss)", self.service, grace)
             await self.health.enter_graceful_shutdown()
-            await self._server.stop(grace)
-            if self._metrics_http is not None:
-                await self._metrics_http.close()
+            try:
+                await self._server.stop(grace)
+            finally:
+                # /metrics stays up through the drain, so the last numbers can still be scraped.
+                if self._metrics_http is not None:
+                    await self._metrics_http.close()
         finally:
             self._stopped.set_result(None)
 
     async def wait(self) -> None:
-        """Returns when the server has terminated."""
-        await self._server.wait_for_termination()
+        """Returns when the server has terminated. Safe to cancel."""
+        # Cancelling grpc.aio's wait_for_termination() also cancels the server's own shutdown
+        # (a shared future): a later stop() then dies with CancelledError. Shield it.
+        await asyncio.shield(self._server.wait_for_termination())
 
 
 def _server_options(cfg: ServerConfig) -> list[tuple[str, Any]]:
@@ -164,7 +169,7 @@ def run_until_signal(start: Callable[[], Awaitable[RunningServer]], *,
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
     except OSError as e:
-        log.error("cannot start: %s", e)
+        log.error("cannot start: %s", e, exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from e
 
@@ -182,6 +187,7 @@ async def _serve(start: Callable[[], Awaitable[RunningServer]],
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for task in waiters:
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         log.info("%s: %s", running.service, "signal received" if stop_requested.is_set() else "server ended")
         await running.stop(grace_s)
     finally:

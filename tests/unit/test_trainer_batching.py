@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from arlo.proto.v1 import common_pb2
-from services.trainer.batching import GroupAssembler, build_batch, bucket_length
+from services.trainer.batching import GroupAssembler, bucket_length, build_batch
 
 
 def traj(group: str, *, size: int = 2, version: int = 0, reward: float = 1.0, n: int = 5,

@@ -1,0 +1,1 @@
+"""Built-in environments (pure Python, no gRPC)."""
