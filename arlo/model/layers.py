@@ -26,7 +26,7 @@ def _param(init: nnx.Initializer, key: jax.Array, shape: tuple[int, ...], axes: 
 
 
 def _fan_in(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]) -> nnx.Initializer:
-    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis,
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=in_axis,
                                              out_axis=out_axis)
 
 

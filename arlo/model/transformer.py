@@ -45,7 +45,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
-            init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+            init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
             self.lm_head_dv = nnx.Param(init(rngs.params(), (cfg.dim, cfg.vocab_size), jnp.float32),
                                         out_sharding=("embed", "vocab"), eager_sharding=False)
 

@@ -1,8 +1,13 @@
-"""Transformer: shapes, causality, KV-cache path vs full forward, config presets."""
+"""Transformer: shapes, causality, KV-cache path vs full forward, config presets.
+
+Model calls go through jitted functional wrappers (split once, merge inside jit), as
+production code does; eager op-by-op dispatch would dominate the test time on CPU.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,38 +15,60 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arlo.model import ModelConfig, Transformer, create_model, init_cache
+from arlo.model import KVCache, ModelConfig, create_model, init_cache
 
 CFG = ModelConfig.named("tiny")
+Split = tuple[nnx.GraphDef, nnx.State]
 
 
 @pytest.fixture(scope="module")
-def model() -> Transformer:
-    return create_model(CFG, seed=0)
+def split() -> Split:
+    return nnx.split(create_model(CFG, seed=0))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef: nnx.GraphDef, state: nnx.State, tokens_bt: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(tokens_bt)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, tokens_bt: jax.Array, lengths_b: jax.Array,
+             cache: KVCache, start_b: jax.Array) -> tuple[jax.Array, KVCache]:
+    return nnx.merge(graphdef, state).prefill(tokens_bt, lengths_b, cache, start_b=start_b)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode(graphdef: nnx.GraphDef, state: nnx.State, tokens_b: jax.Array, positions_b: jax.Array,
+            cache: KVCache) -> tuple[jax.Array, KVCache]:
+    return nnx.merge(graphdef, state).decode_step(tokens_b, positions_b, cache)
 
 
 def _tokens(b: int, t: int, seed: int = 0) -> jax.Array:
     return jax.random.randint(jax.random.key(seed), (b, t), 0, 256, dtype=jnp.int32)
 
 
-def test_forward_shape_and_dtype(model: Transformer) -> None:
-    logits_btv = model(_tokens(2, 7))
-    assert logits_btv.shape == (2, 7, CFG.vocab_size)
+def _close(a: jax.Array, b: jax.Array) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
+def test_forward_shape_and_dtype(split: Split) -> None:
+    logits_btv = _forward(*split, _tokens(2, 12))
+    assert logits_btv.shape == (2, 12, CFG.vocab_size)
     assert logits_btv.dtype == jnp.float32
     assert bool(jnp.all(jnp.isfinite(logits_btv)))
 
 
-def test_causal(model: Transformer) -> None:
-    tokens = _tokens(1, 12)
-    changed = tokens.at[0, 8].set((tokens[0, 8] + 1) % 256)
-    a, b = model(tokens), model(changed)
+def test_causal(split: Split) -> None:
+    tokens = _tokens(2, 12)
+    changed = tokens.at[:, 8].set((tokens[:, 8] + 1) % 256)
+    a, b = _forward(*split, tokens), _forward(*split, changed)
     np.testing.assert_array_equal(np.asarray(a[:, :8]), np.asarray(b[:, :8]))
     assert not np.allclose(np.asarray(a[:, 8:]), np.asarray(b[:, 8:]))
 
 
 def test_num_params_matches_model() -> None:
     for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=False)):
-        _, state = nnx.split(create_model(cfg, seed=0))
+        state = nnx.state(nnx.eval_shape(lambda cfg=cfg: create_model(cfg, seed=0)))
         assert sum(x.size for x in jax.tree.leaves(state)) == cfg.num_params()
     assert 10_000_000 < ModelConfig.named("small").num_params() < 100_000_000
 
@@ -58,65 +85,67 @@ def test_config_validation() -> None:
         dataclasses.replace(CFG, dtype="float16x")
 
 
-def test_create_model_deterministic() -> None:
-    s0 = nnx.split(create_model(CFG, seed=3))[1]
-    s1 = nnx.split(create_model(CFG, seed=3))[1]
-    s2 = nnx.split(create_model(CFG, seed=4))[1]
-    for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1), strict=True):
+def test_create_model_deterministic(split: Split) -> None:
+    same = nnx.state(create_model(CFG, seed=0))
+    other = nnx.state(create_model(CFG, seed=1))
+    for a, b in zip(jax.tree.leaves(split[1]), jax.tree.leaves(same), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert not np.array_equal(np.asarray(s0["embedder"]["table_vd"][...]),
-                              np.asarray(s2["embedder"]["table_vd"][...]))
+    table = split[1]["embedder"]["table_vd"].get_value()
+    assert not np.array_equal(np.asarray(table), np.asarray(other["embedder"]["table_vd"].get_value()))
 
 
-def test_params_carry_logical_axes(model: Transformer) -> None:
-    specs = nnx.get_partition_spec(nnx.state(model))
-    assert tuple(specs["embedder"]["table_vd"][...]) == ("vocab", "embed")
-    assert tuple(specs["layers"][0]["attn"]["k_dkh"][...]) == ("embed", "kv_heads", "kv")
-    assert tuple(specs["layers"][1]["mlp"]["down_fd"][...]) == ("mlp", "embed")
+def test_params_carry_logical_axes(split: Split) -> None:
+    specs = nnx.get_partition_spec(split[1])
+    assert tuple(specs["embedder"]["table_vd"].get_value()) == ("vocab", "embed")
+    assert tuple(specs["layers"][0]["attn"]["k_dkh"].get_value()) == ("embed", "kv_heads", "kv")
+    assert tuple(specs["layers"][1]["mlp"]["down_fd"].get_value()) == ("mlp", "embed")
 
 
-def test_decode_steps_match_full_forward(model: Transformer) -> None:
-    tokens = _tokens(2, 10, seed=1)
-    full_btv = model(tokens)
+def test_decode_steps_match_full_forward(split: Split) -> None:
+    tokens = _tokens(2, 12, seed=1)
+    full_btv = _forward(*split, tokens)
     cache = init_cache(CFG, batch=2, length=16)
-    logits_bv, cache = model.prefill(tokens[:, :3], jnp.array([3, 3]), cache)
-    np.testing.assert_allclose(logits_bv, full_btv[:, 2], atol=1e-4, rtol=1e-4)
-    for pos in range(3, 10):
-        logits_bv, cache = model.decode_step(tokens[:, pos], jnp.array([pos, pos]), cache)
-        np.testing.assert_allclose(logits_bv, full_btv[:, pos], atol=1e-4, rtol=1e-4)
+    zeros = jnp.zeros((2,), jnp.int32)
+    logits_bv, cache = _prefill(*split, tokens[:, :4], jnp.array([4, 4]), cache, zeros)
+    _close(logits_bv, full_btv[:, 3])
+    for pos in range(4, 12):
+        logits_bv, cache = _decode(*split, tokens[:, pos], jnp.array([pos, pos]), cache)
+        _close(logits_bv, full_btv[:, pos])
 
 
-def test_rows_at_different_positions(model: Transformer) -> None:
+def test_rows_at_different_positions(split: Split) -> None:
     """Right-padded prompts of different lengths, then per-row decode positions (the
     continuous-batching case)."""
-    tokens = _tokens(2, 9, seed=2)
-    lengths = np.array([4, 7])
-    padded = jnp.where(jnp.arange(9)[None] < lengths[:, None], tokens, 0)
+    tokens = _tokens(2, 12, seed=2)
+    lengths = jnp.array([5, 9])
+    padded = jnp.where(jnp.arange(12)[None] < lengths[:, None], tokens, 0)
     cache = init_cache(CFG, batch=2, length=16)
-    logits_bv, cache = model.prefill(padded, jnp.asarray(lengths), cache)
-    next_b = jnp.array([5, 6], jnp.int32)
-    step_bv, _ = model.decode_step(next_b, jnp.asarray(lengths), cache)
-    for row, n in enumerate(lengths):
-        seq = jnp.concatenate([tokens[row, :n], next_b[row : row + 1]])[None]
-        ref = model(seq)[0]
-        np.testing.assert_allclose(logits_bv[row], ref[n - 1], atol=1e-4, rtol=1e-4)
-        np.testing.assert_allclose(step_bv[row], ref[n], atol=1e-4, rtol=1e-4)
+    logits_bv, cache = _prefill(*split, padded, lengths, cache, jnp.zeros((2,), jnp.int32))
+    step_bv, _ = _decode(*split, tokens[:, 11], lengths, cache)
+    # Reference: each row alone, its prompt followed by tokens[:, 11], right-padded to 12.
+    for row in range(2):
+        n = int(lengths[row])
+        seq = jnp.zeros((1, 12), jnp.int32).at[0, :n].set(tokens[row, :n]).at[0, n].set(tokens[row, 11])
+        ref_tv = _forward(*split, seq)[0]
+        _close(logits_bv[row], ref_tv[n - 1])
+        _close(step_bv[row], ref_tv[n])
 
 
-def test_chunked_prefill_with_start(model: Transformer) -> None:
-    tokens = _tokens(1, 8, seed=3)
-    cache = init_cache(CFG, batch=1, length=8)
-    _, cache = model.prefill(tokens[:, :5], jnp.array([5]), cache)
-    logits_bv, _ = model.prefill(tokens[:, 5:], jnp.array([3]), cache, start_b=jnp.array([5]))
-    np.testing.assert_allclose(logits_bv[0], model(tokens)[0, 7], atol=1e-4, rtol=1e-4)
+def test_chunked_prefill_with_start(split: Split) -> None:
+    tokens = _tokens(2, 12, seed=3)
+    cache = init_cache(CFG, batch=2, length=16)
+    _, cache = _prefill(*split, tokens[:, :4], jnp.array([4, 4]), cache, jnp.zeros((2,), jnp.int32))
+    chunk = jnp.pad(tokens[:, 4:], ((0, 0), (0, 4)))  # 8 real tokens, right-padded like a bucket
+    logits_bv, _ = _prefill(*split, chunk[:, :4], jnp.array([4, 4]), cache, jnp.array([4, 4]))
+    _close(logits_bv, _forward(*split, tokens)[:, 7])
 
 
-def test_bfloat16_compute_keeps_float32_params() -> None:
+def test_bfloat16_compute_keeps_float32_params(split: Split) -> None:
     cfg = dataclasses.replace(CFG, dtype="bfloat16")
-    model = create_model(cfg, seed=0)
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))
-    logits = model(_tokens(1, 6))
+    graphdef_bf16 = nnx.split(nnx.eval_shape(lambda: create_model(cfg, seed=0)))[0]
+    tokens = _tokens(2, 12)
+    # Same float32 weights, bf16 matmuls: close to, not equal to, the float32 model.
+    logits = _forward(graphdef_bf16, split[1], tokens)
     assert logits.dtype == jnp.float32
-    ref = create_model(CFG, seed=0)(_tokens(1, 6))
-    # bf16 matmuls: loosely equal to the float32 model with the same weights.
-    assert float(jnp.max(jnp.abs(logits - ref))) < 0.3
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(split[1]))
+    assert float(jnp.max(jnp.abs(logits - _forward(*split, tokens)))) < 0.3
