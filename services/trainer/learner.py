@@ -95,4 +95,4 @@ def _train_step(
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state)
     updates, opt_state = tx.update(grads, opt_state, state)
     state = optax.apply_updates(state, updates)
-    return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+    return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
