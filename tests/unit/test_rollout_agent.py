@@ -1,0 +1,123 @@
+"""The episode loop on real parts in process: the inference engine, the env gateway core and the
+reward scorer core, joined by thin adapters to the loop's Protocols."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from arlo.model import get_tokenizer
+from arlo.proto.v1 import common_pb2, env_pb2, reward_pb2
+from services.env_gateway.gateway import Gateway
+from services.env_gateway.registry import default_registry as env_registry
+from services.env_gateway.sessions import SessionStore
+from services.inference.engine import Engine, EngineLimits, SamplingRequest
+from services.reward.registry import default_registry as reward_registry
+from services.reward.scoring import Scorer as RewardScorer
+from services.reward.scoring import ScoreStatus
+from services.rollout.agent import EpisodeSpec, Turn, run_episode
+
+TOK = get_tokenizer("byte")
+
+
+class EngineGenerator:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt, *, max_tokens: int) -> Turn:
+        self.prompts.append(list(prompt))
+        (s,) = self.engine.generate(SamplingRequest(prompt=tuple(prompt), max_tokens=max_tokens, temperature=1.0,
+                                                    stop_token_ids=(TOK.eos_id,)))
+        return Turn(token_ids=s.token_ids, logprobs=s.logprobs, policy_versions=s.policy_versions,
+                    finished_by_stop=s.finish_reason == "stop")
+
+
+class GatewayEnv:
+    def __init__(self) -> None:
+        self.gw = Gateway(env_registry(), SessionStore(idle_timeout_s=60, max_sessions=10))
+        self.closed: list[str] = []
+
+    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse:
+        started = self.gw.reset(env_name, config_json, seed)
+        r = started.result
+        return env_pb2.ResetResponse(session_id=started.session_id, task_id=r.task_id, observation=[
+            {"role": m.role, "content": m.content} for m in r.observation])
+
+    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
+        r = self.gw.step(session_id, action)
+        return env_pb2.StepResponse(done=r.done, reward=r.reward, answer=r.answer or "", reference=r.reference or "",
+                                    observation=[{"role": m.role, "content": m.content} for m in r.observation],
+                                    info_json=json.dumps(r.info))
+
+    async def close(self, session_id: str) -> None:
+        self.closed.append(session_id)
+        self.gw.close(session_id)
+
+
+class CoreScorer:
+    def __init__(self) -> None:
+        self.scorer = RewardScorer(timeout_s=5.0)
+
+    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse:
+        out = await self.scorer.score(reward_registry().get(reward_fn).fn, response, reference, {})
+        status = {ScoreStatus.OK: reward_pb2.SCORE_STATUS_OK, ScoreStatus.ERROR: reward_pb2.SCORE_STATUS_ERROR,
+                  ScoreStatus.TIMEOUT: reward_pb2.SCORE_STATUS_TIMEOUT}[out.status]
+        return reward_pb2.ScoreResponse(reward=out.reward, components=dict(out.components), status=status,
+                                        error=out.error)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=8, max_tokens=32, max_prompt_tokens=200))
+
+
+def spec(**kw) -> EpisodeSpec:
+    base = dict(env_name="arith", env_config_json="", reward_fn="exact_match", seed=7, max_turns=3,
+                max_tokens_per_turn=4, max_episode_tokens=128, run_id="r", group_id="g", group_size=1)
+    return EpisodeSpec(**{**base, **kw})
+
+
+def test_episode_is_token_in_token_out(engine: Engine) -> None:
+    gen, env = EngineGenerator(engine), GatewayEnv()
+    traj = asyncio.run(run_episode(spec(), TOK, gen, env, CoreScorer()))
+    n = len(traj.token_ids)
+    assert len(traj.logprobs) == len(traj.loss_mask) == len(traj.policy_versions) == n
+    # Every later prompt is exactly the earlier trajectory prefix: nothing was re-tokenized.
+    for prompt in gen.prompts:
+        assert list(traj.token_ids[: len(prompt)]) == prompt
+    assert traj.token_ids[: traj.prompt_length] == TOK.encode_messages(
+        [("user", traj.task_id.removeprefix("arith-") + "=")], add_generation_prompt=True, add_bos=True)
+    model_tokens = [i for i, m in enumerate(traj.loss_mask) if m]
+    assert model_tokens and all(traj.policy_versions[i] == 0 for i in model_tokens)
+    assert all(traj.policy_versions[i] == -1 and traj.logprobs[i] == 0.0 for i in range(n) if not traj.loss_mask[i])
+    assert 1 <= traj.num_turns <= 3 and env.closed
+    assert traj.status in (common_pb2.TRAJECTORY_STATUS_OK, common_pb2.TRAJECTORY_STATUS_TRUNCATED)
+
+
+def test_turn_and_token_limits_end_the_episode_with_a_reason(engine: Engine) -> None:
+    traj = asyncio.run(run_episode(spec(max_turns=1, env_config_json='{"max_turns": 5}'), TOK,
+                                   EngineGenerator(engine), GatewayEnv(), CoreScorer()))
+    assert traj.num_turns == 1
+    assert traj.finish_reason in ("done", "max_turns")
+    tight = asyncio.run(run_episode(spec(max_episode_tokens=12), TOK, EngineGenerator(engine), GatewayEnv(),
+                                    CoreScorer()))
+    # The budget bounds what the model generates; the observation that ends a turn may pass it.
+    assert sum(tight.loss_mask) <= 12 - tight.prompt_length
+    assert tight.finish_reason in ("done", "max_tokens")
+
+
+def test_correct_answer_scores_one() -> None:
+    class Oracle:
+        async def generate(self, prompt, *, max_tokens: int) -> Turn:
+            text = TOK.decode(prompt).rsplit("=", 1)[0]
+            a, b = text[-3], text[-1]  # "a+b" of single digits
+            ids = TOK.encode(str(int(a) + int(b))) + [TOK.eos_id]
+            return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[4] * len(ids),
+                        finished_by_stop=True)
+
+    traj = asyncio.run(run_episode(spec(), TOK, Oracle(), GatewayEnv(), CoreScorer()))
+    assert traj.status == common_pb2.TRAJECTORY_STATUS_OK and traj.reward == 1.0 and traj.num_turns == 1
+    assert traj.reward_components["exact_match"] == 1.0
