@@ -1,0 +1,73 @@
+"""The engine core: bounds with clear messages, fresh random streams, versions, swaps, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+from flax import nnx
+
+from arlo.model import ModelConfig, create_model
+from services.inference.engine import Engine, EngineLimits, SamplingRequest
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=8, max_tokens=32, max_prompt_tokens=64))
+
+
+PROMPT = (257, 260, 51, 43, 52, 61, 258, 261)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"prompt": ()}, "must not be empty"),
+    ({"prompt": (1,) * 65}, "at most 64"),
+    ({"prompt": (999,)}, "prompt_token_ids must be in"),
+    ({"n": 0}, "n must be in"),
+    ({"n": 9}, "n must be in"),
+    ({"max_tokens": 33}, "max_tokens must be in"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"stop_strings": ("",)}, "stop strings"),
+])
+def test_bad_requests_name_the_field(engine: Engine, change: dict, message: str) -> None:
+    req = SamplingRequest(**{"prompt": PROMPT, "max_tokens": 4, **change})
+    with pytest.raises(ValueError, match=message):
+        engine.generate(req)
+
+
+def test_unseeded_requests_differ_and_seeded_repeat(engine: Engine) -> None:
+    req = SamplingRequest(prompt=PROMPT, n=4, max_tokens=8, temperature=1.0)
+    a, b = engine.generate(req), engine.generate(req)
+    assert [s.token_ids for s in a] != [s.token_ids for s in b]
+    assert len({tuple(s.token_ids) for s in a}) > 1  # a group is not n copies of one sample
+    seeded = SamplingRequest(prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=5)
+    assert [s.token_ids for s in engine.generate(seeded)] == [s.token_ids for s in engine.generate(seeded)]
+
+
+def test_swap_changes_outputs_and_versions() -> None:
+    engine = Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=2, max_tokens=8, max_prompt_tokens=32))
+    req = SamplingRequest(prompt=PROMPT, max_tokens=8, temperature=0.0)
+    before = engine.generate(req)[0]
+    assert set(before.policy_versions) == {0}
+    _, other = nnx.split(create_model(ModelConfig.named("tiny"), 123))
+    engine.swap(other, 3)
+    after = engine.generate(req)[0]
+    assert set(after.policy_versions) == {3} and engine.version == 3
+    assert after.logprobs != before.logprobs
+    with pytest.raises(ValueError, match="not newer"):
+        engine.swap(other, 3)
+
+
+def test_stop_string_cuts_the_completion(engine: Engine) -> None:
+    req = SamplingRequest(prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3)
+    full = engine.generate(req)[0]
+    text = engine.tokenizer.decode(full.token_ids)
+    if not text:
+        pytest.skip("this seed sampled only special tokens")
+    stop = text[0]
+    cut = engine.generate(SamplingRequest(prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3,
+                                          stop_strings=(stop,)))[0]
+    # Same seed, same tokens: the completion is the shortest prefix whose text holds the stop string.
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    assert stop in engine.tokenizer.decode(cut.token_ids)
+    assert stop not in engine.tokenizer.decode(cut.token_ids[:-1])
+    assert cut.finish_reason == "stop"
