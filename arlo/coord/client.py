@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from arlo.config import RedisConfig
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # With the backoff capped at reconnect_max_s (default 5 s) this rides out roughly 30 s of
 # outage (0.1+0.2+...+3.2 then the cap) before a call gives up: long enough for a Redis pod
@@ -35,6 +41,7 @@ async def connect(cfg: RedisConfig) -> aioredis.Redis:
     )
     try:
         await client.ping()
+        reraise_lost_cancel()
     except BaseException:
         await client.aclose()
         raise
@@ -56,3 +63,29 @@ def text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
     return str(value)
+
+
+def reraise_lost_cancel() -> None:
+    """Raises CancelledError if this task was cancelled but the cancellation got swallowed.
+
+    On Python 3.11, asyncio.wait_for returns the result instead of raising when the task is
+    cancelled just as the awaited operation completes, and redis-py sends every command
+    through wait_for: measured here, one cancel in five of a task looping on SET was lost
+    and the loop ran on forever. The task still counts the request (`cancelling()`), so it
+    can be honoured after the call.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+def cancel_safe(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Makes an async function honour a cancellation redis-py swallowed (see reraise_lost_cancel)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        result = await fn(*args, **kwargs)
+        reraise_lost_cancel()
+        return result
+
+    return wrapper

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.message import DecodeError
+from redis.typing import EncodableT, FieldT
 
 from arlo.proto.v1 import common_pb2
 
@@ -25,7 +26,7 @@ class MalformedEntry(ValueError):
         self.reason = reason
 
 
-def encode(traj: common_pb2.Trajectory) -> dict[bytes, bytes]:
+def encode(traj: common_pb2.Trajectory) -> dict[FieldT, EncodableT]:
     if not traj.id:
         raise ValueError("trajectory.id: must be non-empty (the trainer de-duplicates on it)")
     return {ID_FIELD: traj.id.encode(), PB_FIELD: traj.SerializeToString()}
@@ -61,9 +62,9 @@ def decode(fields: Mapping[Any, Any]) -> common_pb2.Trajectory:
     return traj
 
 
-def dead_fields(fields: Mapping[Any, Any], *, reason: str, entry_id: str, consumer: str) -> dict[bytes, Any]:
+def dead_fields(fields: Mapping[Any, Any], *, reason: str, entry_id: str, consumer: str) -> dict[FieldT, EncodableT]:
     """The raw fields plus why and where they were set aside (prefixed so no raw field is overwritten)."""
-    out: dict[bytes, Any] = {_as_bytes(k): v for k, v in fields.items()}
+    out: dict[FieldT, EncodableT] = {_as_bytes(k): v for k, v in fields.items()}
     out[b"dead:reason"] = reason.encode()
     out[b"dead:entry_id"] = entry_id.encode()
     out[b"dead:consumer"] = consumer.encode()

@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
 
-from arlo.coord.client import text
+from arlo.coord.client import cancel_safe, text
 from arlo.coord.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,10 @@ class Heartbeat:
     def key(self) -> str:
         return self._key
 
+    @cancel_safe
     async def beat(self, **fields: Field) -> None:
         """Writes `fields` plus "ts" (unix time) and pushes the expiry out by ttl_s."""
-        mapping = {name: _encode(value) for name, value in fields.items()}
+        mapping: dict[FieldT, EncodableT] = {name: _encode(value) for name, value in fields.items()}
         mapping["ts"] = repr(time.time())
         # One transaction, so the hash never exists without an expiry.
         pipe = self._redis.pipeline(transaction=True)
@@ -65,6 +67,7 @@ def _encode(value: Field) -> str:
     raise TypeError(f"heartbeat field value must be str, int or float, got {type(value).__name__}")
 
 
+@cancel_safe
 async def read_statuses(redis: Redis, run_id: str) -> list[dict[str, str]]:
     """Every live status hash of a run, each with "service" and "instance" added, sorted by them."""
     keys = Keys(run_id)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from arlo.coord.client import cancel_safe
+
 _RUN_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -77,6 +79,7 @@ class Keys:
         return self.prefix + "*"
 
 
+@cancel_safe
 async def delete_run(redis: Redis, run_id: str) -> int:
     """Deletes every key of a run (SCAN + UNLINK, never KEYS); returns how many were removed."""
     pattern = Keys(run_id).pattern

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from arlo.coord import codec
-from arlo.coord.client import decodes_responses, socket_timeout_s, text
+from arlo.coord.client import cancel_safe, decodes_responses, socket_timeout_s, text
 from arlo.coord.keys import Keys
 from arlo.proto.v1 import common_pb2
 
@@ -87,6 +87,7 @@ class TrajectoryStream:
     def keys(self) -> Keys:
         return self._keys
 
+    @cancel_safe
     async def ensure_group(self) -> None:
         """Creates the stream and the group reading from the start; a no-op when they exist."""
         try:
@@ -95,9 +96,11 @@ class TrajectoryStream:
             if "BUSYGROUP" not in str(e):
                 raise
 
+    @cancel_safe
     async def length(self) -> int:
         return int(await self._redis.xlen(self._keys.traj))
 
+    @cancel_safe
     async def backlog(self) -> int:
         """Entries the group has not finished with: never delivered (lag) plus delivered, unacked."""
         group = await self._group_info(self._group)
@@ -107,10 +110,13 @@ class TrajectoryStream:
         if lag is not None:
             return int(lag) + int(group["pending"])
         # Redis 6.2 has no lag, and 7.x reports None after deletions past the read point.
-        xlen, acked = await self._redis.pipeline(transaction=False).xlen(self._keys.traj).get(
-            self._keys.traj_acked).execute()
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xlen(self._keys.traj)
+        pipe.get(self._keys.traj_acked)
+        xlen, acked = await pipe.execute()
         return max(0, int(xlen) - int(acked or 0))
 
+    @cancel_safe
     async def add(self, traj: common_pb2.Trajectory) -> str:
         """Appends a trajectory; raises BacklogFull instead of letting unread data pile up.
 
@@ -122,8 +128,9 @@ class TrajectoryStream:
         backlog = await self.backlog()
         if backlog >= self._max_backlog:
             raise BacklogFull(backlog, self._max_backlog)
-        return text(await self._redis.xadd(self._keys.traj, fields))  # type: ignore[arg-type]
+        return text(await self._redis.xadd(self._keys.traj, fields))
 
+    @cancel_safe
     async def read(self, count: int, block_ms: int) -> list[StreamEntry]:
         """Up to `count` new entries for this consumer, waiting at most `block_ms` (0: no wait).
 
@@ -137,10 +144,11 @@ class TrajectoryStream:
             self._group, self._consumer, {self._keys.traj: ">"}, count=count, block=block_ms or None))
         return await self._accept(_stream_entries(reply))
 
+    @cancel_safe
     async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
         """Takes over up to `count` entries another consumer was given but did not ack in `min_idle_ms`."""
-        if count < 1:
-            raise ValueError(f"count: must be >= 1, got {count}")
+        if count < 1 or min_idle_ms < 0:
+            raise ValueError(f"count must be >= 1 and min_idle_ms >= 0, got {count}, {min_idle_ms}")
         claimed: list[tuple[Any, Any]] = []
         cursor = "0-0"
         while len(claimed) < count:
@@ -157,6 +165,7 @@ class TrajectoryStream:
                 break
         return await self._accept(claimed)
 
+    @cancel_safe
     async def ack(self, entry_ids: Sequence[str]) -> int:
         """Acknowledges entries after the step that used them; acked entries are then trimmed."""
         if not entry_ids:
@@ -166,6 +175,7 @@ class TrajectoryStream:
         await self.trim_acked()
         return n
 
+    @cancel_safe
     async def trim_acked(self) -> int:
         """Deletes entries every group has acknowledged, so the stream does not grow forever."""
         groups = await self._groups()
@@ -185,6 +195,7 @@ class TrajectoryStream:
             return 0
         return int(await self._trim_script(keys=[self._keys.traj, self._keys.traj_acked], args=[floor]))
 
+    @cancel_safe
     async def filter_unseen(self, entries: Sequence[StreamEntry]) -> list[StreamEntry]:
         """Drops entries already trained on, and repeats within the batch; the dropped ones are acked.
 
@@ -212,6 +223,7 @@ class TrajectoryStream:
             await self.ack(dropped)
         return keep
 
+    @cancel_safe
     async def mark_trained(self, traj_ids: Sequence[str], ttl_s: int = 7 * 24 * 3600) -> None:
         """Records trajectories as trained. Call before ack: a crash in between then costs nothing."""
         if not traj_ids:
@@ -227,8 +239,9 @@ class TrajectoryStream:
         if block_ms < 0:
             raise ValueError(f"block_ms: must be >= 0, got {block_ms}")
         timeout = socket_timeout_s(self._redis)
-        if timeout is not None and block_ms / 1000 >= timeout:
-            raise ValueError(f"block_ms {block_ms} must be below the socket timeout ({timeout} s)")
+        # Redis answers a block that ran out a little after the deadline; leave room for that.
+        if timeout is not None and block_ms / 1000 > timeout - min(1.0, timeout / 2):
+            raise ValueError(f"block_ms {block_ms} must stay well below the socket timeout ({timeout} s)")
 
     async def _with_group(self, call: Any) -> Any:
         """Runs a group command, recreating the group once if it vanished (e.g. a Redis restart without persistence)."""

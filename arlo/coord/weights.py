@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from arlo.coord.client import text
+from arlo.coord.client import cancel_safe, reraise_lost_cancel, text
 from arlo.coord.keys import Keys
 from arlo.proto.v1 import common_pb2
 
@@ -82,6 +82,7 @@ class WeightPointer:
         self._publish = redis.register_script(_PUBLISH_LUA)
         self._checkpoint = redis.register_script(_CHECKPOINT_LUA)
 
+    @cancel_safe
     async def publish(self, version: int, *, source: str, sha256: str) -> bool:
         """Moves the pointer to `version` if it is newer; True when moved, False when stale."""
         if version < 1:
@@ -91,16 +92,19 @@ class WeightPointer:
             args=[str(version), source, sha256, repr(time.time()), self._keys.weights_events])
         return bool(moved)
 
+    @cancel_safe
     async def set_checkpoint(self, version: int, uri: str) -> bool:
         """Records a complete checkpoint if it is newer than the recorded one."""
         if version < 1:
             raise ValueError(f"version: must be >= 1, got {version}")
         return bool(await self._checkpoint(keys=[self._keys.weights], args=[str(version), uri]))
 
+    @cancel_safe
     async def get(self) -> WeightPointerState | None:
         raw = await self._redis.hgetall(self._keys.weights)
         return WeightPointerState.from_hash(raw) if raw else None
 
+    @cancel_safe
     async def wait_for_newer(self, version: int, timeout_s: float, poll_s: float = 2.0) -> WeightPointerState | None:
         """The pointer once its version exceeds `version`; None after `timeout_s`.
 
@@ -127,7 +131,7 @@ class WeightPointer:
         finally:
             await _close(pubsub)
 
-    async def events(self) -> AsyncIterator[int]:
+    async def events(self) -> AsyncGenerator[int, None]:
         """Versions as they are published, until the iterator is closed (then it unsubscribes).
 
         Best effort: versions published while the connection is down are missed, so pair it
@@ -147,6 +151,7 @@ class WeightPointer:
                     log.warning("weight events: %s; resubscribing", e)
                     subscribed = False
                     continue
+                reraise_lost_cancel()
                 version = _event_version(message)
                 if version is not None:
                     yield version

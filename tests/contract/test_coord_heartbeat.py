@@ -66,3 +66,16 @@ async def test_run_rejects_an_interval_past_the_ttl(r: Redis, run_id: str) -> No
     hb = Heartbeat(r, run_id, service="s", instance="i", ttl_s=1.0)
     with pytest.raises(ValueError, match="interval_s"):
         await hb.run(1.0, dict)
+
+
+async def test_run_always_stops_when_cancelled(r: Redis, run_id: str) -> None:
+    # On Python 3.11 redis-py can swallow a cancel that lands as a command is sent; the loop
+    # must stop anyway (it used to run on forever about one cancel in five).
+    hb = Heartbeat(r, run_id, service="rollout", instance="w1", ttl_s=2.0)
+    for i in range(60):
+        task = asyncio.ensure_future(hb.run(0.0005, lambda: {"n": 1}))
+        await asyncio.sleep(0.001 + (i % 7) * 0.0007)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert done, f"heartbeat loop ignored cancel #{i}"
+        assert task.cancelled()

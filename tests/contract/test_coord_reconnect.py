@@ -68,6 +68,6 @@ async def test_calls_succeed_after_a_restart(server: list[LocalRedis], run_id: s
         state = await pointer.get()
         assert state is not None and state.version == 2
         assert await asyncio.wait_for(first, 10) == 2
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     finally:
         await client.aclose()

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from arlo.config import RedisConfig
 from arlo.coord import BacklogFull, Keys, TrajectoryStream, connect, delete_run
+from arlo.coord.client import text
 from arlo.proto.v1 import common_pb2
 
 
@@ -26,8 +27,8 @@ def traj(traj_id: str) -> common_pb2.Trajectory:
                                  logprobs=[0.0, -0.1, -0.2], loss_mask=[0, 1, 1], policy_versions=[-1, 0, 0])
 
 
-async def stream(r: Redis, run_id: str, consumer: str = "c1", **kw: int) -> TrajectoryStream:
-    s = TrajectoryStream(r, run_id, consumer=consumer, **kw)
+async def stream(r: Redis, run_id: str, consumer: str = "c1", max_backlog: int = 4096) -> TrajectoryStream:
+    s = TrajectoryStream(r, run_id, consumer=consumer, max_backlog=max_backlog)
     await s.ensure_group()
     return s
 
@@ -156,11 +157,11 @@ async def test_malformed_entries_are_set_aside_once(r: Redis, run_id: str) -> No
     got = await s.read(count=100, block_ms=100)
     assert [e.entry_id for e in got] == [good_a, good_b]
     assert s.malformed == 4
-    dead = await r.xrange(k.traj_dead)
+    dead = await r.xrange(k.traj_dead) or []
     assert len(dead) == 4
-    reasons = [fields[b"dead:reason"].decode() for _, fields in dead]
+    reasons = [text((fields or {})[b"dead:reason"]) for _, fields in dead]
     assert "not a Trajectory" in reasons[0] and "missing" in reasons[1] and "mismatch" in reasons[3]
-    assert dead[0][1][b"pb"] == b"\xff\xfe garbage"  # raw bytes kept for inspection
+    assert (dead[0][1] or {})[b"pb"] == b"\xff\xfe garbage"  # raw bytes kept for inspection
     # Only the good entries await an ack; the bad ones never come back.
     assert await pending(r, run_id) == 2
     await asyncio.sleep(0.02)
@@ -213,3 +214,18 @@ async def test_rejects_a_decoding_client(redis_url: str, run_id: str) -> None:
             TrajectoryStream(client, run_id, consumer="c")
     finally:
         await client.aclose()
+
+
+async def test_a_reading_loop_always_stops_when_cancelled(r: Redis, run_id: str) -> None:
+    s = await stream(r, run_id)
+
+    async def consume_forever() -> None:
+        while True:
+            await s.read(count=10, block_ms=0)
+
+    for i in range(60):
+        task = asyncio.ensure_future(consume_forever())
+        await asyncio.sleep(0.001 + (i % 7) * 0.0007)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert done, f"reading loop ignored cancel #{i}"

@@ -74,7 +74,7 @@ async def test_publish_announces_the_version(r: Redis, run_id: str) -> None:
     assert await wp.publish(8, source="s", sha256=SHA)
     assert await asyncio.wait_for(first, 5) == 7
     assert await asyncio.wait_for(anext(events), 5) == 8
-    await events.aclose()  # type: ignore[attr-defined]
+    await events.aclose()
     await until(lambda: _no_subscriber(r, channel))
 
 
