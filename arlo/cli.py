@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from arlo.config import ConfigError, load_config
+from arlo.config import ConfigError, load_config, replace_config
 from arlo.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
 from arlo.local import (
     INFRA_SERVICES,
@@ -45,9 +45,17 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop()
 
 
-def _start_cluster(config: str | None, *, free_ports: bool, with_rollout: bool) -> LocalCluster:
+DEMO_RUN_ID = "demo"
+
+
+def _start_cluster(config: str | None, *, free_ports: bool, with_rollout: bool, demo: bool = False) -> LocalCluster:
     # `up` and `demo` start from the given or built-in config, never from a previous run's.
-    cluster = prepare_cluster(load_config(config), home=arlo_home(), free_ports=free_ports)
+    cfg = load_config(config)
+    # The built-in demo owns its run namespace and starts it afresh; a user's run is never wiped.
+    own_run = demo and config is None
+    if own_run:
+        cfg = replace_config(cfg, {"run_id": DEMO_RUN_ID})
+    cluster = prepare_cluster(cfg, home=arlo_home(), free_ports=free_ports, fresh_run=own_run)
     if cluster.redis:
         console.print(f"started redis-server at {cluster.cfg.redis.url}")
     try:
@@ -124,7 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
-    cluster = _start_cluster(args.config, free_ports=True, with_rollout=True)
+    cluster = _start_cluster(args.config, free_ports=True, with_rollout=True, demo=True)
     try:
         report = _train_with_progress(cluster, cluster.cfg, cluster.token, args.steps)
     except (KeyboardInterrupt, _Stop):

@@ -39,6 +39,10 @@ class TrainReport:
         return out
 
 
+class Stalled(RuntimeError):
+    """The trainer took no step for too long; the services' logs say why."""
+
+
 class NotRunning(RuntimeError):
     """A service the command needs does not answer health checks."""
 
@@ -51,7 +55,8 @@ def require_serving(cfg: RunConfig, names: tuple[str, ...]) -> None:
 
 
 async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, on_progress: ProgressFn,
-                       check_children: Callable[[], object] = lambda: None, poll_s: float = 0.2) -> TrainReport:
+                       check_children: Callable[[], object] = lambda: None, poll_s: float = 0.2,
+                       stall_s: float = 300.0) -> TrainReport:
     """Resumes the trainer, waits for `steps` more optimizer steps (forever when None), then pauses it."""
     started = time.monotonic()
     report = TrainReport()
@@ -60,18 +65,25 @@ async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, 
         status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
         first_step = last_step = status.step
         await trainer.Resume(trainer_pb2.ResumeRequest(), timeout=10)
+        last_progress = time.monotonic()
         try:
             while steps is None or last_step - first_step < steps:
                 check_children()
                 await asyncio.sleep(poll_s)
                 status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+                if time.monotonic() - last_progress > stall_s:
+                    raise Stalled(f"no trainer step for {stall_s:.0f}s ({status.trajectories_dropped} trajectories "
+                                  f"dropped so far); the service logs say why")
                 if status.step != last_step:
+                    last_progress = time.monotonic()
                     last_step = status.step
                     report.rewards.append(status.last_reward)
                     on_progress(last_step - first_step, steps, {"loss": status.last_loss, "reward": status.last_reward,
                                                                 "version": float(status.version)})
         finally:
-            await trainer.Pause(trainer_pb2.PauseRequest(), timeout=10)
+            await trainer.Pause(trainer_pb2.PauseRequest(), timeout=60)
+        status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)  # final, after the pause
+        last_step = status.step
         report.steps = last_step - first_step
         report.trainer_version = status.version
     report.pointer_version, report.inference_versions = await wait_fleet_on_pointer(cfg, token)

@@ -7,6 +7,7 @@ the bearer token (mode 0600) and one log file per service, so `arlo train` and
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -83,8 +84,25 @@ class LocalCluster:
         return codes
 
 
-def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool) -> LocalCluster:
-    """Starts Redis if none answers, settles ports and the token, writes the resolved config."""
+def wipe_run(cfg: RunConfig) -> int:
+    """Deletes every key of the run's namespace (the demo starts from nothing each time)."""
+    from arlo.coord import connect, delete_run
+
+    async def _wipe() -> int:
+        redis = await connect(cfg.redis)
+        try:
+            return await delete_run(redis, cfg.run_id)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(_wipe())
+
+
+def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: bool = False) -> LocalCluster:
+    """Starts Redis if none answers, settles ports and the token, writes the resolved config.
+
+    `fresh_run` wipes the run's Redis namespace first: only for runs arlo owns (the demo's).
+    """
     home.mkdir(parents=True, exist_ok=True)
     overrides: dict = {}
     redis = None
@@ -103,6 +121,8 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool) -> LocalClu
         token_path.chmod(0o600)
         overrides["auth"] = {"token_file": str(token_path)}
     resolved = replace_config(cfg, overrides)
+    if fresh_run:
+        wipe_run(resolved)
     config_path = resolved_config_path(home)
     dump_config(resolved, config_path)
     return LocalCluster(cfg=resolved, config_path=config_path, home=home, token=token, redis=redis,

@@ -89,7 +89,9 @@ def setup_logging(service: str, level: str = "INFO") -> None:
     if not isinstance(numeric, int):
         raise ValueError(f"log level {level!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if isinstance(h, _ArloHandler)]:
+    # The service process owns logging: drop handlers that imports installed (a library's
+    # basicConfig-style stderr handler printed every record twice, once not as JSON).
+    for handler in list(root.handlers):
         root.removeHandler(handler)
     handler = _ArloHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service))

@@ -8,6 +8,7 @@ import grpc
 
 from arlo.config import SamplingConfig
 from arlo.proto.v1 import (
+    common_pb2,
     env_pb2,
     env_pb2_grpc,
     inference_pb2,
@@ -35,7 +36,7 @@ class InferenceClient:
     async def generate(self, prompt: Sequence[int], *, max_tokens: int) -> Turn:
         s = self.sampling
         resp = await self.stub.Generate(inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt, n=1, sampling=inference_pb2.SamplingParams(
+            prompt_token_ids=prompt, n=1, sampling=common_pb2.SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
                 stop_token_ids=[self.eos_id])), timeout=self.timeout_s)
         c = resp.completions[0]

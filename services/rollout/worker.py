@@ -47,6 +47,7 @@ class RolloutWorker:
         self.stream = stream
         self.rng = random.Random(seed)
         self.stats = WorkerStats()
+        self._consecutive_failures = 0
 
     async def run(self, max_groups: int | None = None) -> None:
         """Runs groups until cancelled (or `max_groups` have been written)."""
@@ -86,11 +87,17 @@ class RolloutWorker:
         results = await asyncio.gather(*(self._episode_with_retries(spec) for _ in range(self.cfg.group_size)),
                                        return_exceptions=True)
         trajs = self._mask_if_failed(spec, results)
+        failed = trajs[0].status == common_pb2.TRAJECTORY_STATUS_ERROR
+        self._consecutive_failures = self._consecutive_failures + 1 if failed else 0
         for traj in trajs:
             await self._add_with_backpressure(traj)
         self.stats.groups += 1
         self.stats.episodes += len(trajs)
         self.stats.reward_sum += sum(t.reward for t in trajs)
+        if self._consecutive_failures:
+            # Every group failing means a broken backend or config: slow down instead of flooding
+            # the stream with masked groups.
+            await asyncio.sleep(min(0.5 * 2 ** (self._consecutive_failures - 1), 30.0))
         return trajs
 
     async def _episode_with_retries(self, spec: EpisodeSpec) -> common_pb2.Trajectory:

@@ -59,33 +59,40 @@ def oldest_version(traj: common_pb2.Trajectory) -> int:
     return min(versions) if versions else -1
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadyGroup:
+    trajectories: list[common_pb2.Trajectory]
+    entry_ids: list[str]
+
+
 @dataclass(kw_only=True)
 class GroupAssembler:
     """Collects trajectories until their group is complete; hands out whole groups only."""
 
     max_staleness: int
-    pending: dict[str, list[tuple[str, common_pb2.Trajectory]]] = field(default_factory=dict)
+    pending: dict[str, dict[str, common_pb2.Trajectory]] = field(default_factory=dict)
     drops: DropCounts = field(default_factory=DropCounts)
 
     def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]]) -> None:
+        # Keyed by entry id: an entry re-delivered by XAUTOCLAIM must not fill its group twice.
         for entry_id, traj in entries:
-            self.pending.setdefault(traj.group_id, []).append((entry_id, traj))
+            self.pending.setdefault(traj.group_id, {})[entry_id] = traj
 
-    def take_ready(self, trainer_version: int) -> tuple[list[list[common_pb2.Trajectory]], list[str]]:
-        """Complete, usable groups, and the stream entry ids consumed (used or dropped)."""
-        ready: list[list[common_pb2.Trajectory]] = []
-        consumed: list[str] = []
+    def take_ready(self, trainer_version: int) -> tuple[list[ReadyGroup], list[str]]:
+        """Complete usable groups, and the entry ids of complete groups that were dropped."""
+        ready: list[ReadyGroup] = []
+        dropped: list[str] = []
         for gid in list(self.pending):
             members = self.pending[gid]
-            if len(members) < members[0][1].group_size:
+            if len(members) < next(iter(members.values())).group_size:
                 continue
             del self.pending[gid]
-            consumed.extend(e for e, _ in members)
-            trajs = [t for _, t in members]
-            verdict = self._judge(trajs, trainer_version)
-            if verdict is None:
-                ready.append(trajs)
-        return ready, consumed
+            trajs = list(members.values())
+            if self._judge(trajs, trainer_version) is None:
+                ready.append(ReadyGroup(trajectories=trajs, entry_ids=list(members)))
+            else:
+                dropped.extend(members)
+        return ready, dropped
 
     def _judge(self, group: Sequence[common_pb2.Trajectory], trainer_version: int) -> str | None:
         # One bad member masks the whole group: GRPO advantages of a half group are wrong.

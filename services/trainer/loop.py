@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model import get_tokenizer
 from arlo.model.weights import state_to_bytes
-from services.trainer.batching import GroupAssembler, build_batch
+from services.trainer.batching import GroupAssembler, ReadyGroup, build_batch
 from services.trainer.checkpoint import save_checkpoint
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.publish import VersionStore
@@ -35,7 +35,6 @@ class TrainerState:
     checkpoint_version: int = 0
     checkpoint_uri: str = ""
     consumed: int = 0
-    duplicates: int = 0
     last: StepMetrics | None = None
 
 
@@ -57,9 +56,9 @@ class TrainingLoop:
         self.pad_id = get_tokenizer(tokenizer).pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness)
         self.state = TrainerState()
-        self._ready: list[list] = []
-        self._consumed_entries: list[str] = []
+        self._ready: list[ReadyGroup] = []
         self._jax_lock = asyncio.Lock()
+        self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
 
     async def start(self) -> None:
         """Numbers versions above the pointer, so a restarted trainer never repeats one."""
@@ -80,28 +79,35 @@ class TrainingLoop:
             if time.monotonic() - last_claim > CLAIM_EVERY_S:
                 entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
                 last_claim = time.monotonic()
-            fresh = await self.stream.filter_unseen(entries)
-            duplicates = {e.entry_id for e in entries} - {e.entry_id for e in fresh}
-            if duplicates:
-                self.state.duplicates += len(duplicates)
-                await self.stream.ack(sorted(duplicates))
+            fresh = await self.stream.filter_unseen(entries)  # acks (and counts) what it drops
             self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
-            ready, consumed = self.assembler.take_ready(self.state.version)
+            ready, dropped = self.assembler.take_ready(self.state.version)
             self._ready.extend(ready)
-            self._consumed_entries.extend(consumed)
-            while len(self._ready) >= self.groups_per_step:
+            if dropped:
+                # A dropped group is finished with: acknowledge it now, or it pins the backlog.
+                await self.stream.ack(dropped)
+            while len(self._ready) >= self.groups_per_step and not self.state.paused:
                 await self.train_once()
 
+    async def pause(self) -> None:
+        """Returns once no step is in flight, so a status read after it is final."""
+        self.state.paused = True
+        async with self._step_lock:
+            pass
+
     async def train_once(self) -> StepMetrics:
+        async with self._step_lock:
+            return await self._train_once()
+
+    async def _train_once(self) -> StepMetrics:
         groups = self._take_batch_groups()
-        batch = build_batch(groups, self.learner.model_cfg.max_seq_len, self.pad_id)
+        batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id)
         async with self._jax_lock:
             metrics = await asyncio.to_thread(self.learner.step, batch)
         self.state.version += 1
         await self._publish()
         await self.stream.mark_trained(batch.trajectory_ids)
-        entries, self._consumed_entries = self._consumed_entries, []
-        await self.stream.ack(entries)
+        await self.stream.ack([e for g in groups for e in g.entry_ids])
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", self.learner.step_count,
@@ -110,10 +116,10 @@ class TrainingLoop:
             await self.checkpoint()
         return metrics
 
-    def _take_batch_groups(self) -> list[list]:
+    def _take_batch_groups(self) -> list[ReadyGroup]:
         # A batch needs one group size; groups of another size wait for their own batch.
-        size = len(self._ready[0])
-        same = [g for g in self._ready if len(g) == size][: self.groups_per_step]
+        size = len(self._ready[0].trajectories)
+        same = [g for g in self._ready if len(g.trajectories) == size][: self.groups_per_step]
         self._ready = [g for g in self._ready if not any(g is s for s in same)]
         return same
 
@@ -139,4 +145,4 @@ class TrainingLoop:
         """Trajectories not trained on, by reason."""
         drops = self.assembler.drops
         return {"stale": drops.stale, "failed": drops.failed, "malformed": drops.malformed + self.stream.malformed,
-                "duplicate": self.state.duplicates}
+                "duplicate": self.stream.duplicates}

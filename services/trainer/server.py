@@ -62,7 +62,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.SaveCheckpointResponse(checkpoint_version=version, checkpoint_uri=uri)
 
     async def Pause(self, request, context):  # noqa: N802
-        self.loop.state.paused = True
+        await self.loop.pause()
         return trainer_pb2.PauseResponse(paused=True)
 
     async def Resume(self, request, context):  # noqa: N802

@@ -21,16 +21,19 @@ def test_incomplete_group_waits_then_comes_out_whole() -> None:
     a = GroupAssembler(max_staleness=1)
     a.add([("1-0", traj("g"))])
     assert a.take_ready(0) == ([], [])
+    a.add([("1-0", traj("g"))])  # re-delivered by XAUTOCLAIM: must not complete the group
+    assert a.take_ready(0) == ([], [])
     a.add([("2-0", traj("g"))])
-    ready, consumed = a.take_ready(0)
-    assert len(ready) == 1 and len(ready[0]) == 2 and consumed == ["1-0", "2-0"]
+    ready, dropped = a.take_ready(0)
+    assert len(ready) == 1 and len(ready[0].trajectories) == 2 and ready[0].entry_ids == ["1-0", "2-0"]
+    assert dropped == []
 
 
 def test_failed_member_masks_the_whole_group() -> None:
     a = GroupAssembler(max_staleness=1)
     a.add([("1-0", traj("g")), ("2-0", traj("g", status=common_pb2.TRAJECTORY_STATUS_ERROR))])
-    ready, consumed = a.take_ready(0)
-    assert ready == [] and len(consumed) == 2 and a.drops.failed == 2
+    ready, dropped = a.take_ready(0)
+    assert ready == [] and dropped == ["1-0", "2-0"] and a.drops.failed == 2
 
 
 def test_stale_group_dropped_and_counted() -> None:
@@ -38,7 +41,7 @@ def test_stale_group_dropped_and_counted() -> None:
     a.add([("1-0", traj("old", version=3)), ("2-0", traj("old", version=5)),
            ("3-0", traj("ok", version=4)), ("4-0", traj("ok", version=5))])
     ready, _ = a.take_ready(5)
-    assert [t[0].group_id for t in ready] == ["ok"] and a.drops.stale == 2
+    assert [g.trajectories[0].group_id for g in ready] == ["ok"] and a.drops.stale == 2
 
 
 def test_malformed_member_drops_group() -> None:
