@@ -1,0 +1,194 @@
+"""Inference and trainer on ephemeral ports against the real Redis: bad input, auth, and the
+weight path trainer -> PullWeights -> inference hot swap."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from arlo.background import TaskGroup
+from arlo.config import load_config
+from arlo.coord import TrajectoryStream, WeightPointer, connect, delete_run
+from arlo.model.weights import state_to_bytes
+from arlo.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from arlo.rpc import make_channel
+from services.inference.__main__ import start_inference
+from services.inference.weights import WeightPullError, WeightSync
+from services.trainer.__main__ import start_trainer
+
+TOKEN = "contract-token"
+
+
+@pytest.fixture
+async def stack(redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict]:
+    monkeypatch.setenv("ARLO_TOKEN", TOKEN)
+    server = {"port": 0, "metrics_port": -1, "grace_s": 0.5}
+    cfg = load_config(overrides={
+        "run_id": run_id, "redis": {"url": redis_url},
+        "inference": {"server": server, "max_n": 8, "max_tokens": 16, "max_prompt_tokens": 64, "weight_poll_s": 0.2},
+        "trainer": {"server": server, "groups_per_step": 1, "read_block_ms": 100},
+    })
+    tasks = TaskGroup()
+    trainer, loop = await start_trainer(cfg, tasks)
+    inference, engine = await start_inference(cfg, tasks)
+    try:
+        yield {"cfg": cfg, "loop": loop, "engine": engine, "trainer": f"127.0.0.1:{trainer.port}",
+               "inference": f"127.0.0.1:{inference.port}"}
+    finally:
+        await tasks.cancel_all()
+        await inference.stop(0.1)
+        await trainer.stop(0.1)
+        redis = await connect(cfg.redis)
+        await delete_run(redis, run_id)
+        await redis.aclose()
+
+
+def generate_request(**kw) -> inference_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=kw.pop("max_tokens", 4), temperature=1.0)
+    return inference_pb2.GenerateRequest(**{"prompt_token_ids": [257, 260, 49, 258, 261], "n": 1,
+                                            "sampling": sampling, **kw})
+
+
+async def test_generate_returns_n_samples_with_logprobs_and_versions(stack: dict) -> None:
+    async with make_channel(stack["inference"], token=TOKEN) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        resp = await stub.Generate(generate_request(n=4, max_tokens=6))
+        info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+    assert len(resp.completions) == 4 and resp.policy_version == 0
+    for c in resp.completions:
+        assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids) == len(c.policy_versions)
+        assert all(lp <= 0.0 for lp in c.logprobs)
+    assert info.model_name == "tiny" and info.max_n == 8 and info.eos_token_id == 258
+
+
+@pytest.mark.parametrize(("request_kw", "needle"), [
+    ({"prompt_token_ids": []}, "must not be empty"),
+    ({"n": 9}, "n must be in"),
+    ({"max_tokens": 0}, "max_tokens is required"),
+    ({"max_tokens": 17}, "max_tokens must be in"),
+    ({"prompt_token_ids": [5000]}, "prompt_token_ids must be in"),
+    ({"prompt_token_ids": [1] * 65}, "at most 64"),
+    ({"session_id": "x" * 129}, "at most 128 bytes"),
+])
+async def test_generate_bad_input_is_invalid_argument(stack: dict, request_kw: dict, needle: str) -> None:
+    async with make_channel(stack["inference"], token=TOKEN) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await inference_pb2_grpc.InferenceStub(ch).Generate(generate_request(**request_kw))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+        health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_every_rpc_needs_the_token_but_health(stack: dict) -> None:
+    calls = [
+        (stack["inference"], inference_pb2_grpc.InferenceStub, "Generate", generate_request()),
+        (stack["inference"], inference_pb2_grpc.InferenceStub, "GetModelInfo", inference_pb2.GetModelInfoRequest()),
+        (stack["trainer"], trainer_pb2_grpc.TrainerStub, "GetStatus", trainer_pb2.GetStatusRequest()),
+        (stack["trainer"], trainer_pb2_grpc.TrainerStub, "Pause", trainer_pb2.PauseRequest()),
+        (stack["trainer"], trainer_pb2_grpc.TrainerStub, "Resume", trainer_pb2.ResumeRequest()),
+        (stack["trainer"], trainer_pb2_grpc.TrainerStub, "SaveCheckpoint", trainer_pb2.SaveCheckpointRequest()),
+    ]
+    for address, stub_cls, method, request in calls:
+        for token in (None, "wrong"):
+            async with make_channel(address, token=token) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await getattr(stub_cls(ch), method)(request)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, token)
+    for stream_call in ("GenerateStream", "PullWeights"):
+        async with make_channel(stack["inference" if stream_call == "GenerateStream" else "trainer"], token=None) as ch:
+            stub = (inference_pb2_grpc.InferenceStub(ch) if stream_call == "GenerateStream"
+                    else trainer_pb2_grpc.TrainerStub(ch))
+            request = (inference_pb2.GenerateStreamRequest(request=generate_request()) if stream_call == "GenerateStream"
+                       else trainer_pb2.PullWeightsRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in getattr(stub, stream_call)(request):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with make_channel(stack["trainer"], token=None) as ch:
+        health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def trajectory(group: str, reward: float) -> common_pb2.Trajectory:
+    prompt = [257, 260, 51, 43, 52, 61, 258, 261]
+    return common_pb2.Trajectory(
+        id=uuid.uuid4().hex, group_id=group, group_size=2, token_ids=prompt + [55, 258],
+        logprobs=[0.0] * 8 + [-5.5, -5.5], loss_mask=[0] * 8 + [1, 1], policy_versions=[-1] * 8 + [0, 0],
+        reward=reward, status=common_pb2.TRAJECTORY_STATUS_OK)
+
+
+async def wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_trained_version_reaches_inference_intact(stack: dict) -> None:
+    cfg, loop, engine = stack["cfg"], stack["loop"], stack["engine"]
+    redis = await connect(cfg.redis)
+    stream = TrajectoryStream(redis, cfg.run_id, consumer="test-producer")
+    for traj in (trajectory("g1", 1.0), trajectory("g1", 0.0)):
+        await stream.add(traj)
+    await wait_for(lambda: loop.state.version >= 1)
+    pointer = await WeightPointer(redis, cfg.run_id).get()
+    assert pointer is not None and pointer.version == 1
+    await wait_for(lambda: engine.version >= 1)
+    # What inference serves is byte-for-byte what the trainer published.
+    assert hashlib.sha256(state_to_bytes(engine.state)).hexdigest() == pointer.sha256
+    async with make_channel(stack["inference"], token=TOKEN) as ch:
+        resp = await inference_pb2_grpc.InferenceStub(ch).Generate(generate_request())
+    assert set(resp.completions[0].policy_versions) == {1}
+    async with make_channel(stack["trainer"], token=TOKEN) as ch:
+        status = await trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetStatusRequest())
+    assert status.version == 1 and status.step == 1 and status.trajectories_consumed == 2
+    assert await stream.backlog() == 0  # acknowledged after the step
+    await redis.aclose()
+
+
+async def test_corrupt_publication_is_rejected_and_old_weights_keep_serving(stack: dict) -> None:
+    cfg, loop, engine = stack["cfg"], stack["loop"], stack["engine"]
+    loop.store.put(1, state_to_bytes(loop.learner.state))
+    bad = replace(await _pointer_state(cfg, loop), sha256="0" * 64)
+    sync = WeightSync(engine, WeightPointer(await connect(cfg.redis), cfg.run_id), token=TOKEN, poll_s=1.0,
+                      max_message_bytes=64 << 20)
+    with pytest.raises(WeightPullError, match="sha256"):
+        await sync.sync_to(bad)
+    assert engine.version == 0
+
+
+async def _pointer_state(cfg, loop):
+    from arlo.coord import WeightPointerState
+
+    published = loop.store.get(0)
+    return WeightPointerState(version=published.version, source=loop.source, sha256=published.sha256,
+                              checkpoint_version=0, checkpoint_uri="", time=published.time)
+
+
+@pytest.mark.parametrize(("request_kw", "code"), [
+    ({"chunk_bytes": 1}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"version": 99}, grpc.StatusCode.NOT_FOUND),
+    ({"version": -1}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"offset": 1 << 40}, grpc.StatusCode.OUT_OF_RANGE),
+])
+async def test_pull_weights_bad_input(stack: dict, request_kw: dict, code: grpc.StatusCode) -> None:
+    stack["loop"].store.put(1, b"x" * 1000)
+    async with make_channel(stack["trainer"], token=TOKEN) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in trainer_pb2_grpc.TrainerStub(ch).PullWeights(trainer_pb2.PullWeightsRequest(**request_kw)):
+                pass
+    assert err.value.code() == code
+
+
+async def test_save_checkpoint_without_a_directory_is_failed_precondition(stack: dict) -> None:
+    async with make_channel(stack["trainer"], token=TOKEN) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "checkpoint_dir" in err.value.details()
