@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,21 +42,41 @@ def wait_serving(port: int, service: str, proc: subprocess.Popen, timeout_s: flo
     raise AssertionError(f"not SERVING within {timeout_s}s")
 
 
-@pytest.mark.parametrize(("module", "service"), [("reward", "arlo.v1.Reward"), ("env_gateway", "arlo.v1.Environment")])
-def test_service_process_serves_and_exits_cleanly_on_sigterm(tmp_path: Path, module: str, service: str) -> None:
+def reflected_services(port: int, token: str) -> set[str]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                            metadata=[("authorization", f"Bearer {token}")], timeout=10)
+        return {s.name for reply in replies for s in reply.list_services_response.service}
+
+
+@pytest.mark.parametrize(("module", "service"), [
+    ("reward", "arlo.v1.Reward"), ("env_gateway", "arlo.v1.Environment"), ("inference", "arlo.v1.Inference"),
+    ("trainer", "arlo.v1.Trainer"), ("rollout", ""),
+])
+def test_service_process_serves_and_exits_cleanly_on_sigterm(tmp_path: Path, module: str, service: str,
+                                                             redis_url: str, run_id: str) -> None:
     port, metrics_port = free_port(), free_port()
-    env = {**os.environ, "ARLO_TOKEN": "process-token"}
+    env = {**os.environ, "ARLO_TOKEN": "process-token", "JAX_PLATFORMS": "cpu"}
     env.pop("ARLO_CONFIG", None)
+    config = tmp_path / "run.yaml"
+    # Rollout's peers are not running: it must still serve health and stop cleanly.
+    config.write_text(f"run_id: {run_id}\nredis: {{url: '{redis_url}'}}\n"
+                      f"inference: {{server: {{port: {free_port()}}}}}\n")
     stderr = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", f"services.{module}", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", f"services.{module}", "-c", str(config), "--port", str(port),
                              "--metrics-port", str(metrics_port)], cwd=ROOT, env=env, stderr=stderr)
     try:
-        wait_serving(port, service, proc)
+        wait_serving(port, service, proc, timeout_s=120)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         assert "arlo_rpc_requests_total" in metrics
+        reflected = reflected_services(port, "process-token")
+        assert "grpc.health.v1.Health" in reflected and (not service or service in reflected)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
+        code = proc.wait(timeout=15)
+        stderr.seek(0)
+        assert code == 0, stderr.read()[-3000:]
         assert time.monotonic() - started < 10
     finally:
         if proc.poll() is None:
