@@ -132,14 +132,94 @@ class TrainerConfig:
 
 
 @_frozen
+class SandboxConfig:
+    """Limits for untrusted code (env code execution, reward code tests)."""
+
+    cpu_seconds: int = 5
+    memory_mb: int = 512
+    """Address-space limit of the sandboxed process."""
+    file_size_mb: int = 16
+    max_processes: int = 32
+    wall_timeout_s: float = 10.0
+    """Wall-clock limit; past it the whole process group is killed."""
+    isolation: str = "auto"
+    """"auto" (bubblewrap if installed, else unshare; says so when namespaces are refused), "bwrap", "unshare", "none"."""
+    uid: int = 65534
+    """Unprivileged uid the code runs as (when started as root)."""
+    max_output_bytes: int = 65536
+    """stdout/stderr are each cut to this many bytes."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.cpu_seconds", 1 <= self.cpu_seconds <= 3600, "must be in [1, 3600]")
+        _check(f"{path}.memory_mb", 16 <= self.memory_mb <= 1 << 20, "must be in [16, 1048576]")
+        _check(f"{path}.file_size_mb", 1 <= self.file_size_mb <= 1 << 20, "must be in [1, 1048576]")
+        _check(f"{path}.max_processes", 1 <= self.max_processes <= 4096, "must be in [1, 4096]")
+        _check(f"{path}.wall_timeout_s", 0 < self.wall_timeout_s <= 3600, "must be in (0, 3600]")
+        _check(f"{path}.isolation", self.isolation in ("auto", "bwrap", "unshare", "none"),
+               "must be one of auto, bwrap, unshare, none")
+        _check(f"{path}.max_output_bytes", 1024 <= self.max_output_bytes <= 1 << 24, "must be in [1 KiB, 16 MiB]")
+
+
+@_frozen
+class RemoteEnvConfig:
+    """An external environment service (implements arlo.v1.Environment) proxied by the gateway."""
+
+    address: str
+    """host:port (or a dns:/// target) of the remote Environment service."""
+    env_names: tuple[str, ...] = ()
+    """Environment names served by this backend; empty means ask it (ListEnvironments) at start."""
+    max_concurrency: int = 64
+    """In-flight calls to this backend; more wait."""
+    timeout_s: float = 30.0
+    """Deadline of each call (shortened to the caller's remaining deadline)."""
+    retries: int = 2
+    """Retries of idempotent calls (ListEnvironments, Close) on UNAVAILABLE."""
+    breaker_failures: int = 5
+    """Consecutive failures that open the circuit breaker."""
+    breaker_reset_s: float = 10.0
+    """How long an open breaker fails fast before letting one call through."""
+    token_env: str = ""
+    """Env var with the backend's bearer token; empty sends the gateway's own token."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.address", bool(self.address), "must be set")
+        _check(f"{path}.max_concurrency", self.max_concurrency >= 1, "must be >= 1")
+        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
+        _check(f"{path}.retries", 0 <= self.retries <= 10, "must be in [0, 10]")
+        _check(f"{path}.breaker_failures", self.breaker_failures >= 1, "must be >= 1")
+        _check(f"{path}.breaker_reset_s", self.breaker_reset_s > 0, "must be > 0")
+
+
+@_frozen
 class EnvGatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50053, metrics_port=9103))
     session_idle_timeout_s: float = 600.0
     max_sessions: int = 10000
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    remotes: tuple[RemoteEnvConfig, ...] = ()
+    retrieval_docs_dir: str = ""
+    """Directory of .txt/.md documents for the retrieval env; empty uses the built-in set."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         _check(f"{path}.session_idle_timeout_s", self.session_idle_timeout_s > 0, "must be > 0")
+        self.sandbox.validate(f"{path}.sandbox")
+        for i, remote in enumerate(self.remotes):
+            remote.validate(f"{path}.remotes[{i}]")
+
+
+@_frozen
+class RewardPluginConfig:
+    """A user verifier: `target` is "package.module:function", registered under `name`."""
+
+    name: str
+    target: str
+    description: str = ""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.name", bool(self.name), "must be set")
+        module, _, fn = self.target.partition(":")
+        _check(f"{path}.target", bool(module) and bool(fn), "must look like 'package.module:function'")
 
 
 @_frozen
@@ -147,10 +227,16 @@ class RewardConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50054, metrics_port=9104))
     timeout_s: float = 5.0
     """Per-item verifier deadline; past it the item gets SCORE_STATUS_TIMEOUT."""
+    plugins: tuple[RewardPluginConfig, ...] = ()
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits for running code-correctness tests."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
+        self.sandbox.validate(f"{path}.sandbox")
+        for i, plugin in enumerate(self.plugins):
+            plugin.validate(f"{path}.plugins[{i}]")
 
 
 @_frozen
@@ -250,7 +336,16 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """Plain data (lists, not tuples) that YAML can write and `from_dict` reads back."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
