@@ -14,7 +14,8 @@ from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logg
 from arlo.service_args import parse_service_config
 from services.trainer.learner import Learner, LearnerConfig
 from services.trainer.loop import TrainingLoop
-from services.trainer.losses import ClipConfig
+from services.trainer.losses import PolicyLossConfig
+from services.trainer.objectives import ObjectiveConfig
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 
@@ -34,7 +35,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
                               max_backlog=cfg.redis.max_backlog)
     learner = Learner(ModelConfig.named(cfg.model.name), seed=cfg.model.seed, cfg=LearnerConfig(
         learning_rate=tc.learning_rate, max_grad_norm=tc.max_grad_norm,
-        clip=ClipConfig(eps_low=tc.clip_eps, eps_high=tc.clip_eps)))
+        objective=ObjectiveConfig(loss=PolicyLossConfig(eps_low=tc.clip_eps, eps_high=tc.clip_eps))))
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
         source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,

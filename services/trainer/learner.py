@@ -1,12 +1,18 @@
-"""The learner: a functional, jitted GRPO step over an NNX model's state.
+"""The learner: functional, jitted RL and SFT steps over an NNX model's state.
 
-The model is split once (`nnx.split`); the step is `jax.jit` over (state, opt_state, batch)
-with both donated, because `nnx.jit` would walk the module graph in Python on every call.
+The model is split once (`nnx.split`); each step is `jax.jit` over (state, opt_state, batch)
+with state and optimizer state donated, because `nnx.jit` would walk the module graph in
+Python on every call. A batch is cut into micro-batches whose gradients are summed in a
+`lax.scan`; every micro-batch loss is divided by the WHOLE batch's denominator, so the
+gradient equals the full-batch gradient whatever the micro-batch size, a partial last
+micro-batch included (it is padded with rows whose mask is 0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +22,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from arlo.model import ModelConfig, create_model, token_logprobs
-from services.trainer.advantages import grpo_advantages
+from arlo.model import ModelConfig, create_model
 from services.trainer.batching import Batch
-from services.trainer.losses import ClipConfig, clipped_surrogate_loss
+from services.trainer.losses import aggregate_denominator
+from services.trainer.objectives import (
+    ObjectiveConfig,
+    advantages_b,
+    rl_objective,
+    sequence_kl,
+    sft_objective,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,8 +39,12 @@ class LearnerConfig:
     learning_rate: float = 1e-3
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
-    clip: ClipConfig = ClipConfig()
-    scale_adv_by_std: bool = True
+    warmup_steps: int = 0
+    total_steps: int = 0
+    """> 0: cosine decay to 10% of the peak over this many steps; 0: constant after warmup."""
+    micro_batch_size: int = 0
+    """Rows per micro-batch (gradient accumulation); 0 = the whole batch at once."""
+    objective: ObjectiveConfig = ObjectiveConfig()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,60 +55,135 @@ class StepMetrics:
     approx_kl: float
     grad_norm: float
     num_tokens: int
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def make_schedule(cfg: LearnerConfig) -> optax.Schedule:
+    if cfg.total_steps > 0:
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if cfg.warmup_steps else cfg.learning_rate, peak_value=cfg.learning_rate,
+            warmup_steps=cfg.warmup_steps, decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
+            end_value=cfg.learning_rate * 0.1)
+    if cfg.warmup_steps > 0:
+        return optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+    return optax.constant_schedule(cfg.learning_rate)
 
 
 def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay),
+        optax.adamw(make_schedule(cfg), weight_decay=cfg.weight_decay),
     )
 
 
 class Learner:
-    """Holds the policy state and optimizer state; `step` applies one GRPO update."""
+    """Holds the policy and optimizer state; `step` applies one RL update, `sft_step` one SFT update."""
 
     def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: LearnerConfig) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(create_model(model_cfg, seed))
+        obj = cfg.objective
+        # The KL reference is the initial policy, held apart (never donated, never updated).
+        self.ref_state = jax.tree.map(jnp.copy, self.state) if obj.kl_coef else None
         self._tx = make_optimizer(cfg)
         self.opt_state = self._tx.init(self.state)
         self.step_count = 0
-        self._step = jax.jit(functools.partial(_train_step, self.graphdef, self._tx, cfg), donate_argnums=(0, 1))
+        rl = functools.partial(_rl_step, self.graphdef, self._tx, obj)
+        sft = functools.partial(_sft_step, self.graphdef, self._tx)
+        self._rl_step = jax.jit(rl, donate_argnums=(0, 1))
+        self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
 
     def step(self, batch: Batch) -> StepMetrics:
-        device_batch = {
-            "tokens_bt": jnp.asarray(batch.tokens_bt),
-            "behaviour_logprobs_bt": jnp.asarray(batch.behaviour_logprobs_bt),
-            "mask_bt": jnp.asarray(batch.mask_bt),
-            "rewards_gk": jnp.asarray(batch.rewards_gk),
-        }
-        self.state, self.opt_state, metrics = self._step(self.state, self.opt_state, device_batch)
+        rows = self._device_rows(batch)
+        self.state, self.opt_state, metrics = self._rl_step(
+            self.state, self.opt_state, self.ref_state, rows, jnp.asarray(batch.rewards_gk))
+        return self._finish(metrics, batch, reward_mean=float(np.mean(batch.rewards_gk)))
+
+    def sft_step(self, batch: Batch) -> StepMetrics:
+        self.state, self.opt_state, metrics = self._sft_step(self.state, self.opt_state, self._device_rows(batch))
+        return self._finish(metrics, batch, reward_mean=0.0)
+
+    def _device_rows(self, batch: Batch) -> dict[str, jax.Array]:
+        rows = {"tokens_bt": batch.tokens_bt, "behaviour_logprobs_bt": batch.behaviour_logprobs_bt,
+                "mask_bt": batch.mask_bt}
+        size = self.cfg.micro_batch_size or len(batch.tokens_bt)
+        padded = pad_rows(rows, multiple=size)
+        # [micro_batches, rows, ...]: static shapes, so one compiled step per bucket.
+        return {k: jnp.asarray(v.reshape(-1, size, *v.shape[1:])) for k, v in padded.items()}
+
+    def _finish(self, metrics: dict[str, jax.Array], batch: Batch, *, reward_mean: float) -> StepMetrics:
         self.step_count += 1
-        host = jax.device_get(metrics)  # one deliberate sync per step, for logging
+        host = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one deliberate sync per step
         return StepMetrics(
-            loss=float(host["loss"]), reward_mean=float(np.mean(batch.rewards_gk)),
-            clip_fraction=float(host["clip_fraction"]), approx_kl=float(host["approx_kl"]),
-            grad_norm=float(host["grad_norm"]), num_tokens=batch.num_tokens,
+            loss=host.pop("loss"), reward_mean=reward_mean, clip_fraction=host.pop("clip_fraction", 0.0),
+            approx_kl=host.pop("approx_kl", 0.0), grad_norm=host.pop("grad_norm"), num_tokens=batch.num_tokens,
+            extra=host,
         )
 
 
-def _train_step(
-    graphdef: Any, tx: optax.GradientTransformation, cfg: LearnerConfig,
-    state: nnx.State, opt_state: Any, batch: dict[str, jax.Array],
-) -> tuple[nnx.State, Any, dict[str, jax.Array]]:
-    advantages_b = grpo_advantages(batch["rewards_gk"], scale_by_std=cfg.scale_adv_by_std).reshape(-1)
+def pad_rows(arrays: dict[str, np.ndarray], *, multiple: int) -> dict[str, np.ndarray]:
+    """Pads the batch dimension up to a multiple with all-zero rows (mask 0: they add nothing)."""
+    n = len(next(iter(arrays.values())))
+    extra = (-n) % multiple
+    if not extra:
+        return arrays
+    return {k: np.concatenate([v, np.zeros((extra, *v.shape[1:]), v.dtype)]) for k, v in arrays.items()}
 
-    def loss_fn(state: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
-        model = nnx.merge(graphdef, state)
-        tokens = batch["tokens_bt"]
-        logits_btv = model(tokens[:, :-1])
-        logprobs_bt = token_logprobs(logits_btv, tokens[:, 1:])
-        return clipped_surrogate_loss(
-            logprobs_bt, batch["behaviour_logprobs_bt"][:, 1:], advantages_b, batch["mask_bt"][:, 1:], cfg.clip
-        )
 
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state)
+def _accumulate(
+    graphdef: Any, objective: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
+    state: nnx.State, mbs: dict[str, jax.Array],
+) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
+    """Sums loss and gradients over the leading (micro-batch) axis."""
+
+    def loss_fn(state: nnx.State, mb: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return objective(nnx.merge(graphdef, state), mb)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    num_mb = next(iter(mbs.values())).shape[0]
+
+    def body(carry: tuple[jax.Array, nnx.State, dict[str, jax.Array]], mb: dict[str, jax.Array]):
+        loss_sum, grads_sum, metrics_sum = carry
+        (loss, metrics), grads = grad_fn(state, mb)
+        metrics_sum = jax.tree.map(lambda a, b: a + b / num_mb, metrics_sum, metrics)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grads_sum, grads), metrics_sum), None
+
+    first = jax.tree.map(lambda x: x[0], mbs)
+    metrics_shape = jax.eval_shape(loss_fn, state, first)[1]
+    init = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
+    (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
+    return loss, grads, metrics
+
+
+def _apply(tx: optax.GradientTransformation, state: nnx.State, opt_state: Any, grads: nnx.State):
     updates, opt_state = tx.update(grads, opt_state, state)
-    state = optax.apply_updates(state, updates)
+    return optax.apply_updates(state, updates), opt_state
+
+
+def _rl_step(graphdef: Any, tx: optax.GradientTransformation, obj: ObjectiveConfig, state: nnx.State,
+             opt_state: Any, ref_state: nnx.State | None, mbs: dict[str, jax.Array], rewards_gk: jax.Array):
+    ref_model = nnx.merge(graphdef, ref_state) if ref_state is not None else None
+    if obj.kl_coef and obj.kl_in_reward:
+        model = nnx.merge(graphdef, state)
+        kl_b = jax.lax.map(lambda mb: sequence_kl(model, ref_model, mb, obj.kl_kind), mbs).reshape(-1)
+        rewards_gk = rewards_gk - obj.kl_coef * jax.lax.stop_gradient(kl_b[: rewards_gk.size]).reshape(rewards_gk.shape)
+    adv = advantages_b(obj, rewards_gk)
+    total_rows = mbs["mask_bt"].shape[0] * mbs["mask_bt"].shape[1]
+    mbs = {**mbs, "advantages_b": jnp.pad(adv, (0, total_rows - adv.size)).reshape(mbs["mask_bt"].shape[:2])}
+    full_mask = mbs["mask_bt"][:, :, 1:].reshape(total_rows, -1)
+    denominator = aggregate_denominator(full_mask, obj.loss.aggregation, obj.loss.norm_constant,
+                                        num_rows=rewards_gk.size)
+    loss, grads, metrics = _accumulate(
+        graphdef, lambda model, mb: rl_objective(model, mb, denominator, obj, ref_model), state, mbs)
+    state, opt_state = _apply(tx, state, opt_state, grads)
+    return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+
+def _sft_step(graphdef: Any, tx: optax.GradientTransformation, state: nnx.State, opt_state: Any,
+              mbs: dict[str, jax.Array]):
+    denominator = jnp.maximum(mbs["mask_bt"][:, :, 1:].sum(), 1.0)
+    loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator), state, mbs)
+    state, opt_state = _apply(tx, state, opt_state, grads)
     return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}

@@ -1,23 +1,47 @@
 """Policy losses: pure functions returning (loss, metrics).
 
-Variants (PPO/GRPO clipping, asymmetric clip-higher) are configurations of one clipped
-surrogate, not copied branches.
+PPO/GRPO clipping, DAPO's clip-higher, dual clip, GSPO's sequence-level ratio, the
+decoupled (off-policy) objective and truncated importance weights are configurations of
+one clipped surrogate, not copied branches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+import jax
 import jax.numpy as jnp
 from jax import Array
 
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ClipConfig:
+class PolicyLossConfig:
     eps_low: float = 0.2
     """Ratio floor is 1 - eps_low."""
     eps_high: float = 0.2
     """Ratio ceiling is 1 + eps_high (DAPO's clip-higher sets it above eps_low)."""
+    dual_clip: float | None = None
+    """Dual clip c > 1: for negative advantages the loss is capped at c * |A|."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """"sequence" is GSPO: one ratio per sequence, the length-normalised product of token ratios."""
+    aggregation: Aggregation = "token_mean"
+    norm_constant: float | None = None
+    """Divisor of "seq_sum_norm" (Dr. GRPO: a fixed token budget, so length does not bias the loss)."""
+    is_cap: float | None = None
+    """Truncated importance weight cap between the proximal and the behaviour policy; None = no weight."""
+
+    def __post_init__(self) -> None:
+        if not (0 < self.eps_low < 1 and self.eps_high > 0):
+            raise ValueError("need 0 < eps_low < 1 and eps_high > 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError("dual_clip must be > 1")
+        if self.aggregation == "seq_sum_norm" and not self.norm_constant:
+            raise ValueError("aggregation 'seq_sum_norm' needs norm_constant")
+        if self.is_cap is not None and self.is_cap <= 0:
+            raise ValueError("is_cap must be > 0")
 
 
 def masked_mean(x_bt: Array, mask_bt: Array) -> Array:
@@ -26,28 +50,107 @@ def masked_mean(x_bt: Array, mask_bt: Array) -> Array:
     return (x_bt * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def clipped_surrogate_loss(
-    logprobs_bt: Array,
-    behaviour_logprobs_bt: Array,
-    advantages_b: Array,
-    mask_bt: Array,
-    cfg: ClipConfig,
-) -> tuple[Array, dict[str, Array]]:
-    """PPO/GRPO clipped surrogate, token-mean over the loss mask.
+def aggregate_numerator(loss_bt: Array, mask_bt: Array, mode: Aggregation) -> Array:
+    """The additive part of an aggregation: summing it over micro-batches gives the batch's."""
+    mask = mask_bt.astype(loss_bt.dtype)
+    if mode in ("token_mean", "seq_sum_norm"):
+        return (loss_bt * mask).sum()
+    if mode == "seq_mean_token_mean":
+        return ((loss_bt * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)).sum()
+    raise ValueError(f"unknown aggregation {mode!r}")
 
-    The ratio is taken against the behaviour policy's logprobs recorded by inference, so
-    trajectories generated a few versions back are still weighted correctly.
+
+def aggregate_denominator(mask_bt: Array, mode: Aggregation, norm_constant: float | None = None,
+                          num_rows: int | Array | None = None) -> Array:
+    """The divisor of an aggregation, from the WHOLE batch's mask (not a micro-batch's).
+
+    `num_rows` is the number of real sequences for "seq_sum_norm" (padding rows excluded).
     """
-    log_ratio = (logprobs_bt - behaviour_logprobs_bt) * mask_bt
-    ratio = jnp.exp(log_ratio)
-    adv = advantages_b[:, None]
-    unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    loss = masked_mean(jnp.maximum(unclipped, clipped), mask_bt)
+    mask = mask_bt.astype(jnp.float32)
+    if mode == "token_mean":
+        return jnp.maximum(mask.sum(), 1.0)
+    if mode == "seq_mean_token_mean":
+        return jnp.maximum((mask.sum(axis=1) > 0).sum().astype(jnp.float32), 1.0)
+    if mode == "seq_sum_norm":
+        if not norm_constant:
+            raise ValueError("aggregation 'seq_sum_norm' needs norm_constant")
+        rows = mask.shape[0] if num_rows is None else num_rows
+        return jnp.asarray(norm_constant * rows, jnp.float32)
+    raise ValueError(f"unknown aggregation {mode!r}")
+
+
+def aggregate(loss_bt: Array, mask_bt: Array, mode: Aggregation, norm_constant: float | None = None,
+              denominator: Array | None = None) -> Array:
+    """Reduces per-token losses to a scalar; padding and observations never count.
+
+    Pass the whole batch's `denominator` when `loss_bt` is one micro-batch of it, so that the
+    micro-batch losses add up to exactly the full-batch loss.
+    """
+    if denominator is None:
+        denominator = aggregate_denominator(mask_bt, mode, norm_constant)
+    return aggregate_numerator(loss_bt, mask_bt, mode) / denominator
+
+
+def policy_loss(
+    logprobs_bt: Array,
+    proximal_logprobs_bt: Array,
+    behaviour_logprobs_bt: Array,
+    advantages_bt: Array,
+    mask_bt: Array,
+    cfg: PolicyLossConfig,
+    denominator: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The clipped surrogate, decoupled: clip against the proximal policy, weight by proximal/behaviour.
+
+    On-policy PPO/GRPO passes the behaviour logprobs as the proximal ones (weight 1). With
+    `is_cap`, tokens sampled by an older or numerically different sampler are re-weighted by
+    min(pi_prox / pi_behaviour, is_cap) (truncated importance sampling).
+    """
+    mask = mask_bt.astype(logprobs_bt.dtype)
+    log_ratio_bt = (logprobs_bt - proximal_logprobs_bt) * mask
+    if cfg.ratio_level == "sequence":
+        seq_log_ratio = log_ratio_bt.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+        log_ratio_bt = jnp.broadcast_to(seq_log_ratio[:, None], log_ratio_bt.shape) * mask
+    ratio = jnp.exp(log_ratio_bt)
+    unclipped = -advantages_bt * ratio
+    clipped = -advantages_bt * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    loss_bt = jnp.maximum(unclipped, clipped)
+    if cfg.dual_clip is not None:
+        loss_bt = jnp.where(advantages_bt < 0, jnp.minimum(loss_bt, -cfg.dual_clip * advantages_bt), loss_bt)
+    mismatch_bt = proximal_logprobs_bt - behaviour_logprobs_bt
+    weight_bt = jnp.ones_like(loss_bt)
+    if cfg.is_cap is not None:
+        weight_bt = jax.lax.stop_gradient(jnp.minimum(jnp.exp(mismatch_bt), cfg.is_cap))
+    loss = aggregate(loss_bt * weight_bt, mask, cfg.aggregation, cfg.norm_constant, denominator)
     metrics = {
-        "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask_bt),
-        # k3 estimator of KL(behaviour || current): non-negative, low variance.
-        "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask_bt),
-        "ratio_mean": masked_mean(ratio, mask_bt),
+        "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        "approx_kl": masked_mean(ratio - 1.0 - log_ratio_bt, mask),  # k3 of KL(prox || current)
+        "ratio_mean": masked_mean(ratio, mask),
+        "logprob_mismatch": masked_mean(jnp.abs(mismatch_bt), mask),  # sampler vs trainer
+        "is_weight_mean": masked_mean(weight_bt, mask),
     }
     return loss, metrics
+
+
+def kl_estimate(logprobs_bt: Array, ref_logprobs_bt: Array, kind: Literal["k1", "k2", "k3"]) -> Array:
+    """Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
+    log_r = ref_logprobs_bt - logprobs_bt
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return jnp.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+
+
+def token_entropy(logits_btv: Array) -> Array:
+    """Entropy of each position's next-token distribution (for an entropy bonus)."""
+    logp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+    return -(jnp.exp(logp) * logp).sum(axis=-1)
+
+
+def sft_loss(logprobs_bt: Array, mask_bt: Array) -> tuple[Array, dict[str, Array]]:
+    """Cross-entropy on the masked (demonstration) tokens."""
+    nll = masked_mean(-logprobs_bt, mask_bt)
+    return nll, {"nll": nll}

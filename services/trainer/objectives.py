@@ -1,0 +1,105 @@
+"""What one micro-batch contributes to the loss: the RL objective and the SFT objective.
+
+Pure functions of (model, micro-batch, whole-batch denominators); the learner sums their
+gradients over micro-batches, so a batch trains the same whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from arlo.model import token_logprobs
+from services.trainer.advantages import (
+    batch_normalized_advantages,
+    grpo_advantages,
+    rloo_advantages,
+)
+from services.trainer.losses import (
+    PolicyLossConfig,
+    aggregate,
+    kl_estimate,
+    masked_mean,
+    policy_loss,
+    sft_loss,
+    token_entropy,
+)
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ObjectiveConfig:
+    loss: PolicyLossConfig = PolicyLossConfig()
+    advantage: AdvantageEstimator = "grpo"
+    decoupled: bool = False
+    """Decoupled PPO: clip against the trainer's own (proximal) logprobs and re-weight by
+    proximal/behaviour (needs loss.is_cap); else clip directly against the behaviour policy."""
+    kl_coef: float = 0.0
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    """Subtract kl_coef x the sequence's summed KL from its reward instead of adding a loss term."""
+    entropy_coef: float = 0.0
+
+
+def advantages_b(cfg: ObjectiveConfig, rewards_gk: Array) -> Array:
+    """Per-sequence advantages, flattened in group-major order (the batch's row order)."""
+    if cfg.advantage == "grpo":
+        adv = grpo_advantages(rewards_gk, scale_by_std=True)
+    elif cfg.advantage == "dr_grpo":
+        adv = grpo_advantages(rewards_gk, scale_by_std=False)
+    elif cfg.advantage == "rloo":
+        adv = rloo_advantages(rewards_gk)
+    elif cfg.advantage == "reinforce_pp":
+        centred = rewards_gk - rewards_gk.mean(axis=1, keepdims=True)
+        adv = batch_normalized_advantages(centred.reshape(-1)).reshape(rewards_gk.shape)
+    else:
+        raise ValueError(f"unknown advantage estimator {cfg.advantage!r}")
+    return adv.reshape(-1)
+
+
+def shifted(mb: dict[str, Array]) -> tuple[Array, Array, Array, Array]:
+    """Inputs, targets and the per-target arrays: token t is predicted from tokens < t."""
+    tokens = mb["tokens_bt"]
+    return tokens[:, :-1], tokens[:, 1:], mb["behaviour_logprobs_bt"][:, 1:], mb["mask_bt"][:, 1:]
+
+
+def rl_objective(model, mb: dict[str, Array], denominator: Array, cfg: ObjectiveConfig,
+                 ref_model=None) -> tuple[Array, dict[str, Array]]:
+    inputs, targets, behaviour, mask = shifted(mb)
+    logits = model(inputs)
+    logprobs = token_logprobs(logits, targets)
+    proximal = jax.lax.stop_gradient(logprobs) if cfg.decoupled else behaviour
+    adv_bt = jnp.broadcast_to(mb["advantages_b"][:, None], logprobs.shape)
+    loss, metrics = policy_loss(logprobs, proximal, behaviour, adv_bt, mask, cfg.loss, denominator)
+    if cfg.kl_coef and not cfg.kl_in_reward:
+        ref_lp = jax.lax.stop_gradient(token_logprobs(ref_model(inputs), targets))
+        kl = kl_estimate(logprobs, ref_lp, cfg.kl_kind)
+        loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.loss.aggregation, cfg.loss.norm_constant, denominator)
+        metrics["kl_ref"] = masked_mean(kl, mask)
+    if cfg.entropy_coef:
+        entropy = token_entropy(logits)
+        loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss.aggregation, cfg.loss.norm_constant,
+                                                   denominator)
+        metrics["entropy"] = masked_mean(entropy, mask)
+    return loss, metrics
+
+
+def sequence_kl(model, ref_model, mb: dict[str, Array], kind: str) -> Array:
+    """Summed per-token KL of each sequence, for a KL penalty folded into the reward."""
+    inputs, targets, _, mask = shifted(mb)
+    lp = token_logprobs(model(inputs), targets)
+    ref = token_logprobs(ref_model(inputs), targets)
+    return (kl_estimate(lp, ref, kind) * mask).sum(axis=1)
+
+
+def sft_objective(model, mb: dict[str, Array], denominator: Array) -> tuple[Array, dict[str, Array]]:
+    inputs, targets, _, mask = shifted(mb)
+    logprobs = token_logprobs(model(inputs), targets)
+    loss, metrics = sft_loss(logprobs, mask)
+    # sft_loss is a token mean over this micro-batch; rescale to the whole batch's token count.
+    return loss * jnp.maximum(mask.sum(), 1.0) / denominator, metrics
