@@ -107,15 +107,73 @@ class InferenceConfig:
 
 
 @_frozen
+class AlgorithmConfig:
+    """The RL objective. Defaults are GRPO; the other fields switch on its known variants."""
+
+    advantage: str = "grpo"
+    """"grpo", "dr_grpo" (no std scaling), "rloo" or "reinforce_pp" (batch whitening)."""
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.0
+    """Upper clip (DAPO clip-higher); 0 means the same as clip_eps."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1; 0 disables."""
+    ratio_level: str = "token"
+    """"token" (PPO/GRPO) or "sequence" (GSPO)."""
+    aggregation: str = "token_mean"
+    """"token_mean", "seq_mean_token_mean" or "seq_sum_norm" (needs norm_constant)."""
+    norm_constant: float = 0.0
+    decoupled: bool = False
+    """Decoupled PPO objective: clip against the trainer's own logprobs, weight by trainer/sampler."""
+    is_cap: float = 0.0
+    """Truncated importance weight cap between trainer and sampler logprobs; 0 disables."""
+    kl_coef: float = 0.0
+    """KL to the initial policy; 0 disables (and holds no reference copy)."""
+    kl_kind: str = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    filter_zero_variance: bool = False
+    """Dynamic sampling: drop groups whose rewards are all equal (their advantage is 0)."""
+    overlong_max_tokens: int = 0
+    overlong_buffer_tokens: int = 0
+    """Soft overlong penalty on generated tokens; both 0 disables."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.advantage", self.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+               "must be one of grpo, dr_grpo, rloo, reinforce_pp")
+        _check(f"{path}.clip_eps", 0 < self.clip_eps < 1, "must be in (0, 1)")
+        _check(f"{path}.clip_eps_high", 0 <= self.clip_eps_high < 10, "must be in [0, 10)")
+        _check(f"{path}.dual_clip", self.dual_clip == 0 or self.dual_clip > 1, "must be 0 (off) or > 1")
+        _check(f"{path}.ratio_level", self.ratio_level in ("token", "sequence"), "must be token or sequence")
+        _check(f"{path}.aggregation", self.aggregation in ("token_mean", "seq_mean_token_mean", "seq_sum_norm"),
+               "must be token_mean, seq_mean_token_mean or seq_sum_norm")
+        _check(f"{path}.norm_constant", self.aggregation != "seq_sum_norm" or self.norm_constant > 0,
+               "must be > 0 with aggregation seq_sum_norm")
+        _check(f"{path}.is_cap", self.is_cap >= 0, "must be >= 0")
+        _check(f"{path}.decoupled", not self.decoupled or self.is_cap > 0, "needs is_cap > 0")
+        _check(f"{path}.kl_coef", self.kl_coef >= 0, "must be >= 0")
+        _check(f"{path}.kl_kind", self.kl_kind in ("k1", "k2", "k3"), "must be k1, k2 or k3")
+        _check(f"{path}.entropy_coef", self.entropy_coef >= 0, "must be >= 0")
+        _check(f"{path}.overlong_buffer_tokens",
+               0 <= self.overlong_buffer_tokens <= self.overlong_max_tokens or self.overlong_max_tokens == 0,
+               "must be in [0, overlong_max_tokens]")
+
+
+@_frozen
 class TrainerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50052, metrics_port=9102))
     groups_per_step: int = 4
     """GRPO groups in one optimizer step."""
+    micro_batch_size: int = 0
+    """Rows per micro-batch (gradient accumulation); 0 = the whole batch at once."""
     learning_rate: float = 1e-3
-    clip_eps: float = 0.2
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 0
+    """> 0: cosine decay over this many steps."""
     max_grad_norm: float = 1.0
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     max_staleness: int = 1
-    """Drop trajectories whose oldest token is more than this many versions behind."""
+    """Drop trajectories whose oldest token is more than this many versions behind; 0 = on-policy."""
     checkpoint_dir: str = ""
     """Orbax checkpoint directory; empty disables checkpoints."""
     checkpoint_every: int = 0
@@ -125,10 +183,16 @@ class TrainerConfig:
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
+        _check(f"{path}.micro_batch_size", self.micro_batch_size >= 0, "must be >= 0")
         _check(f"{path}.learning_rate", 0 < self.learning_rate < 1, "must be in (0, 1)")
-        _check(f"{path}.clip_eps", 0 < self.clip_eps < 1, "must be in (0, 1)")
+        _check(f"{path}.weight_decay", self.weight_decay >= 0, "must be >= 0")
+        _check(f"{path}.warmup_steps", self.warmup_steps >= 0, "must be >= 0")
+        _check(f"{path}.total_steps", self.total_steps >= 0, "must be >= 0")
+        self.algorithm.validate(f"{path}.algorithm")
         _check(f"{path}.max_staleness", self.max_staleness >= 0, "must be >= 0")
         _check(f"{path}.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
+        _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),
+               "needs checkpoint_dir")
 
 
 @_frozen

@@ -12,10 +12,8 @@ from arlo.model import ModelConfig
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
-from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.learner import Learner, learner_config
 from services.trainer.loop import TrainingLoop
-from services.trainer.losses import PolicyLossConfig
-from services.trainer.objectives import ObjectiveConfig
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 
@@ -33,14 +31,14 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
-    learner = Learner(ModelConfig.named(cfg.model.name), seed=cfg.model.seed, cfg=LearnerConfig(
-        learning_rate=tc.learning_rate, max_grad_norm=tc.max_grad_norm,
-        objective=ObjectiveConfig(loss=PolicyLossConfig(eps_low=tc.clip_eps, eps_high=tc.clip_eps))))
+    learner = Learner(ModelConfig.named(cfg.model.name), seed=cfg.model.seed, cfg=learner_config(tc))
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
         source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,
         read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir, checkpoint_every=tc.checkpoint_every,
-        tokenizer=cfg.model.tokenizer,
+        tokenizer=cfg.model.tokenizer, filter_zero_variance=tc.algorithm.filter_zero_variance,
+        overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
+                  if tc.algorithm.overlong_max_tokens else None),
     )
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [

@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
 import numpy as np
 
 from arlo.proto.v1 import common_pb2
+from services.trainer.advantages import overlong_penalty
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +110,12 @@ class GroupAssembler:
         return None
 
 
+def has_reward_spread(group: ReadyGroup, atol: float = 1e-6) -> bool:
+    """False for a group whose rewards are all equal: its GRPO advantages are all 0."""
+    rewards = [t.reward for t in group.trajectories]
+    return max(rewards) - min(rewards) > atol
+
+
 def bucket_length(n: int, minimum: int = 16) -> int:
     """Next power of two >= n: a small, known set of compiled train steps."""
     length = minimum
@@ -116,8 +124,12 @@ def bucket_length(n: int, minimum: int = 16) -> int:
     return length
 
 
-def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: int, pad_id: int) -> Batch:
-    """Right-pads whole groups into one batch; sequences longer than the model's context are cut."""
+def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: int, pad_id: int,
+                *, overlong: tuple[int, int] | None = None) -> Batch:
+    """Right-pads whole groups into one batch; sequences longer than the model's context are cut.
+
+    `overlong` = (max_tokens, buffer_tokens) adds DAPO's soft penalty on generated tokens to rewards.
+    """
     trajs = [t for g in groups for t in g]
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
@@ -133,6 +145,9 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
         logprobs[row, :n] = t.logprobs[:n]
         mask[row, :n] = t.loss_mask[:n]
     rewards = np.array([[t.reward for t in g] for g in groups], np.float32)
+    if overlong is not None:
+        generated = jnp.asarray([[sum(t.loss_mask) for t in g] for g in groups])
+        rewards = rewards + np.asarray(overlong_penalty(generated, max_tokens=overlong[0], buffer_tokens=overlong[1]))
     return Batch(
         tokens_bt=tokens, behaviour_logprobs_bt=logprobs, mask_bt=mask, rewards_gk=rewards,
         trajectory_ids=tuple(t.id for t in trajs), num_tokens=int(mask.sum()),

@@ -22,9 +22,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from arlo.config import TrainerConfig
 from arlo.model import ModelConfig, create_model
 from services.trainer.batching import Batch
-from services.trainer.losses import aggregate_denominator
+from services.trainer.losses import PolicyLossConfig, aggregate_denominator
 from services.trainer.objectives import (
     ObjectiveConfig,
     advantages_b,
@@ -56,6 +57,20 @@ class StepMetrics:
     grad_norm: float
     num_tokens: int
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def learner_config(tc: TrainerConfig) -> LearnerConfig:
+    """The learner's view of the run config's trainer section."""
+    a = tc.algorithm
+    loss = PolicyLossConfig(
+        eps_low=a.clip_eps, eps_high=a.clip_eps_high or a.clip_eps, dual_clip=a.dual_clip or None,
+        ratio_level=a.ratio_level, aggregation=a.aggregation, norm_constant=a.norm_constant or None,
+        is_cap=a.is_cap or None)
+    objective = ObjectiveConfig(loss=loss, advantage=a.advantage, decoupled=a.decoupled, kl_coef=a.kl_coef,
+                                kl_kind=a.kl_kind, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef)
+    return LearnerConfig(learning_rate=tc.learning_rate, max_grad_norm=tc.max_grad_norm,
+                         weight_decay=tc.weight_decay, warmup_steps=tc.warmup_steps, total_steps=tc.total_steps,
+                         micro_batch_size=tc.micro_batch_size, objective=objective)
 
 
 def make_schedule(cfg: LearnerConfig) -> optax.Schedule:

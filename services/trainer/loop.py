@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model import get_tokenizer
 from arlo.model.weights import state_to_bytes
-from services.trainer.batching import GroupAssembler, ReadyGroup, build_batch
+from services.trainer.batching import GroupAssembler, ReadyGroup, build_batch, has_reward_spread
 from services.trainer.checkpoint import save_checkpoint
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.publish import VersionStore
@@ -35,6 +35,7 @@ class TrainerState:
     checkpoint_version: int = 0
     checkpoint_uri: str = ""
     consumed: int = 0
+    zero_variance: int = 0
     last: StepMetrics | None = None
 
 
@@ -43,7 +44,10 @@ class TrainingLoop:
         self, *, learner: Learner, stream: TrajectoryStream, pointer: WeightPointer, store: VersionStore,
         source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
         checkpoint_dir: str = "", checkpoint_every: int = 0, tokenizer: str = "byte",
+        filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None,
     ) -> None:
+        self.filter_zero_variance = filter_zero_variance
+        self.overlong = overlong
         self.learner = learner
         self.stream = stream
         self.pointer = pointer
@@ -82,6 +86,11 @@ class TrainingLoop:
             fresh = await self.stream.filter_unseen(entries)  # acks (and counts) what it drops
             self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
             ready, dropped = self.assembler.take_ready(self.state.version)
+            if self.filter_zero_variance:
+                flat = [g for g in ready if not has_reward_spread(g)]
+                ready = [g for g in ready if has_reward_spread(g)]
+                self.state.zero_variance += sum(len(g.entry_ids) for g in flat)
+                dropped += [e for g in flat for e in g.entry_ids]
             self._ready.extend(ready)
             if dropped:
                 # A dropped group is finished with: acknowledge it now, or it pins the backlog.
@@ -101,7 +110,8 @@ class TrainingLoop:
 
     async def _train_once(self) -> StepMetrics:
         groups = self._take_batch_groups()
-        batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id)
+        batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
+                            overlong=self.overlong)
         async with self._jax_lock:
             metrics = await asyncio.to_thread(self.learner.step, batch)
         self.state.version += 1
@@ -145,4 +155,4 @@ class TrainingLoop:
         """Trajectories not trained on, by reason."""
         drops = self.assembler.drops
         return {"stale": drops.stale, "failed": drops.failed, "malformed": drops.malformed + self.stream.malformed,
-                "duplicate": self.stream.duplicates}
+                "duplicate": self.stream.duplicates, "zero_variance": self.state.zero_variance}

@@ -63,3 +63,17 @@ def test_build_batch_pads_right_to_a_bucket() -> None:
 
 def test_bucket_length() -> None:
     assert [bucket_length(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+
+
+def test_overlong_penalty_lowers_long_rewards() -> None:
+    groups = [[traj("a", n=6, reward=1.0), traj("a", n=30, reward=1.0)]]  # 4 and 28 generated tokens
+    b = build_batch(groups, max_seq_len=256, pad_id=256, overlong=(24, 8))
+    np.testing.assert_allclose(b.rewards_gk, [[1.0, 0.0]])
+
+
+def test_zero_variance_groups_are_recognised() -> None:
+    from services.trainer.batching import ReadyGroup, has_reward_spread
+
+    flat = ReadyGroup(trajectories=[traj("a", reward=1.0), traj("a", reward=1.0)], entry_ids=["1", "2"])
+    spread = ReadyGroup(trajectories=[traj("b", reward=1.0), traj("b", reward=0.0)], entry_ids=["3", "4"])
+    assert not has_reward_spread(flat) and has_reward_spread(spread)
