@@ -87,6 +87,17 @@ class ModelSpec:
     tokenizer: str = "byte"
     seed: int = 0
     """Seed of the initial weights (trainer and a cold inference server agree on it)."""
+    dtype: str = "float32"
+    """Compute dtype ("float32" or "bfloat16"); parameters stay float32."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16")
+
+    def model_config(self) -> Any:
+        """The arlo.model ModelConfig this spec names, with its compute dtype."""
+        from arlo.model import ModelConfig
+
+        return dataclasses.replace(ModelConfig.named(self.name), dtype=self.dtype)
 
 
 @_frozen
@@ -179,10 +190,16 @@ class TrainerConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every k versions; 0 disables."""
     read_block_ms: int = 1000
+    remat: str = "none"
+    """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
+    logprob_chunk: int = 0
+    """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
+        _check(f"{path}.remat", self.remat in ("none", "full", "dots"), "must be none, full or dots")
+        _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
         _check(f"{path}.micro_batch_size", self.micro_batch_size >= 0, "must be >= 0")
         _check(f"{path}.learning_rate", 0 < self.learning_rate < 1, "must be in (0, 1)")
         _check(f"{path}.weight_decay", self.weight_decay >= 0, "must be >= 0")

@@ -9,6 +9,8 @@ Two entry points share the layers:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -51,13 +53,24 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Causal forward over whole sequences; returns float32 logits_btv."""
+        return self._logits(self.hidden(tokens_bt))
+
+    def hidden(self, tokens_bt: jax.Array, *, remat: str = "none") -> jax.Array:
+        """Final-normed hidden states h_btd (logits = `logits_from_hidden(h)`).
+
+        `remat` trades compute for memory in training: "full" recomputes each layer in the
+        backward pass, "dots" keeps only the matmul outputs (`dots_with_no_batch_dims_saveable`).
+        """
         t = tokens_bt.shape[1]
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens_bt.shape)
         mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
         x_btd = self.embedder.encode(tokens_bt, self.cfg.compute_dtype)
         for layer in self.layers:
-            x_btd, _ = layer(x_btd, positions_bt, mask_bts)
-        return self._logits(self.final_norm(x_btd))
+            x_btd = _run_layer(layer, x_btd, positions_bt, mask_bts, remat)
+        return self.final_norm(x_btd)
+
+    def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
+        return self._logits(h_btd)
 
     def prefill(
         self, tokens_bt: jax.Array, lengths_b: jax.Array, cache: KVCache, *, start_b: jax.Array | None = None
@@ -103,6 +116,26 @@ class Transformer(nnx.Module):
             return self.embedder.decode(x_btd)
         head_dv = self.lm_head_dv[...].astype(x_btd.dtype)
         return jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
+
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _run_layer(layer: Block, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array, remat: str) -> jax.Array:
+    if remat == "none":
+        return layer(x_btd, positions_bt, mask_bts)[0]
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r}; use none, {', '.join(REMAT_POLICIES)}")
+    graphdef, state = nnx.split(layer)
+
+    @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat])
+    def run(state: nnx.State, x: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state)(x, positions_bt, mask_bts)[0]
+
+    return run(state, x_btd)
 
 
 def create_model(cfg: ModelConfig, seed: int) -> Transformer:

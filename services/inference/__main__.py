@@ -18,8 +18,9 @@ from services.inference.weights import WeightSync
 
 async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, Engine]:
     ic = cfg.inference
-    engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, limits=EngineLimits(
-        max_n=ic.max_n, max_tokens=ic.max_tokens, max_prompt_tokens=ic.max_prompt_tokens))
+    engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
+                    limits=EngineLimits(max_n=ic.max_n, max_tokens=ic.max_tokens,
+                                        max_prompt_tokens=ic.max_prompt_tokens))
     redis = await connect(cfg.redis)
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth),
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)

@@ -7,6 +7,7 @@ records their version; the next one uses the new weights.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 from collections.abc import Sequence
@@ -95,9 +96,10 @@ def validate_request(req: SamplingRequest, limits: EngineLimits, *, vocab_size: 
 class Engine:
     """One model, one policy reference, generation with per-token version records."""
 
-    def __init__(self, model_name: str, *, seed: int, tokenizer: str, limits: EngineLimits) -> None:
+    def __init__(self, model_name: str, *, seed: int, tokenizer: str, limits: EngineLimits,
+                 dtype: str = "float32") -> None:
         self.model_name = model_name
-        self.model_cfg = ModelConfig.named(model_name)
+        self.model_cfg = dataclasses.replace(ModelConfig.named(model_name), dtype=dtype)
         self.tokenizer = get_tokenizer(tokenizer)
         self.limits = limits
         self.graphdef, state = nnx.split(create_model(self.model_cfg, seed))

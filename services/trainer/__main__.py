@@ -8,7 +8,6 @@ import socket
 from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
-from arlo.model import ModelConfig
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
@@ -31,7 +30,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
-    learner = Learner(ModelConfig.named(cfg.model.name), seed=cfg.model.seed, cfg=learner_config(tc))
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc))
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
         source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,

@@ -27,6 +27,7 @@ from arlo.model import ModelConfig, create_model
 from services.trainer.batching import Batch
 from services.trainer.losses import PolicyLossConfig, aggregate_denominator
 from services.trainer.objectives import (
+    ForwardConfig,
     ObjectiveConfig,
     advantages_b,
     rl_objective,
@@ -67,7 +68,8 @@ def learner_config(tc: TrainerConfig) -> LearnerConfig:
         ratio_level=a.ratio_level, aggregation=a.aggregation, norm_constant=a.norm_constant or None,
         is_cap=a.is_cap or None)
     objective = ObjectiveConfig(loss=loss, advantage=a.advantage, decoupled=a.decoupled, kl_coef=a.kl_coef,
-                                kl_kind=a.kl_kind, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef)
+                                kl_kind=a.kl_kind, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
+                                forward=ForwardConfig(remat=tc.remat, logprob_chunk=tc.logprob_chunk))
     return LearnerConfig(learning_rate=tc.learning_rate, max_grad_norm=tc.max_grad_norm,
                          weight_decay=tc.weight_decay, warmup_steps=tc.warmup_steps, total_steps=tc.total_steps,
                          micro_batch_size=tc.micro_batch_size, objective=objective)
@@ -105,7 +107,7 @@ class Learner:
         self.opt_state = self._tx.init(self.state)
         self.step_count = 0
         rl = functools.partial(_rl_step, self.graphdef, self._tx, obj)
-        sft = functools.partial(_sft_step, self.graphdef, self._tx)
+        sft = functools.partial(_sft_step, self.graphdef, self._tx, obj.forward)
         self._rl_step = jax.jit(rl, donate_argnums=(0, 1))
         self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
 
@@ -196,9 +198,10 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, obj: ObjectiveConf
     return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-def _sft_step(graphdef: Any, tx: optax.GradientTransformation, state: nnx.State, opt_state: Any,
-              mbs: dict[str, jax.Array]):
+def _sft_step(graphdef: Any, tx: optax.GradientTransformation, fwd: ForwardConfig, state: nnx.State,
+              opt_state: Any, mbs: dict[str, jax.Array]):
     denominator = jnp.maximum(mbs["mask_bt"][:, :, 1:].sum(), 1.0)
-    loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator), state, mbs)
+    loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator, fwd),
+                                       state, mbs)
     state, opt_state = _apply(tx, state, opt_state, grads)
     return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}

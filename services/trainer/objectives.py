@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from arlo.model import token_logprobs
+from arlo.model.logprobs import chunked_token_logprobs
 from services.trainer.advantages import (
     batch_normalized_advantages,
     grpo_advantages,
@@ -33,6 +34,25 @@ AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ForwardConfig:
+    """Memory for long trajectories: what the backward pass keeps, and how logprobs are taken."""
+
+    remat: Literal["none", "full", "dots"] = "none"
+    logprob_chunk: int = 0
+    """> 0: logprobs in pieces of this many tokens, never holding [batch, length, vocab] logits."""
+
+
+def forward_logprobs(model, inputs: Array, targets: Array, fwd: ForwardConfig,
+                     need_logits: bool = False) -> tuple[Array, Array | None]:
+    """(logprobs_bt, logits_btv or None when chunked)."""
+    h = model.hidden(inputs, remat=fwd.remat)
+    if fwd.logprob_chunk and not need_logits:
+        return chunked_token_logprobs(model, h, targets, fwd.logprob_chunk), None
+    logits = model.logits_from_hidden(h)
+    return token_logprobs(logits, targets), logits
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ObjectiveConfig:
     loss: PolicyLossConfig = PolicyLossConfig()
     advantage: AdvantageEstimator = "grpo"
@@ -44,6 +64,7 @@ class ObjectiveConfig:
     kl_in_reward: bool = False
     """Subtract kl_coef x the sequence's summed KL from its reward instead of adding a loss term."""
     entropy_coef: float = 0.0
+    forward: ForwardConfig = ForwardConfig()
 
 
 def advantages_b(cfg: ObjectiveConfig, rewards_gk: Array) -> Array:
@@ -71,8 +92,7 @@ def shifted(mb: dict[str, Array]) -> tuple[Array, Array, Array, Array]:
 def rl_objective(model, mb: dict[str, Array], denominator: Array, cfg: ObjectiveConfig,
                  ref_model=None) -> tuple[Array, dict[str, Array]]:
     inputs, targets, behaviour, mask = shifted(mb)
-    logits = model(inputs)
-    logprobs = token_logprobs(logits, targets)
+    logprobs, logits = forward_logprobs(model, inputs, targets, cfg.forward, need_logits=cfg.entropy_coef > 0)
     proximal = jax.lax.stop_gradient(logprobs) if cfg.decoupled else behaviour
     adv_bt = jnp.broadcast_to(mb["advantages_b"][:, None], logprobs.shape)
     loss, metrics = policy_loss(logprobs, proximal, behaviour, adv_bt, mask, cfg.loss, denominator)
@@ -82,6 +102,7 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, cfg: Objective
         loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.loss.aggregation, cfg.loss.norm_constant, denominator)
         metrics["kl_ref"] = masked_mean(kl, mask)
     if cfg.entropy_coef:
+        assert logits is not None  # need_logits above
         entropy = token_entropy(logits)
         loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss.aggregation, cfg.loss.norm_constant,
                                                    denominator)
@@ -97,9 +118,10 @@ def sequence_kl(model, ref_model, mb: dict[str, Array], kind: str) -> Array:
     return (kl_estimate(lp, ref, kind) * mask).sum(axis=1)
 
 
-def sft_objective(model, mb: dict[str, Array], denominator: Array) -> tuple[Array, dict[str, Array]]:
+def sft_objective(model, mb: dict[str, Array], denominator: Array,
+                  fwd: ForwardConfig = ForwardConfig()) -> tuple[Array, dict[str, Array]]:
     inputs, targets, _, mask = shifted(mb)
-    logprobs = token_logprobs(model(inputs), targets)
+    logprobs, _ = forward_logprobs(model, inputs, targets, fwd)
     loss, metrics = sft_loss(logprobs, mask)
     # sft_loss is a token mean over this micro-batch; rescale to the whole batch's token count.
     return loss * jnp.maximum(mask.sum(), 1.0) / denominator, metrics

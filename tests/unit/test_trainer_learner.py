@@ -139,3 +139,12 @@ def test_warmup_cosine_schedule() -> None:
     sched = make_schedule(LearnerConfig(learning_rate=1.0, warmup_steps=10, total_steps=110))
     assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
     assert float(sched(110)) == pytest.approx(0.1, abs=1e-3)
+
+
+@pytest.mark.parametrize("forward", [{"remat": "full"}, {"remat": "dots"}, {"logprob_chunk": 4}])
+def test_memory_options_give_the_same_gradient(forward: dict) -> None:
+    from services.trainer.objectives import ForwardConfig
+
+    plain = sgd_update(0)
+    for a, b in zip(plain, sgd_update(0, forward=ForwardConfig(**forward)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
