@@ -14,6 +14,7 @@ from arlo.coord import Heartbeat, TrajectoryStream, connect
 from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
+from services.rollout.admission import AdmissionGate
 from services.rollout.clients import EnvironmentClient, InferenceClient, RewardClient
 from services.rollout.worker import RolloutWorker
 
@@ -27,18 +28,22 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()
+    instance = f"{socket.gethostname()}-{os.getpid()}"
+    gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
+                         batch_size=cfg.trainer.groups_per_step * rc.group_size)
     worker = RolloutWorker(
-        rc, run_id=cfg.run_id, tokenizer=tok,
+        rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
+        filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance,
         gen=InferenceClient(channels["inference"], rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
         env=EnvironmentClient(channels["env"], timeout_s=rc.rpc_timeout_s),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
     )
     running = await start_server("rollout", rc.server, cfg.auth, [])
-    heartbeat = Heartbeat(redis, cfg.run_id, service="rollout", instance=f"{socket.gethostname()}-{os.getpid()}")
+    heartbeat = Heartbeat(redis, cfg.run_id, service="rollout", instance=instance)
     tasks.spawn("rollout", worker.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
         "groups": worker.stats.groups, "episodes": worker.stats.episodes, "retries": worker.stats.retries,
-        "failed_groups": worker.stats.failed_groups}))
+        "failed_groups": worker.stats.failed_groups, "running": gate.running, "admission_waits": gate.waits}))
     return running, worker
 
 

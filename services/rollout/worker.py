@@ -19,6 +19,7 @@ from arlo.config import RolloutConfig
 from arlo.coord import BacklogFull, TrajectoryStream
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.proto.v1 import common_pb2
+from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, run_episode
 from services.rollout.clients import RETRYABLE
 
@@ -39,7 +40,10 @@ class WorkerStats:
 
 class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, *, run_id: str, tokenizer: ByteTokenizer, gen: Generator,
-                 env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None) -> None:
+                 env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None,
+                 gate: AdmissionGate | None = None, filter_zero_variance: bool = False) -> None:
+        self.gate = gate
+        self.filter_zero_variance = filter_zero_variance
         self.cfg = cfg
         self.run_id = run_id
         self.tok = tokenizer
@@ -67,14 +71,33 @@ class RolloutWorker:
                 task.cancel()
 
     async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
+        written = 0
         try:
-            await self.run_group(self.rng.randrange(2**31))
+            if self.gate is not None:
+                await self.gate.acquire(self.cfg.group_size)
+            written = self.usable(await self.run_group(self.rng.randrange(2**31)))
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("group failed outside the episode loop")
         finally:
+            if self.gate is not None:
+                await self.gate.finish(self.cfg.group_size, written)
             sem.release()
+
+    def usable(self, trajs: list[common_pb2.Trajectory]) -> int:
+        """Trajectories of a group the trainer will train on: only those count as accepted.
+
+        A masked group, or (with dynamic sampling) a group whose rewards are all equal, is
+        dropped by the trainer; counting it would use up the staleness budget for good and
+        eventually stop every worker.
+        """
+        if any(t.status == common_pb2.TRAJECTORY_STATUS_ERROR for t in trajs):
+            return 0
+        rewards = [t.reward for t in trajs]
+        if self.filter_zero_variance and rewards and max(rewards) - min(rewards) <= 1e-6:
+            return 0
+        return len(trajs)
 
     async def run_group(self, task_seed: int) -> list[common_pb2.Trajectory]:
         group_id = uuid.uuid4().hex
