@@ -85,6 +85,7 @@ class ModelSpec:
     name: str = "tiny"
     """Model config name (see arlo.model.config)."""
     tokenizer: str = "byte"
+    """Tokenizer name ("byte") or a Hugging Face model directory holding tokenizer.json."""
     seed: int = 0
     """Seed of the initial weights (trainer and a cold inference server agree on it)."""
     dtype: str = "float32"
@@ -358,13 +359,16 @@ class RunConfig:
     run_id: str = "default"
     """Namespace of every Redis key (`arlo:{run_id}:...`)."""
     model: ModelSpec = field(default_factory=ModelSpec)
+    """The policy model, shared by trainer and inference."""
     redis: RedisConfig = field(default_factory=RedisConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    """Bearer-token auth of every RPC but health."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     env_gateway: EnvGatewayConfig = field(default_factory=EnvGatewayConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers: the task, group sampling, episode limits."""
 
     def validate(self, path: str = "") -> None:
         _check("run_id", bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id),

@@ -36,3 +36,8 @@ def test_ruff_clean() -> None:
         pytest.fail("ruff not found; install the dev extra")
     result = run([ruff, "check", "."])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_configuration_reference_is_up_to_date() -> None:
+    result = run([sys.executable, "scripts/gen_config_docs.py", "--check"])
+    assert result.returncode == 0, result.stderr
