@@ -8,14 +8,16 @@ from arlo.config import RunConfig
 from arlo.proto.v1 import reward_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
-from services.reward.registry import default_registry
+from services.reward.registry import build_registry
 from services.reward.scoring import Scorer
 from services.reward.server import SERVICE_NAME, RewardServicer
 
 
 async def start_reward(cfg: RunConfig) -> RunningServer:
+    """Raises ConfigError (exit 2 under run_until_signal) when a plugin or the sandbox is broken."""
+    rewards = build_registry(cfg.reward)
     registry = CollectorRegistry()
-    servicer = RewardServicer(default_registry(), Scorer(timeout_s=cfg.reward.timeout_s), metrics_registry=registry)
+    servicer = RewardServicer(rewards, Scorer(timeout_s=cfg.reward.timeout_s), metrics_registry=registry)
     binding = ServiceBinding(name=SERVICE_NAME, add_to_server=reward_pb2_grpc.add_RewardServicer_to_server,
                              servicer=servicer)
     return await start_server("reward", cfg.reward.server, cfg.auth, [binding], registry=registry)

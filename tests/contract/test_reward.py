@@ -11,7 +11,7 @@ import pytest
 
 from arlo.config import AuthConfig, RewardConfig, RunConfig, ServerConfig
 from arlo.proto.v1 import reward_pb2, reward_pb2_grpc
-from arlo.rpc import ServiceBinding, make_channel, start_server
+from arlo.rpc import RunningServer, ServiceBinding, make_channel, start_server
 from services.reward.__main__ import start_reward
 from services.reward.registry import RewardSpec, default_registry
 from services.reward.scoring import Scorer
@@ -32,13 +32,18 @@ def auth(monkeypatch: pytest.MonkeyPatch) -> AuthConfig:
 
 
 @pytest.fixture
-async def stub(auth: AuthConfig) -> AsyncIterator[reward_pb2_grpc.RewardStub]:
+async def reward_server(auth: AuthConfig) -> AsyncIterator[RunningServer]:
     running = await start_reward(RunConfig(auth=auth, reward=RewardConfig(server=ServerConfig(port=0, metrics_port=-1))))
     try:
-        async with make_channel(f"127.0.0.1:{running.port}", token=TOKEN) as channel:
-            yield reward_pb2_grpc.RewardStub(channel)
+        yield running
     finally:
         await running.stop(None)
+
+
+@pytest.fixture
+async def stub(reward_server: RunningServer) -> AsyncIterator[reward_pb2_grpc.RewardStub]:
+    async with make_channel(f"127.0.0.1:{reward_server.port}", token=TOKEN) as channel:
+        yield reward_pb2_grpc.RewardStub(channel)
 
 
 _release = threading.Event()
@@ -89,7 +94,18 @@ async def fails(call: object, code: grpc.StatusCode, fragment: str = "") -> None
 
 async def test_list_reward_functions(stub: reward_pb2_grpc.RewardStub) -> None:
     reply = await stub.ListRewardFunctions(reward_pb2.ListRewardFunctionsRequest(), timeout=5)
-    assert [f.name for f in reply.functions] == ["exact_match"] and reply.functions[0].description
+    assert [f.name for f in reply.functions] == ["code_tests", "composite", "exact_match", "format_regex",
+                                                 "format_think", "math_equiv", "math_think"]
+    assert all(f.description for f in reply.functions)
+
+
+async def test_every_rpc_needs_the_token(reward_server: RunningServer) -> None:
+    async with make_channel(f"127.0.0.1:{reward_server.port}", token=None) as channel:
+        anonymous = reward_pb2_grpc.RewardStub(channel)
+        for call in (anonymous.Score(item(), timeout=5),
+                     anonymous.ScoreBatch(reward_pb2.ScoreBatchRequest(items=[item()]), timeout=5),
+                     anonymous.ListRewardFunctions(reward_pb2.ListRewardFunctionsRequest(), timeout=5)):
+            await fails(call, grpc.StatusCode.UNAUTHENTICATED)
 
 
 async def test_score(stub: reward_pb2_grpc.RewardStub) -> None:
@@ -150,3 +166,49 @@ async def test_failing_verifiers_are_never_a_silent_zero(faulty_stub: reward_pb2
         item(reward_fn="raises"), item(), item(reward_fn="hangs"), item(reward_fn="echo_metadata",
                                                                         metadata_json='{"weight": 0.5}')]), timeout=5)
     assert [(r.status, r.reward) for r in batch.results] == [(ERROR, 0.0), (OK, 1.0), (TIMEOUT, 0.0), (OK, 0.5)]
+
+
+MATH_AND_FORMAT = '{"components": [{"fn": "math_equiv", "weight": 0.9}, {"fn": "format_think", "weight": 0.1}]}'
+
+
+async def test_score_batch_mixes_verifiers_and_statuses(stub: reward_pb2_grpc.RewardStub) -> None:
+    think = "<think>half of one</think><answer>\\frac{1}{2}</answer>"
+    items = [
+        item("math_equiv", "so \\boxed{\\frac{1}{2}}", "0.5"),
+        item("math_equiv", "x^2+2x+1", "(x+1)^2"),
+        item("math_equiv", "3.14159", "\\pi", '{"rel_tol": 1e-5}'),
+        item("math_equiv", "3.14159", "\\pi"),
+        item("math_equiv", "I give up", "2"),
+        item("math_equiv", "2", "two"),
+        item("math_equiv", "2", "2", '{"rel_tol": -1}'),
+        item("format_think", think, ""),
+        item("format_regex", "Answer: 7", "", '{"patterns": {"tagged": "^Answer: \\\\d+$"}}'),
+        item("format_regex", "Answer: 7", "", '{"patterns": {"broken": "("}}'),
+        item("composite", think, "1/2", MATH_AND_FORMAT),
+        item("composite", "\\boxed{1/2}", "1/2", MATH_AND_FORMAT),
+        item("composite", "x", "x", '{"components": [{"fn": "nope", "weight": 1}]}'),
+        item("math_think", think, "0.5"),
+        item("nope"),
+        item("exact_match", "4", "4"),
+        item("code_tests", "```python\ndef add(a, b):\n    return a + b\n```", "",
+             '{"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]}'),
+        item("code_tests", "def add(a, b): return a + b", ""),
+    ]
+    reply = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(items=items), timeout=30)
+    got = [(r.status, round(r.reward, 6)) for r in reply.results]
+    assert got == [(OK, 1.0), (OK, 1.0), (OK, 1.0), (OK, 0.0), (OK, 0.0), (ERROR, 0.0), (ERROR, 0.0),
+                   (OK, 1.0), (OK, 1.0), (ERROR, 0.0), (OK, 1.0), (OK, 0.95), (ERROR, 0.0), (OK, 1.0),
+                   (ERROR, 0.0), (OK, 1.0), (OK, 0.5), (ERROR, 0.0)]
+    r = reply.results
+    assert dict(r[4].components) == {"parsed": 0.0, "math_equiv": 0.0}  # no answer: wrong, not an error
+    assert "reference answer 'two' cannot be parsed" in r[5].error
+    assert "rel_tol" in r[6].error
+    assert dict(r[7].components) == {"think": 1.0, "answer": 1.0}
+    assert "not a valid regex" in r[9].error
+    assert dict(r[11].components) == {"math_equiv": 1.0, "math_equiv.parsed": 1.0, "math_equiv.math_equiv": 1.0,
+                                      "format_think": 0.5, "format_think.think": 0.0, "format_think.answer": 1.0}
+    assert "unknown reward function 'nope'" in r[12].error
+    assert set(r[13].components) >= {"math_equiv", "format_think.think"}
+    assert "unknown reward_fn 'nope'" in r[14].error
+    assert dict(r[16].components) == {"tests_passed": 0.5, "compiled": 1.0}
+    assert "no tests" in r[17].error

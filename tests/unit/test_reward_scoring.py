@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.reward.registry import RewardRegistry, RewardSpec, default_registry
+from services.reward.registry import RewardRegistry, RewardSpec, builtin_specs
 from services.reward.runner import DeadlineRunner
 from services.reward.scoring import ScoreOutcome, Scorer, ScoreStatus, check_verdict, parse_metadata
 from services.reward.verifiers.base import Verdict
@@ -28,10 +28,10 @@ def test_exact_match(response: str, reference: str, score: float) -> None:
 
 
 def test_registry() -> None:
-    registry = default_registry()
-    assert registry.names() == ["exact_match"]
-    assert registry.get("exact_match").fn is exact_match
-    assert registry.get("nope") is None
+    registry = RewardRegistry(builtin_specs())
+    assert registry.names() == ["exact_match", "format_regex", "format_think", "math_equiv", "math_think"]
+    assert registry.get("exact_match").fn is exact_match and registry.fn("exact_match") is exact_match
+    assert registry.get("nope") is None and registry.fn("nope") is None
     with pytest.raises(ValueError, match="already registered"):
         registry.register(RewardSpec(name="exact_match", fn=exact_match, description=""))
 

@@ -19,3 +19,12 @@ class RewardFn(Protocol):
     """Scores one response. Raising is fine: the caller reports it as an ERROR, never as 0."""
 
     def __call__(self, response: str, reference: str, metadata: Mapping[str, Any]) -> Verdict: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardSpec:
+    """A verifier under its registered name, with the description ListRewardFunctions shows."""
+
+    name: str
+    fn: RewardFn
+    description: str

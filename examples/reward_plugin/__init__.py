@@ -1,0 +1,1 @@
+"""A reward plugin loaded by config (see docs/rewards.md)."""
