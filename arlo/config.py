@@ -307,8 +307,9 @@ class RewardPluginConfig:
 @_frozen
 class RewardConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50054, metrics_port=9104))
-    timeout_s: float = 5.0
-    """Per-item verifier deadline; past it the item gets SCORE_STATUS_TIMEOUT."""
+    timeout_s: float = 15.0
+    """Per-item verifier deadline; past it the item gets SCORE_STATUS_TIMEOUT. Keep it above
+    sandbox.wall_timeout_s, or a slow code test times out while its program still runs."""
     plugins: tuple[RewardPluginConfig, ...] = ()
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits for running code-correctness tests."""
@@ -317,6 +318,8 @@ class RewardConfig:
         self.server.validate(f"{path}.server")
         _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
         self.sandbox.validate(f"{path}.sandbox")
+        _check(f"{path}.timeout_s", self.timeout_s > self.sandbox.wall_timeout_s,
+               f"must exceed sandbox.wall_timeout_s ({self.sandbox.wall_timeout_s}) so code tests finish in time")
         for i, plugin in enumerate(self.plugins):
             plugin.validate(f"{path}.plugins[{i}]")
 

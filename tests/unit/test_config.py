@@ -23,6 +23,7 @@ def test_builtin_config_is_valid() -> None:
     ({"env_gateway": {"remotes": [{"address": ""}]}}, "env_gateway.remotes[0].address"),
     ({"reward": {"plugins": [{"name": "x", "target": "nocolon"}]}}, "reward.plugins[0].target"),
     ({"env_gateway": {"sandbox": {"isolation": "docker"}}}, "env_gateway.sandbox.isolation"),
+    ({"reward": {"timeout_s": 5.0}}, "reward.timeout_s: must exceed sandbox.wall_timeout_s"),
     ({"trainer": {"groups_per_step": True}}, "expected int"),
 ])
 def test_errors_name_the_field(overrides: dict, message: str) -> None:
