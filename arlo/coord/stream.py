@@ -145,6 +145,23 @@ class TrajectoryStream:
         return await self._accept(_stream_entries(reply))
 
     @cancel_safe
+    async def read_own_pending(self, count: int, after: str = "0-0") -> tuple[list[StreamEntry], str | None]:
+        """This consumer's delivered but unacknowledged entries with ids above `after`.
+
+        A restarted trainer (same consumer name) re-reads them before new ones. Returns the
+        entries and the id to continue from, or None once there are no more.
+        """
+        if count < 1:
+            raise ValueError(f"count: must be >= 1, got {count}")
+        reply = await self._with_group(lambda: self._redis.xreadgroup(
+            self._group, self._consumer, {self._keys.traj: after}, count=count))
+        raw = _stream_entries(reply)
+        if not raw:
+            return [], None
+        # An entry deleted while pending comes back without fields; _accept dead-letters and acks it.
+        return await self._accept(raw), text(raw[-1][0])
+
+    @cancel_safe
     async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
         """Takes over up to `count` entries another consumer was given but did not ack in `min_idle_ms`."""
         if count < 1 or min_idle_ms < 0:

@@ -57,12 +57,19 @@ def main() -> None:
     cfg = parse_service_config("trainer")
     setup_logging("trainer")
     tasks = TaskGroup()
+    loops: list[TrainingLoop] = []
 
     async def start() -> RunningServer:
-        running, _ = await start_trainer(cfg, tasks)
+        running, loop = await start_trainer(cfg, tasks)
+        loops.append(loop)
         return running
 
-    run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.trainer.server.grace_s)
+    async def stop() -> None:
+        await tasks.cancel_all()
+        for loop in loops:
+            await loop.close()  # a checkpoint in flight completes rather than being left partial
+
+    run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s)
 
 
 if __name__ == "__main__":

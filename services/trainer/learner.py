@@ -117,6 +117,10 @@ class Learner:
             self.state, self.opt_state, self.ref_state, rows, jnp.asarray(batch.rewards_gk))
         return self._finish(metrics, batch, reward_mean=float(np.mean(batch.rewards_gk)))
 
+    def restore(self, state: nnx.State, opt_state: Any, step: int) -> None:
+        """Continues from a checkpoint; the KL reference stays the seed's initial policy."""
+        self.state, self.opt_state, self.step_count = state, opt_state, step
+
     def sft_step(self, batch: Batch) -> StepMetrics:
         self.state, self.opt_state, metrics = self._sft_step(self.state, self.opt_state, self._device_rows(batch))
         return self._finish(metrics, batch, reward_mean=0.0)

@@ -1,8 +1,11 @@
 """The training loop: stream -> whole groups -> jitted step -> publish version v+1 -> ack.
 
-Order matters for durability: a trajectory is marked trained and acknowledged only after
-the step that used it has produced a published version, so a crash before that re-delivers
-it (XAUTOCLAIM) and de-duplication keeps it from being trained on twice.
+Order matters for durability. With periodic checkpoints, a trajectory is marked trained and
+acknowledged only after a COMPLETE checkpoint covers the step that used it; until then it
+is held here, so a crash re-delivers exactly what the resumed model has not learned from.
+Without them, it is acknowledged once the step's version is published. Checkpoints are
+written in the background: a step waits only for the arrays' copy to host, and for the
+previous checkpoint when the next one is due before it finished.
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from arlo.coord import TrajectoryStream, WeightPointer
+from arlo.coord.stream import StreamEntry
 from arlo.model import get_tokenizer
 from arlo.model.weights import state_to_bytes
 from services.trainer.batching import GroupAssembler, ReadyGroup, build_batch, has_reward_spread
-from services.trainer.checkpoint import save_checkpoint
+from services.trainer.checkpoint import Checkpointer, CheckpointMeta
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.publish import VersionStore
 
@@ -24,6 +29,8 @@ log = logging.getLogger(__name__)
 
 CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
+READ_COUNT = 256
+CLOSE_WAIT_S = 60.0
 
 
 @dataclass(kw_only=True)
@@ -39,6 +46,15 @@ class TrainerState:
     last: StepMetrics | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainedStep:
+    """One step's data, unacknowledged until a complete checkpoint covers `version`."""
+
+    version: int
+    entry_ids: tuple[str, ...]
+    trajectory_ids: tuple[str, ...]
+
+
 class TrainingLoop:
     def __init__(
         self, *, learner: Learner, stream: TrajectoryStream, pointer: WeightPointer, store: VersionStore,
@@ -46,6 +62,8 @@ class TrainingLoop:
         checkpoint_dir: str = "", checkpoint_every: int = 0, tokenizer: str = "byte",
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None,
     ) -> None:
+        if checkpoint_every and not checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir")
         self.filter_zero_variance = filter_zero_variance
         self.overlong = overlong
         self.learner = learner
@@ -55,48 +73,46 @@ class TrainingLoop:
         self.source = source
         self.groups_per_step = groups_per_step
         self.read_block_ms = read_block_ms
-        self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
+        self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
         self.pad_id = get_tokenizer(tokenizer).pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness)
         self.state = TrainerState()
         self._ready: list[ReadyGroup] = []
+        self._awaiting: list[TrainedStep] = []  # trained, published, not yet covered by a checkpoint
+        self._saving: list[TrainedStep] = []  # covered by the checkpoint being written
+        self._job: asyncio.Task[tuple[int, str]] | None = None
+        self._job_version = 0
+        self._repeats = 0
         self._jax_lock = asyncio.Lock()
         self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
 
     async def start(self) -> None:
-        """Numbers versions above the pointer, so a restarted trainer never repeats one."""
+        """Resumes from the newest complete checkpoint and numbers versions above the pointer,
+        so a restarted trainer never repeats one (even though its checkpoint is older)."""
         await self.stream.ensure_group()
+        restored = await self._restore()
         current = await self.pointer.get()
-        if current is not None and current.version > 0:
+        newest_on_disk = self.checkpointer.newest_version() if self.checkpointer else 0
+        base = max(current.version if current else 0, restored, newest_on_disk)
+        if base > 0:
             # The fleet may hold another trainer's weights under that version: publish ours above it.
-            self.state.version = current.version
+            self.state.version = base + 1
             await self._publish()
 
     async def run(self) -> None:
-        last_claim = 0.0
+        await self._reread_pending()
+        last_claim = 0.0  # a dead consumer of another name may have left entries: claim at once
         while True:
             if self.state.paused:
                 await asyncio.sleep(0.2)
                 continue
-            entries = await self.stream.read(count=256, block_ms=self.read_block_ms)
+            entries = await self.stream.read(count=READ_COUNT, block_ms=self.read_block_ms)
             if time.monotonic() - last_claim > CLAIM_EVERY_S:
                 entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
                 last_claim = time.monotonic()
-            fresh = await self.stream.filter_unseen(entries)  # acks (and counts) what it drops
-            self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
-            ready, dropped = self.assembler.take_ready(self.state.version)
-            if self.filter_zero_variance:
-                flat = [g for g in ready if not has_reward_spread(g)]
-                ready = [g for g in ready if has_reward_spread(g)]
-                self.state.zero_variance += sum(len(g.entry_ids) for g in flat)
-                dropped += [e for g in flat for e in g.entry_ids]
-            self._ready.extend(ready)
-            if dropped:
-                # A dropped group is finished with: acknowledge it now, or it pins the backlog.
-                await self.stream.ack(dropped)
-            while len(self._ready) >= self.groups_per_step and not self.state.paused:
-                await self.train_once()
+            await self._admit(entries)
+            await self._train_ready()
 
     async def pause(self) -> None:
         """Returns once no step is in flight, so a status read after it is final."""
@@ -108,6 +124,83 @@ class TrainingLoop:
         async with self._step_lock:
             return await self._train_once()
 
+    async def checkpoint(self) -> tuple[int, str]:
+        """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
+        async with self._step_lock:
+            job = await self._begin_checkpoint()
+        return await asyncio.shield(job)  # a caller's deadline must not abandon the write
+
+    async def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Lets a checkpoint in flight complete (bounded), so a clean stop leaves no partial one."""
+        if self._job is not None:
+            await asyncio.wait([self._job], timeout=timeout_s)
+        if self.checkpointer is not None:
+            await asyncio.to_thread(self.checkpointer.close)
+
+    def dropped(self) -> dict[str, int]:
+        """Trajectories not trained on, by reason."""
+        drops = self.assembler.drops
+        return {"stale": drops.stale, "failed": drops.failed, "malformed": drops.malformed + self.stream.malformed,
+                "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance}
+
+    # -- intake -----------------------------------------------------------------------------
+
+    async def _reread_pending(self) -> None:
+        """Entries this consumer was given but never acknowledged (a previous process died) come first."""
+        after: str | None = "0-0"
+        total = 0
+        while after is not None:
+            entries, after = await self.stream.read_own_pending(READ_COUNT, after)
+            total += len(entries)
+            await self._admit(entries)
+            await self._train_ready()
+        if total:
+            log.info("re-read %d unacknowledged trajectory entries", total, extra={"pending_entries": total})
+
+    async def _admit(self, entries: Sequence[StreamEntry]) -> None:
+        held_entries, held_trajs = self._held()
+        # XAUTOCLAIM and the pending re-read also return entries this loop still holds (waiting
+        # for their group, their batch or a checkpoint): taking them again would train them twice.
+        entries = [e for e in entries if e.entry_id not in held_entries]
+        repeats = [e.entry_id for e in entries if e.trajectory.id in held_trajs]
+        if repeats:
+            # Another entry of a trajectory held here (a producer's retry): finished with.
+            self._repeats += len(repeats)
+            await self.stream.ack(repeats)
+        fresh = await self.stream.filter_unseen([e for e in entries if e.trajectory.id not in held_trajs])
+        self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
+        ready, dropped = self.assembler.take_ready(self.state.version)
+        if self.filter_zero_variance:
+            flat = [g for g in ready if not has_reward_spread(g)]
+            ready = [g for g in ready if has_reward_spread(g)]
+            self.state.zero_variance += sum(len(g.entry_ids) for g in flat)
+            dropped += [e for g in flat for e in g.entry_ids]
+        self._ready.extend(ready)
+        if dropped:
+            # A dropped group is finished with: acknowledge it now, or it pins the backlog.
+            await self.stream.ack(dropped)
+
+    def _held(self) -> tuple[set[str], set[str]]:
+        """Entry ids and trajectory ids taken in but not yet acknowledged."""
+        entries: set[str] = set()
+        trajs: set[str] = set()
+        for members in self.assembler.pending.values():
+            entries.update(members)
+            trajs.update(t.id for t in members.values())
+        for group in self._ready:
+            entries.update(group.entry_ids)
+            trajs.update(t.id for t in group.trajectories)
+        for step in (*self._awaiting, *self._saving):
+            entries.update(step.entry_ids)
+            trajs.update(step.trajectory_ids)
+        return entries, trajs
+
+    # -- steps ------------------------------------------------------------------------------
+
+    async def _train_ready(self) -> None:
+        while len(self._ready) >= self.groups_per_step and not self.state.paused:
+            await self.train_once()
+
     async def _train_once(self) -> StepMetrics:
         groups = self._take_batch_groups()
         batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
@@ -116,14 +209,26 @@ class TrainingLoop:
             metrics = await asyncio.to_thread(self.learner.step, batch)
         self.state.version += 1
         await self._publish()
-        await self.stream.mark_trained(batch.trajectory_ids)
-        await self.stream.ack([e for g in groups for e in g.entry_ids])
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
+        # The ids make each version's data lineage auditable (and let tests prove exactly-once).
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", self.learner.step_count,
-                 self.state.version, metrics.loss, metrics.reward_mean, metrics.num_tokens)
-        if self.checkpoint_every and self.state.version % self.checkpoint_every == 0:
-            await self.checkpoint()
+                 self.state.version, metrics.loss, metrics.reward_mean, metrics.num_tokens,
+                 extra={"step": self.learner.step_count, "version": self.state.version,
+                        "trajectory_ids": list(batch.trajectory_ids)})
+        entry_ids = tuple(e for g in groups for e in g.entry_ids)
+        if not self.checkpoint_every:
+            await self.stream.mark_trained(batch.trajectory_ids)
+            await self.stream.ack(entry_ids)
+            return metrics
+        self._awaiting.append(TrainedStep(version=self.state.version, entry_ids=entry_ids,
+                                          trajectory_ids=batch.trajectory_ids))
+        if self.state.version % self.checkpoint_every == 0:
+            try:
+                await self._begin_checkpoint()
+            except Exception:
+                # The step itself is done; its data stays unacknowledged until a later checkpoint.
+                log.exception("could not start checkpoint %d", self.state.version)
         return metrics
 
     def _take_batch_groups(self) -> list[ReadyGroup]:
@@ -139,20 +244,85 @@ class TrainingLoop:
         published = self.store.put(self.state.version, data)
         await self.pointer.publish(published.version, source=self.source, sha256=published.sha256)
 
-    async def checkpoint(self) -> tuple[int, str]:
-        if not self.checkpoint_dir:
+    # -- checkpoints ------------------------------------------------------------------------
+
+    async def _restore(self) -> int:
+        """Loads the newest complete checkpoint, if any; returns its version (0: none)."""
+        if self.checkpointer is None:
+            return 0
+        async with self._jax_lock:
+            restored = await asyncio.to_thread(
+                self.checkpointer.restore_newest, self.learner.state, self.learner.opt_state)
+        if restored is None:
+            return 0
+        meta = restored.meta
+        self.learner.restore(restored.params, restored.opt_state, meta.step)
+        self.state.checkpoint_version, self.state.checkpoint_uri = meta.version, restored.uri
+        # The process may have died between the checkpoint completing and these two writes.
+        await self.pointer.set_checkpoint(meta.version, restored.uri)
+        await self.stream.mark_trained(meta.trajectory_ids)
+        log.info("resumed from checkpoint %s: step %d, version %d", restored.uri, meta.step, meta.version,
+                 extra={"step": meta.step, "version": meta.version, "checkpoint_uri": restored.uri})
+        return meta.version
+
+    async def _begin_checkpoint(self) -> asyncio.Future[tuple[int, str]]:
+        """Starts a checkpoint of the current version (step lock held); the future completes with it."""
+        if self.checkpointer is None:
             raise ValueError("trainer.checkpoint_dir is not set; checkpoints are disabled")
         version = self.state.version
-        async with self._jax_lock:
-            uri = await asyncio.to_thread(
-                save_checkpoint, self.checkpoint_dir, version, self.learner.state, self.learner.step_count
-            )
-        await self.pointer.set_checkpoint(version, uri)
+        if self._job is not None and not self._job.done() and self._job_version == version:
+            return self._job
+        await self._settle()  # one save at a time: wait for the previous one to finish
+        if version < 1:
+            raise ValueError("nothing to checkpoint yet: no version has been published")
+        if version == self.state.checkpoint_version:
+            done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+            done.set_result((version, self.state.checkpoint_uri))
+            return done
+        published = self.store.get(version)
+        assert published is not None, "the current version is always held"
+        covered, self._awaiting = self._awaiting, []
+        meta = CheckpointMeta(version=version, step=self.learner.step_count, params_sha256=published.sha256,
+                              trajectory_ids=tuple(t for s in covered for t in s.trajectory_ids))
+        self._saving = covered
+        try:
+            async with self._jax_lock:  # a step donates the arrays: none may run while they are copied
+                await asyncio.to_thread(self.checkpointer.start_save, self.learner.state,
+                                        self.learner.opt_state, meta)
+        except BaseException:
+            self._awaiting[:0], self._saving = covered, []
+            raise
+        self._job_version = version
+        self._job = asyncio.create_task(self._finish_checkpoint(version, covered), name=f"checkpoint-{version}")
+        return self._job
+
+    async def _finish_checkpoint(self, version: int, covered: list[TrainedStep]) -> tuple[int, str]:
+        assert self.checkpointer is not None
+        uri = self.checkpointer.uri(version)
+        try:
+            await asyncio.to_thread(self.checkpointer.wait)
+            await self.pointer.set_checkpoint(version, uri)
+            await self.stream.mark_trained([t for s in covered for t in s.trajectory_ids])
+            await self.stream.ack([e for s in covered for e in s.entry_ids])
+        except BaseException:
+            # Still unacknowledged: the next checkpoint covers these steps too.
+            log.exception("checkpoint %d failed; its steps wait for the next one", version)
+            self._awaiting[:0] = covered
+            raise
+        finally:
+            self._saving = []
         self.state.checkpoint_version, self.state.checkpoint_uri = version, uri
+        log.info("checkpoint %d complete: %s (%d trajectories acknowledged)", version, uri,
+                 sum(len(s.trajectory_ids) for s in covered),
+                 extra={"checkpoint_version": version, "checkpoint_uri": uri})
         return version, uri
 
-    def dropped(self) -> dict[str, int]:
-        """Trajectories not trained on, by reason."""
-        drops = self.assembler.drops
-        return {"stale": drops.stale, "failed": drops.failed, "malformed": drops.malformed + self.stream.malformed,
-                "duplicate": self.stream.duplicates, "zero_variance": self.state.zero_variance}
+    async def _settle(self) -> None:
+        """Waits for the checkpoint in flight; its failure was logged and its steps requeued."""
+        job = self._job
+        if job is None:
+            return
+        await asyncio.wait([job])
+        if not job.cancelled():
+            job.exception()  # retrieved, so asyncio does not report it again
+        self._job = None

@@ -57,8 +57,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def SaveCheckpoint(self, request, context):  # noqa: N802
         try:
             version, uri = await self.loop.checkpoint()
-        except ValueError as e:
+        except ValueError as e:  # no checkpoint_dir, or nothing published yet
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception as e:  # the write itself failed (disk full, permissions, ...)
+            await context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {type(e).__name__}: {e}")
         return trainer_pb2.SaveCheckpointResponse(checkpoint_version=version, checkpoint_uri=uri)
 
     async def Pause(self, request, context):  # noqa: N802

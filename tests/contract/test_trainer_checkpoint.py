@@ -1,0 +1,202 @@
+"""Trainer checkpoints against the real Redis and real Orbax writes: asynchronous saves, the
+pointer's checkpoint field only after completion, acks held until a checkpoint covers the
+step, resume skipping a damaged newest checkpoint, and the SaveCheckpoint RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from arlo.background import TaskGroup
+from arlo.config import RunConfig, load_config
+from arlo.coord import TrajectoryStream, WeightPointer, connect, delete_run
+from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from arlo.rpc import make_channel
+from services.trainer.__main__ import start_trainer
+from services.trainer.checkpoint import load_checkpoint, params_sha256
+from services.trainer.loop import TrainingLoop
+
+TOKEN = "checkpoint-token"
+
+
+def run_config(redis_url: str, run_id: str, ckpt: Path, every: int) -> RunConfig:
+    server = {"port": 0, "metrics_port": -1, "grace_s": 0.2}
+    return load_config(overrides={
+        "run_id": run_id, "redis": {"url": redis_url},
+        "trainer": {"server": server, "groups_per_step": 1, "read_block_ms": 50, "max_staleness": 1000,
+                    "checkpoint_dir": str(ckpt), "checkpoint_every": every},
+    })
+
+
+@asynccontextmanager
+async def trainer(cfg: RunConfig) -> AsyncIterator[tuple[str, TrainingLoop]]:
+    tasks = TaskGroup()
+    running, loop = await start_trainer(cfg, tasks)
+    try:
+        yield f"127.0.0.1:{running.port}", loop
+    finally:
+        await tasks.cancel_all()
+        await loop.close()
+        await running.stop(0.1)
+
+
+@pytest.fixture
+async def env(redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict]:
+    monkeypatch.setenv("ARLO_TOKEN", TOKEN)
+    redis = await connect(load_config(overrides={"redis": {"url": redis_url}}).redis)
+    try:
+        yield {"redis": redis, "stream": TrajectoryStream(redis, run_id, consumer="test-producer"),
+               "pointer": WeightPointer(redis, run_id), "ckpt": tmp_path / "ckpt",
+               "cfg": lambda every: run_config(redis_url, run_id, tmp_path / "ckpt", every)}
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()
+
+
+def trajectory(group: str, reward: float) -> common_pb2.Trajectory:
+    prompt = [257, 260, 51, 43, 52, 61, 258, 261]
+    return common_pb2.Trajectory(
+        id=uuid.uuid4().hex, group_id=group, group_size=2, token_ids=prompt + [55, 258],
+        logprobs=[0.0] * 8 + [-5.5, -5.5], loss_mask=[0] * 8 + [1, 1], policy_versions=[-1] * 8 + [0, 0],
+        reward=reward, status=common_pb2.TRAJECTORY_STATUS_OK)
+
+
+async def add_groups(stream: TrajectoryStream, n: int) -> list[str]:
+    ids = []
+    for _ in range(n):
+        group = uuid.uuid4().hex
+        for reward in (1.0, 0.0):
+            traj = trajectory(group, reward)
+            await stream.add(traj)
+            ids.append(traj.id)
+    return ids
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def complete(ckpt: Path, version: int) -> bool:
+    # Orbax renames the temporary directory into place as its last act: the final name means complete.
+    path = ckpt / f"{version:08d}"
+    return path.is_dir() and (path / "meta").exists() and (path / "params").exists()
+
+
+async def pending(env: dict) -> int:
+    summary = await env["redis"].xpending(env["stream"].keys.traj, "trainer")
+    return int(summary["pending"])
+
+
+async def test_steps_continue_while_a_checkpoint_is_written_and_the_pointer_waits_for_it(
+        env: dict, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="services.trainer.loop")
+    seen_checkpoints: list[tuple[int, bool]] = []
+
+    async def watch_pointer() -> None:
+        last = 0
+        while True:
+            state = await env["pointer"].get()
+            if state is not None and state.checkpoint_version != last:
+                last = state.checkpoint_version
+                # Checked right after the field moved: the directory must already be complete.
+                seen_checkpoints.append((last, complete(env["ckpt"], last)))
+            await asyncio.sleep(0.005)
+
+    async with trainer(env["cfg"](1)) as (_, loop):
+        watcher = asyncio.create_task(watch_pointer())
+        await add_groups(env["stream"], 6)
+        await wait_for(lambda: loop.state.checkpoint_version >= 6)
+        await asyncio.sleep(0.1)
+        watcher.cancel()
+    assert seen_checkpoints and all(ok for _, ok in seen_checkpoints), seen_checkpoints
+    assert [v for v, _ in seen_checkpoints] == sorted({v for v, _ in seen_checkpoints})
+    events = [("step", r.version) if hasattr(r, "trajectory_ids") else ("ckpt", r.checkpoint_version)
+              for r in caplog.records if hasattr(r, "trajectory_ids") or hasattr(r, "checkpoint_version")]
+    # Some version v+1 was trained and published before checkpoint v finished writing.
+    overlapped = [v for v in range(1, 6) if events.index(("step", v + 1)) < events.index(("ckpt", v))]
+    assert overlapped, events
+
+
+async def test_trajectories_are_acked_only_once_a_checkpoint_covers_their_step(env: dict) -> None:
+    async with trainer(env["cfg"](2)) as (_, loop):
+        first = await add_groups(env["stream"], 1)
+        await wait_for(lambda: loop.state.version >= 1)
+        await asyncio.sleep(0.3)  # a loop that acked after publishing would have done so by now
+        assert await pending(env) == 2 and loop.state.checkpoint_version == 0
+        assert not await env["redis"].exists(*(env["stream"].keys.seen(t) for t in first))
+        second = await add_groups(env["stream"], 1)
+        await wait_for(lambda: loop.state.checkpoint_version == 2)
+        assert await pending(env) == 0
+        assert await env["redis"].exists(*(env["stream"].keys.seen(t) for t in first + second)) == 4
+        pointer = await env["pointer"].get()
+        assert pointer is not None and pointer.checkpoint_version == 2
+        assert pointer.checkpoint_uri == f"file://{env['ckpt'].resolve() / '00000002'}"
+
+
+def corrupt(ckpt: Path, version: int, how: str) -> None:
+    target = ckpt / f"{version:08d}" / "params"
+    if how == "garbage":
+        for path in target.rglob("*"):
+            if path.is_file():
+                path.write_bytes(b"\0" * path.stat().st_size)
+    else:  # well-formed files, wrong contents: only the recorded checksum can tell
+        shutil.rmtree(target)
+        shutil.copytree(ckpt / f"{version - 1:08d}" / "params", target)
+
+
+@pytest.mark.parametrize("how", ["garbage", "swapped"])
+async def test_resume_skips_a_damaged_newest_checkpoint_and_a_partial_one(
+        env: dict, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    async with trainer(env["cfg"](1)) as (_, loop):
+        await add_groups(env["stream"], 2)
+        await wait_for(lambda: loop.state.checkpoint_version == 2)
+        sha_v1 = loop.store.get(1).sha256
+    corrupt(env["ckpt"], 2, how)
+    partial = env["ckpt"] / "00000003.orbax-checkpoint-tmp"
+    shutil.copytree(env["ckpt"] / "00000001", partial)  # what a crash mid-write leaves
+    caplog.set_level(logging.WARNING, logger="services.trainer.checkpoint")
+    async with trainer(env["cfg"](1)) as (_, loop):
+        assert loop.learner.step_count == 1 and loop.state.checkpoint_version == 1
+        assert params_sha256(loop.learner.state) == sha_v1
+        assert loop.state.version == 3  # above the pointer (2): versions never repeat
+        assert (await env["pointer"].get()).version == 3
+        assert not partial.exists()
+        await add_groups(env["stream"], 1)
+        await wait_for(lambda: loop.state.checkpoint_version == 4)
+        assert loop.learner.step_count == 2
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "00000002" in warnings and "skipping" in warnings and "00000003.orbax-checkpoint-tmp" in warnings
+
+
+async def test_save_checkpoint_rpc_returns_a_complete_checkpoint(env: dict) -> None:
+    async with trainer(env["cfg"](0)) as (address, loop):
+        async with make_channel(address, token=TOKEN) as ch:
+            stub = trainer_pb2_grpc.TrainerStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "nothing to checkpoint" in err.value.details()
+            await add_groups(env["stream"], 1)
+            await wait_for(lambda: loop.state.version >= 1)
+            resp = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+            assert resp.checkpoint_version == 1 and complete(env["ckpt"], 1)
+            pointer = await env["pointer"].get()
+            assert (pointer.checkpoint_version, pointer.checkpoint_uri) == (1, resp.checkpoint_uri)
+            status = await stub.GetStatus(trainer_pb2.GetStatusRequest())
+            assert status.checkpoint_version == 1
+            again = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+            assert (again.checkpoint_version, again.checkpoint_uri) == (1, resp.checkpoint_uri)
+        params, meta = load_checkpoint(resp.checkpoint_uri, loop.learner.state)
+        assert meta == {"step": 1, "version": 1}
+        assert params_sha256(params) == pointer.sha256
