@@ -4,69 +4,13 @@ reward scorer core, joined by thin adapters to the loop's Protocols."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
-from arlo.model import get_tokenizer
-from arlo.proto.v1 import common_pb2, env_pb2, reward_pb2
-from services.env_gateway.gateway import Gateway
-from services.env_gateway.registry import default_registry as env_registry
-from services.env_gateway.sessions import SessionStore
-from services.inference.engine import Engine, EngineLimits, SamplingRequest
-from services.reward.registry import default_registry as reward_registry
-from services.reward.scoring import Scorer as RewardScorer
-from services.reward.scoring import ScoreStatus
+from arlo.proto.v1 import common_pb2
+from services.inference.engine import Engine, EngineLimits
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
-
-TOK = get_tokenizer("byte")
-
-
-class EngineGenerator:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt, *, max_tokens: int) -> Turn:
-        self.prompts.append(list(prompt))
-        (s,) = self.engine.generate(SamplingRequest(prompt=tuple(prompt), max_tokens=max_tokens, temperature=1.0,
-                                                    stop_token_ids=(TOK.eos_id,)))
-        return Turn(token_ids=s.token_ids, logprobs=s.logprobs, policy_versions=s.policy_versions,
-                    finished_by_stop=s.finish_reason == "stop")
-
-
-class GatewayEnv:
-    def __init__(self) -> None:
-        self.gw = Gateway(env_registry(), SessionStore(idle_timeout_s=60, max_sessions=10))
-        self.closed: list[str] = []
-
-    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse:
-        started = self.gw.reset(env_name, config_json, seed)
-        r = started.result
-        return env_pb2.ResetResponse(session_id=started.session_id, task_id=r.task_id, observation=[
-            {"role": m.role, "content": m.content} for m in r.observation])
-
-    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
-        r = self.gw.step(session_id, action)
-        return env_pb2.StepResponse(done=r.done, reward=r.reward, answer=r.answer or "", reference=r.reference or "",
-                                    observation=[{"role": m.role, "content": m.content} for m in r.observation],
-                                    info_json=json.dumps(r.info))
-
-    async def close(self, session_id: str) -> None:
-        self.closed.append(session_id)
-        self.gw.close(session_id)
-
-
-class CoreScorer:
-    def __init__(self) -> None:
-        self.scorer = RewardScorer(timeout_s=5.0)
-
-    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse:
-        out = await self.scorer.score(reward_registry().get(reward_fn).fn, response, reference, {})
-        status = {ScoreStatus.OK: reward_pb2.SCORE_STATUS_OK, ScoreStatus.ERROR: reward_pb2.SCORE_STATUS_ERROR,
-                  ScoreStatus.TIMEOUT: reward_pb2.SCORE_STATUS_TIMEOUT}[out.status]
-        return reward_pb2.ScoreResponse(reward=out.reward, components=dict(out.components), status=status,
-                                        error=out.error)
+from tests.support.inprocess import TOK, CoreScorer, EngineGenerator, GatewayEnv
 
 
 @pytest.fixture(scope="module")
