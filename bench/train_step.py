@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

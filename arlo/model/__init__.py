@@ -1,4 +1,5 @@
-"""Flax NNX decoder-only transformer, byte tokenizer, sampling, generation, weight bytes.
+"""Flax NNX decoder-only transformer (Llama 3 / Qwen2 / Qwen3), tokenizers, sampling,
+generation, weight bytes, and Hugging Face checkpoint loading (`load_hf_model`).
 
 Typical use: `model = create_model(ModelConfig.named("tiny"), seed=0)`, then
 `graphdef, state = nnx.split(model)` once; jit functional code over `state` and pass
@@ -7,24 +8,32 @@ Typical use: `model = create_model(ModelConfig.named("tiny"), seed=0)`, then
 
 from arlo.model.config import ModelConfig
 from arlo.model.generate import GenerationResult, generate
+from arlo.model.hf import load_hf_model, load_hf_state
+from arlo.model.hf_tokenizer import HFTokenizer
 from arlo.model.kv_cache import KVCache, init_cache
 from arlo.model.logprobs import token_logprobs
+from arlo.model.rope import RopeScaling
 from arlo.model.sampling import sample, sampling_logprobs
-from arlo.model.tokenizer import ByteTokenizer, get_tokenizer
+from arlo.model.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 from arlo.model.transformer import Transformer, abstract_model, create_model
 from arlo.model.weights import sha256_hex, state_from_bytes, state_to_bytes
 
 __all__ = [
     "ByteTokenizer",
     "GenerationResult",
+    "HFTokenizer",
     "KVCache",
     "ModelConfig",
+    "RopeScaling",
+    "Tokenizer",
     "Transformer",
     "abstract_model",
     "create_model",
     "generate",
     "get_tokenizer",
     "init_cache",
+    "load_hf_model",
+    "load_hf_state",
     "sample",
     "sampling_logprobs",
     "sha256_hex",

@@ -1,17 +1,25 @@
-"""Model hyper-parameters: one frozen dataclass, plus a few named presets."""
+"""Model hyper-parameters: one frozen dataclass, named presets, and Hugging Face configs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
+
+from arlo.model.rope import RopeScaling
 
 _DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """A decoder-only Llama/Qwen-style transformer (RMSNorm, GQA + RoPE, SwiGLU)."""
+    """A decoder-only Llama/Qwen-style transformer (RMSNorm, GQA + RoPE, SwiGLU).
+
+    Covers Llama 3 (rope_scaling "llama3"), Qwen2/2.5 (qkv_bias) and Qwen3 (qk_norm, a
+    head_dim independent of dim / num_heads); `from_hf_config` maps HF configs onto it.
+    """
 
     vocab_size: int
     """Rows of the embedding table; may exceed the tokenizer's vocabulary (padding for alignment)."""
@@ -29,7 +37,15 @@ class ModelConfig:
     max_seq_len: int
     """Longest sequence (prompt + generated) the model is used with."""
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    """Context-extension variant of RoPE (linear, llama3, yarn); None is plain RoPE."""
     norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2/2.5; Llama/Qwen3 `attention_bias`)."""
+    o_bias: bool = False
+    """Bias on the output projection (Llama/Qwen3 `attention_bias`; not Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3)."""
     tie_embeddings: bool = True
     """Share the embedding table with the output projection."""
     dtype: str = "float32"
@@ -48,6 +64,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim: must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("ModelConfig.rope_theta and norm_eps must be > 0")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling: expected a RopeScaling or None, got {self.rope_scaling!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype: expected one of {_DTYPES}, got {self.dtype!r}")
 
@@ -58,6 +76,22 @@ class ModelConfig:
         except KeyError:
             raise ValueError(f"unknown model config {name!r}; known: {sorted(_PRESETS)}") from None
 
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+        """From a Hugging Face `config.json` dict (Llama, Qwen2, Qwen3). `overrides` replace
+        fields afterwards (e.g. dtype="bfloat16", max_seq_len=4096). Raises ValueError
+        naming the field for anything this decoder does not implement."""
+        from arlo.model.hf_config import config_from_hf
+
+        return config_from_hf(cls, hf, overrides)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, **overrides: Any) -> ModelConfig:
+        """`from_hf_config` on `path/config.json`."""
+        from arlo.model.hf_config import read_hf_config
+
+        return cls.from_hf_config(read_hf_config(path), **overrides)
+
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
@@ -65,6 +99,8 @@ class ModelConfig:
     def num_params(self) -> int:
         d, h = self.dim, self.head_dim
         attn = d * self.num_heads * h * 2 + d * self.num_kv_heads * h * 2  # q, o + k, v
+        attn += (self.num_heads + 2 * self.num_kv_heads) * h * self.qkv_bias + d * self.o_bias
+        attn += 2 * h * self.qk_norm
         mlp = 3 * d * self.mlp_dim
         per_layer = attn + mlp + 2 * d  # two RMSNorm scales
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)

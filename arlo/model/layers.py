@@ -1,4 +1,4 @@
-"""Transformer building blocks: RMSNorm, embedding, RoPE, GQA attention, SwiGLU MLP.
+"""Transformer building blocks: RMSNorm, embedding, GQA attention (RoPE in rope.py), SwiGLU MLP.
 
 Parameters carry MaxText-style logical axis names in their `out_sharding` metadata
 ("vocab", "embed", "heads", "kv_heads", "kv", "mlp", "norm"); a trainer maps them onto mesh
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arlo.model.config import ModelConfig
+from arlo.model.rope import apply_rope
 
 # Large negative instead of -inf, so a fully masked row (padding queries) gives a uniform
 # softmax rather than NaNs.
@@ -58,18 +59,6 @@ class Embedder(nnx.Module):
         return jnp.einsum("btd,vd->btv", x_btd, table_vd, preferred_element_type=jnp.float32)
 
 
-def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, HF Llama "rotate half" layout (first half pairs with second half)."""
-    half = x_btnh.shape[-1] // 2
-    inv_freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h
-    sin, cos = jnp.sin(angle_bth)[:, :, None, :], jnp.cos(angle_bth)[:, :, None, :]
-    x = x_btnh.astype(jnp.float32)
-    x1, x2 = x[..., :half], x[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_btnh.dtype)
-
-
 def _write_cache(cache_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
     # Per-row start so rows at different positions (continuous batching) share one cache.
     # dynamic_update_slice clamps out-of-range starts: callers guarantee start + t <= s.
@@ -80,16 +69,33 @@ def _write_cache(cache_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array)
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention with RoPE and an optional KV cache."""
+    """Causal grouped-query attention with RoPE and an optional KV cache.
+
+    Optional parts, present as parameters only when the config enables them (so presets
+    keep their parameter tree): q/k/v biases (Qwen2), an output bias, and RMSNorm over
+    head_dim on queries and keys before RoPE (Qwen3).
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
+        self.qkv_bias, self.o_bias, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
         in_init, out_init = _fan_in(0, (1, 2)), _fan_in((0, 1), 2)
         self.q_dnh = _param(in_init, rngs.params(), (d, n, h), ("embed", "heads", "kv"))
         self.k_dkh = _param(in_init, rngs.params(), (d, k, h), ("embed", "kv_heads", "kv"))
         self.v_dkh = _param(in_init, rngs.params(), (d, k, h), ("embed", "kv_heads", "kv"))
         self.o_nhd = _param(out_init, rngs.params(), (n, h, d), ("heads", "kv", "embed"))
+        zeros = nnx.initializers.zeros_init()
+        if cfg.qkv_bias:
+            self.q_bias_nh = _param(zeros, rngs.params(), (n, h), ("heads", "kv"))
+            self.k_bias_kh = _param(zeros, rngs.params(), (k, h), ("kv_heads", "kv"))
+            self.v_bias_kh = _param(zeros, rngs.params(), (k, h), ("kv_heads", "kv"))
+        if cfg.o_bias:
+            self.o_bias_d = _param(zeros, rngs.params(), (d,), ("embed",))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs)
+            self.k_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs)
 
     def __call__(
         self,
@@ -103,11 +109,9 @@ class Attention(nnx.Module):
         [b, s, kv_heads, head_dim] arrays), this chunk's keys/values are written at slots
         start_b.. and the query attends over all s slots under `mask_bts`."""
         dt = x_btd.dtype
-        q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
-        k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt))
-        v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt))
-        q_btnh = apply_rope(q_btnh, positions_bt, self.theta)
-        k_btkh = apply_rope(k_btkh, positions_bt, self.theta)
+        q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd)
+        q_btnh = apply_rope(q_btnh, positions_bt, self.theta, self.rope_scaling)
+        k_btkh = apply_rope(k_btkh, positions_bt, self.theta, self.rope_scaling)
         new_kv = None
         if kv is not None:
             assert start_b is not None, "a KV cache write needs start_b"
@@ -115,7 +119,23 @@ class Attention(nnx.Module):
             v_btkh = _write_cache(kv[1], v_btkh, start_b)
             new_kv = (k_btkh, v_btkh)
         out_btnh = _attend(q_btnh, k_btkh.astype(dt), v_btkh.astype(dt), mask_bts)
-        return jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt)), new_kv
+        out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt))
+        if self.o_bias:
+            out_btd = out_btd + self.o_bias_d[...].astype(dt)
+        return out_btd, new_kv
+
+    def _project_qkv(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        dt = x_btd.dtype
+        q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
+        k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt))
+        v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt))
+        if self.qkv_bias:
+            q_btnh = q_btnh + self.q_bias_nh[...].astype(dt)
+            k_btkh = k_btkh + self.k_bias_kh[...].astype(dt)
+            v_btkh = v_btkh + self.v_bias_kh[...].astype(dt)
+        if self.qk_norm:
+            q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        return q_btnh, k_btkh, v_btkh
 
 
 def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:

@@ -11,10 +11,30 @@ encoding it whole, which token-in/token-out rollouts rely on.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 PAD, BOS, EOS, SYSTEM, USER, ASSISTANT, TOOL = range(256, 263)
+
+
+class Tokenizer(Protocol):
+    """What services need of a tokenizer: ByteTokenizer and hf_tokenizer.HFTokenizer."""
+
+    name: str
+    eos_id: int
+    pad_id: int
+    vocab_size: int
+
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool,
+                        add_bos: bool) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -64,7 +84,12 @@ def _role_and_content(message: Any) -> tuple[str, str]:
     return message.role, message.content
 
 
-def get_tokenizer(name: str) -> ByteTokenizer:
+def get_tokenizer(name: str) -> Tokenizer:
+    """"byte", or the path of a Hugging Face model/tokenizer directory (an HFTokenizer)."""
     if name == ByteTokenizer.name:
         return ByteTokenizer()
-    raise ValueError(f"unknown tokenizer {name!r}; known: ['byte']")
+    if Path(name).is_dir():
+        from arlo.model.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_dir(name)
+    raise ValueError(f"unknown tokenizer {name!r}; known: ['byte'] or a Hugging Face model directory")

@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arlo.model import KVCache, ModelConfig, create_model, init_cache
+from arlo.model import KVCache, ModelConfig, RopeScaling, abstract_model, create_model, init_cache
 
 CFG = ModelConfig.named("tiny")
+# Every optional family feature at once: Qwen2 biases, Qwen3 q/k norm and free head_dim, yarn RoPE.
+FAMILY_CFG = dataclasses.replace(CFG, head_dim=8, qkv_bias=True, o_bias=True, qk_norm=True,
+                                 rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_seq_len=8))
 Split = tuple[nnx.GraphDef, nnx.State]
 
 
@@ -67,7 +70,7 @@ def test_causal(split: Split) -> None:
 
 
 def test_num_params_matches_model() -> None:
-    for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=False)):
+    for cfg in (CFG, dataclasses.replace(CFG, tie_embeddings=False), FAMILY_CFG):
         state = nnx.state(nnx.eval_shape(lambda cfg=cfg: create_model(cfg, seed=0)))
         assert sum(x.size for x in jax.tree.leaves(state)) == cfg.num_params()
     assert 10_000_000 < ModelConfig.named("small").num_params() < 100_000_000
@@ -101,10 +104,47 @@ def test_params_carry_logical_axes(split: Split) -> None:
     assert tuple(specs["layers"][1]["mlp"]["down_fd"].get_value()) == ("mlp", "embed")
 
 
-def test_decode_steps_match_full_forward(split: Split) -> None:
+def _random_state(cfg: ModelConfig) -> nnx.State:
+    # numpy instead of create_model: eager JAX init compiles every op per new shape (tens of
+    # seconds on a loaded CPU). Every parameter random, biases and norm scales included.
+    rng = np.random.default_rng(0)
+    abstract = nnx.state(abstract_model(cfg))
+    return jax.tree.map(lambda x: jnp.asarray(
+        (1.0 if len(x.shape) == 1 else 0.0) + rng.normal(0.0, 0.1 if len(x.shape) == 1 else 0.3, x.shape),
+        jnp.float32), abstract)
+
+
+@pytest.fixture(scope="module")
+def family_split() -> Split:
+    return nnx.split(abstract_model(FAMILY_CFG))[0], _random_state(FAMILY_CFG)
+
+
+def test_family_features_params_and_axes(family_split: Split) -> None:
+    attn = family_split[1]["layers"][0]["attn"]
+    assert attn["q_bias_nh"].shape == (4, 8) and attn["k_bias_kh"].shape == (2, 8)
+    assert attn["o_bias_d"].shape == (64,) and attn["q_norm"]["scale"].shape == (8,)
+    specs = nnx.get_partition_spec(family_split[1])["layers"][0]["attn"]
+    assert tuple(specs["q_bias_nh"].get_value()) == ("heads", "kv")
+    assert tuple(specs["v_bias_kh"].get_value()) == ("kv_heads", "kv")
+    assert "q_bias_nh" not in nnx.state(abstract_model(CFG))["layers"][0]["attn"]  # presets unchanged
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _hidden(graphdef: nnx.GraphDef, state: nnx.State, tokens_bt: jax.Array, remat: str) -> jax.Array:
+    return nnx.merge(graphdef, state).hidden(tokens_bt, remat=remat)
+
+
+def test_family_features_remat_matches(family_split: Split) -> None:
+    tokens = _tokens(2, 12, seed=4)
+    _close(_hidden(*family_split, tokens, "full"), _hidden(*family_split, tokens, "none"))
+
+
+@pytest.mark.parametrize("which", ["tiny", "family"])
+def test_decode_steps_match_full_forward(split: Split, family_split: Split, which: str) -> None:
+    split, cfg = (split, CFG) if which == "tiny" else (family_split, FAMILY_CFG)
     tokens = _tokens(2, 12, seed=1)
     full_btv = _forward(*split, tokens)
-    cache = init_cache(CFG, batch=2, length=16)
+    cache = init_cache(cfg, batch=2, length=16)
     zeros = jnp.zeros((2,), jnp.int32)
     logits_bv, cache = _prefill(*split, tokens[:, :4], jnp.array([4, 4]), cache, zeros)
     _close(logits_bv, full_btv[:, 3])
