@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from arlo.distributed import MeshConfig
+
 T = TypeVar("T")
 
 
@@ -109,6 +111,8 @@ class InferenceConfig:
     max_prompt_tokens: int = 512
     weight_poll_s: float = 2.0
     """Poll the weight pointer this often in case a pub/sub event was missed."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
@@ -116,6 +120,7 @@ class InferenceConfig:
         _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
         _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
         _check(f"{path}.weight_poll_s", self.weight_poll_s > 0, "must be > 0")
+        self.mesh.validate(f"{path}.mesh")
 
 
 @_frozen
@@ -195,12 +200,15 @@ class TrainerConfig:
     """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
     logprob_chunk: int = 0
     """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
         _check(f"{path}.remat", self.remat in ("none", "full", "dots"), "must be none, full or dots")
         _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
+        self.mesh.validate(f"{path}.mesh")
         _check(f"{path}.micro_batch_size", self.micro_batch_size >= 0, "must be >= 0")
         _check(f"{path}.learning_rate", 0 < self.learning_rate < 1, "must be in (0, 1)")
         _check(f"{path}.weight_decay", self.weight_decay >= 0, "must be >= 0")

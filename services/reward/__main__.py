@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 from arlo.config import RunConfig
 from arlo.proto.v1 import reward_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
+from arlo.sandbox.hardening import make_undumpable
 from arlo.service_args import parse_service_config
 from services.reward.registry import build_registry
 from services.reward.scoring import Scorer
@@ -26,6 +27,7 @@ async def start_reward(cfg: RunConfig) -> RunningServer:
 def main() -> None:
     cfg = parse_service_config("reward")
     setup_logging("reward")
+    make_undumpable()  # sandboxed code must not read our environment (the token) via /proc
     run_until_signal(lambda: start_reward(cfg), grace_s=cfg.reward.server.grace_s)
 
 

@@ -278,3 +278,15 @@ def test_candidates_and_chains() -> None:
     assert unshare[:5] == ["/usr/bin/unshare", "--net", "--pid", "--fork", "--kill-child"]
     assert chain(Isolation(kind="none"), uid=1234, plan=plan, python=sys.executable, trampoline="pass")[0] == \
         sys.executable
+
+
+def test_make_undumpable_clears_the_dumpable_flag() -> None:
+    import subprocess
+    import sys
+
+    # In a child process: the flag is per process and cannot be set back by an unprivileged caller.
+    code = ("import ctypes; from arlo.sandbox.hardening import make_undumpable; libc = ctypes.CDLL(None); "
+            "before = libc.prctl(3, 0, 0, 0, 0); assert make_undumpable(); print(before, libc.prctl(3, 0, 0, 0, 0))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "0"]  # PR_GET_DUMPABLE: dumpable before, not after
