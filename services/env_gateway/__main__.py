@@ -2,32 +2,65 @@
 
 from __future__ import annotations
 
-from arlo.config import RunConfig
+from arlo.config import ConfigError, RunConfig
 from arlo.proto.v1 import env_pb2_grpc
-from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
+from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal, setup_logging, start_server
+from arlo.sandbox.hardening import make_undumpable
 from arlo.service_args import parse_service_config
 from services.env_gateway.gateway import Gateway
-from services.env_gateway.registry import default_registry
+from services.env_gateway.registry import EnvContext, default_registry
+from services.env_gateway.remote import RemoteEnvs
 from services.env_gateway.server import SERVICE_NAME, EnvironmentServicer
 from services.env_gateway.sessions import SessionStore
 
 
-def build_gateway(cfg: RunConfig) -> Gateway:
-    sessions = SessionStore(idle_timeout_s=cfg.env_gateway.session_idle_timeout_s,
-                            max_sessions=cfg.env_gateway.max_sessions)
-    return Gateway(default_registry(), sessions)
+def build_gateway(cfg: RunConfig, context: EnvContext | None = None) -> Gateway:
+    """The in-process core with the built-in environments; ConfigError for a bad retrieval docs dir."""
+    gw = cfg.env_gateway
+    sessions = SessionStore(idle_timeout_s=gw.session_idle_timeout_s, max_sessions=gw.max_sessions)
+    try:
+        registry = default_registry(context if context is not None else EnvContext(gw))
+    except ValueError as e:
+        raise ConfigError(f"env_gateway.retrieval_docs_dir: {e}") from e
+    return Gateway(registry, sessions)
 
 
-async def start_env_gateway(cfg: RunConfig) -> RunningServer:
+async def build_servicer(cfg: RunConfig, gateway: Gateway | None = None) -> EnvironmentServicer:
+    """The servicer, with remote backends (if configured) connected and asked for their environments.
+
+    Call inside the event loop that serves it; a backend that is down now is asked again later.
+    """
+    gateway = gateway if gateway is not None else build_gateway(cfg)
+    remotes = None
+    if cfg.env_gateway.remotes:
+        remotes = RemoteEnvs.from_config(cfg.env_gateway.remotes, gateway_token=load_token(cfg.auth),
+                                         local_names=gateway.registry.names())
+        await remotes.discover()
+    return EnvironmentServicer(gateway, remotes)
+
+
+async def start_env_gateway(cfg: RunConfig, servicer: EnvironmentServicer | None = None) -> RunningServer:
+    servicer = servicer if servicer is not None else await build_servicer(cfg)
     binding = ServiceBinding(name=SERVICE_NAME, add_to_server=env_pb2_grpc.add_EnvironmentServicer_to_server,
-                             servicer=EnvironmentServicer(build_gateway(cfg)))
+                             servicer=servicer)
     return await start_server("env_gateway", cfg.env_gateway.server, cfg.auth, [binding])
 
 
 def main() -> None:
     cfg = parse_service_config("env_gateway")
     setup_logging("env_gateway")
-    run_until_signal(lambda: start_env_gateway(cfg), grace_s=cfg.env_gateway.server.grace_s)
+    make_undumpable()  # sandboxed code must not read our environment (the token) via /proc
+    servicers: list[EnvironmentServicer] = []
+
+    async def start() -> RunningServer:
+        servicers.append(await build_servicer(cfg))
+        return await start_env_gateway(cfg, servicers[-1])
+
+    async def stop() -> None:
+        for servicer in servicers:
+            await servicer.aclose()
+
+    run_until_signal(start, on_stop=stop, grace_s=cfg.env_gateway.server.grace_s)
 
 
 if __name__ == "__main__":

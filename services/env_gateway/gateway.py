@@ -1,15 +1,25 @@
 """The gateway core: registry + sessions behind reset/step/close. No gRPC here, so the agent
-loop's tests can drive it in-process."""
+loop's tests can drive it in-process.
+
+`reset`/`step` run the environment in the caller's thread. The servicer uses `reset_async`/
+`step_async`, which run environments marked `blocking` (code execution) in a bounded pool of
+worker threads, so one slow program never stalls the event loop; cheap environments stay
+inline, where a batch of 64 steps costs little more than one.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from services.env_gateway.envs.base import ResetResult, StepResult
-from services.env_gateway.registry import EnvRegistry
-from services.env_gateway.sessions import SessionStore
+from services.env_gateway.envs.base import Environment, ResetResult, StepResult
+from services.env_gateway.registry import EnvRegistry, EnvSpec
+from services.env_gateway.sessions import Session, SessionBusyError, SessionStore
+
+DEFAULT_BLOCKING_WORKERS = 8
 
 
 class UnknownEnvError(LookupError):
@@ -38,22 +48,32 @@ def parse_config_json(text: str) -> dict[str, Any]:
     return value
 
 
+def _reset_env(env: Environment, seed: int, config: dict[str, Any]) -> ResetResult:
+    try:
+        return env.reset(seed, config)
+    except ValueError as e:
+        raise InvalidConfigError(str(e)) from e
+
+
 class Gateway:
-    def __init__(self, registry: EnvRegistry, sessions: SessionStore) -> None:
+    def __init__(self, registry: EnvRegistry, sessions: SessionStore, *,
+                 blocking_workers: int = DEFAULT_BLOCKING_WORKERS) -> None:
         self.registry = registry
         self.sessions = sessions
+        self._blocking_workers = blocking_workers
+        self._executor: ThreadPoolExecutor | None = None
 
-    def reset(self, env_name: str, config_json: str, seed: int) -> Started:
+    def _spec(self, env_name: str) -> EnvSpec:
         spec = self.registry.get(env_name)
         if spec is None:
             raise UnknownEnvError(f"unknown environment {env_name!r}; known: {self.registry.names()}")
-        config = parse_config_json(config_json)
-        env = spec.factory()
-        try:
-            result = env.reset(seed, config)
-        except ValueError as e:
-            raise InvalidConfigError(str(e)) from e
-        session = self.sessions.create(env_name, env)
+        return spec
+
+    def reset(self, env_name: str, config_json: str, seed: int) -> Started:
+        spec = self._spec(env_name)
+        env = self.registry.create(spec)
+        result = _reset_env(env, seed, parse_config_json(config_json))
+        session = self.sessions.create(env_name, env, blocking=spec.blocking)
         return Started(session_id=session.id, result=result)
 
     def step(self, session_id: str, action: str) -> StepResult:
@@ -62,3 +82,53 @@ class Gateway:
 
     def close(self, session_id: str) -> bool:
         return self.sessions.close(session_id)
+
+    async def reset_async(self, env_name: str, config_json: str, seed: int) -> Started:
+        spec = self._spec(env_name)
+        if not spec.blocking:
+            return self.reset(env_name, config_json, seed)
+        config = parse_config_json(config_json)
+
+        def start() -> tuple[Environment, ResetResult]:
+            env = self.registry.create(spec)  # may build a shared object (a sandbox) on first use
+            return env, _reset_env(env, seed, config)
+
+        env, result = await asyncio.wrap_future(self._pool().submit(start))
+        session = self.sessions.create(env_name, env, blocking=True)
+        return Started(session_id=session.id, result=result)
+
+    async def step_async(self, session_id: str, action: str) -> StepResult:
+        result = self.begin_step(session_id, action)
+        return result if isinstance(result, StepResult) else await result
+
+    def begin_step(self, session_id: str, action: str) -> StepResult | asyncio.Future[StepResult]:
+        """The result of a cheap step, or a future for a blocking one (already running in a worker).
+
+        StepBatch uses this to run a batch's cheap steps inline and its blocking ones concurrently.
+        """
+        session = self.sessions.get(session_id)
+        if not session.blocking:
+            return session.env.step(action)
+        return asyncio.wrap_future(self._submit_step(session, action))
+
+    def _submit_step(self, session: Session, action: str) -> Future[StepResult]:
+        if session.busy:
+            raise SessionBusyError(f"session {session.id!r} is still running its previous step; "
+                                   "send one step at a time per session")
+        session.busy = True
+        future = self._pool().submit(session.env.step, action)
+        # Cleared when the step really ends (or is cancelled before it starts), not when the
+        # caller stops waiting: an abandoned step may still be running in its thread.
+        future.add_done_callback(lambda _: setattr(session, "busy", False))
+        return future
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._blocking_workers, thread_name_prefix="env-step")
+        return self._executor
+
+    def shutdown(self) -> None:
+        """Stops the worker threads once their steps finish; queued steps are cancelled."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

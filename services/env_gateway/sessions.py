@@ -19,12 +19,20 @@ class SessionLimitError(RuntimeError):
     """max_sessions are live."""
 
 
+class SessionBusyError(RuntimeError):
+    """A step of this session is still running (blocking environments only)."""
+
+
 @dataclass(slots=True)
 class Session:
     id: str
     env_name: str
     env: Environment
     last_used: float
+    blocking: bool = False
+    """Its steps run in a worker thread (see Gateway.step_async)."""
+    busy: bool = False
+    """A step is running in a worker thread; a second one would race it."""
 
 
 class SessionStore:
@@ -58,12 +66,13 @@ class SessionStore:
             dropped += 1
         return dropped
 
-    def create(self, env_name: str, env: Environment) -> Session:
+    def create(self, env_name: str, env: Environment, *, blocking: bool = False) -> Session:
         self.expire()
         if len(self._sessions) >= self.max_sessions:
             raise SessionLimitError(f"{self.max_sessions} sessions are open (env_gateway.max_sessions); "
                                     "close finished sessions or retry later")
-        session = Session(id=uuid.uuid4().hex, env_name=env_name, env=env, last_used=self._clock())
+        session = Session(id=uuid.uuid4().hex, env_name=env_name, env=env, last_used=self._clock(),
+                          blocking=blocking)
         self._sessions[session.id] = session
         return session
 

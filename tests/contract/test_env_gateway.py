@@ -65,8 +65,10 @@ async def reset(stub: env_pb2_grpc.EnvironmentStub, seed: int = 0, config_json: 
 
 async def test_list_environments(stub: env_pb2_grpc.EnvironmentStub) -> None:
     reply = await stub.ListEnvironments(env_pb2.ListEnvironmentsRequest(), timeout=5)
-    (info,) = reply.environments
-    assert info.name == "arith" and info.tools_json == "[]" and info.max_turns == 16 and info.description
+    infos = {info.name: info for info in reply.environments}
+    assert sorted(infos) == ["arith", "calculator", "guess_number", "python", "retrieval"]
+    info = infos["arith"]
+    assert info.tools_json == "[]" and info.max_turns == 16 and info.description
 
 
 async def test_episode_wrong_then_right(stub: env_pb2_grpc.EnvironmentStub) -> None:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from services.env_gateway.envs.base import EpisodeOverError, Message, ResetResult, StepResult, read_config
+from services.env_gateway.envs.base import EpisodeOverError, Message, ResetResult, StepResult, parse_config
 
 NAME = "arith"
 DESCRIPTION = "Answer 'a<op>b=' with an integer; 'no' after a wrong answer until max_turns. Config: " \
               "max_operand (int, default 9), max_turns (int, default 3), op ('+', '-' or '*')."
-DEFAULTS: Mapping[str, Any] = {"max_operand": 9, "max_turns": 3, "op": "+"}
 MAX_OPERAND = 1_000_000
 MAX_TURNS = 16
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -37,15 +37,22 @@ def parse_answer(action: str) -> str | None:
     return "-" + digits if negative and digits != "0" else digits
 
 
-def _checked(config: Mapping[str, Any]) -> dict[str, Any]:
-    cfg = read_config(config, DEFAULTS, NAME)
-    if not 0 <= cfg["max_operand"] <= MAX_OPERAND:
-        raise ValueError(f"{NAME} config: max_operand must be in [0, {MAX_OPERAND}], got {cfg['max_operand']}")
-    if not 1 <= cfg["max_turns"] <= MAX_TURNS:
-        raise ValueError(f"{NAME} config: max_turns must be in [1, {MAX_TURNS}], got {cfg['max_turns']}")
-    if cfg["op"] not in OPS:
-        raise ValueError(f"{NAME} config: op must be one of {sorted(OPS)}, got {cfg['op']!r}")
-    return cfg
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ArithConfig:
+    max_operand: int = 9
+    """Operands are drawn from [0, max_operand]."""
+    max_turns: int = 3
+    """Answers allowed before the episode ends unsolved."""
+    op: str = "+"
+    """"+", "-" or "*"."""
+
+    def validate(self) -> None:
+        if not 0 <= self.max_operand <= MAX_OPERAND:
+            raise ValueError(f"max_operand must be in [0, {MAX_OPERAND}], got {self.max_operand}")
+        if not 1 <= self.max_turns <= MAX_TURNS:
+            raise ValueError(f"max_turns must be in [1, {MAX_TURNS}], got {self.max_turns}")
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {sorted(OPS)}, got {self.op!r}")
 
 
 class ArithEnv:
@@ -56,13 +63,13 @@ class ArithEnv:
         self._done = True
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
-        cfg = _checked(config)
+        cfg = parse_config(ArithConfig, config, NAME)
         rng = random.Random(seed)
-        a = rng.randint(0, cfg["max_operand"])
-        b = rng.randint(0, cfg["max_operand"])
-        op = cfg["op"]
+        a = rng.randint(0, cfg.max_operand)
+        b = rng.randint(0, cfg.max_operand)
+        op = cfg.op
         self._result = str(OPS[op](a, b))
-        self._max_turns = cfg["max_turns"]
+        self._max_turns = cfg.max_turns
         self._turns = 0
         self._done = False
         return ResetResult(observation=[Message(role="user", content=f"{a}{op}{b}=")], task_id=f"{NAME}-{a}{op}{b}")

@@ -141,7 +141,7 @@ def test_gateway_rejects_bad_config_json(config_json: str) -> None:
 
 def test_gateway_unknown_env() -> None:
     gw, _ = gateway()
-    with pytest.raises(UnknownEnvError, match="known: \\['arith'\\]"):
+    with pytest.raises(UnknownEnvError, match="known: \\['arith', 'calculator'"):
         gw.reset("chess", "", 0)
 
 

@@ -1,0 +1,203 @@
+"""Built-in environments through a real env_gateway: steps/s for Step and StepBatch(64), and the
+gateway's added latency over calling the environment in process.
+
+    python -m bench.env [--envs arith,calculator,...] [--steps 2000] [--batches 200]
+                        [--python-steps 40] [--python-batches 3] [--json PATH]
+
+The gateway runs in this process on an ephemeral port (auth off) and the client shares its
+event loop, so a latency here is client + server on one core: an upper bound on the
+gateway's own cost. Sessions that finish are replaced between timed calls, never inside one.
+`stepbatch64_over_step` is the median time of one StepBatch of 64 over that of one Step, both
+measured in alternating rounds (the bar: <= 2 for `arith`, the inline path; environments whose
+own step costs tens of microseconds, and `python`, bound by its sandbox processes, are
+reported too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from arlo.config import AuthConfig, EnvGatewayConfig, RunConfig, ServerConfig
+from arlo.proto.v1 import env_pb2, env_pb2_grpc
+from arlo.rpc import make_channel
+from bench.common import percentile, print_table, write_json
+from services.env_gateway.__main__ import build_gateway, start_env_gateway
+from services.env_gateway.envs.base import Environment
+
+BATCH = 64
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    config: dict[str, object]
+    """Long episodes, so few sessions end mid-measurement."""
+    action: str
+    """A turn that never ends the episode early."""
+
+
+def _call(name: str, **arguments: object) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+WORKLOADS = {
+    "arith": Workload(config={"max_turns": 16}, action="x"),
+    "calculator": Workload(config={"max_turns": 32}, action=_call("calculator", expression="4821 * 337 + 9152 * 46")),
+    "guess_number": Workload(config={"max_turns": 64}, action="0"),  # out of range: a hint, never a win
+    "retrieval": Workload(config={"max_turns": 32}, action=_call("search", query="Ostry harbour lighthouse")),
+    "python": Workload(config={"max_turns": 32}, action="```python\nprint(sum(range(1000)))\n```"),
+}
+
+
+class Sessions:
+    """Live sessions of one environment; `take(n)` hands out n distinct ones, `replace` renews ended ones."""
+
+    def __init__(self, stub: env_pb2_grpc.EnvironmentStub, env: str, workload: Workload) -> None:
+        self._stub, self._env, self._config = stub, env, json.dumps(workload.config)
+        self._live: list[str] = []
+        self._seed = 0
+
+    async def _new(self) -> str:
+        self._seed += 1
+        reply = await self._stub.Reset(env_pb2.ResetRequest(env_name=self._env, config_json=self._config,
+                                                            seed=self._seed), timeout=30)
+        return reply.session_id
+
+    async def take(self, n: int) -> list[str]:
+        while len(self._live) < n:
+            self._live.append(await self._new())
+        return self._live[:n]
+
+    async def replace(self, ended: list[str]) -> None:
+        for session in ended:
+            self._live[self._live.index(session)] = await self._new()
+
+
+async def time_step(stub: env_pb2_grpc.EnvironmentStub, sessions: Sessions, action: str) -> float:
+    (session,) = await sessions.take(1)
+    started = time.perf_counter()
+    reply = await stub.Step(env_pb2.StepRequest(session_id=session, action=action), timeout=30)
+    elapsed = time.perf_counter() - started
+    if reply.done:
+        await sessions.replace([session])
+    return elapsed
+
+
+async def time_batch(stub: env_pb2_grpc.EnvironmentStub, sessions: Sessions, action: str) -> float:
+    batch = await sessions.take(BATCH)
+    request = env_pb2.StepBatchRequest(steps=[env_pb2.StepRequest(session_id=s, action=action) for s in batch])
+    started = time.perf_counter()
+    reply = await stub.StepBatch(request, timeout=120)
+    elapsed = time.perf_counter() - started
+    failed = [r.message for r in reply.results if r.code != 0]
+    assert not failed, failed[:3]
+    await sessions.replace([s for s, r in zip(batch, reply.results, strict=True) if r.response.done])
+    return elapsed
+
+
+async def time_interleaved(stub: env_pb2_grpc.EnvironmentStub, sessions: Sessions, action: str, steps: int,
+                           batches: int) -> tuple[list[float], list[float]]:
+    """Single Steps and StepBatches in alternating rounds, so a burst of load from elsewhere on the
+    machine lands on both and their ratio stays honest."""
+    step_s: list[float] = []
+    batch_s: list[float] = []
+    per_round = max(steps // batches, 1)
+    for _ in range(batches):
+        for _ in range(per_round):
+            step_s.append(await time_step(stub, sessions, action))
+        batch_s.append(await time_batch(stub, sessions, action))
+    return step_s, batch_s
+
+
+def time_in_process(make: Callable[[], Environment], workload: Workload, n: int) -> list[float]:
+    out, env = [], None
+    for i in range(n):
+        if env is None:
+            env = make()
+            env.reset(i, workload.config)
+        started = time.perf_counter()
+        result = env.step(workload.action)
+        out.append(time.perf_counter() - started)
+        if result.done:
+            env = None
+    return out
+
+
+async def bench_env(stub: env_pb2_grpc.EnvironmentStub, name: str, make: Callable[[], Environment],
+                    steps: int, batches: int) -> dict[str, float]:
+    workload = WORKLOADS[name]
+    sessions = Sessions(stub, name, workload)
+    await time_interleaved(stub, sessions, workload.action, max(steps // 10, 2), 1)  # warm-up
+    step_s, batch_s = await time_interleaved(stub, sessions, workload.action, steps, batches)
+    local_s = time_in_process(make, workload, steps)
+    ms = 1e3
+    return {
+        "step_per_s": 1 / statistics.fmean(step_s),
+        "stepbatch64_steps_per_s": BATCH / statistics.fmean(batch_s),
+        "step_p50_ms": percentile(step_s, 50) * ms, "step_p99_ms": percentile(step_s, 99) * ms,
+        "stepbatch64_p50_ms": percentile(batch_s, 50) * ms, "stepbatch64_p99_ms": percentile(batch_s, 99) * ms,
+        "in_process_p50_ms": percentile(local_s, 50) * ms, "in_process_p99_ms": percentile(local_s, 99) * ms,
+        "added_p50_ms": (percentile(step_s, 50) - percentile(local_s, 50)) * ms,
+        "added_p99_ms": (percentile(step_s, 99) - percentile(local_s, 99)) * ms,
+        "stepbatch64_over_step": statistics.median(batch_s) / statistics.median(step_s),
+        # Fastest over fastest: what the code costs when nothing else on the machine interrupts it.
+        "stepbatch64_over_step_best": min(batch_s) / min(step_s),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    cfg = RunConfig(auth=AuthConfig(disabled=True), env_gateway=EnvGatewayConfig(
+        server=ServerConfig(port=0, metrics_port=-1), max_sessions=100_000))
+    local = build_gateway(cfg)  # for the in-process baseline: the same factories, no gRPC
+    running = await start_env_gateway(cfg)
+    results = {}
+    try:
+        async with make_channel(f"127.0.0.1:{running.port}", token=None) as channel:
+            stub = env_pb2_grpc.EnvironmentStub(channel)
+            for name in args.envs.split(","):
+                spec = local.registry.get(name)
+                assert spec is not None and name in WORKLOADS, f"no workload for {name!r}"
+                steps, batches = (args.python_steps, args.python_batches) if spec.blocking else (args.steps, args.batches)
+                results[name] = await bench_env(stub, name, lambda s=spec: local.registry.create(s), steps, batches)
+    finally:
+        await running.stop(None)
+        local.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--envs", default=",".join(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=2000, help="timed single Steps per inline environment")
+    parser.add_argument("--batches", type=int, default=200, help="timed StepBatch(64) calls per inline environment")
+    parser.add_argument("--python-steps", type=int, default=40)
+    parser.add_argument("--python-batches", type=int, default=3)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    results = asyncio.run(run(args))
+    columns = ["env", "Step/s", "StepBatch64 steps/s", "Step p50 ms", "Step p99 ms", "in-process p50 ms",
+               "added p50 ms", "added p99 ms", "StepBatch64 / Step"]
+    keys = ["step_per_s", "stepbatch64_steps_per_s", "step_p50_ms", "step_p99_ms", "in_process_p50_ms",
+            "added_p50_ms", "added_p99_ms", "stepbatch64_over_step"]
+    print_table("env_gateway: built-in environments over gRPC (client in-process, 1 event loop)", columns,
+                [[name, *(r[k] for k in keys)] for name, r in results.items()])
+    figures = {"environments": results, "batch": BATCH, "bar": 2.0,
+               "stepbatch64_over_step": results["arith"]["stepbatch64_over_step"] if "arith" in results else None}
+    if "arith" in results:
+        arith = results["arith"]
+        print(f"stepbatch64_over_step (arith): {arith['stepbatch64_over_step']:.2f} median/median, "
+              f"{arith['stepbatch64_over_step_best']:.2f} min/min (bar <= 2); load average {os.getloadavg()[0]:.1f} "
+              f"on {os.cpu_count()} cpus")
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""`calculator`: a sum of multi-digit products, hard in the head and easy with the tool.
+
+The agent calls `calculator(expression)` (evaluated by `safe_eval`, never `eval`) as often as
+it likes, then gives the final answer as plain text (its last integer) or via `answer(value)`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.env_gateway.envs.answers import last_integer
+from services.env_gateway.envs.base import (
+    EpisodeOverError,
+    Message,
+    ResetResult,
+    StepResult,
+    check_range,
+    describe_config,
+    parse_config,
+)
+from services.env_gateway.envs.safe_eval import EvalError, evaluate, format_number
+from services.env_gateway.tool_calls import BadToolCall, ToolCall, error_message, parse_tool_calls
+from services.env_gateway.tool_schema import function_tool, tools_json
+
+NAME = "calculator"
+MAX_TURNS = 32
+TOOLS = (
+    function_tool("calculator", "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
+                  {"expression": {"type": "string", "maxLength": 500, "description": "e.g. \"4821 * 337 + 12\""}}),
+    function_tool("answer", "Give the final answer and end the episode.",
+                  {"value": {"type": ["integer", "string"], "description": "The final answer, a number."}}),
+)
+NO_NUMBER = "Give the final answer as a number, or call the calculator tool."
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CalculatorConfig:
+    num_terms: int = 3
+    """Products summed in the task."""
+    min_digits: int = 2
+    max_digits: int = 4
+    """Each factor has between min_digits and max_digits digits."""
+    max_turns: int = 6
+
+    def validate(self) -> None:
+        check_range("num_terms", self.num_terms, 1, 10)
+        check_range("min_digits", self.min_digits, 1, 9)
+        check_range("max_digits", self.max_digits, self.min_digits, 9)
+        check_range("max_turns", self.max_turns, 1, MAX_TURNS)
+
+
+DESCRIPTION = ("Compute a sum of multi-digit products; tools calculator(expression) and answer(value); "
+               f"the final answer may also be plain text. Config: {describe_config(CalculatorConfig)}.")
+
+
+def make_task(seed: int, cfg: CalculatorConfig) -> tuple[str, int]:
+    rng = random.Random(seed)
+
+    def factor() -> int:
+        digits = rng.randint(cfg.min_digits, cfg.max_digits)
+        return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+    terms = [(factor(), factor()) for _ in range(cfg.num_terms)]
+    signs = ["+"] + [rng.choice("+-") for _ in terms[1:]]
+    text = " ".join(f"{s} {a} * {b}" for s, (a, b) in zip(signs, terms, strict=True)).removeprefix("+ ")
+    total = sum((a * b) * (1 if s == "+" else -1) for s, (a, b) in zip(signs, terms, strict=True))
+    return text, total
+
+
+class CalculatorEnv:
+    def __init__(self) -> None:
+        self._reference = ""
+        self._max_turns = 0
+        self._turns = 0
+        self._tool_calls = 0
+        self._done = True
+
+    def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
+        cfg = parse_config(CalculatorConfig, config, NAME)
+        expression, total = make_task(seed, cfg)
+        self._reference = str(total)
+        self._max_turns, self._turns, self._tool_calls, self._done = cfg.max_turns, 0, 0, False
+        prompt = (f"Compute {expression}. Use the calculator tool for the arithmetic, then give the final "
+                  "answer as a number.")
+        return ResetResult(observation=[Message(role="user", content=prompt)], task_id=f"{NAME}-{expression}",
+                           tools_json=tools_json(TOOLS))
+
+    def step(self, action: str) -> StepResult:
+        if self._done:
+            raise EpisodeOverError("the episode is over; call Reset to start another")
+        self._turns += 1
+        parsed = parse_tool_calls(action, TOOLS)
+        if not parsed.calls:
+            answer = last_integer(parsed.text)
+            if answer is None:
+                return self._next([Message(role="user", content=NO_NUMBER)])
+            return self._finish(answer)
+        replies: list[Message] = []
+        for call in parsed.calls:
+            if isinstance(call, BadToolCall):
+                replies.append(error_message(call))
+            elif call.name == "answer":
+                value = str(call.arguments["value"])
+                return self._finish(last_integer(value) or value.strip())
+            else:
+                replies.append(self._calculate(call))
+        return self._next(replies)
+
+    def _calculate(self, call: ToolCall) -> Message:
+        self._tool_calls += 1
+        try:
+            content = format_number(evaluate(call.arguments["expression"]))
+        except EvalError as e:
+            content = f"error: {e}"
+        return Message(role="tool", name="calculator", content=content)
+
+    def _next(self, observation: list[Message]) -> StepResult:
+        if self._turns >= self._max_turns:
+            return self._finish("", out_of_turns=True)
+        return StepResult(observation=observation, done=False, info=self._info())
+
+    def _finish(self, answer: str, *, out_of_turns: bool = False) -> StepResult:
+        self._done = True
+        correct = answer == self._reference
+        info = {**self._info(), "correct": correct, "out_of_turns": out_of_turns}
+        return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=answer,
+                          reference=self._reference, info=info)
+
+    def _info(self) -> dict[str, Any]:
+        return {"turns": self._turns, "tool_calls": self._tool_calls}

@@ -1,0 +1,108 @@
+"""`guess_number`: find a hidden integer from "higher"/"lower" hints. Multi-turn with a delayed
+reward: nothing until the end, 1 for finding it within max_turns. Binary search needs
+ceil(log2(high - low + 1)) guesses, so a good policy must plan over several turns."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.env_gateway.envs.answers import last_integer
+from services.env_gateway.envs.base import (
+    EpisodeOverError,
+    Message,
+    ResetResult,
+    StepResult,
+    check_range,
+    describe_config,
+    parse_config,
+)
+from services.env_gateway.tool_calls import BadToolCall, ParsedTurn, error_message, parse_tool_calls
+from services.env_gateway.tool_schema import function_tool, tools_json
+
+NAME = "guess_number"
+MAX_TURNS = 64
+MAX_RANGE = 10**9
+TOOLS = (function_tool("guess", "Guess the hidden number.", {"number": {"type": "integer"}}),)
+HIGHER, LOWER = "higher", "lower"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GuessNumberConfig:
+    low: int = 1
+    high: int = 100
+    """The hidden number is in [low, high]."""
+    max_turns: int = 10
+    """Guesses allowed; 7 suffice for 1..100 with binary search."""
+
+    def validate(self) -> None:
+        check_range("low", self.low, -MAX_RANGE, MAX_RANGE)
+        check_range("high", self.high, self.low + 1, self.low + MAX_RANGE)
+        check_range("max_turns", self.max_turns, 1, MAX_TURNS)
+
+
+DESCRIPTION = ("Find a hidden integer from higher/lower hints; reply with a number or call guess(number); "
+               f"reward 1 only when found. Config: {describe_config(GuessNumberConfig)}.")
+
+
+class GuessNumberEnv:
+    def __init__(self) -> None:
+        self._cfg = GuessNumberConfig()
+        self._secret = 0
+        self._turns = 0
+        self._last_guess = ""
+        self._done = True
+
+    def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
+        self._cfg = cfg = parse_config(GuessNumberConfig, config, NAME)
+        self._secret = random.Random(seed).randint(cfg.low, cfg.high)
+        self._turns, self._last_guess, self._done = 0, "", False
+        prompt = (f"I am thinking of an integer between {cfg.low} and {cfg.high}. Guess it: reply with one "
+                  f"number. After each guess I say '{HIGHER}' or '{LOWER}'. You have {cfg.max_turns} guesses.")
+        return ResetResult(observation=[Message(role="user", content=prompt)],
+                           task_id=f"{NAME}-{cfg.low}-{cfg.high}-{self._secret}", tools_json=tools_json(TOOLS))
+
+    def step(self, action: str) -> StepResult:
+        if self._done:
+            raise EpisodeOverError("the episode is over; call Reset to start another")
+        self._turns += 1
+        parsed = parse_tool_calls(action, TOOLS)
+        guess = self._read_guess(parsed)
+        if isinstance(guess, Message):
+            reply = guess
+        else:
+            self._last_guess = str(guess)
+            if guess == self._secret:
+                return self._finish(correct=True)
+            hint = self._hint(guess)
+            reply = Message(role="tool", name="guess", content=hint) if parsed.calls \
+                else Message(role="user", content=hint)
+        if self._turns >= self._cfg.max_turns:
+            return self._finish(correct=False)
+        return StepResult(observation=[reply], done=False, info={"turns": self._turns})
+
+    def _read_guess(self, parsed: ParsedTurn) -> int | Message:
+        """The guess, or the message that says what was wrong with it."""
+        if parsed.calls:
+            first = parsed.calls[0]  # one guess per turn: later calls are ignored
+            if isinstance(first, BadToolCall):
+                return error_message(first)
+            return int(first.arguments["number"])
+        text = last_integer(parsed.text)
+        if text is None or len(text) > 12:  # int() refuses 64 KiB of digits, and it is out of range anyway
+            return Message(role="user", content=f"Reply with one integer between {self._cfg.low} "
+                                                f"and {self._cfg.high}.")
+        return int(text)
+
+    def _hint(self, guess: int) -> str:
+        cfg = self._cfg
+        if not cfg.low <= guess <= cfg.high:
+            return f"{guess} is out of range: the number is between {cfg.low} and {cfg.high}."
+        return HIGHER if self._secret > guess else LOWER
+
+    def _finish(self, *, correct: bool) -> StepResult:
+        self._done = True
+        return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=self._last_guess,
+                          reference=str(self._secret), info={"turns": self._turns, "correct": correct})

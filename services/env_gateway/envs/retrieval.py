@@ -1,0 +1,178 @@
+"""`retrieval`: answer a question from a local document set with `search(query)` (BM25) and
+`answer(text)`. Built-in documents describe an invented archipelago (see `corpus`), so the
+answers are not in any model's pretraining; `env_gateway.retrieval_docs_dir` swaps in your own.
+
+A docs dir holds `*.txt`/`*.md` files (one document each: the first line is the title) and
+`questions.jsonl`, one `{"question": ..., "answer": ...}` object per line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.env_gateway.envs import corpus as builtin
+from services.env_gateway.envs.answers import normalize_text
+from services.env_gateway.envs.base import (
+    EpisodeOverError,
+    Message,
+    ResetResult,
+    StepResult,
+    check_range,
+    describe_config,
+    parse_config,
+)
+from services.env_gateway.envs.bm25 import BM25Index
+from services.env_gateway.envs.corpus import Doc, Question
+from services.env_gateway.tool_calls import BadToolCall, ToolCall, error_message, parse_tool_calls
+from services.env_gateway.tool_schema import function_tool, tools_json
+
+NAME = "retrieval"
+MAX_TURNS = 32
+MAX_DOCS = 100_000
+MAX_DOC_BYTES = 1 << 20
+TOOLS = (
+    function_tool("search", "Search the documents; returns the best matches with their text.",
+                  {"query": {"type": "string", "minLength": 1, "maxLength": 500}}),
+    function_tool("answer", "Give the final answer (a short phrase) and end the episode.",
+                  {"text": {"type": "string", "maxLength": 1000}}),
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RetrievalConfig:
+    top_k: int = 3
+    """Documents returned per search."""
+    max_turns: int = 6
+    max_doc_chars: int = 600
+    """Each result's text is cut to this many characters."""
+
+    def validate(self) -> None:
+        check_range("top_k", self.top_k, 1, 20)
+        check_range("max_turns", self.max_turns, 1, MAX_TURNS)
+        check_range("max_doc_chars", self.max_doc_chars, 50, 100_000)
+
+
+DESCRIPTION = ("Answer a question about a local document set using search(query) and answer(text); plain "
+               f"text also counts as the answer. Config: {describe_config(RetrievalConfig)}.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Corpus:
+    docs: tuple[Doc, ...]
+    questions: tuple[Question, ...]
+    index: BM25Index
+
+
+def make_corpus(docs: tuple[Doc, ...], questions: tuple[Question, ...]) -> Corpus:
+    if not docs or not questions:
+        raise ValueError(f"a corpus needs documents and questions; got {len(docs)} and {len(questions)}")
+    return Corpus(docs=docs, questions=questions, index=BM25Index([f"{d.title}\n{d.text}" for d in docs]))
+
+
+def load_corpus(docs_dir: str = "") -> Corpus:
+    """The built-in corpus, or the one in `docs_dir`; ValueError (naming the file) when it is unusable."""
+    if not docs_dir:
+        return make_corpus(builtin.DOCS, builtin.QUESTIONS)
+    root = Path(docs_dir)
+    if not root.is_dir():
+        raise ValueError(f"retrieval docs dir {root} does not exist")
+    files = sorted(p for p in root.iterdir() if p.suffix in (".txt", ".md") and p.is_file())[:MAX_DOCS + 1]
+    if len(files) > MAX_DOCS:
+        raise ValueError(f"{root} has more than {MAX_DOCS} documents")
+    docs = tuple(_read_doc(p) for p in files)
+    return make_corpus(docs, _read_questions(root / "questions.jsonl"))
+
+
+def _read_doc(path: Path) -> Doc:
+    if path.stat().st_size > MAX_DOC_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_DOC_BYTES} bytes")
+    title, _, text = path.read_text(encoding="utf-8", errors="replace").strip().partition("\n")
+    return Doc(id=path.stem, title=title.lstrip("# ").strip(), text=" ".join(text.split()))
+
+
+def _read_questions(path: Path) -> tuple[Question, ...]:
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: write one {{\"question\": ..., \"answer\": ...}} object per line")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            out.append(Question(id=str(item.get("id", f"q{n}")), question=str(item["question"]),
+                                answer=str(item["answer"]), doc_id=str(item.get("doc", ""))))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}:{n}: expected {{\"question\": ..., \"answer\": ...}}: {e}") from None
+    return tuple(out)
+
+
+class RetrievalEnv:
+    def __init__(self, corpus: Corpus) -> None:
+        self._corpus = corpus
+        self._cfg = RetrievalConfig()
+        self._question: Question | None = None
+        self._turns = 0
+        self._searches = 0
+        self._done = True
+
+    def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
+        self._cfg = parse_config(RetrievalConfig, config, NAME)
+        self._question = q = random.Random(seed).choice(self._corpus.questions)
+        self._turns, self._searches, self._done = 0, 0, False
+        prompt = (f"Question: {q.question}\nUse the search tool to find the answer in the documents, then call "
+                  "answer with a short phrase.")
+        return ResetResult(observation=[Message(role="user", content=prompt)], task_id=f"{NAME}-{q.id}",
+                           tools_json=tools_json(TOOLS))
+
+    def step(self, action: str) -> StepResult:
+        if self._done:
+            raise EpisodeOverError("the episode is over; call Reset to start another")
+        self._turns += 1
+        parsed = parse_tool_calls(action, TOOLS)
+        if not parsed.calls:
+            if parsed.text:
+                return self._finish(parsed.text)
+            return self._next([Message(role="user", content="Search the documents or give your answer.")])
+        replies: list[Message] = []
+        for call in parsed.calls:
+            if isinstance(call, BadToolCall):
+                replies.append(error_message(call))
+            elif call.name == "answer":
+                return self._finish(call.arguments["text"])
+            else:
+                replies.append(self._search(call))
+        return self._next(replies)
+
+    def _search(self, call: ToolCall) -> Message:
+        self._searches += 1
+        query = call.arguments["query"]
+        hits = self._corpus.index.search(query, self._cfg.top_k)
+        if not hits:
+            return Message(role="tool", name="search", content=f"no documents match {query!r}")
+        limit = self._cfg.max_doc_chars
+        parts = [f"[{rank}] {d.title} (doc {d.id})\n{d.text[:limit]}"
+                 for rank, d in enumerate((self._corpus.docs[i] for i, _ in hits), start=1)]
+        return Message(role="tool", name="search", content="\n\n".join(parts))
+
+    def _next(self, observation: list[Message]) -> StepResult:
+        if self._turns >= self._cfg.max_turns:
+            return self._finish("", out_of_turns=True)
+        return StepResult(observation=observation, done=False, info=self._info())
+
+    def _finish(self, text: str, *, out_of_turns: bool = False) -> StepResult:
+        assert self._question is not None
+        self._done = True
+        # Both sides normalised the same way, so the reward service's exact_match agrees with ours.
+        answer, reference = normalize_text(text), normalize_text(self._question.answer)
+        correct = bool(answer) and answer == reference
+        return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=answer,
+                          reference=reference,
+                          info={**self._info(), "correct": correct, "out_of_turns": out_of_turns})
+
+    def _info(self) -> dict[str, Any]:
+        return {"turns": self._turns, "searches": self._searches}
