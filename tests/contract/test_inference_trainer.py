@@ -138,7 +138,12 @@ async def test_trained_version_reaches_inference_intact(stack: dict) -> None:
     for traj in (trajectory("g1", 1.0), trajectory("g1", 0.0)):
         await stream.add(traj)
     await wait_for(lambda: loop.state.version >= 1)
-    pointer = await WeightPointer(redis, cfg.run_id).get()
+    pointer = None
+    for _ in range(200):  # the version counter moves just before the pointer does
+        pointer = await WeightPointer(redis, cfg.run_id).get()
+        if pointer is not None:
+            break
+        await asyncio.sleep(0.05)
     assert pointer is not None and pointer.version == 1
     await wait_for(lambda: engine.version >= 1)
     # What inference serves is byte-for-byte what the trainer published.
