@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import socket
 
+import jax
+
 from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
+from arlo.distributed import initialize_from_env, make_mesh
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
@@ -30,7 +33,8 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc))
+    mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=mesh)
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
         source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,
@@ -55,6 +59,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
 
 def main() -> None:
     cfg = parse_service_config("trainer")
+    initialize_from_env()  # multi-host (JobSet/TPU slice) before any JAX work; a no-op on one host
     setup_logging("trainer")
     tasks = TaskGroup()
     loops: list[TrainingLoop] = []

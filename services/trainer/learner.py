@@ -21,9 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from arlo.config import TrainerConfig
 from arlo.model import ModelConfig, create_model
+from arlo.model.sharding import batch_sharding, shard_state
 from services.trainer.batching import Batch
 from services.trainer.losses import PolicyLossConfig, aggregate_denominator
 from services.trainer.objectives import (
@@ -96,10 +98,14 @@ def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
 class Learner:
     """Holds the policy and optimizer state; `step` applies one RL update, `sft_step` one SFT update."""
 
-    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: LearnerConfig) -> None:
+    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: LearnerConfig, mesh: Mesh | None = None) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.mesh = mesh
         self.graphdef, self.state = nnx.split(create_model(model_cfg, seed))
+        if mesh is not None:
+            # Parameters sharded by their logical axes; the optimizer state follows (zeros_like).
+            self.state = shard_state(self.state, mesh)
         obj = cfg.objective
         # The KL reference is the initial policy, held apart (never donated, never updated).
         self.ref_state = jax.tree.map(jnp.copy, self.state) if obj.kl_coef else None
@@ -131,7 +137,10 @@ class Learner:
         size = self.cfg.micro_batch_size or len(batch.tokens_bt)
         padded = pad_rows(rows, multiple=size)
         # [micro_batches, rows, ...]: static shapes, so one compiled step per bucket.
-        return {k: jnp.asarray(v.reshape(-1, size, *v.shape[1:])) for k, v in padded.items()}
+        shaped = {k: v.reshape(-1, size, *v.shape[1:]) for k, v in padded.items()}
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in shaped.items()}
+        return {k: jax.device_put(v, batch_sharding(self.mesh, size, ndim=v.ndim)) for k, v in shaped.items()}
 
     def _finish(self, metrics: dict[str, jax.Array], batch: Batch, *, reward_mean: float) -> StepMetrics:
         self.step_count += 1
