@@ -15,12 +15,13 @@ import argparse
 import dataclasses
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from arlo.model import ModelConfig
 from arlo.proto.v1 import common_pb2
-from bench.report import print_table, write_json
+from bench.common import print_table, write_json
 from bench.roofline import best_time, measure_ceilings
 from services.trainer.batching import build_batch
 from services.trainer.learner import Learner, LearnerConfig
@@ -112,7 +113,8 @@ def main() -> None:
                 [["plain", plain, {k: f"{v / 2**20:.0f}MiB" for k, v in plain_seen.items()}],
                  ["remat=full + logprob_chunk=128", lean, {k: f"{v / 2**20:.0f}MiB" for k, v in lean_seen.items()}]])
     write_json(args.json, {
-        "model": args.model, "dtype": args.dtype, "rows": step["rows"], "length": step["length"],
+        "model": args.model, "dtype": args.dtype, "device": ceilings.device, "jax": jax.__version__,
+        "rows": step["rows"], "length": step["length"],
         "step_s": step["step_s"], "tokens_per_s": step["tokens_per_s"], "flops_per_step": step["flops"],
         "gemm_flops_per_s": ceilings.gemm_flops_per_s, "mem_bytes_per_s": ceilings.mem_bytes_per_s,
         "floor_s": floor, "roofline_fraction": fraction, "budget_mib": args.budget_mib,
