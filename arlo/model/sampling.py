@@ -1,6 +1,8 @@
 """Token sampling: temperature, top-k, top-p, min-p. Pure and jittable.
 
-All four knobs may be traced scalars, so one compiled program serves every setting. The
+All four knobs may be traced scalars or per-row arrays [b] (a continuous-batching engine
+mixes requests with different settings in one batch), so one compiled program serves
+every setting. The
 filters work on the vocabulary sorted by probability, where each keeps a prefix: top-k by
 rank, top-p by the mass before a token (on the top-k renormalised distribution, as HF and
 vLLM do), min-p by the ratio to the top token. The most likely token is always kept. Off
@@ -53,8 +55,8 @@ def sample(
     order_bv, logprobs_sorted_bv = _sorted_sampling_logprobs(logits_bv, temperature, top_k, top_p, min_p)
     keys_b = _row_keys(key, b)
     index_b = jax.vmap(jax.random.categorical)(keys_b, logprobs_sorted_bv)
-    greedy = jnp.asarray(temperature, jnp.float32) <= 0
-    index_b = jnp.where(greedy, 0, index_b)[:, None]
+    greedy_b = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32) <= 0, (b,))
+    index_b = jnp.where(greedy_b, 0, index_b)[:, None]
     tokens_b = jnp.take_along_axis(order_bv, index_b, axis=-1)[:, 0]
     logprobs_b = jnp.take_along_axis(logprobs_sorted_bv, index_b, axis=-1)[:, 0]
     return tokens_b.astype(jnp.int32), logprobs_b
@@ -65,27 +67,33 @@ def _sorted_sampling_logprobs(
 ) -> tuple[jax.Array, jax.Array]:
     """(order_bv: token ids by descending probability, logprobs of the sampling
     distribution in that order)."""
-    t = jnp.asarray(temperature, jnp.float32)
+    t = _per_row(temperature, jnp.float32)
     greedy = t <= 0
     scaled_bv = logits_bv.astype(jnp.float32) / jnp.where(greedy, 1.0, t)
     order_bv = jnp.argsort(scaled_bv, axis=-1, descending=True, stable=True)
     sorted_bv = jnp.take_along_axis(scaled_bv, order_bv, axis=-1)
     rank_v = jnp.arange(sorted_bv.shape[-1])
 
-    k = jnp.asarray(top_k, jnp.int32)
+    k = _per_row(top_k, jnp.int32)
     keep_bv = jnp.broadcast_to((k <= 0) | (rank_v < k), sorted_bv.shape)
 
-    p = jnp.asarray(top_p, jnp.float32)
+    p = _per_row(top_p, jnp.float32)
     probs_bv = jax.nn.softmax(jnp.where(keep_bv, sorted_bv, -jnp.inf), axis=-1)
     mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
     keep_bv &= (p <= 0) | (p >= 1) | (mass_before_bv < p)
 
-    m = jnp.asarray(min_p, jnp.float32)
+    m = _per_row(min_p, jnp.float32)
     log_m = jnp.log(jnp.maximum(m, jnp.finfo(jnp.float32).tiny))
     keep_bv &= (m <= 0) | (sorted_bv >= sorted_bv[:, :1] + log_m)
 
     keep_bv |= (rank_v == 0) | greedy
     return order_bv, jax.nn.log_softmax(jnp.where(keep_bv, sorted_bv, -jnp.inf), axis=-1)
+
+
+def _per_row(x: ArrayLike, dtype: jnp.dtype) -> jax.Array:
+    """A scalar stays a scalar; a per-row [b] array becomes [b, 1] to broadcast over the vocabulary."""
+    x = jnp.asarray(x, dtype)
+    return x[:, None] if x.ndim == 1 else x
 
 
 def _row_keys(key: jax.Array, b: int) -> jax.Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
@@ -11,16 +12,18 @@ from arlo.coord import Heartbeat, WeightPointer, connect
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
-from services.inference.engine import Engine, EngineLimits
+from services.inference.engine import Engine, EngineConfig, EngineLimits
 from services.inference.server import InferenceServicer
 from services.inference.weights import WeightSync
 
 
 async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, Engine]:
     ic = cfg.inference
+    # Until InferenceConfig carries the engine's knobs, the defaults, with room for max_n samples.
+    engine_cfg = EngineConfig(max_slots=max(EngineConfig().max_slots, ic.max_n))
     engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
                     limits=EngineLimits(max_n=ic.max_n, max_tokens=ic.max_tokens,
-                                        max_prompt_tokens=ic.max_prompt_tokens))
+                                        max_prompt_tokens=ic.max_prompt_tokens), config=engine_cfg)
     redis = await connect(cfg.redis)
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth),
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
@@ -30,11 +33,20 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
                        servicer=InferenceServicer(engine, cfg.model.tokenizer))])
     host = os.environ.get("ARLO_ADVERTISE_HOST") or ic.server.host
     heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=f"{socket.gethostname()}-{os.getpid()}")
+    tasks.spawn("engine", lambda: run_engine(engine))
     tasks.spawn("weight-sync", sync.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "address": f"{host}:{running.port}", "weight_version": engine.version,
-        "requests": engine.stats.requests, "generated_tokens": engine.stats.generated_tokens}))
+        "address": f"{host}:{running.port}", **engine.metrics()}))
     return running, engine
+
+
+async def run_engine(engine: Engine) -> None:
+    """Ties the engine's loop thread to the service's lifetime: cancelled on shutdown, it stops."""
+    engine.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await asyncio.to_thread(engine.close)
 
 
 def main() -> None:

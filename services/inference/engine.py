@@ -1,55 +1,81 @@
-"""The generation engine core: request validation, sampling, and an atomically swappable policy.
+"""The generation engine core: a continuous-batching loop over one model, no gRPC.
 
-No gRPC here. The engine holds (state, version) as one reference so a weight swap is a
-single assignment: a generation already running keeps the weights it started with and
-records their version; the next one uses the new weights.
+vLLM v1's loop on its own thread: `schedule` (admit waiting requests into free slots)
+-> `execute` (prefill the admitted ones, then one decode chunk of `decode_steps` tokens for
+every running sequence, all on the device) -> `update` (append tokens, apply stop strings,
+finish, free slots, notify callers). Callers on any thread `submit` and get a handle whose
+callbacks fire per chunk (streaming) and at the end.
+
+The policy is one reference to (state, version). `swap` replaces it between two engine
+steps: no drain, no restart; a chunk runs under one version and each token records it, so
+one completion may span versions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
+import math
 import secrets
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+from collections import deque
+from dataclasses import dataclass
 
+import jax
+import numpy as np
 from flax import nnx
 
 from arlo.model import ModelConfig, create_model, get_tokenizer
-from arlo.model.generate import generate
+from services.inference.requests import (
+    MAX_STOP_IDS,
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
+    EngineLimits,
+    OnDone,
+    OnTokens,
+    Sample,
+    SamplingRequest,
+    TokenDelta,
+    stop_string_cut,
+    validate_request,
+)
+from services.inference.runner import Emitted, Runner
+from services.inference.scheduler import Request, Scheduler
+from services.inference.scheduler import Sequence as Seq
 
-MAX_STOP_IDS = 64
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_BYTES = 64
+__all__ = [
+    "MAX_STOP_IDS", "MAX_STOP_STRINGS", "MAX_STOP_STRING_BYTES", "ChunkRecord", "Engine", "EngineConfig", "EngineLimits",
+    "RequestHandle", "Sample", "SamplingRequest", "TokenDelta", "validate_request",
+]
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineLimits:
-    max_n: int
-    max_tokens: int
-    max_prompt_tokens: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SamplingRequest:
-    prompt: tuple[int, ...]
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Sample:
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_versions: list[int]
-    finish_reason: str  # "stop" | "length"
+class EngineConfig:
+    max_slots: int = 64
+    """Sequences decoded together (the batch); also the KV cache's rows."""
+    max_seq_len: int = 0
+    """Prompt + completion tokens one slot holds; 0 means the model's max_seq_len."""
+    kv_cache_mib: float = 0.0
+    """KV cache budget; fewer slots than max_slots are made when it holds fewer (requests then
+    queue). 0 means max_slots full-length slots."""
+    decode_steps: int = 8
+    """Tokens per host round trip: more amortises the sync, fewer admits new requests sooner."""
+    prefill_tokens: int = 2048
+    """Prompt tokens prefilled per engine step (at least one request), so that a burst of
+    long prompts does not stall the running sequences for long."""
+    max_prefill_rows: int = 16
+    """Prompts per prefill call."""
+
+    def validate(self) -> None:
+        for name in ("max_slots", "decode_steps", "prefill_tokens", "max_prefill_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 0 or self.kv_cache_mib < 0:
+            raise ValueError("EngineConfig.max_seq_len and kv_cache_mib must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,53 +84,94 @@ class _Policy:
     version: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineStats:
     requests: int = 0
     generated_tokens: int = 0
     swaps: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    prefills: int = 0
+    decode_chunks: int = 0
+    decode_rows: int = 0
+    """Sum over chunks of the sequences in the chunk: decode_rows / decode_chunks is the mean batch."""
+    max_batch: int = 0
+    aborted: int = 0
 
 
-def validate_request(req: SamplingRequest, limits: EngineLimits, *, vocab_size: int, max_seq_len: int) -> None:
-    """Raises ValueError, naming the field and its bound, for anything a client got wrong."""
-    checks = [
-        (len(req.prompt) >= 1, "prompt_token_ids must not be empty"),
-        (len(req.prompt) <= limits.max_prompt_tokens,
-         f"prompt_token_ids has {len(req.prompt)} tokens; at most {limits.max_prompt_tokens}"),
-        (all(0 <= t < vocab_size for t in req.prompt), f"prompt_token_ids must be in [0, {vocab_size})"),
-        (1 <= req.n <= limits.max_n, f"n must be in [1, {limits.max_n}], got {req.n}"),
-        (1 <= req.max_tokens <= limits.max_tokens,
-         f"sampling.max_tokens must be in [1, {limits.max_tokens}], got {req.max_tokens}"),
-        (len(req.prompt) + req.max_tokens <= max_seq_len,
-         f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds the context of {max_seq_len}"),
-        (0.0 <= req.temperature <= 10.0, f"sampling.temperature must be in [0, 10], got {req.temperature}"),
-        (0.0 <= req.top_p <= 1.0, f"sampling.top_p must be in [0, 1], got {req.top_p}"),
-        (0 <= req.top_k <= vocab_size, f"sampling.top_k must be in [0, {vocab_size}], got {req.top_k}"),
-        (0.0 <= req.min_p <= 1.0, f"sampling.min_p must be in [0, 1], got {req.min_p}"),
-        (len(req.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),
-        (all(0 <= t < vocab_size for t in req.stop_token_ids), f"stop_token_ids must be in [0, {vocab_size})"),
-        (len(req.stop_strings) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
-        (all(0 < len(s.encode()) <= MAX_STOP_STRING_BYTES for s in req.stop_strings),
-         f"stop strings must be 1 to {MAX_STOP_STRING_BYTES} bytes"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkRecord:
+    """One decode chunk on the timeline (for the bench's swap pause and batch figures)."""
+
+    start: float
+    end: float
+    steps: int
+    rows: int
+    positions: int
+    """Sum over rows of the cached length at the chunk's start (what attention reads)."""
+    version: int
+
+
+class RequestHandle:
+    """A submitted request: `result()` blocks; the callbacks run on the engine thread."""
+
+    def __init__(self, request_id: int, on_tokens: OnTokens | None, on_done: OnDone | None) -> None:
+        self.id = request_id
+        self._on_tokens = on_tokens
+        self._on_done = on_done
+        self._event = threading.Event()
+        self._result: list[Sample] | BaseException | None = None
+
+    def result(self, timeout: float | None = None) -> list[Sample]:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout}s")
+        if isinstance(self._result, BaseException):
+            raise self._result
+        assert self._result is not None
+        return self._result
+
+    def _tokens(self, delta: TokenDelta) -> None:
+        if self._on_tokens is not None:
+            self._on_tokens(delta)
+
+    def _done(self, result: list[Sample] | BaseException) -> None:
+        self._result = result
+        self._event.set()
+        if self._on_done is not None:
+            self._on_done(result)
 
 
 class Engine:
-    """One model, one policy reference, generation with per-token version records."""
+    """One model, one swappable policy, many concurrent requests batched on one device loop."""
 
     def __init__(self, model_name: str, *, seed: int, tokenizer: str, limits: EngineLimits,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.config.validate()
         self.model_name = model_name
-        self.model_cfg = dataclasses.replace(ModelConfig.named(model_name), dtype=dtype)
+        base = dataclasses.replace(ModelConfig.named(model_name), dtype=dtype)
+        slot_len = min(base.max_seq_len, self.config.max_seq_len or base.max_seq_len)
+        self.model_cfg = dataclasses.replace(base, max_seq_len=slot_len)
         self.tokenizer = get_tokenizer(tokenizer)
         self.limits = limits
-        self.graphdef, state = nnx.split(create_model(self.model_cfg, seed))
-        self._policy = _Policy(state=state, version=0)
+        self.graphdef, state = nnx.split(create_model(base, seed))
+        # Committed to the device, as every swapped-in state will be (see swap): jit keys its
+        # programs on placement, and a mismatch would recompile everything on the first swap.
+        self._policy = _Policy(state=jax.device_put(state, jax.devices()[0]), version=0)
+        self.num_slots = _num_slots(self.config, self.model_cfg, limits)
+        self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
+                             decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows)
+        self.scheduler = Scheduler(num_slots=self.num_slots, prefill_tokens=self.config.prefill_tokens)
         self.stats = EngineStats()
+        self.timeline: deque[ChunkRecord] = deque(maxlen=4096)
+        self._ids = itertools.count(1)
+        self._cv = threading.Condition()
+        self._swap_lock = threading.Lock()
+        self._inbox: list[Request] = []
+        self._cancels: list[int] = []
+        self._handles: dict[int, RequestHandle] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ----- policy -----
 
     @property
     def version(self) -> int:
@@ -115,44 +182,216 @@ class Engine:
         return self._policy.state
 
     def swap(self, state: nnx.State, version: int) -> None:
-        """Installs new weights; one reference assignment, so readers see old or new, never a mix."""
-        if version <= self._policy.version:
-            raise ValueError(f"version {version} is not newer than the served {self._policy.version}")
-        self._policy = _Policy(state=state, version=version)
-        self.stats.swaps += 1
+        """Installs new weights for the next engine step; one reference assignment, so a chunk
+        sees old or new weights, never a mix. Raises ValueError for an old version or a state
+        whose tree, shapes or dtypes differ (it would recompile every program)."""
+        with self._swap_lock:
+            if version <= self._policy.version:
+                raise ValueError(f"version {version} is not newer than the served {self._policy.version}")
+            _check_like(self._policy.state, state)
+            # A no-op for arrays already placed like the served ones (state_from_bytes does that).
+            state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), state, self._policy.state)
+            self._policy = _Policy(state=state, version=version)
+            self.stats.swaps += 1
 
-    def generate(self, req: SamplingRequest) -> list[Sample]:
-        validate_request(req, self.limits, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.model_cfg.max_seq_len)
-        policy = self._policy
-        seed = req.seed if req.seed is not None else secrets.randbits(62)  # never a shared stream
-        stop_ids = tuple(req.stop_token_ids) or (self.tokenizer.eos_id,)
-        result = generate(
-            self.graphdef, policy.state, req.prompt, n=req.n, max_tokens=req.max_tokens,
-            temperature=req.temperature, top_p=req.top_p or 1.0, top_k=req.top_k, min_p=req.min_p,
-            seed=seed, stop_token_ids=stop_ids, max_seq_len=self.model_cfg.max_seq_len,
-        )
-        samples = []
-        for row in range(req.n):
-            length = int(result.lengths[row])
-            tokens = [int(t) for t in result.tokens[row, :length]]
-            logprobs = [float(x) for x in result.logprobs[row, :length]]
-            finish = result.finish_reasons[row]
-            cut = self._stop_string_cut(tokens, req.stop_strings)
-            if cut is not None:
-                tokens, logprobs, finish = tokens[:cut], logprobs[:cut], "stop"
-            samples.append(Sample(token_ids=tokens, logprobs=logprobs,
-                                  policy_versions=[policy.version] * len(tokens), finish_reason=finish))
-        with self.stats.lock:
-            self.stats.requests += 1
-            self.stats.generated_tokens += sum(len(s.token_ids) for s in samples)
-        return samples
+    # ----- requests -----
 
-    def _stop_string_cut(self, tokens: Sequence[int], stops: Sequence[str]) -> int | None:
-        """Shortest prefix whose text contains a stop string (the stop string is kept)."""
-        if not stops:
-            return None
-        for k in range(1, len(tokens) + 1):
-            text = self.tokenizer.decode(tokens[:k])
-            if any(s in text for s in stops):
-                return k
-        return None
+    @property
+    def max_seq_len(self) -> int:
+        return self.model_cfg.max_seq_len
+
+    def submit(self, req: SamplingRequest, *, on_tokens: OnTokens | None = None,
+               on_done: OnDone | None = None) -> RequestHandle:
+        """Queues a request (thread-safe); raises ValueError for a bad one."""
+        return self.submit_many([req], on_tokens=on_tokens, on_done=on_done)[0]
+
+    def submit_many(self, reqs: list[SamplingRequest], *, on_tokens: OnTokens | None = None,
+                    on_done: OnDone | None = None) -> list[RequestHandle]:
+        """Queues requests that the loop sees together (so they can share their first step);
+        all are validated before any is queued."""
+        for req in reqs:
+            validate_request(req, self.limits, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.max_seq_len)
+        requests = [self._request(req) for req in reqs]
+        handles = [RequestHandle(r.id, on_tokens, on_done) for r in requests]
+        self.start()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is stopped")
+            self._handles.update((h.id, h) for h in handles)
+            self._inbox.extend(requests)
+            self.stats.requests += len(requests)
+            self._cv.notify()
+        return handles
+
+    def _request(self, req: SamplingRequest) -> Request:
+        seed = req.seed if req.seed is not None else secrets.randbits(64)  # never a shared stream
+        stop_ids = tuple(req.stop_token_ids) or (() if req.ignore_eos else (self.tokenizer.eos_id,))
+        return Request(id=next(self._ids), params=req, seed=seed, stop_ids=stop_ids)
+
+    def cancel(self, request_id: int) -> None:
+        """Frees the request's slots at the next chunk boundary (thread-safe, idempotent)."""
+        with self._cv:
+            self._cancels.append(request_id)
+            self._cv.notify()
+
+    def generate(self, req: SamplingRequest, timeout: float | None = None) -> list[Sample]:
+        """Blocking convenience: submit and wait."""
+        return self.submit(req).result(timeout)
+
+    def programs(self) -> int:
+        """Distinct bucketed shapes run so far: the programs this engine needed."""
+        return len(self.runner.shapes)
+
+    def metrics(self) -> dict[str, int | float]:
+        """A snapshot for heartbeats and /metrics (read from another thread: plain ints only)."""
+        s, sessions = self.stats, self.scheduler.sessions.stats
+        return {
+            "weight_version": self.version, "requests": s.requests, "generated_tokens": s.generated_tokens,
+            "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "slots": self.num_slots, "programs": self.programs(),
+            "mean_batch": s.decode_rows / max(s.decode_chunks, 1), "max_batch": s.max_batch, "swaps": s.swaps,
+            "aborted": s.aborted, "session_hits": sessions.hits, "session_misses": sessions.misses,
+            "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
+        }
+
+    # ----- the loop -----
+
+    def start(self) -> None:
+        with self._cv:
+            if self._thread is None and not self._stopping:
+                self._thread = threading.Thread(target=self._loop, name="inference-engine", daemon=True)
+                self._thread.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops the loop; requests still queued or running end with an error."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all(RuntimeError("the engine stopped"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._inbox or self._cancels or self.scheduler.has_work()):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+            for req in inbox:
+                self.scheduler.add(req)
+            for request_id in cancels:
+                self._abort(request_id)
+            try:
+                self._step()
+            except Exception as e:  # a device failure must not kill the loop: fail what ran, serve on
+                log.exception("engine step failed; failing the running requests")
+                self._fail_running(e)
+
+    def _step(self) -> None:
+        policy = self._policy  # read once: the whole step runs under one version
+        admitted = self.scheduler.schedule(policy.version)
+        if admitted:
+            self.stats.prefills += 1
+            for em in self.runner.prefill(policy.state, admitted):
+                self._apply(em, policy.version)
+        seqs = self.scheduler.decoding()
+        if not seqs:
+            return
+        positions = sum(s.position for s in seqs)
+        started = time.perf_counter()
+        emitted = self.runner.decode(policy.state, seqs)
+        self.timeline.append(ChunkRecord(start=started, end=time.perf_counter(), steps=self.config.decode_steps,
+                                          rows=len(seqs), positions=positions,
+                                          version=policy.version))
+        self.stats.decode_chunks += 1
+        self.stats.decode_rows += len(seqs)
+        self.stats.max_batch = max(self.stats.max_batch, len(seqs))
+        for em in emitted:
+            self._apply(em, policy.version)
+
+    def _apply(self, em: Emitted, version: int) -> None:
+        """The update half: new tokens, stop ids, max tokens, stop strings, then notify."""
+        seq, req = em.seq, em.seq.request
+        if not em.token_ids:
+            return
+        before = len(seq.token_ids)
+        self.scheduler.append(seq, em.token_ids, em.logprobs, version)
+        reason = None
+        if seq.token_ids[-1] in req.stop_ids:
+            reason = "stop"
+        elif len(seq.token_ids) >= req.params.max_tokens:
+            reason = "length"
+        cut = stop_string_cut(self.tokenizer.decode, seq.token_ids, req.params.stop_strings, checked=before)
+        if cut is not None:
+            del seq.token_ids[cut:], seq.logprobs[cut:], seq.versions[cut:]
+            reason = "stop"
+        self.stats.generated_tokens += len(seq.token_ids) - before
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        handle = self._handles.get(req.id)
+        if handle is None:
+            return
+        handle._tokens(TokenDelta(sample=seq.index, token_ids=tuple(seq.token_ids[before:]),
+                                  logprobs=tuple(seq.logprobs[before:]),
+                                  policy_versions=tuple(seq.versions[before:]), finish_reason=reason))
+        if req.done:
+            self._complete(req)
+
+    def _complete(self, req: Request) -> None:
+        handle = self._handles.pop(req.id, None)
+        if handle is not None:
+            handle._done([_sample(seq) for seq in req.seqs])
+
+    def _abort(self, request_id: int) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self.stats.aborted += 1
+            self._complete(req)
+
+    def _fail_running(self, error: BaseException) -> None:
+        for req in self.scheduler.iter_running():
+            self.scheduler.abort(req.id)
+            handle = self._handles.pop(req.id, None)
+            if handle is not None:
+                handle._done(error)
+        # A failed program may have consumed the donated cache: start from a fresh one.
+        self.scheduler.drop_sessions()
+        self.runner.reset_cache()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cv:
+            handles, self._handles = self._handles, {}
+            self._inbox.clear()
+        for handle in handles.values():
+            handle._done(error)
+
+
+def _sample(seq: Seq) -> Sample:
+    return Sample(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs), policy_versions=list(seq.versions),
+                  finish_reason=seq.finish_reason or "abort")
+
+
+def _num_slots(config: EngineConfig, model_cfg: ModelConfig, limits: EngineLimits) -> int:
+    """max_slots, or fewer when the KV budget holds fewer full-length slots."""
+    per_slot = (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
+                * np.dtype(model_cfg.compute_dtype).itemsize * (model_cfg.max_seq_len + config.decode_steps))
+    slots = config.max_slots
+    if config.kv_cache_mib:
+        slots = min(slots, math.floor(config.kv_cache_mib * 2**20 / per_slot))
+    if slots < limits.max_n:
+        raise ValueError(f"EngineConfig: {slots} slots (max_slots={config.max_slots}, kv_cache_mib="
+                         f"{config.kv_cache_mib}, {per_slot / 2**20:.2f} MiB per slot) cannot hold n = "
+                         f"{limits.max_n} (inference.max_n)")
+    return slots
+
+
+def _check_like(old: nnx.State, new: nnx.State) -> None:
+    old_leaves, old_tree = jax.tree.flatten(old)
+    new_leaves, new_tree = jax.tree.flatten(new)
+    if old_tree != new_tree:
+        raise ValueError("swap: the new state's tree differs from the served one")
+    for a, b in zip(old_leaves, new_leaves, strict=True):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"swap: a parameter of {a.dtype}{list(a.shape)} came as {b.dtype}{list(b.shape)}")

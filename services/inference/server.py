@@ -1,16 +1,24 @@
-"""Thin gRPC servicer for arlo.v1.Inference: protobuf <-> engine types, errors -> status codes."""
+"""Thin gRPC servicer for arlo.v1.Inference: protobuf <-> engine types, errors -> status codes.
+
+Handlers never run the model: they submit to the engine's loop (its own thread) and await
+an asyncio future or queue that the engine's callbacks fill, so many concurrent calls share
+every decode step. A client that goes away (CancelledError in the handler) cancels its
+request, which frees its slots at the next chunk boundary.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
-from services.inference.engine import Engine, Sample, SamplingRequest
+from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelta
 
-FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH}
+FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
+          "abort": inference_pb2.FINISH_REASON_ABORT}
 MAX_ID_BYTES = 128
 
 
@@ -24,7 +32,7 @@ def to_sampling_request(req: inference_pb2.GenerateRequest) -> SamplingRequest:
         prompt=tuple(req.prompt_token_ids), n=req.n or 1, max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None,
-        stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop), session_id=req.session_id,
     )
 
 
@@ -35,45 +43,81 @@ def to_completion(sample: Sample) -> inference_pb2.Completion:
     )
 
 
+class _Bridge:
+    """Engine-thread callbacks -> one asyncio queue on the handler's loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, engine: Engine, tokenizer_name: str) -> None:
         self.engine = engine
         self.tokenizer_name = tokenizer_name
-        # One generation on the device at a time; cross-request batching is the engine's job.
-        self._device = asyncio.Lock()
 
-    async def _run(self, req: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> list[Sample]:
+    async def _submit(self, req: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext, *,
+                      stream: bool) -> tuple[int, _Bridge]:
+        bridge = _Bridge()
         try:
-            sampling = to_sampling_request(req)
-            async with self._device:
-                return await asyncio.to_thread(self.engine.generate, sampling)
+            handle = self.engine.submit(to_sampling_request(req), on_tokens=bridge.put if stream else None,
+                                        on_done=bridge.put)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise  # unreachable: abort raises
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        else:
+            return handle.id, bridge
+        raise AssertionError("unreachable: abort raises")
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC names)
-        version = self.engine.version
-        samples = await self._run(request, context)
-        return inference_pb2.GenerateResponse(
-            completions=[to_completion(s) for s in samples], policy_version=version)
+        request_id, bridge = await self._submit(request, context, stream=False)
+        try:
+            result = await bridge.queue.get()
+        except asyncio.CancelledError:
+            self.engine.cancel(request_id)
+            raise
+        if isinstance(result, BaseException):
+            await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {result}")
+        first = result[0].policy_versions[:1] if result else []
+        return inference_pb2.GenerateResponse(completions=[to_completion(s) for s in result],
+                                              policy_version=first[0] if first else self.engine.version)
 
     async def GenerateStream(  # noqa: N802
         self, request: inference_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
         if request.request.n > 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "GenerateStream takes n = 1")
-        (sample,) = await self._run(request.request, context)
-        # Token-by-token streaming from inside the decode loop comes with the continuous-batching
-        # engine; until then the completion is sent as one message.
-        yield inference_pb2.GenerateStreamResponse(
-            token_ids=sample.token_ids, logprobs=sample.logprobs,
-            policy_versions=sample.policy_versions, finish_reason=FINISH[sample.finish_reason])
+        request_id, bridge = await self._submit(request.request, context, stream=True)
+        finished = False
+        try:
+            while not finished:
+                item = await bridge.queue.get()
+                if isinstance(item, BaseException):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {item}")
+                if not isinstance(item, TokenDelta):  # the sample list: only an abort ends here
+                    finished = True
+                    yield inference_pb2.GenerateStreamResponse(finish_reason=inference_pb2.FINISH_REASON_ABORT)
+                    continue
+                finished = item.finish_reason is not None
+                yield inference_pb2.GenerateStreamResponse(
+                    token_ids=item.token_ids, logprobs=item.logprobs, policy_versions=item.policy_versions,
+                    finish_reason=FINISH[item.finish_reason] if finished else inference_pb2.FINISH_REASON_UNSPECIFIED)
+        finally:
+            if not finished:  # the client went away (CancelledError) or the stream broke
+                self.engine.cancel(request_id)
 
     async def GetModelInfo(self, request, context):  # noqa: N802
         e = self.engine
         return inference_pb2.GetModelInfoResponse(
             model_name=e.model_name, tokenizer=self.tokenizer_name, vocab_size=e.model_cfg.vocab_size,
-            max_seq_len=e.model_cfg.max_seq_len, max_prompt_tokens=e.limits.max_prompt_tokens,
+            max_seq_len=e.max_seq_len, max_prompt_tokens=e.limits.max_prompt_tokens,
             max_tokens=e.limits.max_tokens, max_n=e.limits.max_n, policy_version=e.version,
             eos_token_id=e.tokenizer.eos_id,
         )

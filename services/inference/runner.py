@@ -1,0 +1,284 @@
+"""The device side of the engine: one KV cache for all slots and two jitted programs.
+
+The cache has num_slots + 1 rows of `cache_len` positions; the last row is scratch, where
+the padding rows of a bucketed batch read and write. It lives on the device and is
+donated to every program, so each write is an in-place update.
+
+- prefill(rows m, tokens t, window w, samples j): gathers the window [slots, :w] of the
+  requests being admitted, runs the model's prefill from each request's start (past a
+  session's reused prefix), copies each prompt's window into the slots of its n samples
+  (one prefill per prompt) and samples every first token.
+- decode chunk(rows b, window w): gathers [slots, :w], where w covers the furthest row plus
+  the chunk's steps, so attention reads only the valid region rounded up to a bucket; runs
+  `steps` tokens as one lax.scan with the window in the carry; writes back only the band of
+  `steps` positions each row can have written. Sampling, stop ids and max tokens are
+  applied on the device with per-row parameters, so a round trip costs one host sync per
+  chunk, not per token.
+
+Every dimension is bucketed (powers of two; windows also at 1.5x), so the programs are a
+small known set compiled on first use. Weights are a traced argument: a swap never
+recompiles as long as the new state has the same tree, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from arlo.model.config import ModelConfig
+from arlo.model.kv_cache import KVCache, init_cache
+from arlo.model.sampling import sample
+from services.inference.requests import MAX_STOP_IDS
+from services.inference.scheduler import Request
+from services.inference.scheduler import Sequence as Seq
+
+MIN_TOKEN_BUCKET = 16
+MIN_WINDOW = 16
+
+
+def pow2(size: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(size, minimum)."""
+    return 1 << (max(size, minimum) - 1).bit_length()
+
+
+def window_buckets(cache_len: int) -> tuple[int, ...]:
+    """16, 24, 32, 48, 64, 96, ... (at most 1.5x waste instead of 2x), then cache_len itself."""
+    sizes = {cache_len}
+    size = MIN_WINDOW
+    while size < cache_len:
+        sizes.update(s for s in (size, size * 3 // 2) if s < cache_len)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+class SampleParams(NamedTuple):
+    """Per-row sampling knobs; rows may all differ, one program serves them."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray
+    """[r, 2] uint32: the request's 64-bit seed."""
+    sample: np.ndarray
+    """[r] uint32: the sample's index within its request (its own stream)."""
+
+
+class PrefillBatch(NamedTuple):
+    src_slot: np.ndarray  # [m]
+    tokens: np.ndarray  # [m, t]
+    lengths: np.ndarray  # [m] tokens of this chunk that are real
+    starts: np.ndarray  # [m] position of the chunk's first token
+    dst_slot: np.ndarray  # [j] slot of each sample
+    src_row: np.ndarray  # [j] prompt row each sample copies
+    params: SampleParams  # [j]
+
+
+class DecodeBatch(NamedTuple):
+    slot: np.ndarray  # [b]
+    token: np.ndarray  # [b] newest token, not yet fed
+    pos: np.ndarray  # [b] where it is fed
+    count: np.ndarray  # [b] tokens generated so far
+    max_tokens: np.ndarray  # [b]
+    stop_ids: np.ndarray  # [b, MAX_STOP_IDS], -1 padded
+    live: np.ndarray  # [b] False on padding rows
+    params: SampleParams  # [b]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Emitted:
+    seq: Seq
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Runner:
+    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, num_slots: int, slot_len: int,
+                 decode_steps: int, max_prefill_rows: int) -> None:
+        self.graphdef = graphdef
+        self.num_slots = num_slots
+        self.scratch = num_slots
+        self.decode_steps = decode_steps
+        self.max_prefill_rows = max_prefill_rows
+        # The band a decode chunk writes back may reach `steps` positions past a slot's end.
+        self.cache_len = slot_len + decode_steps
+        self.windows = window_buckets(self.cache_len)
+        self._model_cfg = model_cfg
+        self.cache = self._new_cache()
+        self.prefill_rows = 0
+        """Prompts prefilled so far (n samples of one prompt count once)."""
+        self.shapes: set[tuple[str | int, ...]] = set()
+        """Bucketed shapes run so far: one compiled program each."""
+
+    def reset_cache(self) -> None:
+        self.cache = self._new_cache()
+
+    def _new_cache(self) -> KVCache:
+        # Committed like the programs' outputs, so the first call and every later one (which
+        # gets the donated output back) share one compiled program.
+        cache = init_cache(self._model_cfg, batch=self.num_slots + 1, length=self.cache_len)
+        return jax.device_put(cache, jax.devices()[0])
+
+    def cache_bytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in (*self.cache.k, *self.cache.v))
+
+    def window(self, length: int) -> int:
+        return next(w for w in self.windows if w >= length)
+
+    def prefill(self, state: nnx.State, requests: Sequence[Request]) -> list[Emitted]:
+        """Prefills the admitted requests (grouped by shape) and samples each sample's first token."""
+        groups: dict[tuple[int, int], list[tuple[Request, int]]] = {}
+        for req in requests:
+            start, t = self._prefill_shape(req)
+            groups.setdefault((t, self.window(start + t)), []).append((req, start))
+        out = []
+        for (t, w), members in sorted(groups.items()):
+            for i in range(0, len(members), self.max_prefill_rows):
+                out += self._prefill_call(state, members[i: i + self.max_prefill_rows], t, w)
+        return out
+
+    def decode(self, state: nnx.State, seqs: Sequence[Seq]) -> list[Emitted]:
+        """One chunk of `decode_steps` tokens for every running sequence."""
+        b = min(pow2(len(seqs)), max(self.num_slots, len(seqs)))
+        batch = _decode_batch(seqs, b, self.scratch)
+        w = self.window(int(batch.pos.max()) + self.decode_steps)
+        self.shapes.add(("decode", b, w))
+        self.cache, (tok_kb, lp_kb, emit_kb) = _decode_jit(self.graphdef, self.decode_steps, w, state, self.cache,
+                                                            batch)
+        tok_kb, lp_kb, emit_kb = jax.device_get((tok_kb, lp_kb, emit_kb))
+        return [Emitted(seq=seq, token_ids=tok_kb[emit_kb[:, r], r].tolist(),
+                        logprobs=lp_kb[emit_kb[:, r], r].tolist()) for r, seq in enumerate(seqs)]
+
+    def _prefill_shape(self, req: Request) -> tuple[int, int]:
+        """(start, token bucket); a reused prefix is given up when the bucket would overrun the slot."""
+        length = len(req.params.prompt)
+        start = req.reuse
+        t = pow2(length - start, MIN_TOKEN_BUCKET)
+        if start + t > self.cache_len:
+            req.reuse = start = 0  # recompute the prefix: slower, never wrong
+            t = min(pow2(length, MIN_TOKEN_BUCKET), self.cache_len)
+        return start, t
+
+    def _prefill_call(self, state: nnx.State, members: list[tuple[Request, int]], t: int, w: int) -> list[Emitted]:
+        m = pow2(len(members))
+        self.prefill_rows += len(members)
+        seqs = [(row, seq) for row, (req, _) in enumerate(members) for seq in req.seqs]
+        j = pow2(len(seqs), m)
+        self.shapes.add(("prefill", m, t, w, j))
+        tokens = np.zeros((m, t), np.int32)
+        lengths, starts = np.ones((m,), np.int32), np.zeros((m,), np.int32)
+        src_slot = np.full((m,), self.scratch, np.int32)
+        for row, (req, start) in enumerate(members):
+            chunk = req.params.prompt[start:]
+            tokens[row, : len(chunk)] = chunk
+            lengths[row], starts[row], src_slot[row] = len(chunk), start, req.seqs[0].slot
+        dst_slot = np.full((j,), self.scratch, np.int32)
+        src_row = np.zeros((j,), np.int32)
+        for i, (row, seq) in enumerate(seqs):
+            dst_slot[i], src_row[i] = seq.slot, row
+        batch = PrefillBatch(src_slot=src_slot, tokens=tokens, lengths=lengths, starts=starts, dst_slot=dst_slot,
+                             src_row=src_row, params=_sample_params([s for _, s in seqs], j))
+        self.cache, (tok_j, lp_j) = _prefill_jit(self.graphdef, w, state, self.cache, batch)
+        tok_j, lp_j = jax.device_get((tok_j, lp_j))
+        return [Emitted(seq=seq, token_ids=[int(tok_j[i])], logprobs=[float(lp_j[i])])
+                for i, (_, seq) in enumerate(seqs)]
+
+
+def _sample_params(seqs: Sequence[Seq], rows: int) -> SampleParams:
+    temperature, top_p, min_p = (np.ones((rows,), np.float32), np.ones((rows,), np.float32),
+                                 np.zeros((rows,), np.float32))
+    top_k = np.zeros((rows,), np.int32)
+    seed, index = np.zeros((rows, 2), np.uint32), np.zeros((rows,), np.uint32)
+    for r, seq in enumerate(seqs):
+        p = seq.request.params
+        temperature[r], top_k[r], top_p[r], min_p[r] = p.temperature, p.top_k, p.top_p, p.min_p
+        seed[r] = (seq.request.seed & 0xFFFFFFFF, seq.request.seed >> 32)
+        index[r] = seq.index
+    return SampleParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, sample=index)
+
+
+def _decode_batch(seqs: Sequence[Seq], rows: int, scratch: int) -> DecodeBatch:
+    slot = np.full((rows,), scratch, np.int32)
+    token, pos, count = (np.zeros((rows,), np.int32) for _ in range(3))
+    max_tokens = np.zeros((rows,), np.int32)
+    stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+    live = np.zeros((rows,), np.bool_)
+    for r, seq in enumerate(seqs):
+        req = seq.request
+        slot[r], token[r], pos[r], count[r] = seq.slot, seq.token_ids[-1], seq.position, len(seq.token_ids)
+        max_tokens[r], live[r] = req.params.max_tokens, True
+        stop_ids[r, : len(req.stop_ids)] = req.stop_ids
+    return DecodeBatch(slot=slot, token=token, pos=pos, count=count, max_tokens=max_tokens, stop_ids=stop_ids,
+                       live=live, params=_sample_params(seqs, rows))
+
+
+def _row_keys(params: SampleParams) -> jax.Array:
+    """One stream per sample: fold_in(fold_in(key(seed_lo), seed_hi), sample index)."""
+    def one(seed_2: jax.Array, index: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed_2[0]), seed_2[1])
+        return jax.random.fold_in(key, index)
+
+    return jax.vmap(one)(params.seed, params.sample)
+
+
+def _draw(logits_rv: jax.Array, row_keys: jax.Array, count_r: jax.Array,
+          params: SampleParams) -> tuple[jax.Array, jax.Array]:
+    # The step key depends only on the token's index in its sample: chunking and batching
+    # never change which random numbers a sample sees.
+    keys = jax.vmap(jax.random.fold_in)(row_keys, count_r.astype(jnp.uint32))
+    return sample(logits_rv, keys, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                  min_p=params.min_p)
+
+
+def _gather(cache: KVCache, slots: jax.Array, window: int) -> KVCache:
+    return jax.tree.map(lambda x: x[slots, :window], cache)
+
+
+def _prefill(graphdef: nnx.GraphDef, window: int, state: nnx.State, cache: KVCache,
+             batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
+    model = nnx.merge(graphdef, state)
+    win = _gather(cache, batch.src_slot, window)
+    logits_mv, win = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts)
+    cache = jax.tree.map(lambda c, x: c.at[batch.dst_slot, :window].set(x[batch.src_row]), cache, win)
+    first = _draw(logits_mv[batch.src_row], _row_keys(batch.params), jnp.zeros_like(batch.src_row), batch.params)
+    return cache, first
+
+
+def _decode(graphdef: nnx.GraphDef, steps: int, window: int, state: nnx.State, cache: KVCache,
+            batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array, jax.Array]]:
+    model = nnx.merge(graphdef, state)
+    row_keys = _row_keys(batch.params)
+
+    def step(carry: tuple, _: None) -> tuple[tuple, tuple[jax.Array, jax.Array, jax.Array]]:
+        win, token, pos, count, stopped = carry
+        active = batch.live & ~stopped & (count < batch.max_tokens)
+        # Finished rows still run (the batch is static) but feed their own last token at their
+        # own position: that is the KV the slot would hold anyway, so nothing valid is touched.
+        logits, win = model.decode_step(token, pos, win)
+        new, logprob = _draw(logits, row_keys, count, batch.params)
+        hit = jnp.any(new[:, None] == batch.stop_ids, axis=1)
+        token = jnp.where(active, new, token)
+        return (win, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active)
+
+    start = (_gather(cache, batch.slot, window), batch.token, batch.pos, batch.count,
+             jnp.zeros_like(batch.live))
+    (win, *_), (tok_kb, lp_kb, emit_kb) = jax.lax.scan(step, start, None, length=steps)
+    band_start = jnp.minimum(batch.pos, window - steps)
+    cols_bk = band_start[:, None] + jnp.arange(steps, dtype=jnp.int32)
+
+    def write_band(c: jax.Array, x: jax.Array) -> jax.Array:
+        band = jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, steps, axis=0))(x, band_start)
+        return c.at[batch.slot[:, None], cols_bk].set(band)
+
+    return jax.tree.map(write_band, cache, win), (tok_kb, lp_kb, emit_kb)
+
+
+# Module-level so every engine over the same graphdef shares the compiled programs.
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=(3,))
+_decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2), donate_argnums=(4,))

@@ -1,0 +1,106 @@
+"""The inference servicer over a real gRPC server on an ephemeral port (no Redis needed):
+concurrent calls share decode steps, GenerateStream streams per chunk, and a client that
+goes away frees its slot."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from arlo.config import load_config
+from arlo.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from arlo.rpc import ServiceBinding, make_channel, start_server
+from services.inference.engine import Engine, EngineConfig, EngineLimits
+from services.inference.server import InferenceServicer
+
+TOKEN = "stream-token"
+
+
+@pytest.fixture
+async def served(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, Engine]]:
+    monkeypatch.setenv("ARLO_TOKEN", TOKEN)
+    cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
+    # Two steps per chunk and up to 200 tokens: a long request stays in flight for many chunks.
+    engine = Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=4, max_tokens=200, max_prompt_tokens=32),
+                    config=EngineConfig(max_slots=8, decode_steps=2))
+    name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    running = await start_server("inference", cfg.inference.server, cfg.auth, [
+        ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
+                       servicer=InferenceServicer(engine, "byte"))])
+    try:
+        yield f"127.0.0.1:{running.port}", engine
+    finally:
+        await running.stop(0.1)
+        await asyncio.to_thread(engine.close)
+
+
+def request(max_tokens: int, *, seed: int | None = None, prompt: tuple[int, ...] = (257, 260, 49, 258, 261),
+            temperature: float = 1.0) -> inference_pb2.GenerateRequest:
+    # Stop id 263 is no byte-tokenizer id; greedy decoding of this model never produces it.
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop_token_ids=[263])
+    if seed is not None:
+        sampling.seed = seed
+    return inference_pb2.GenerateRequest(prompt_token_ids=list(prompt), n=1, sampling=sampling)
+
+
+async def test_concurrent_generate_calls_share_decode_steps(served: tuple[str, Engine]) -> None:
+    address, engine = served
+    async with make_channel(address, token=TOKEN) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        replies = await asyncio.gather(*(stub.Generate(request(12, prompt=(40 + i, 41, 42), temperature=0.0))
+                                         for i in range(6)))
+    assert all(len(r.completions[0].token_ids) == 12 for r in replies)
+    assert engine.stats.max_batch > 1  # separate calls, one batch
+
+
+async def test_stream_sends_tokens_as_chunks_complete_and_matches_generate(served: tuple[str, Engine]) -> None:
+    address, _ = served
+    async with make_channel(address, token=TOKEN) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        parts = [m async for m in stub.GenerateStream(inference_pb2.GenerateStreamRequest(request=request(12, seed=3)))]
+        whole = await stub.Generate(request(12, seed=3))
+    assert len(parts) >= 3  # the prefill token, then chunks of 2
+    assert [t for m in parts for t in m.token_ids] == list(whole.completions[0].token_ids)
+    assert [m.finish_reason for m in parts[:-1]] == [inference_pb2.FINISH_REASON_UNSPECIFIED] * (len(parts) - 1)
+    assert parts[-1].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert all(v == 0 for m in parts for v in m.policy_versions)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async with make_channel(address, token=TOKEN) as ch:
+            bad = inference_pb2.GenerateStreamRequest(request=inference_pb2.GenerateRequest(
+                prompt_token_ids=[1], n=2, sampling=common_pb2.SamplingParams(max_tokens=2)))
+            async for _ in inference_pb2_grpc.InferenceStub(ch).GenerateStream(bad):
+                pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_cancelled_stream_frees_its_slot(served: tuple[str, Engine]) -> None:
+    address, engine = served
+    async with make_channel(address, token=TOKEN) as ch:
+        call = inference_pb2_grpc.InferenceStub(ch).GenerateStream(
+            inference_pb2.GenerateStreamRequest(request=request(200, temperature=0.0)))
+        first = await call.read()
+        assert len(first.token_ids) >= 1
+        call.cancel()
+        deadline = asyncio.get_running_loop().time() + 60
+        while engine.stats.aborted < 1 or engine.scheduler.running:
+            assert asyncio.get_running_loop().time() < deadline, "the slot was not freed"
+            await asyncio.sleep(0.02)
+    assert engine.scheduler.free_slots == engine.num_slots
+    assert engine.stats.generated_tokens < 200
+
+
+async def test_a_cancelled_generate_frees_its_slot(served: tuple[str, Engine]) -> None:
+    address, engine = served
+    async with make_channel(address, token=TOKEN) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(request(200, temperature=0.0), timeout=0.15)  # the deadline passes mid-generation
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = asyncio.get_running_loop().time() + 60
+        while engine.stats.aborted < 1 or engine.scheduler.running or engine.scheduler.waiting:
+            assert asyncio.get_running_loop().time() < deadline, "the slot was not freed"
+            await asyncio.sleep(0.02)
+    assert engine.scheduler.free_slots == engine.num_slots

@@ -1,0 +1,218 @@
+"""The continuous-batching engine on the tiny model: exact against a no-cache reference in
+any batch, per-row sampling, one prefill per prompt, KV budget queueing, cancellation,
+hot swap between chunks, and multi-turn sessions."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arlo.model import ModelConfig, create_model, state_from_bytes, state_to_bytes
+from services.inference.engine import Engine, EngineConfig, EngineLimits, SamplingRequest, TokenDelta
+
+LIMITS = EngineLimits(max_n=8, max_tokens=32, max_prompt_tokens=64)
+CONFIG = EngineConfig(max_slots=8, decode_steps=4)
+NO_STOP = (263,)  # an id the byte tokenizer never makes: completions run to max_tokens (unless sampled)
+
+
+def new_engine(limits: EngineLimits = LIMITS, **config: object) -> Engine:
+    cfg = EngineConfig(**{"max_slots": CONFIG.max_slots, "decode_steps": CONFIG.decode_steps, **config})
+    return Engine("tiny", seed=0, tokenizer="byte", limits=limits, config=cfg)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = new_engine()
+    yield e
+    e.close()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef: nnx.GraphDef, state: nnx.State, tokens_bt: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(tokens_bt)
+
+
+def reference_greedy(engine: Engine, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """No cache: the full causal forward over the growing sequence (padded to 64)."""
+    seq, tokens, logprobs = list(prompt), [], []
+    for _ in range(steps):
+        padded = jnp.zeros((1, 64), jnp.int32).at[0, : len(seq)].set(jnp.array(seq))
+        logits_v = _forward(engine.graphdef, engine.state, padded)[0, len(seq) - 1]
+        tok = int(jnp.argmax(logits_v))
+        tokens.append(tok)
+        logprobs.append(float(jax.nn.log_softmax(logits_v)[tok]))
+        if tok in NO_STOP:
+            break
+        seq.append(tok)
+    return tokens, logprobs
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[str]]:
+    """XLA backend compiles while the block runs (a jit cache hit compiles nothing)."""
+    seen: list[str] = []
+
+    def listen(event: str, duration_s: float, **kw: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(str(kw.get("fun_name", "?")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def greedy(prompt: tuple[int, ...], max_tokens: int = 10, **kw: object) -> SamplingRequest:
+    return SamplingRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, stop_token_ids=NO_STOP, **kw)
+
+
+PROMPTS = [tuple(range(40, 40 + k)) for k in (3, 5, 8, 13, 6, 9)]
+
+
+def test_concurrent_requests_share_decode_steps_and_match_the_reference(engine: Engine) -> None:
+    chunks_before = engine.stats.decode_chunks
+    handles = [engine.submit(greedy(p)) for p in PROMPTS]
+    results = [h.result(120)[0] for h in handles]
+    for prompt, got in zip(PROMPTS, results, strict=True):
+        tokens, logprobs = reference_greedy(engine, list(prompt), 10)
+        assert got.token_ids == tokens
+        np.testing.assert_allclose(got.logprobs, logprobs, atol=1e-4)
+    assert engine.stats.max_batch > 1
+    # Six 10-token completions alone would need 6 x 3 chunks of 4 steps; batched they need far fewer.
+    assert engine.stats.decode_chunks - chunks_before < 12
+
+
+def test_programs_are_a_small_known_set(engine: Engine) -> None:
+    engine.generate(SamplingRequest(prompt=tuple(range(1, 40)), n=3, max_tokens=5), 120)
+    windows = set(engine.runner.windows)
+    for shape in engine.runner.shapes:
+        kind, *dims = shape
+        if kind == "decode":
+            rows, window = dims
+            assert rows & (rows - 1) == 0 and window in windows
+        else:
+            m, t, window, j = dims
+            assert all(x & (x - 1) == 0 for x in (m, t, j)) and t >= 16 and window in windows
+
+
+def test_each_row_samples_with_its_own_parameters(engine: Engine) -> None:
+    prompt = PROMPTS[2]
+    reqs = [greedy(prompt), SamplingRequest(prompt=prompt, max_tokens=10, temperature=1.0, top_k=1, stop_token_ids=NO_STOP),
+            SamplingRequest(prompt=prompt, max_tokens=10, temperature=2.0, min_p=1.0, stop_token_ids=NO_STOP),
+            SamplingRequest(prompt=prompt, max_tokens=10, temperature=1.0, stop_token_ids=NO_STOP)]
+    out = [h.result(120)[0] for h in [engine.submit(r) for r in reqs]]
+    assert out[0].token_ids == out[1].token_ids == out[2].token_ids  # top_k=1 and min_p=1 are greedy
+    assert out[1].logprobs == [0.0] * 10  # one token kept: probability 1 under the sampled distribution
+    assert out[3].token_ids != out[0].token_ids
+
+
+def test_samples_of_one_prompt_share_one_prefill_and_have_their_own_streams(engine: Engine) -> None:
+    rows = engine.runner.prefill_rows
+    req = SamplingRequest(prompt=PROMPTS[1], n=4, max_tokens=8, temperature=1.0, stop_token_ids=NO_STOP)
+    a = engine.generate(req, 120)
+    assert engine.runner.prefill_rows == rows + 1
+    assert len({tuple(s.token_ids) for s in a}) > 1
+    b = engine.generate(req, 120)
+    assert [s.token_ids for s in a] != [s.token_ids for s in b]  # no seed: a fresh stream per request
+    seeded = SamplingRequest(prompt=PROMPTS[1], n=2, max_tokens=8, temperature=1.0, seed=7, stop_token_ids=NO_STOP)
+    first = engine.submit(seeded)
+    noise = engine.submit(SamplingRequest(prompt=PROMPTS[3], n=3, max_tokens=8, temperature=1.0))
+    again = engine.generate(seeded, 120)  # alone this time, in a different batch
+    noise.result(120)
+    assert [s.token_ids for s in first.result(120)] == [s.token_ids for s in again]
+
+
+def test_stop_ids_and_max_tokens_end_a_sample(engine: Engine) -> None:
+    (full,) = engine.generate(greedy(PROMPTS[0], 10), 120)
+    stop = full.token_ids[4]
+    (cut,) = engine.generate(SamplingRequest(prompt=PROMPTS[0], max_tokens=10, temperature=0.0,
+                                             stop_token_ids=(stop,)), 120)
+    assert cut.token_ids == full.token_ids[: full.token_ids.index(stop) + 1] and cut.finish_reason == "stop"
+    (one,) = engine.generate(greedy(PROMPTS[0], 1), 120)
+    assert one.token_ids == full.token_ids[:1] and one.finish_reason == "length"
+
+
+def test_cancel_frees_the_slot_at_the_next_chunk(engine: Engine) -> None:
+    started = threading.Event()
+    long = SamplingRequest(prompt=PROMPTS[0], max_tokens=32, temperature=1.0, stop_token_ids=NO_STOP)
+    handle = engine.submit(long, on_tokens=lambda d: started.set())
+    assert started.wait(120)
+    engine.cancel(handle.id)
+    (sample,) = handle.result(120)
+    assert sample.finish_reason == "abort" and len(sample.token_ids) < 32
+    assert engine.generate(greedy(PROMPTS[1], 2), 120)[0].finish_reason == "length"
+    assert engine.scheduler.free_slots + len(engine.scheduler.sessions) == engine.num_slots
+
+
+def test_a_small_kv_budget_queues_requests_instead_of_failing_them() -> None:
+    per_slot = 2 * 2 * 2 * 16 * 4 * (256 + 4)  # layers x (k, v) x kv heads x head dim x f32 x slot length
+    with pytest.raises(ValueError, match="cannot hold n = 8"):
+        new_engine(kv_cache_mib=2.5 * per_slot / 2**20)
+    e = new_engine(EngineLimits(max_n=2, max_tokens=32, max_prompt_tokens=64), kv_cache_mib=2.5 * per_slot / 2**20)
+    try:
+        assert e.num_slots == 2
+        handles = [e.submit(greedy(p, 6)) for p in PROMPTS]
+        assert all(len(h.result(120)[0].token_ids) == 6 for h in handles)
+        assert e.stats.max_batch == 2
+    finally:
+        e.close()
+
+
+def test_swap_takes_effect_between_chunks_without_a_drain_or_a_recompile() -> None:
+    e = new_engine()
+    try:
+        e.generate(greedy(PROMPTS[0], 24), 120)  # compile these shapes first
+        # As WeightSync makes it: bytes from the trainer, restored like the served state.
+        other = state_from_bytes(state_to_bytes(nnx.split(create_model(ModelConfig.named("tiny"), 123))[1]), e.state)
+        swapped = threading.Event()
+
+        def on_tokens(delta: TokenDelta) -> None:
+            if not swapped.is_set():
+                e.swap(other, 1)
+                swapped.set()
+
+        with count_compiles() as compiles:
+            (sample,) = e.submit(greedy(PROMPTS[0], 24), on_tokens=on_tokens).result(120)
+        versions = sample.policy_versions
+        assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+        assert compiles == []
+        with pytest.raises(ValueError, match="not newer"):
+            e.swap(other, 1)
+        bad = jax.tree.map(lambda x: x.astype(jnp.bfloat16), other)
+        with pytest.raises(ValueError, match="came as bfloat16"):
+            e.swap(bad, 2)
+    finally:
+        e.close()
+
+
+def test_sessions_prefill_only_new_tokens_and_never_change_the_result() -> None:
+    e = new_engine(max_slots=8)
+    try:
+        turn1 = tuple(range(60, 70))
+        (a,) = e.generate(greedy(turn1, 6, session_id="ep"), 120)
+        turn2 = (*turn1, *a.token_ids, 33, 34, 35)
+        (hit,) = e.generate(greedy(turn2, 6, session_id="ep"), 120)
+        stats = e.scheduler.sessions.stats
+        assert stats.hits == 1 and stats.reused_tokens == len(turn1) + len(a.token_ids) - 1
+        (fresh,) = e.generate(greedy(turn2, 6), 120)
+        assert hit.token_ids == fresh.token_ids
+        np.testing.assert_allclose(hit.logprobs, fresh.logprobs, atol=1e-5)
+        # Memory pressure: a request for every slot evicts the parked session (counted)...
+        e.generate(SamplingRequest(prompt=PROMPTS[0], n=8, max_tokens=2), 120)
+        assert stats.evictions == 1
+        # ...and the next turn is a miss that still gives the same completion.
+        turn3 = (*turn2, *hit.token_ids, 36)
+        (after,) = e.generate(greedy(turn3, 6, session_id="ep"), 120)
+        (fresh3,) = e.generate(greedy(turn3, 6), 120)
+        assert stats.misses == 2 and after.token_ids == fresh3.token_ids
+    finally:
+        e.close()
