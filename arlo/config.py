@@ -113,10 +113,22 @@ class InferenceConfig:
     """Poll the weight pointer this often in case a pub/sub event was missed."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
+    max_batch: int = 64
+    """Sequences decoded together (engine slots); at least max_n."""
+    kv_cache_mib: float = 0.0
+    """KV cache budget; fewer slots are made when it holds fewer, and requests then queue. 0 = max_batch full-length slots."""
+    decode_steps: int = 8
+    """Tokens decoded per host round trip: more amortises the sync, fewer admits new requests sooner."""
+    prefill_tokens: int = 2048
+    """Prompt tokens prefilled per engine step, so a burst of long prompts does not stall decoding."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         _check(f"{path}.max_n", 1 <= self.max_n <= 1024, "must be in [1, 1024]")
+        _check(f"{path}.max_batch", self.max_batch >= self.max_n, "must be >= max_n (a request's samples run together)")
+        _check(f"{path}.kv_cache_mib", self.kv_cache_mib >= 0, "must be >= 0")
+        _check(f"{path}.decode_steps", 1 <= self.decode_steps <= 1024, "must be in [1, 1024]")
+        _check(f"{path}.prefill_tokens", self.prefill_tokens >= 1, "must be >= 1")
         _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
         _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
         _check(f"{path}.weight_poll_s", self.weight_poll_s > 0, "must be > 0")

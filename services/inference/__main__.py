@@ -19,8 +19,8 @@ from services.inference.weights import WeightSync
 
 async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, Engine]:
     ic = cfg.inference
-    # Until InferenceConfig carries the engine's knobs, the defaults, with room for max_n samples.
-    engine_cfg = EngineConfig(max_slots=max(EngineConfig().max_slots, ic.max_n))
+    engine_cfg = EngineConfig(max_slots=ic.max_batch, kv_cache_mib=ic.kv_cache_mib, decode_steps=ic.decode_steps,
+                              prefill_tokens=ic.prefill_tokens)
     engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
                     limits=EngineLimits(max_n=ic.max_n, max_tokens=ic.max_tokens,
                                         max_prompt_tokens=ic.max_prompt_tokens), config=engine_cfg)

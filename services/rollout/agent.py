@@ -27,7 +27,9 @@ class Turn:
 
 
 class Generator(Protocol):
-    async def generate(self, prompt: Sequence[int], *, max_tokens: int) -> Turn: ...
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
+        """`session_id` lets the engine keep the episode's KV prefix between turns."""
+        ...
 
 
 class EnvClient(Protocol):
@@ -80,6 +82,7 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
                       scorer: Scorer) -> common_pb2.Trajectory:
     """Runs one episode to a Trajectory; backend errors propagate (the worker decides retry or mask)."""
     started = time.monotonic()
+    episode_id = uuid.uuid4().hex  # the trajectory id, and the engine session that keeps its KV prefix
     timings = common_pb2.Timings()
     reset = await env.reset(spec.env_name, spec.env_config_json, spec.seed)
     b = _Builder()
@@ -94,7 +97,7 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
                 break
             turns += 1
             t0 = time.monotonic()
-            turn = await gen.generate(b.tokens, max_tokens=budget)
+            turn = await gen.generate(b.tokens, max_tokens=budget, session_id=episode_id)
             timings.generate_s += time.monotonic() - t0
             b.add_model(turn)
             if not turn.finished_by_stop:
@@ -113,13 +116,13 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
     score = await scorer.score(spec.reward_fn, answer, reference) if finish == "done" else None
     timings.reward_s = time.monotonic() - t0
     timings.total_s = time.monotonic() - started
-    return _trajectory(spec, reset.task_id, b, prompt_length, finish, turns, score, timings)
+    return _trajectory(spec, episode_id, reset.task_id, b, prompt_length, finish, turns, score, timings)
 
 
-def _trajectory(spec: EpisodeSpec, task_id: str, b: _Builder, prompt_length: int, finish: str, turns: int,
+def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, prompt_length: int, finish: str, turns: int,
                 score: reward_pb2.ScoreResponse | None, timings: common_pb2.Timings) -> common_pb2.Trajectory:
     traj = common_pb2.Trajectory(
-        id=uuid.uuid4().hex, run_id=spec.run_id, task_id=task_id, group_id=spec.group_id,
+        id=episode_id, run_id=spec.run_id, task_id=task_id, group_id=spec.group_id,
         group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
         policy_versions=b.versions, prompt_length=prompt_length, finish_reason=finish,
         num_turns=turns, timings=timings, created_at=time.time(),

@@ -33,10 +33,10 @@ class InferenceClient:
     async def model_info(self) -> inference_pb2.GetModelInfoResponse:
         return await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
 
-    async def generate(self, prompt: Sequence[int], *, max_tokens: int) -> Turn:
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
         s = self.sampling
         resp = await self.stub.Generate(inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt, n=1, sampling=common_pb2.SamplingParams(
+            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=common_pb2.SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
                 stop_token_ids=[self.eos_id])), timeout=self.timeout_s)
         c = resp.completions[0]

@@ -25,7 +25,7 @@ class EngineGenerator:
         self.temperature = temperature
         self.prompts: list[list[int]] = []
 
-    async def generate(self, prompt, *, max_tokens: int) -> Turn:
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
         self.prompts.append(list(prompt))
         (s,) = self.engine.generate(SamplingRequest(prompt=tuple(prompt), max_tokens=max_tokens,
                                                     temperature=self.temperature, stop_token_ids=(TOK.eos_id,)))

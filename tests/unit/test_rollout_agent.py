@@ -55,7 +55,7 @@ def test_turn_and_token_limits_end_the_episode_with_a_reason(engine: Engine) -> 
 
 def test_correct_answer_scores_one() -> None:
     class Oracle:
-        async def generate(self, prompt, *, max_tokens: int) -> Turn:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
             text = TOK.decode(prompt).rsplit("=", 1)[0]
             a, b = text[-3], text[-1]  # "a+b" of single digits
             ids = TOK.encode(str(int(a) + int(b))) + [TOK.eos_id]
