@@ -10,11 +10,11 @@ inline, where a batch of 64 steps costs little more than one.
 from __future__ import annotations
 
 import asyncio
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from arlo.jsonfields import parse_json_object
 from services.env_gateway.envs.base import Environment, ResetResult, StepResult
 from services.env_gateway.registry import EnvRegistry, EnvSpec
 from services.env_gateway.sessions import Session, SessionBusyError, SessionStore
@@ -37,15 +37,10 @@ class Started:
 
 
 def parse_config_json(text: str) -> dict[str, Any]:
-    if not text:
-        return {}
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidConfigError(f"config_json is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise InvalidConfigError(f"config_json must be a JSON object, got {type(value).__name__}")
-    return value
+        return parse_json_object(text, "config_json")
+    except ValueError as e:
+        raise InvalidConfigError(str(e)) from e
 
 
 def _reset_env(env: Environment, seed: int, config: dict[str, Any]) -> ResetResult:

@@ -7,12 +7,12 @@ A verifier that raises or hangs yields ERROR or TIMEOUT with the reason, never a
 from __future__ import annotations
 
 import enum
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from arlo.jsonfields import parse_json_object
 from services.reward.runner import DeadlineExceeded, DeadlineRunner, RunnerSaturated
 from services.reward.verifiers.base import RewardFn, Verdict
 
@@ -41,15 +41,7 @@ def error(message: str) -> ScoreOutcome:
 
 def parse_metadata(text: str) -> dict[str, Any]:
     """The verifier's extra arguments: a JSON object, or "" for none. ValueError otherwise."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"metadata_json is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"metadata_json must be a JSON object, got {type(value).__name__}")
-    return value
+    return parse_json_object(text, "metadata_json")
 
 
 def _finite(value: Any) -> bool:
