@@ -51,6 +51,32 @@ class RedisConfig:
 
 
 @_frozen
+class TlsConfig:
+    """TLS for every server and client channel (PEM files; a pod mounts its own at these paths)."""
+
+    enabled: bool = False
+    """Serve and dial TLS instead of plaintext."""
+    cert_file: str = ""
+    """Certificate chain this process presents: as a server, and as a client under mTLS."""
+    key_file: str = ""
+    """Private key of cert_file."""
+    ca_file: str = ""
+    """CA bundle that verifies peers: servers for clients (empty: system roots), clients for mTLS servers."""
+    require_client_cert: bool = False
+    """mTLS: servers refuse clients without a certificate signed by ca_file."""
+    server_name: str = ""
+    """Name clients check in the server certificate instead of the target host (e.g. a shared service cert)."""
+
+    def validate(self, path: str) -> None:
+        if not self.enabled:
+            return
+        _check(f"{path}.cert_file", bool(self.cert_file), "must be set when tls is enabled")
+        _check(f"{path}.key_file", bool(self.key_file), "must be set when tls is enabled")
+        _check(f"{path}.ca_file", not self.require_client_cert or bool(self.ca_file),
+               "must be set with require_client_cert (it verifies client certificates)")
+
+
+@_frozen
 class AuthConfig:
     token_env: str = "ARLO_TOKEN"
     """Environment variable holding the bearer token."""
@@ -58,6 +84,11 @@ class AuthConfig:
     """File holding the token (used when the variable is unset)."""
     disabled: bool = False
     """Serve without auth. Only ever on when set explicitly."""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """Transport security of every RPC (the token alone travels in the clear without it)."""
+
+    def validate(self, path: str) -> None:
+        self.tls.validate(f"{path}.tls")
 
 
 @_frozen
@@ -71,6 +102,10 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     grace_s: float = 5.0
     """On SIGTERM: NOT_SERVING, then this long for in-flight RPCs to finish."""
+    max_concurrent_rpcs: int = 0
+    """RPCs in flight on the whole server (health included); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
+    max_rpcs_per_client: int = 1024
+    """RPCs in flight from one client connection (health exempt); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
 
     @property
     def address(self) -> str:
@@ -80,6 +115,8 @@ class ServerConfig:
         _check(f"{path}.port", 0 <= self.port < 65536, "must be in [0, 65535]")
         _check(f"{path}.metrics_port", -1 <= self.metrics_port < 65536, "must be in [-1, 65535]")
         _check(f"{path}.max_message_bytes", 1024 <= self.max_message_bytes < 2**31, "must be in [1 KiB, 2 GiB)")
+        _check(f"{path}.max_concurrent_rpcs", self.max_concurrent_rpcs >= 0, "must be >= 0 (0 = no cap)")
+        _check(f"{path}.max_rpcs_per_client", self.max_rpcs_per_client >= 0, "must be >= 0 (0 = no cap)")
 
 
 @_frozen

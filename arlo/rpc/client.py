@@ -1,4 +1,4 @@
-"""Client channels to arlo services: bearer token, request-id forwarding, round-robin LB."""
+"""Client channels to arlo services: bearer token, request-id forwarding, round-robin LB, TLS."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from typing import Any
 
 import grpc
 
+from arlo.config import TlsConfig
 from arlo.rpc.logs import REQUEST_ID_HEADER, current_request_id
+from arlo.rpc.tls import channel_credentials, channel_options
 
 # pick_first (the default) sent every call to one of three servers; round_robin spreads a
 # dns:/// target's addresses (a headless Service's pods).
@@ -60,15 +62,20 @@ class _StreamStream(_CallMetadata, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(client_call_details), request_iterator)
 
 
-def make_channel(target: str, *, token: str | None, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
-    """An insecure aio channel to `target` ("host:port" or "dns:///name:port").
+def make_channel(target: str, *, token: str | None, max_message_bytes: int = 64 * 1024 * 1024,
+                 tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """An aio channel to `target` ("host:port" or "dns:///name:port"); TLS when `tls.enabled`.
 
     Create it inside the running event loop that will use it (grpc.aio binds to that loop),
     and after any child processes are started (gRPC does not survive fork).
     """
-    options = [
+    options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.service_config", SERVICE_CONFIG),
     ]
-    return grpc.aio.insecure_channel(target, options=options, interceptors=[kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)])
+    interceptors = [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(target, channel_credentials(tls), options=options + channel_options(tls),
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

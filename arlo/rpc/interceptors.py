@@ -1,7 +1,8 @@
 """Server interceptors for cross-cutting concerns: request ids, metrics, error mapping.
 
 Order matters (the first interceptor is the outermost): request id, then metrics (so
-rejected calls are counted too), then auth, then error mapping next to the handler. Each
+rejected calls are counted too), then auth, then the per-client limit (concurrency.py), then
+error mapping next to the handler. Each
 wraps the handler's behaviour (see handlers.py), because grpc.aio interceptors cannot see a
 call's outcome otherwise.
 """

@@ -20,8 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from arlo.config import AuthConfig, ConfigError, ServerConfig
 from arlo.rpc.auth import AuthInterceptor, load_token
+from arlo.rpc.concurrency import ClientLimitInterceptor
 from arlo.rpc.interceptors import ErrorInterceptor, MetricsInterceptor, RequestIdInterceptor
 from arlo.rpc.metrics import MetricsHttpServer, RpcMetrics
+from arlo.rpc.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +120,12 @@ async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestIdInterceptor(), MetricsInterceptor(RpcMetrics(registry, service))]
     if token is not None:
         interceptors.append(AuthInterceptor(token))
+    if server_cfg.max_rpcs_per_client:
+        interceptors.append(ClientLimitInterceptor(server_cfg.max_rpcs_per_client))
     interceptors.append(ErrorInterceptor())
-    server = grpc.aio.server(interceptors=interceptors, options=_server_options(server_cfg))
+    credentials = server_credentials(auth.tls) if auth.tls.enabled else None  # a bad file fails before binding
+    server = grpc.aio.server(interceptors=interceptors, options=_server_options(server_cfg),
+                             maximum_concurrent_rpcs=server_cfg.max_concurrent_rpcs or None)
 
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -130,7 +136,7 @@ async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
 
     address = f"{server_cfg.host}:{server_cfg.port}"
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind ...")
         raise OSError(f"{service}: cannot listen on {address} (port in use?): {e}") from e
     metrics_http = None
@@ -150,8 +156,9 @@ async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
         raise
     running = RunningServer(service=service, server=server, port=port, metrics_http=metrics_http,
                             registry=registry, health=health)
-    log.info("%s: serving %s on %s:%d (metrics port %s, auth %s)", service, ", ".join(b.name for b in bindings),
-             server_cfg.host, port, running.metrics_port, "on" if token else "OFF")
+    tls = ("mTLS" if auth.tls.require_client_cert else "TLS") if credentials else "plaintext"
+    log.info("%s: serving %s on %s:%d (%s, metrics port %s, auth %s)", service, ", ".join(b.name for b in bindings),
+             server_cfg.host, port, tls, running.metrics_port, "on" if token else "OFF")
     return running
 
 

@@ -1,0 +1,59 @@
+"""Per-client concurrency limit: one client connection cannot take every handler slot.
+
+grpc's own `maximum_concurrent_rpcs` caps the whole server (health included); this caps each
+peer (a client connection) so one runaway caller gets RESOURCE_EXHAUSTED while the others,
+and health probes, are still served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+
+from arlo.rpc.auth import EXEMPT_PREFIXES
+from arlo.rpc.handlers import wrap_handler
+
+
+class ClientLimitInterceptor(grpc.aio.ServerInterceptor):
+    """Answers RESOURCE_EXHAUSTED to a call when its peer already has `max_per_client` in flight."""
+
+    def __init__(self, max_per_client: int) -> None:
+        if max_per_client < 1:
+            raise ValueError(f"max_per_client: must be >= 1, got {max_per_client}")
+        self._max = max_per_client
+        # Only touched from the server's event loop: no lock needed.
+        self._in_flight: dict[str, int] = {}
+
+    def in_flight(self, peer: str) -> int:
+        return self._in_flight.get(peer, 0)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(EXEMPT_PREFIXES):
+            return handler
+        return wrap_handler(handler, self._slot)
+
+    @asynccontextmanager
+    async def _slot(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        peer = context.peer()
+        held = self._in_flight.get(peer, 0)
+        if held >= self._max:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{held} RPCs already in flight from this client (limit {self._max}); "
+                                "retry with backoff")
+        self._in_flight[peer] = held + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[peer] - 1
+            if left:
+                self._in_flight[peer] = left
+            else:
+                del self._in_flight[peer]  # peers come and go: keep no entry per past connection
