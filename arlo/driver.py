@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from arlo.config import RunConfig
+from arlo.config import RunConfig, TlsConfig
 from arlo.coord import TrajectoryStream, WeightPointer, connect
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
@@ -60,7 +60,7 @@ async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, 
     """Resumes the trainer, waits for `steps` more optimizer steps (forever when None), then pauses it."""
     started = time.monotonic()
     report = TrainReport()
-    async with make_channel(cfg.trainer.server.address, token=token) as channel:
+    async with make_channel(cfg.trainer.server.address, token=token, tls=cfg.auth.tls) as channel:
         trainer = trainer_pb2_grpc.TrainerStub(channel)
         status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
         first_step = last_step = status.step
@@ -109,7 +109,7 @@ async def wait_fleet_on_pointer(cfg: RunConfig, token: str | None, timeout_s: fl
 
 async def inference_versions(cfg: RunConfig, token: str | None) -> dict[str, int]:
     address = cfg.inference.server.address
-    async with make_channel(address, token=token) as channel:
+    async with make_channel(address, token=token, tls=cfg.auth.tls) as channel:
         info = await inference_pb2_grpc.InferenceStub(channel).GetModelInfo(
             inference_pb2.GetModelInfoRequest(), timeout=5)
     return {address: info.policy_version}
@@ -126,7 +126,7 @@ async def collect_status(cfg: RunConfig, token: str | None) -> dict[str, Any]:
         healthy = await asyncio.to_thread(is_serving, address, 1.0)
         version = None
         if healthy and name in ("inference", "trainer"):
-            version = await _served_version(name, address, token)
+            version = await _served_version(name, address, token, cfg.auth.tls)
             if name == "trainer":
                 trainer_version = version
         services.append({"name": name, "address": address, "healthy": healthy, "weight_version": version})
@@ -141,9 +141,9 @@ async def collect_status(cfg: RunConfig, token: str | None) -> dict[str, Any]:
             "pointer_version": pointer.version if pointer else 0, "queue_depth": queue_depth}
 
 
-async def _served_version(name: str, address: str, token: str | None) -> int | None:
+async def _served_version(name: str, address: str, token: str | None, tls: TlsConfig) -> int | None:
     try:
-        async with make_channel(address, token=token) as channel:
+        async with make_channel(address, token=token, tls=tls) as channel:
             if name == "inference":
                 info = await inference_pb2_grpc.InferenceStub(channel).GetModelInfo(
                     inference_pb2.GetModelInfoRequest(), timeout=3)

@@ -25,7 +25,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
                     limits=EngineLimits(max_n=ic.max_n, max_tokens=ic.max_tokens,
                                         max_prompt_tokens=ic.max_prompt_tokens), config=engine_cfg)
     redis = await connect(cfg.redis)
-    sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth),
+    sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     running = await start_server("inference", ic.server, cfg.auth, [

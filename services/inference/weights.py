@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from arlo.config import TlsConfig
 from arlo.coord import WeightPointer, WeightPointerState
 from arlo.model.weights import state_from_bytes
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
@@ -35,12 +36,13 @@ class SyncStats:
 
 
 async def pull_weights(target: str, version: int, *, token: str | None, timeout_s: float = 120.0,
-                       max_message_bytes: int = 64 << 20, attempts: int = 3) -> tuple[bytes, str]:
+                       max_message_bytes: int = 64 << 20, attempts: int = 3,
+                       tls: TlsConfig | None = None) -> tuple[bytes, str]:
     """Pulls `version` from a trainer; resumes at the last good offset after a broken stream."""
     buf = bytearray()
     total: int | None = None
     sha = ""
-    async with make_channel(target, token=token, max_message_bytes=max_message_bytes) as channel:
+    async with make_channel(target, token=token, max_message_bytes=max_message_bytes, tls=tls) as channel:
         stub = trainer_pb2_grpc.TrainerStub(channel)
         for attempt in range(attempts):
             try:
@@ -72,7 +74,8 @@ class WeightSync:
     """Keeps `engine` on the newest published version."""
 
     def __init__(self, engine: Engine, pointer: WeightPointer, *, token: str | None, poll_s: float,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, tls: TlsConfig | None = None) -> None:
+        self.tls = tls
         self.engine = engine
         self.pointer = pointer
         self.token = token
@@ -102,7 +105,7 @@ class WeightSync:
         loop = asyncio.get_running_loop()
         started = loop.time()
         data, sha = await pull_weights(pointer.source.removeprefix("grpc://"), pointer.version,
-                                       token=self.token, max_message_bytes=self.max_message_bytes)
+                                       token=self.token, max_message_bytes=self.max_message_bytes, tls=self.tls)
         if sha != pointer.sha256:
             raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
         state = await asyncio.to_thread(state_from_bytes, data, self.engine.state)

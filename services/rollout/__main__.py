@@ -22,7 +22,7 @@ from services.rollout.worker import RolloutWorker
 async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, RolloutWorker]:
     rc = cfg.rollout
     token = load_token(cfg.auth)
-    channels = {name: make_channel(section.server.address, token=token)
+    channels = {name: make_channel(section.server.address, token=token, tls=cfg.auth.tls)
                 for name, section in (("inference", cfg.inference), ("env", cfg.env_gateway), ("reward", cfg.reward))}
     tok = get_tokenizer(cfg.model.tokenizer)
     redis = await connect(cfg.redis)
