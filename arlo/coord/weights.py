@@ -174,6 +174,9 @@ class WeightPointer:
         except (RedisError, OSError) as e:
             log.warning("reading weight pointer failed: %s", e)
             return None
+        except ValueError as e:  # a field that is not a number: wait for a good publish, do not crash
+            log.warning("weight pointer %s is malformed (%s); ignoring it", self._keys.weights, e)
+            return None
 
     async def _wait_event(self, pubsub: PubSub, subscribed: bool, wait_s: float) -> bool:
         """Waits up to `wait_s` for any event; returns whether the subscription is still usable."""

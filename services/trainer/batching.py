@@ -5,6 +5,9 @@ Pure Python/NumPy: no Redis, no gRPC. The server feeds stream entries in and get
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -13,6 +16,11 @@ import numpy as np
 
 from arlo.proto.v1 import common_pb2
 from services.trainer.advantages import overlong_penalty
+
+log = logging.getLogger(__name__)
+
+MAX_GROUP_SIZE = 1024  # rollout.group_size's bound: a larger claim can never complete
+CLOSED_GROUPS_KEPT = 100_000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +59,8 @@ def validate_trajectory(traj: common_pb2.Trajectory) -> str | None:
         return "token_ids, logprobs, loss_mask and policy_versions differ in length"
     if traj.group_size < 1 or not traj.group_id:
         return "missing group_id or group_size"
+    if traj.group_size > MAX_GROUP_SIZE:
+        return f"group_size {traj.group_size} > {MAX_GROUP_SIZE}"
     if not any(traj.loss_mask):
         return "no model tokens (loss_mask all 0)"
     return None
@@ -69,32 +79,80 @@ class ReadyGroup:
 
 @dataclass(kw_only=True)
 class GroupAssembler:
-    """Collects trajectories until their group is complete; hands out whole groups only."""
+    """Collects trajectories until their group is complete; hands out whole groups only.
+
+    Nothing is held forever: a malformed member drops its group at once (and its later members
+    on arrival), and a group still incomplete `incomplete_timeout_s` after its first member came
+    (its producer died mid-group, or it claims members that never come) is dropped as failed.
+    """
 
     max_staleness: int
+    incomplete_timeout_s: float = 600.0
     pending: dict[str, dict[str, common_pb2.Trajectory]] = field(default_factory=dict)
     drops: DropCounts = field(default_factory=DropCounts)
+    _first_seen: dict[str, float] = field(default_factory=dict)
+    _closed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # group id -> why its members drop
+    _rejected: list[str] = field(default_factory=list)  # dropped entry ids not yet handed out
 
-    def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]]) -> None:
+    def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         # Keyed by entry id: an entry re-delivered by XAUTOCLAIM must not fill its group twice.
         for entry_id, traj in entries:
-            self.pending.setdefault(traj.group_id, {})[entry_id] = traj
+            gid = traj.group_id
+            reason = self._closed.get(gid)
+            if reason is None and validate_trajectory(traj) is not None:
+                log.warning("group %r dropped: member %r is malformed (%s)", gid[:64], traj.id[:64],
+                            validate_trajectory(traj))
+                reason = "malformed"
+                self._close(gid, reason)
+            if reason is not None:
+                self._drop([entry_id], reason)
+                continue
+            members = self.pending.setdefault(gid, {})
+            if not members:
+                self._first_seen[gid] = now
+            members[entry_id] = traj
 
-    def take_ready(self, trainer_version: int) -> tuple[list[ReadyGroup], list[str]]:
-        """Complete usable groups, and the entry ids of complete groups that were dropped."""
+    def take_ready(self, trainer_version: int, now: float | None = None) -> tuple[list[ReadyGroup], list[str]]:
+        """Complete usable groups, and the entry ids dropped since the last call (finished with)."""
+        now = time.monotonic() if now is None else now
         ready: list[ReadyGroup] = []
-        dropped: list[str] = []
         for gid in list(self.pending):
             members = self.pending[gid]
             if len(members) < next(iter(members.values())).group_size:
+                if now - self._first_seen[gid] > self.incomplete_timeout_s:
+                    log.warning("group %r dropped: %d of %d members after %.0fs", gid[:64], len(members),
+                                next(iter(members.values())).group_size, now - self._first_seen[gid])
+                    self._close(gid, "failed")
                 continue
             del self.pending[gid]
+            del self._first_seen[gid]
             trajs = list(members.values())
-            if self._judge(trajs, trainer_version) is None:
+            reason = self._judge(trajs, trainer_version)
+            # Members beyond group_size would start a group that never completes: drop them on arrival.
+            self._remember(gid, reason or "failed")
+            if reason is None:
                 ready.append(ReadyGroup(trajectories=trajs, entry_ids=list(members)))
             else:
-                dropped.extend(members)
+                self._rejected.extend(members)
+        dropped, self._rejected = self._rejected, []
         return ready, dropped
+
+    def _close(self, gid: str, reason: str) -> None:
+        """Drops the group's pending members now, and its later members on arrival."""
+        members = self.pending.pop(gid, {})
+        self._first_seen.pop(gid, None)
+        self._drop(list(members), reason)
+        self._remember(gid, reason)
+
+    def _remember(self, gid: str, reason: str) -> None:
+        self._closed[gid] = reason
+        while len(self._closed) > CLOSED_GROUPS_KEPT:
+            self._closed.popitem(last=False)
+
+    def _drop(self, entry_ids: list[str], reason: str) -> None:
+        setattr(self.drops, reason, getattr(self.drops, reason) + len(entry_ids))
+        self._rejected.extend(entry_ids)
 
     def _judge(self, group: Sequence[common_pb2.Trajectory], trainer_version: int) -> str | None:
         # One bad member masks the whole group: GRPO advantages of a half group are wrong.

@@ -77,3 +77,33 @@ def test_zero_variance_groups_are_recognised() -> None:
     flat = ReadyGroup(trajectories=[traj("a", reward=1.0), traj("a", reward=1.0)], entry_ids=["1", "2"])
     spread = ReadyGroup(trajectories=[traj("b", reward=1.0), traj("b", reward=0.0)], entry_ids=["3", "4"])
     assert not has_reward_spread(flat) and has_reward_spread(spread)
+
+
+def test_malformed_member_drops_its_group_at_once_and_later_members_on_arrival() -> None:
+    bad = traj("g", size=3)
+    del bad.logprobs[:]
+    a = GroupAssembler(max_staleness=0)
+    a.add([("1-0", traj("g", size=3)), ("2-0", bad)])
+    assert a.take_ready(0) == ([], ["1-0", "2-0"]) and a.pending == {}
+    a.add([("3-0", traj("g", size=3))])
+    assert a.take_ready(0) == ([], ["3-0"]) and a.drops.malformed == 3 and a.pending == {}
+
+
+def test_a_group_that_never_completes_is_dropped_as_failed_after_the_timeout() -> None:
+    a = GroupAssembler(max_staleness=0, incomplete_timeout_s=30)
+    a.add([("1-0", traj("orphan", size=4)), ("2-0", traj("orphan", size=4))], now=100.0)
+    assert a.take_ready(0, now=129.0) == ([], [])
+    assert a.take_ready(0, now=131.0) == ([], ["1-0", "2-0"]) and a.drops.failed == 2 and a.pending == {}
+    a.add([("3-0", traj("orphan", size=4))], now=132.0)  # a straggler of the dropped group
+    assert a.take_ready(0, now=132.0) == ([], ["3-0"]) and a.drops.failed == 3
+
+
+def test_an_absurd_group_size_is_malformed_and_members_beyond_the_size_are_dropped() -> None:
+    a = GroupAssembler(max_staleness=0)
+    a.add([("1-0", traj("huge", size=100_000))])
+    assert a.take_ready(0) == ([], ["1-0"]) and a.drops.malformed == 1
+    a.add([("2-0", traj("g")), ("3-0", traj("g"))])
+    ready, _ = a.take_ready(0)
+    assert len(ready) == 1
+    a.add([("4-0", traj("g"))])  # a third member of a group of two
+    assert a.take_ready(0) == ([], ["4-0"]) and a.drops.failed == 1
