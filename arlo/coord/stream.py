@@ -131,6 +131,24 @@ class TrajectoryStream:
         return text(await self._redis.xadd(self._keys.traj, fields))
 
     @cancel_safe
+    async def add_group(self, trajs: Sequence[common_pb2.Trajectory]) -> list[str]:
+        """Appends a whole GRPO group in one MULTI/EXEC; raises BacklogFull like `add`.
+
+        A producer killed mid-write then leaves all of the group or none of it, never a part
+        that the trainer could only hold until it gives up on it.
+        """
+        if not trajs:
+            return []
+        fields = [codec.encode(t) for t in trajs]
+        backlog = await self.backlog()
+        if backlog >= self._max_backlog:
+            raise BacklogFull(backlog, self._max_backlog)
+        pipe = self._redis.pipeline(transaction=True)
+        for f in fields:
+            pipe.xadd(self._keys.traj, f)
+        return [text(entry_id) for entry_id in await pipe.execute()]
+
+    @cancel_safe
     async def read(self, count: int, block_ms: int) -> list[StreamEntry]:
         """Up to `count` new entries for this consumer, waiting at most `block_ms` (0: no wait).
 

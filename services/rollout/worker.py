@@ -112,8 +112,7 @@ class RolloutWorker:
         trajs = self._mask_if_failed(spec, results)
         failed = trajs[0].status == common_pb2.TRAJECTORY_STATUS_ERROR
         self._consecutive_failures = self._consecutive_failures + 1 if failed else 0
-        for traj in trajs:
-            await self._add_with_backpressure(traj)
+        await self._add_with_backpressure(trajs)
         self.stats.groups += 1
         self.stats.episodes += len(trajs)
         self.stats.reward_sum += sum(t.reward for t in trajs)
@@ -146,11 +145,11 @@ class RolloutWorker:
             status=common_pb2.TRAJECTORY_STATUS_ERROR, error=str(errors[0])[:1000], finish_reason="error",
         ) for _ in results]
 
-    async def _add_with_backpressure(self, traj: common_pb2.Trajectory) -> None:
+    async def _add_with_backpressure(self, trajs: list[common_pb2.Trajectory]) -> None:
         delay = 0.1
         while True:
             try:
-                await self.stream.add(traj)
+                await self.stream.add_group(trajs)  # all or nothing: a kill -9 leaves no half group
                 return
             except BacklogFull:
                 # The trainer is behind: wait rather than let MAXLEN drop unread data.

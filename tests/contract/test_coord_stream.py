@@ -229,3 +229,16 @@ async def test_a_reading_loop_always_stops_when_cancelled(r: Redis, run_id: str)
         task.cancel()
         done, _ = await asyncio.wait([task], timeout=2)
         assert done, f"reading loop ignored cancel #{i}"
+
+
+async def test_add_group_writes_the_whole_group_or_nothing(r: Redis, run_id: str) -> None:
+    s = await stream(r, run_id, max_backlog=3)
+    ids = await s.add_group([traj("a0"), traj("a1")])
+    assert len(ids) == 2 and await s.length() == 2
+    await s.add(traj("b0"))
+    with pytest.raises(BacklogFull):
+        await s.add_group([traj("c0"), traj("c1")])
+    assert await s.length() == 3  # none of the refused group went in
+    got = await s.read(count=10, block_ms=100)
+    assert [e.entry_id for e in got][:2] == ids and [e.trajectory.id for e in got] == ["a0", "a1", "b0"]
+    assert await s.add_group([]) == []
