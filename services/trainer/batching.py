@@ -100,7 +100,10 @@ class GroupAssembler:
         for entry_id, traj in entries:
             gid = traj.group_id
             reason = self._closed.get(gid)
-            if reason is None and validate_trajectory(traj) is not None:
+            if reason is None and traj.status == common_pb2.TRAJECTORY_STATUS_ERROR:
+                reason = "failed"  # a masked group (its worker gave up on it): no need to wait for the rest
+                self._close(gid, reason)
+            elif reason is None and validate_trajectory(traj) is not None:
                 log.warning("group %r dropped: member %r is malformed (%s)", gid[:64], traj.id[:64],
                             validate_trajectory(traj))
                 reason = "malformed"

@@ -107,3 +107,11 @@ def test_an_absurd_group_size_is_malformed_and_members_beyond_the_size_are_dropp
     assert len(ready) == 1
     a.add([("4-0", traj("g"))])  # a third member of a group of two
     assert a.take_ready(0) == ([], ["4-0"]) and a.drops.failed == 1
+
+
+def test_a_masked_group_counts_as_failed_not_malformed() -> None:
+    masked = common_pb2.Trajectory(id="m0", group_id="g", group_size=2, status=common_pb2.TRAJECTORY_STATUS_ERROR)
+    a = GroupAssembler(max_staleness=0)
+    a.add([("1-0", masked), ("2-0", common_pb2.Trajectory(id="m1", group_id="g", group_size=2,
+                                                          status=common_pb2.TRAJECTORY_STATUS_ERROR))])
+    assert a.take_ready(0) == ([], ["1-0", "2-0"]) and a.drops.failed == 2 and a.drops.malformed == 0
