@@ -1,9 +1,15 @@
-"""`python -m services.trainer [-c CONFIG] [--port P] [--metrics-port M]`."""
+"""`python -m services.trainer [-c CONFIG] [--port P] [--metrics-port M]`.
+
+Several JAX processes (a JobSet across the hosts of a slice): process 0 runs the trainer as on
+one host; the others only replay its JAX work (services/trainer/lockstep.py) and serve health.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import threading
 
 import jax
 
@@ -14,7 +20,9 @@ from arlo.distributed import initialize_from_env, make_mesh
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
+from services.trainer.checkpoint import Checkpointer
 from services.trainer.learner import Learner, learner_config
+from services.trainer.lockstep import Replica, channel_for_this_process, follow
 from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
@@ -41,7 +49,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir, checkpoint_every=tc.checkpoint_every,
         tokenizer=cfg.model.tokenizer, filter_zero_variance=tc.algorithm.filter_zero_variance,
         overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
-                  if tc.algorithm.overlong_max_tokens else None),
+                  if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
     )
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [
@@ -57,10 +65,50 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     return running, loop
 
 
+async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyncio.Task[None]]) -> RunningServer:
+    """Process k > 0 of a multi-host trainer: no Redis, no Trainer service (process 0 does the I/O);
+    it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
+    tc = cfg.trainer
+    # Built in the same order as start_trainer builds them: their creation is collective work too.
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=make_mesh(tc.mesh))
+    checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
+    running = await start_server("trainer", tc.server, cfg.auth, [])
+    replica = Replica(learner, checkpointer, channel_for_this_process())
+
+    async def replay() -> None:
+        try:
+            await asyncio.to_thread(follow, replica, stop)
+        finally:
+            if checkpointer is not None:
+                await asyncio.to_thread(checkpointer.close)
+            await running.stop(0)  # ends run_until_signal: the pod exits with process 0
+
+    tasks.append(asyncio.create_task(replay(), name="follow"))
+    return running
+
+
+def run_follower(cfg: RunConfig) -> None:
+    stop = threading.Event()
+    following: list[asyncio.Task[None]] = []
+
+    async def stop_following() -> None:
+        stop.set()
+        await asyncio.gather(*following, return_exceptions=True)
+
+    run_until_signal(lambda: start_follower(cfg, stop, following), on_stop=stop_following, grace_s=0.0)
+    failed = [t for t in following if t.done() and not t.cancelled() and t.exception() is not None]
+    if failed:
+        # A follower out of step cannot recover alone: fail the pod, so the JobSet restarts the slice.
+        raise SystemExit(f"trainer process {jax.process_index()}: {failed[0].exception()!r}")
+
+
 def main() -> None:
     cfg = parse_service_config("trainer")
     initialize_from_env()  # multi-host (JobSet/TPU slice) before any JAX work; a no-op on one host
     setup_logging("trainer")
+    if jax.process_index() > 0:
+        run_follower(cfg)
+        return
     tasks = TaskGroup()
     loops: list[TrainingLoop] = []
 

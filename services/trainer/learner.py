@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arlo.config import TrainerConfig
 from arlo.model import ModelConfig, create_model
@@ -120,7 +120,7 @@ class Learner:
     def step(self, batch: Batch) -> StepMetrics:
         rows = self._device_rows(batch)
         self.state, self.opt_state, metrics = self._rl_step(
-            self.state, self.opt_state, self.ref_state, rows, jnp.asarray(batch.rewards_gk))
+            self.state, self.opt_state, self.ref_state, rows, self._replicated(batch.rewards_gk))
         return self._finish(metrics, batch, reward_mean=float(np.mean(batch.rewards_gk)))
 
     def restore(self, state: nnx.State, opt_state: Any, step: int) -> None:
@@ -141,6 +141,12 @@ class Learner:
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in shaped.items()}
         return {k: jax.device_put(v, batch_sharding(self.mesh, size, ndim=v.ndim)) for k, v in shaped.items()}
+
+    def _replicated(self, array: np.ndarray) -> jax.Array:
+        # On a mesh spanning several processes a jitted step takes only global arrays.
+        if self.mesh is None:
+            return jnp.asarray(array)
+        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
 
     def _finish(self, metrics: dict[str, jax.Array], batch: Batch, *, reward_mean: float) -> StepMetrics:
         self.step_count += 1

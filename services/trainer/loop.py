@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
 from arlo.model import get_tokenizer
-from arlo.model.weights import state_to_bytes
 from services.trainer.batching import GroupAssembler, ReadyGroup, build_batch, has_reward_spread
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta
 from services.trainer.learner import Learner, StepMetrics
+from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class TrainingLoop:
         self, *, learner: Learner, stream: TrajectoryStream, pointer: WeightPointer, store: VersionStore,
         source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
         checkpoint_dir: str = "", checkpoint_every: int = 0, tokenizer: str = "byte",
-        filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None,
+        filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
     ) -> None:
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -75,6 +75,8 @@ class TrainingLoop:
         self.read_block_ms = read_block_ms
         self.checkpoint_every = checkpoint_every
         self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
+        # Every JAX call goes through the replica: with several processes it tells the others first.
+        self.replica = Replica(learner, self.checkpointer, channel)
         self.pad_id = get_tokenizer(tokenizer).pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness)
         self.state = TrainerState()
@@ -134,6 +136,8 @@ class TrainingLoop:
         """Lets a checkpoint in flight complete (bounded), so a clean stop leaves no partial one."""
         if self._job is not None:
             await asyncio.wait([self._job], timeout=timeout_s)
+        async with self._jax_lock:
+            self.replica.stop()  # other processes: finish your checkpoint writes and return
         if self.checkpointer is not None:
             await asyncio.to_thread(self.checkpointer.close)
 
@@ -206,7 +210,7 @@ class TrainingLoop:
         batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
                             overlong=self.overlong)
         async with self._jax_lock:
-            metrics = await asyncio.to_thread(self.learner.step, batch)
+            metrics = await asyncio.to_thread(self.replica.step, batch)
         self.state.version += 1
         await self._publish()
         self.state.consumed += len(batch.trajectory_ids)
@@ -240,7 +244,7 @@ class TrainingLoop:
 
     async def _publish(self) -> None:
         async with self._jax_lock:
-            data = await asyncio.to_thread(state_to_bytes, self.learner.state)
+            data = await asyncio.to_thread(self.replica.state_bytes)
         published = self.store.put(self.state.version, data)
         await self.pointer.publish(published.version, source=self.source, sha256=published.sha256)
 
@@ -251,12 +255,10 @@ class TrainingLoop:
         if self.checkpointer is None:
             return 0
         async with self._jax_lock:
-            restored = await asyncio.to_thread(
-                self.checkpointer.restore_newest, self.learner.state, self.learner.opt_state)
+            restored = await asyncio.to_thread(self.replica.restore_newest)
         if restored is None:
             return 0
         meta = restored.meta
-        self.learner.restore(restored.params, restored.opt_state, meta.step)
         self.state.checkpoint_version, self.state.checkpoint_uri = meta.version, restored.uri
         # The process may have died between the checkpoint completing and these two writes.
         await self.pointer.set_checkpoint(meta.version, restored.uri)
@@ -287,8 +289,7 @@ class TrainingLoop:
         self._saving = covered
         try:
             async with self._jax_lock:  # a step donates the arrays: none may run while they are copied
-                await asyncio.to_thread(self.checkpointer.start_save, self.learner.state,
-                                        self.learner.opt_state, meta)
+                await asyncio.to_thread(self.replica.start_save, meta)
         except BaseException:
             self._awaiting[:0], self._saving = covered, []
             raise

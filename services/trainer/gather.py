@@ -1,0 +1,29 @@
+"""Whole arrays in one process's memory, from parameters that may be sharded across hosts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from arlo.model.weights import state_to_bytes
+
+
+def host_state(state: Any) -> Any:
+    """`state` with every array whole in this process's memory.
+
+    With several processes this is a collective (every process must call it at the same
+    point): parameters sharded across hosts (fsdp) are not addressable from one process, and
+    publishing or checksumming them needs them whole. With one process it returns `state`.
+    """
+    if jax.process_count() == 1:
+        return state
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(state, tiled=True)
+
+
+def state_bytes(state: nnx.State) -> bytes:
+    """`state_to_bytes` of the whole state, from any process (all processes call it together)."""
+    return state_to_bytes(host_state(state))

@@ -1,0 +1,217 @@
+"""Multi-host training: process 0 does all the I/O, every process runs the same JAX work in lockstep.
+
+With several JAX processes (a JobSet across the hosts of a TPU slice) the parameters are
+global arrays: every jitted step, every gather and every Orbax save or restore is a
+collective that all processes must enter, in the same order. Only process 0 (the leader)
+reads the trajectory stream, acknowledges, serves PullWeights and moves the weight pointer;
+before each piece of collective work it announces it on the JAX coordinator's key-value
+store, and the other processes (followers, `follow`) replay the announcements in order.
+
+Why the key-value store for the announcements and not a device collective: a follower may
+wait minutes for the next batch (the leader waits for trajectories), and a collective left
+pending that long trips timeouts; a key-value wait is polled, costs nothing and can stop.
+The batch itself is broadcast over the devices (`broadcast_one_to_all`): it can be tens of MB.
+
+On one process `SINGLE` announces nothing and `Replica` calls the learner and checkpointer
+directly, so one host runs exactly the code it ran before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from services.trainer.batching import Batch
+from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored
+from services.trainer.gather import state_bytes
+from services.trainer.learner import Learner, StepMetrics
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "arlo/trainer/op/"
+POLL_MS = 1000
+"""A follower's wait for the next announcement is cut into polls this long, so it can stop."""
+BATCH_FIELDS = ("tokens_bt", "behaviour_logprobs_bt", "mask_bt", "rewards_gk")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Op:
+    seq: int
+    name: str
+    header: dict[str, Any]
+
+
+class Channel(Protocol):
+    """How the leader tells the followers what collective work comes next."""
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    def announce(self, name: str, header: dict[str, Any]) -> None: ...
+
+    def receive(self, stop: threading.Event) -> Op | None: ...
+
+
+class SingleProcess:
+    """One process: nobody to tell."""
+
+    is_leader = True
+
+    def announce(self, name: str, header: dict[str, Any]) -> None:
+        pass
+
+    def receive(self, stop: threading.Event) -> Op | None:
+        raise RuntimeError("a single process has no leader to follow")
+
+
+SINGLE = SingleProcess()
+
+
+def _kv_client() -> Any:
+    # Not public API, but the one Orbax's multi-host barriers use too: the coordinator's client.
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized: call arlo.distributed.initialize_from_env() first")
+    return client
+
+
+class CoordinatorChannel:
+    """Announcements as numbered keys on the JAX coordinator's key-value store.
+
+    Key n is deleted when n+1 is announced: every announced op is a collective, so when the
+    leader has finished op n, every follower has read key n.
+    """
+
+    def __init__(self, client: Any | None = None) -> None:
+        self._client = client if client is not None else _kv_client()
+        self._seq = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return jax.process_index() == 0
+
+    def announce(self, name: str, header: dict[str, Any]) -> None:
+        assert self.is_leader, "only process 0 announces"
+        if self._seq:
+            self._client.key_value_delete(f"{KEY_PREFIX}{self._seq}")
+        self._seq += 1
+        self._client.key_value_set(f"{KEY_PREFIX}{self._seq}", json.dumps({"name": name, "header": header}))
+
+    def receive(self, stop: threading.Event) -> Op | None:
+        """The next announcement, or None once `stop` is set."""
+        key = f"{KEY_PREFIX}{self._seq + 1}"
+        while not stop.is_set():
+            try:
+                raw = self._client.blocking_key_value_get(key, POLL_MS)
+            except Exception as e:  # jaxlib raises XlaRuntimeError(DEADLINE_EXCEEDED) on a quiet poll
+                if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                    continue
+                raise
+            self._seq += 1
+            op = json.loads(raw)
+            return Op(seq=self._seq, name=op["name"], header=op["header"])
+        return None
+
+
+def channel_for_this_process() -> Channel:
+    return SINGLE if jax.process_count() == 1 else CoordinatorChannel()
+
+
+class Replica:
+    """The JAX work of one trainer process. The leader's calls announce themselves first, so the
+    followers (`follow`) make the same calls in the same order; on one process they are plain calls."""
+
+    def __init__(self, learner: Learner, checkpointer: Checkpointer | None, channel: Channel = SINGLE) -> None:
+        self.learner = learner
+        self.checkpointer = checkpointer
+        self.channel = channel
+
+    def step(self, batch: Batch) -> StepMetrics:
+        self.channel.announce("step", {k: [list(getattr(batch, k).shape), str(getattr(batch, k).dtype)]
+                                       for k in BATCH_FIELDS} | {"num_tokens": batch.num_tokens})
+        return self.learner.step(_broadcast_batch(batch))
+
+    def state_bytes(self) -> bytes:
+        self.channel.announce("publish", {})
+        return state_bytes(self.learner.state)
+
+    def start_save(self, meta: CheckpointMeta) -> None:
+        self.channel.announce("save", dataclasses.asdict(meta))
+        assert self.checkpointer is not None
+        self.checkpointer.start_save(self.learner.state, self.learner.opt_state, meta)
+
+    def restore_newest(self) -> Restored | None:
+        """Loads the newest intact checkpoint into the learner; returns it (None: there is none)."""
+        self.channel.announce("restore", {})
+        assert self.checkpointer is not None
+        restored = self.checkpointer.restore_newest(self.learner.state, self.learner.opt_state)
+        if restored is not None:
+            self.learner.restore(restored.params, restored.opt_state, restored.meta.step)
+        return restored
+
+    def stop(self) -> None:
+        """Releases the followers (they finish their checkpoint writes and return)."""
+        self.channel.announce("stop", {})
+
+
+def _broadcast_batch(batch: Batch) -> Batch:
+    """Process 0's batch, on every process (the others pass a placeholder of the same shapes)."""
+    if jax.process_count() == 1:
+        return batch
+    from jax.experimental import multihost_utils
+
+    arrays = multihost_utils.broadcast_one_to_all({k: getattr(batch, k) for k in BATCH_FIELDS})
+    return dataclasses.replace(batch, **{k: np.asarray(v) for k, v in arrays.items()})
+
+
+def _placeholder(header: dict[str, Any]) -> Batch:
+    arrays = {k: np.zeros(tuple(header[k][0]), np.dtype(header[k][1])) for k in BATCH_FIELDS}
+    return Batch(**arrays, trajectory_ids=(), num_tokens=int(header["num_tokens"]))
+
+
+def follow(replica: Replica, stop: threading.Event | None = None) -> int:
+    """A follower's whole job: replays the leader's announcements until "stop"; returns the ops done.
+
+    A checkpoint write is waited for in a thread, as the leader does, so steps go on meanwhile.
+    """
+    stop = stop or threading.Event()
+    learner, ckpt = replica.learner, replica.checkpointer
+    waiter: threading.Thread | None = None
+    done = 0
+    while (op := replica.channel.receive(stop)) is not None:
+        if op.name in ("save", "restore", "stop") and waiter is not None:
+            waiter.join()  # the leader, too, waits for the previous save first
+            waiter = None
+        if op.name == "step":
+            learner.step(_broadcast_batch(_placeholder(op.header)))
+        elif op.name == "publish":
+            state_bytes(learner.state)
+        elif op.name == "save":
+            assert ckpt is not None, "the leader checkpoints, so every process needs trainer.checkpoint_dir"
+            meta = CheckpointMeta(**{**op.header, "trajectory_ids": tuple(op.header["trajectory_ids"])})
+            ckpt.start_save(learner.state, learner.opt_state, meta)
+            waiter = threading.Thread(target=ckpt.wait, name=f"checkpoint-{meta.version}", daemon=True)
+            waiter.start()
+        elif op.name == "restore":
+            assert ckpt is not None
+            restored = ckpt.restore_newest(learner.state, learner.opt_state)
+            if restored is not None:
+                learner.restore(restored.params, restored.opt_state, restored.meta.step)
+        elif op.name == "stop":
+            log.info("leader stopped after %d ops", done)
+            return done
+        else:
+            raise RuntimeError(f"unknown lockstep op {op.name!r} (leader and follower run different code?)")
+        done += 1
+    if waiter is not None:
+        waiter.join()
+    return done
