@@ -15,7 +15,8 @@ from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
 from services.rollout.admission import AdmissionGate
-from services.rollout.clients import EnvironmentClient, InferenceClient, RewardClient
+from services.rollout.clients import InferenceClient, RewardClient
+from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.worker import RolloutWorker
 
 
@@ -23,7 +24,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     rc = cfg.rollout
     token = load_token(cfg.auth)
     channels = {name: make_channel(section.server.address, token=token, tls=cfg.auth.tls)
-                for name, section in (("inference", cfg.inference), ("env", cfg.env_gateway), ("reward", cfg.reward))}
+                for name, section in (("inference", cfg.inference), ("reward", cfg.reward))}
     tok = get_tokenizer(cfg.model.tokenizer)
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
@@ -35,7 +36,10 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
         filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance,
         gen=InferenceClient(channels["inference"], rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
-        env=EnvironmentClient(channels["env"], timeout_s=rc.rpc_timeout_s),
+        # One gateway replica per episode: sessions live in the memory of the replica that made them.
+        env=AffinityEnvironmentClient(cfg.env_gateway.server.address,
+                                      lambda address: make_channel(address, token=token, tls=cfg.auth.tls),
+                                      timeout_s=rc.rpc_timeout_s),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
     )
     running = await start_server("rollout", rc.server, cfg.auth, [])

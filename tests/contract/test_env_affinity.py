@@ -1,0 +1,115 @@
+"""Episode affinity over two real env_gateway servers on ephemeral ports: every call of an
+episode reaches the replica that created its session, episodes spread over both, and a replica
+that goes away costs only its own episodes (UNAVAILABLE, which the rollout retries)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from arlo.config import AuthConfig, EnvGatewayConfig, RunConfig, ServerConfig
+from arlo.proto.v1 import env_pb2, env_pb2_grpc
+from arlo.rpc import RunningServer, make_channel
+from services.env_gateway.__main__ import start_env_gateway
+from services.rollout.clients import RETRYABLE
+from services.rollout.env_affinity import AffinityEnvironmentClient, parse_target, resolve
+
+TOKEN = "affinity-token"
+TOKEN_ENV = "ARLO_TEST_AFFINITY_TOKEN"
+
+
+@pytest.fixture
+async def replicas(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[RunningServer]]:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    cfg = RunConfig(auth=AuthConfig(token_env=TOKEN_ENV),
+                    env_gateway=EnvGatewayConfig(server=ServerConfig(port=0, metrics_port=-1)))
+    servers = [await start_env_gateway(cfg) for _ in range(2)]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            await s.stop(None)
+
+
+def client_for(servers: list[RunningServer]) -> AffinityEnvironmentClient:
+    target = "ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    return AffinityEnvironmentClient(target, lambda address: make_channel(address, token=TOKEN), timeout_s=5)
+
+
+def answer_of(prompt: str) -> int:
+    a, b = prompt.removesuffix("=").split("+")
+    return int(a) + int(b)
+
+
+async def episode(env: AffinityEnvironmentClient, seed: int) -> tuple[str, str]:
+    """Wrong answer, then the right one: three calls on one session, then Close."""
+    started = await env.reset("arith", "", seed)
+    replica = env.replica_of(started.session_id)
+    assert replica is not None
+    result = answer_of(started.observation[0].content)
+    wrong = await env.step(started.session_id, str(result + 1))
+    right = await env.step(started.session_id, str(result))
+    assert not wrong.done and right.done and right.reward == 1.0
+    await env.close(started.session_id)
+    return started.session_id, replica
+
+
+async def test_each_episode_stays_on_its_replica_and_episodes_spread(replicas: list[RunningServer]) -> None:
+    env = client_for(replicas)
+    try:
+        done = await asyncio.gather(*(episode(env, seed) for seed in range(24)))
+    finally:
+        await env.aclose()
+    per_replica = Counter(replica for _, replica in done)
+    # Least-loaded placement (Resets in flight count): concurrent episodes split evenly.
+    assert per_replica == {f"127.0.0.1:{s.port}": 12 for s in replicas}
+
+
+async def test_a_session_is_only_known_to_its_own_replica(replicas: list[RunningServer]) -> None:
+    """Why affinity is needed at all: the other replica answers NOT_FOUND for the same session."""
+    env = client_for(replicas)
+    try:
+        started = await env.reset("arith", "", 7)
+        owner = env.replica_of(started.session_id)
+        other = next(f"127.0.0.1:{s.port}" for s in replicas if f"127.0.0.1:{s.port}" != owner)
+        async with make_channel(other, token=TOKEN) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await env_pb2_grpc.EnvironmentStub(channel).Step(
+                    env_pb2.StepRequest(session_id=started.session_id, action="1"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        await env.step(started.session_id, "1")  # while its own replica knows it
+    finally:
+        await env.aclose()
+
+
+async def test_a_lost_replica_costs_only_its_episodes(replicas: list[RunningServer]) -> None:
+    env = client_for(replicas)
+    try:
+        sessions = [(await env.reset("arith", "", seed)).session_id for seed in range(4)]
+        lost = f"127.0.0.1:{replicas[0].port}"
+        await replicas[0].stop(None)
+        for session_id in sessions:
+            if env.replica_of(session_id) == lost:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await env.step(session_id, "1")
+                assert e.value.code() in RETRYABLE  # the worker restarts the episode
+            else:
+                await env.step(session_id, "1")
+        # New episodes skip the dead replica (it refuses the Reset) and land on the live one.
+        restarted = [await env.reset("arith", "", seed) for seed in range(4)]
+        assert {env.replica_of(r.session_id) for r in restarted} == {f"127.0.0.1:{replicas[1].port}"}
+    finally:
+        await env.aclose()
+
+
+async def test_targets_resolve_like_the_deployed_address() -> None:
+    assert parse_target("dns:///env-gateway:50053") == ("env-gateway", 50053)
+    assert parse_target("env-gateway.arlo.svc:50053") == ("env-gateway.arlo.svc", 50053)
+    assert parse_target("ipv4:10.0.0.1:1,10.0.0.2:1") == ["10.0.0.1:1", "10.0.0.2:1"]
+    assert "127.0.0.1:50053" in await resolve("dns:///localhost:50053")
+    with pytest.raises(ValueError, match="host:port"):
+        AffinityEnvironmentClient("env-gateway", lambda a: make_channel(a, token=None), timeout_s=1)
