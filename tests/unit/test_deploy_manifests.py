@@ -29,6 +29,9 @@ SERVICES = {"inference": "inference", "trainer": "trainer", "env_gateway": "env-
             "rollout": "rollout"}
 """config section -> Kubernetes name (Service, workload, app.kubernetes.io/component label)."""
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "JobSet")
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+"""Labels the JobSet and Job controllers put on each pod: together they name JAX process 0."""
 EXTERNAL_SECRETS = {"arlo-auth"}
 """Secrets the operator creates (`kubectl create secret`, docs/deploy.md) unless an overlay generates them."""
 KUBECTL = shutil.which("kubectl")
@@ -142,13 +145,14 @@ def test_every_service_runs_as_the_config_says(target: str, tmp_path: Path) -> N
         # Clients dial the headless Service; the pod binds 0.0.0.0 (deploy/entrypoint.py).
         assert server.address == f"dns:///{name}:{server.port}", where
         svc = services[name]
-        if section == "env_gateway":
-            # Sessions live on the replica that created them and clients don't pin them yet:
-            # one connection-level, sticky VIP instead of per-call round-robin (env-gateway.yaml).
-            assert "clusterIP" not in svc["spec"] and svc["spec"]["sessionAffinity"] == "ClientIP", where
-        else:
-            assert svc["spec"]["clusterIP"] == "None", f"{where}: Service must be headless for client-side LB"
-        assert svc["spec"]["selector"] == {"app.kubernetes.io/component": name}, where
+        # Headless: clients balance over pod addresses themselves (env_gateway per episode).
+        assert svc["spec"]["clusterIP"] == "None", f"{where}: Service must be headless for client-side LB"
+        assert "sessionAffinity" not in svc["spec"], f"{where}: affinity is the client's job (env_affinity.py)"
+        selector = dict(svc["spec"]["selector"])
+        if section == "trainer" and workload_for(docs, name)["kind"] == "JobSet":
+            # Only process 0 serves arlo.v1.Trainer; the other hosts serve health only.
+            assert selector.pop(JOB_INDEX_LABEL) == "0" and selector.pop(COMPLETION_INDEX_LABEL) == "0", where
+        assert selector == {"app.kubernetes.io/component": name}, where
         assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": server.port,
                                                                         "metrics": server.metrics_port}, where
 
