@@ -1,4 +1,13 @@
-"""The decode-time KV cache: per layer, keys and values at absolute-position slots."""
+"""The decode-time KV cache: per layer, keys and values at absolute-position slots.
+
+Layout (measured on XLA:CPU, `bench/decode.py`): keys are stored [batch, kv_heads,
+head_dim, length] and values [batch, kv_heads, length, head_dim], so both attention
+products are plain batched matmuls over (batch, kv_heads) with the contracted dimension
+where a matmul wants it: scores = q[g, h] @ K[h, s], out = p[g, s] @ V[s, h]. The
+[batch, length, kv_heads, head_dim] layout it replaced made XLA transpose the whole
+cache of every layer on every decode step (a b64 step: 127 ms -> under half that).
+Batch and kv_heads lead, so a mesh shards slots over `data` and heads over `tensor`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from arlo.model.config import ModelConfig
+
+SEQ_AXIS_K = 3
+SEQ_AXIS_V = 2
 
 
 class KVCache(NamedTuple):
@@ -19,8 +31,9 @@ class KVCache(NamedTuple):
     """
 
     k: tuple[jax.Array, ...]
-    """num_layers arrays of [batch, length, num_kv_heads, head_dim]."""
+    """num_layers arrays of [batch, num_kv_heads, head_dim, length] (keys transposed)."""
     v: tuple[jax.Array, ...]
+    """num_layers arrays of [batch, num_kv_heads, length, head_dim]."""
 
     @property
     def batch(self) -> int:
@@ -28,15 +41,24 @@ class KVCache(NamedTuple):
 
     @property
     def length(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[SEQ_AXIS_K]
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
+
+
+def cache_shapes(cfg: ModelConfig, *, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(one layer's key shape, one layer's value shape)."""
+    k, h = cfg.num_kv_heads, cfg.head_dim
+    return (batch, k, h, length), (batch, k, length, h)
 
 
 def init_cache(cfg: ModelConfig, *, batch: int, length: int, dtype: jnp.dtype | None = None) -> KVCache:
     """Zeros of static shape; `dtype` defaults to the model's compute dtype."""
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    k_shape, v_shape = cache_shapes(cfg, batch=batch, length=length)
     dt = cfg.compute_dtype if dtype is None else dtype
-    return KVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)))
+    return KVCache(k=tuple(jnp.zeros(k_shape, dt) for _ in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(v_shape, dt) for _ in range(cfg.num_layers)))
 
 
 def broadcast_cache(cache: KVCache, batch: int) -> KVCache:
@@ -45,3 +67,54 @@ def broadcast_cache(cache: KVCache, batch: int) -> KVCache:
         return jnp.broadcast_to(x, (batch, *x.shape[1:]))
 
     return jax.tree.map(rows, cache)
+
+
+def write_rows(k_bkhs: jax.Array, v_bksh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
+               start_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One layer's (keys, values) with t new tokens per row written at positions start_b..
+
+    Rows start at different positions (continuous batching). dynamic_update_slice clamps
+    an out-of-range start, so callers guarantee start + t <= length.
+    """
+    k_new = jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(k_bkhs.dtype)  # b k h t
+    v_new = jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(v_bksh.dtype)  # b k t h
+
+    def row_k(c: jax.Array, n: jax.Array, s: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(c, n, (0, 0, s))
+
+    def row_v(c: jax.Array, n: jax.Array, s: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(c, n, (0, s, 0))
+
+    return jax.vmap(row_k)(k_bkhs, k_new, start_b), jax.vmap(row_v)(v_bksh, v_new, start_b)
+
+
+def gather_window(cache: KVCache, rows: jax.Array, window: int) -> KVCache:
+    """Rows `rows`, positions [0, window): what a batch of slots attends (a copy)."""
+    return KVCache(k=tuple(x[rows, :, :, :window] for x in cache.k),
+                   v=tuple(x[rows, :, :window] for x in cache.v))
+
+
+def scatter_window(cache: KVCache, win: KVCache, rows: jax.Array, src: jax.Array | None = None) -> KVCache:
+    """Writes window rows `src` (default all, in order) over positions [0, window) of cache rows `rows`."""
+    w = win.length
+    pick = (lambda x: x) if src is None else (lambda x: x[src])
+    return KVCache(k=tuple(c.at[rows, :, :, :w].set(pick(x)) for c, x in zip(cache.k, win.k, strict=True)),
+                   v=tuple(c.at[rows, :, :w].set(pick(x)) for c, x in zip(cache.v, win.v, strict=True)))
+
+
+def scatter_band(cache: KVCache, win: KVCache, rows: jax.Array, band_start: jax.Array, steps: int) -> KVCache:
+    """Writes positions [band_start_r, band_start_r + steps) of window row r into cache row rows[r]:
+    the only part of a window a decode chunk of `steps` tokens can have changed."""
+    cols = band_start[:, None] + jnp.arange(steps, dtype=jnp.int32)  # [r, steps]
+
+    def band_k(c: jax.Array, x: jax.Array) -> jax.Array:
+        part = jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, steps, axis=2))(x, band_start)
+        # Advanced indices (rows, cols) split by slices: their dims come first -> [r, steps, k, h].
+        return c.at[rows[:, None], :, :, cols].set(jnp.transpose(part, (0, 3, 1, 2)))
+
+    def band_v(c: jax.Array, x: jax.Array) -> jax.Array:
+        part = jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, steps, axis=1))(x, band_start)
+        return c.at[rows[:, None], :, cols].set(jnp.transpose(part, (0, 2, 1, 3)))
+
+    return KVCache(k=tuple(band_k(c, x) for c, x in zip(cache.k, win.k, strict=True)),
+                   v=tuple(band_v(c, x) for c, x in zip(cache.v, win.v, strict=True)))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arlo.model.config import ModelConfig
+from arlo.model.kv_cache import write_rows
 from arlo.model.rope import apply_rope
 
 # Large negative instead of -inf, so a fully masked row (padding queries) gives a uniform
@@ -59,15 +60,6 @@ class Embedder(nnx.Module):
         return jnp.einsum("btd,vd->btv", x_btd, table_vd, preferred_element_type=jnp.float32)
 
 
-def _write_cache(cache_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
-    # Per-row start so rows at different positions (continuous batching) share one cache.
-    # dynamic_update_slice clamps out-of-range starts: callers guarantee start + t <= s.
-    def write_row(c_skh: jax.Array, n_tkh: jax.Array, s: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice(c_skh, n_tkh.astype(c_skh.dtype), (s, 0, 0))
-
-    return jax.vmap(write_row)(cache_bskh, new_btkh, start_b)
-
-
 class Attention(nnx.Module):
     """Causal grouped-query attention with RoPE and an optional KV cache.
 
@@ -105,20 +97,21 @@ class Attention(nnx.Module):
         kv: tuple[jax.Array, jax.Array] | None = None,
         start_b: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """Without `kv`, keys are this chunk's own tokens (training). With `kv` (two
-        [b, s, kv_heads, head_dim] arrays), this chunk's keys/values are written at slots
-        start_b.. and the query attends over all s slots under `mask_bts`."""
+        """Without `kv`, keys are this chunk's own tokens (training). With `kv` (one layer of
+        a KVCache: keys [b, kv_heads, head_dim, s], values [b, kv_heads, s, head_dim]), this
+        chunk's keys/values are written at slots start_b.. and the query attends over all s
+        slots under `mask_bts`."""
         dt = x_btd.dtype
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd)
         q_btnh = apply_rope(q_btnh, positions_bt, self.theta, self.rope_scaling)
         k_btkh = apply_rope(k_btkh, positions_bt, self.theta, self.rope_scaling)
         new_kv = None
-        if kv is not None:
+        if kv is None:
+            out_btnh = _attend(q_btnh, k_btkh, v_btkh, mask_bts)
+        else:
             assert start_b is not None, "a KV cache write needs start_b"
-            k_btkh = _write_cache(kv[0], k_btkh, start_b)  # now k_bskh
-            v_btkh = _write_cache(kv[1], v_btkh, start_b)
-            new_kv = (k_btkh, v_btkh)
-        out_btnh = _attend(q_btnh, k_btkh.astype(dt), v_btkh.astype(dt), mask_bts)
+            new_kv = write_rows(kv[0], kv[1], k_btkh, v_btkh, start_b)
+            out_btnh = _attend_cache(q_btnh, new_kv[0].astype(dt), new_kv[1].astype(dt), mask_bts)
         out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt))
         if self.o_bias:
             out_btd = out_btd + self.o_bias_d[...].astype(dt)
@@ -148,6 +141,22 @@ def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: j
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
     return out_btkgh.reshape(b, t, n, h)
+
+
+def _attend_cache(q_btnh: jax.Array, k_bkhs: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """Attention over a cache in its own layout (see kv_cache): both products are batched
+    matmuls over (b, kv_head) with the t x group query rows as M, so no cache transpose."""
+    b, t, n, h = q_btnh.shape
+    k = k_bkhs.shape[1]
+    g = n // k
+    q_bkmh = jnp.transpose(q_btnh.reshape(b, t, k, g, h), (0, 2, 1, 3, 4)).reshape(b, k, t * g, h)
+    q_bkmh = q_bkmh * jnp.asarray(h**-0.5, q_bkmh.dtype)
+    scores_bkms = jnp.einsum("bkmh,bkhs->bkms", q_bkmh, k_bkhs, preferred_element_type=jnp.float32)
+    mask_b1ms = jnp.repeat(mask_bts, g, axis=1)[:, None]  # row m = (t, g), t major
+    scores_bkms = jnp.where(mask_b1ms, scores_bkms, _MASK_VALUE)
+    probs_bkms = jax.nn.softmax(scores_bkms, axis=-1).astype(v_bksh.dtype)
+    out_bkmh = jnp.einsum("bkms,bksh->bkmh", probs_bkms, v_bksh)
+    return jnp.transpose(out_bkmh.reshape(b, k, t, g, h), (0, 2, 1, 3, 4)).reshape(b, t, n, h)
 
 
 class MLP(nnx.Module):

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from arlo.model.config import ModelConfig
-from arlo.model.kv_cache import KVCache, init_cache
+from arlo.model.kv_cache import KVCache, gather_window, init_cache, scatter_band, scatter_window
 from arlo.model.sampling import sample
 from services.inference.requests import MAX_STOP_IDS
 from services.inference.scheduler import Request
@@ -126,7 +126,7 @@ class Runner:
         return jax.device_put(cache, jax.devices()[0])
 
     def cache_bytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in (*self.cache.k, *self.cache.v))
+        return self.cache.nbytes()
 
     def window(self, length: int) -> int:
         return next(w for w in self.windows if w >= length)
@@ -236,16 +236,12 @@ def _draw(logits_rv: jax.Array, row_keys: jax.Array, count_r: jax.Array,
                   min_p=params.min_p)
 
 
-def _gather(cache: KVCache, slots: jax.Array, window: int) -> KVCache:
-    return jax.tree.map(lambda x: x[slots, :window], cache)
-
-
 def _prefill(graphdef: nnx.GraphDef, window: int, state: nnx.State, cache: KVCache,
              batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
     model = nnx.merge(graphdef, state)
-    win = _gather(cache, batch.src_slot, window)
+    win = gather_window(cache, batch.src_slot, window)
     logits_mv, win = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts)
-    cache = jax.tree.map(lambda c, x: c.at[batch.dst_slot, :window].set(x[batch.src_row]), cache, win)
+    cache = scatter_window(cache, win, batch.dst_slot, batch.src_row)
     first = _draw(logits_mv[batch.src_row], _row_keys(batch.params), jnp.zeros_like(batch.src_row), batch.params)
     return cache, first
 
@@ -266,17 +262,11 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, state: nnx.State, c
         token = jnp.where(active, new, token)
         return (win, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active)
 
-    start = (_gather(cache, batch.slot, window), batch.token, batch.pos, batch.count,
+    start = (gather_window(cache, batch.slot, window), batch.token, batch.pos, batch.count,
              jnp.zeros_like(batch.live))
     (win, *_), (tok_kb, lp_kb, emit_kb) = jax.lax.scan(step, start, None, length=steps)
     band_start = jnp.minimum(batch.pos, window - steps)
-    cols_bk = band_start[:, None] + jnp.arange(steps, dtype=jnp.int32)
-
-    def write_band(c: jax.Array, x: jax.Array) -> jax.Array:
-        band = jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, steps, axis=0))(x, band_start)
-        return c.at[batch.slot[:, None], cols_bk].set(band)
-
-    return jax.tree.map(write_band, cache, win), (tok_kb, lp_kb, emit_kb)
+    return scatter_band(cache, win, batch.slot, band_start, steps), (tok_kb, lp_kb, emit_kb)
 
 
 # Module-level so every engine over the same graphdef shares the compiled programs.
