@@ -11,7 +11,9 @@ in docs/deploy.md):
 
 1. Explicit: `JAX_COORDINATOR_ADDRESS` ("host:port" of process 0), `JAX_NUM_PROCESSES`, and
    `JAX_PROCESS_ID` (or, in an Indexed Job / JobSet pod, `JOB_COMPLETION_INDEX`, which the
-   Job controller sets). deploy/overlays/gke-tpu/trainer-jobset.yaml sets these.
+   Job controller sets). With several Jobs in the JobSet (multislice), each Job's indexes
+   restart at 0: the id is `JOBSET_JOB_INDEX` x `JAX_PROCESSES_PER_JOB` + the completion index.
+   deploy/overlays/gke-tpu/trainer-jobset.yaml sets these.
 2. GKE TPU slices: GKE's TPU webhook injects `TPU_WORKER_HOSTNAMES` (comma-separated, in
    worker order) and `TPU_WORKER_ID` into pods of a JobSet / Indexed Job that request
    `google.com/tpu`; multislice adds `MEGASCALE_NUM_SLICES`, `MEGASCALE_SLICE_ID` and
@@ -65,6 +67,18 @@ def _with_port(host: str, env: Mapping[str, str]) -> str:
     return f"{host}:{port}"
 
 
+def _job_process_id(env: Mapping[str, str], num_processes: int) -> int:
+    index = _int(env, "JOB_COMPLETION_INDEX")
+    if index is None:
+        raise ValueError("$JAX_NUM_PROCESSES is set but neither $JAX_PROCESS_ID nor $JOB_COMPLETION_INDEX is")
+    job = _int(env, "JOBSET_JOB_INDEX") or 0
+    per_job = _int(env, "JAX_PROCESSES_PER_JOB") or num_processes
+    if not 0 <= index < per_job:
+        raise ValueError(f"$JOB_COMPLETION_INDEX={index} is outside the {per_job} processes of a Job "
+                         "($JAX_PROCESSES_PER_JOB, default $JAX_NUM_PROCESSES)")
+    return job * per_job + index
+
+
 def detect(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
     """The multi-process setup the environment describes; None for a single process.
 
@@ -75,12 +89,10 @@ def detect(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
     found: DistributedEnv | None = None
     if env.get("JAX_COORDINATOR_ADDRESS", "").strip() and _int(env, "JAX_NUM_PROCESSES") is not None:
         num = _int(env, "JAX_NUM_PROCESSES")
+        assert num is not None
         pid = _int(env, "JAX_PROCESS_ID")
         if pid is None:
-            pid = _int(env, "JOB_COMPLETION_INDEX")
-        if pid is None:
-            raise ValueError("$JAX_NUM_PROCESSES is set but neither $JAX_PROCESS_ID nor $JOB_COMPLETION_INDEX is")
-        assert num is not None
+            pid = _job_process_id(env, num)
         found = DistributedEnv(coordinator_address=_with_port(env["JAX_COORDINATOR_ADDRESS"], env),
                                num_processes=num, process_id=pid, source="explicit")
     else:

@@ -397,9 +397,19 @@ def test_gke_tpu_trainer_is_a_jobset_across_the_slice(tmp_path: Path) -> None:
     subdomain = spec.get("network", {}).get("subdomain") or jobset["metadata"]["name"]
     host0 = f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{subdomain}"
     assert env["JAX_COORDINATOR_ADDRESS"].split(":")[0] == host0
-    for index in range(processes):
-        found = detect({**env, "JOB_COMPLETION_INDEX": str(index)})
-        assert found is not None and (found.process_id, found.num_processes) == (index, processes)
+    assert env["JAX_PROCESSES_PER_JOB"] == str(hosts)
+    job_index = env_of(c)["JOBSET_JOB_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert job_index == f"metadata.labels['{JOB_INDEX_LABEL}']"
+    # Every (job, pod) of the JobSet, as many Jobs as it would have with more slices: distinct ids.
+    for replicas in (rjob.get("replicas", 1), 2):
+        scaled = {**env, "JAX_NUM_PROCESSES": str(hosts * replicas)}
+        ids = []
+        for job in range(replicas):
+            for index in range(hosts):
+                found = detect({**scaled, "JOBSET_JOB_INDEX": str(job), "JOB_COMPLETION_INDEX": str(index)})
+                assert found is not None and found.num_processes == hosts * replicas
+                ids.append(found.process_id)
+        assert ids == list(range(hosts * replicas))
 
 
 @needs_kubectl

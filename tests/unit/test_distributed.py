@@ -53,6 +53,15 @@ def test_explicit_variables_as_the_gpu_jobset_sets_them() -> None:
     assert found is not None and (found.process_id, found.coordinator_address) == (3, "10.0.0.5:1234")
 
 
+def test_jobset_with_several_jobs_numbers_processes_job_major() -> None:
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "8", "JAX_PROCESSES_PER_JOB": "4",
+           "JOBSET_JOB_INDEX": "1", "JOB_COMPLETION_INDEX": "2"}
+    found = detect(env)
+    assert found is not None and (found.process_id, found.num_processes) == (6, 8)
+    with pytest.raises(ValueError, match="JAX_PROCESSES_PER_JOB"):
+        detect(env | {"JOB_COMPLETION_INDEX": "4"})
+
+
 def test_one_explicit_process_is_a_no_op() -> None:
     assert detect({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) is None
 
