@@ -1,0 +1,236 @@
+"""Load: hundreds of concurrent episodes against one set of services, for a bounded time.
+
+    python -m bench.load [--episodes 256] [--seconds 90] [--warmup-s 30] [--max-backlog 256] [--json PATH]
+
+inference, trainer, env_gateway and reward run as local subprocesses (as `arlo up` starts
+them, on free ports, against the Redis at redis.url or one started for the run). This process
+is the rollout side: a RolloutWorker with `episodes / group_size` groups in flight, whose
+gRPC clients time every call, writes to the stream while the trainer consumes it. The first
+`--warmup-s` (JAX compiles each batch shape once) are not measured. Staleness
+admission is off (it would cap concurrency at a few batches: here the point is load), and the
+trainer's max_staleness is high so nothing is dropped for age.
+
+Reported: p50/p99 latency and errors per RPC, episodes/s, trainer steps, the stream backlog
+(max and final) and Redis memory (peak). The bar: zero errors, and a backlog that stays under
+max_backlog + groups in flight (producers back off instead of piling data up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from arlo.config import RunConfig, load_config
+from arlo.coord import TrajectoryStream, connect
+from arlo.local import INFRA_SERVICES, prepare_cluster, wipe_run
+from arlo.model import get_tokenizer
+from arlo.proto.v1 import env_pb2, reward_pb2, trainer_pb2, trainer_pb2_grpc
+from arlo.rpc import make_channel
+from bench.common import percentile, print_table, write_json
+from services.rollout.agent import Turn
+from services.rollout.clients import EnvironmentClient, InferenceClient, RewardClient
+from services.rollout.worker import RolloutWorker
+
+T = TypeVar("T")
+GROUP_SIZE = 4
+
+
+class Timings:
+    """Latency of every successful call and a count of failures, by RPC and status code."""
+
+    def __init__(self) -> None:
+        self.latency_s: dict[str, list[float]] = defaultdict(list)
+        self.errors: Counter[tuple[str, str]] = Counter()
+
+    async def time(self, rpc: str, call: Awaitable[T]) -> T:
+        start = time.perf_counter()
+        try:
+            result = await call
+        except grpc.aio.AioRpcError as e:
+            self.errors[(rpc, e.code().name)] += 1
+            raise
+        self.latency_s[rpc].append(time.perf_counter() - start)
+        return result
+
+
+class TimedGenerator:
+    def __init__(self, inner: InferenceClient, timings: Timings) -> None:
+        self.inner, self.timings = inner, timings
+
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
+        return await self.timings.time("Inference.Generate",
+                                       self.inner.generate(prompt, max_tokens=max_tokens, session_id=session_id))
+
+
+class TimedEnv:
+    def __init__(self, inner: EnvironmentClient, timings: Timings) -> None:
+        self.inner, self.timings = inner, timings
+
+    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse:
+        return await self.timings.time("Environment.Reset", self.inner.reset(env_name, config_json, seed))
+
+    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
+        return await self.timings.time("Environment.Step", self.inner.step(session_id, action))
+
+    async def close(self, session_id: str) -> None:
+        await self.timings.time("Environment.Close", self.inner.close(session_id))
+
+
+class TimedScorer:
+    def __init__(self, inner: RewardClient, timings: Timings) -> None:
+        self.inner, self.timings = inner, timings
+
+    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse:
+        return await self.timings.time("Reward.Score", self.inner.score(reward_fn, response, reference))
+
+
+def bench_config(args: argparse.Namespace) -> RunConfig:
+    return load_config(overrides={
+        "run_id": f"load-{int(time.time())}", "redis": {"max_backlog": args.max_backlog},
+        # Every episode in flight decodes in one batch: the load is on the services, not a queue.
+        "inference": {"max_batch": max(64, args.episodes), "max_n": 4, "max_tokens": 16},
+        "trainer": {"groups_per_step": 4, "max_staleness": 100_000, "read_block_ms": 200},
+        "rollout": {"group_size": GROUP_SIZE, "concurrent_groups": max(1, args.episodes // GROUP_SIZE),
+                    "max_turns": 2, "rpc_timeout_s": args.rpc_timeout_s, "episode_timeout_s": 4 * args.rpc_timeout_s}})
+
+
+async def sample_redis(cfg: RunConfig, samples: list[dict[str, float]], stop: asyncio.Event) -> None:
+    redis = await connect(cfg.redis)
+    stream = TrajectoryStream(redis, cfg.run_id, consumer="load-bench")
+    try:
+        while not stop.is_set():
+            memory = await redis.info("memory")
+            samples.append({"t": time.monotonic(), "backlog": await stream.backlog(),
+                            "used_memory": float(memory["used_memory"])})
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+    finally:
+        await redis.aclose()
+
+
+async def drive(cfg: RunConfig, token: str | None, seconds: float, warmup_s: float) -> dict[str, Any]:
+    rc = cfg.rollout
+    timings = Timings()
+    channels = [make_channel(s.server.address, token=token) for s in (cfg.inference, cfg.env_gateway, cfg.reward)]
+    tok = get_tokenizer(cfg.model.tokenizer)
+    redis = await connect(cfg.redis)
+    stream = TrajectoryStream(redis, cfg.run_id, consumer="load-rollout", max_backlog=cfg.redis.max_backlog)
+    await stream.ensure_group()
+    worker = RolloutWorker(
+        rc, run_id=cfg.run_id, tokenizer=tok, stream=stream, seed=0,
+        gen=TimedGenerator(InferenceClient(channels[0], rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
+                           timings),
+        env=TimedEnv(EnvironmentClient(channels[1], timeout_s=rc.rpc_timeout_s), timings),
+        scorer=TimedScorer(RewardClient(channels[2], timeout_s=rc.rpc_timeout_s), timings))
+    samples: list[dict[str, float]] = []
+    stop = asyncio.Event()
+    async with make_channel(cfg.trainer.server.address, token=token) as ch:
+        trainer = trainer_pb2_grpc.TrainerStub(ch)
+        await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)  # up and answering
+        await trainer.Resume(trainer_pb2.ResumeRequest(), timeout=10)
+        work = asyncio.create_task(worker.run())
+        await asyncio.sleep(warmup_s)
+        # Measure from here: calls that began in the warm-up and end now count with their full time.
+        timings.latency_s.clear()
+        timings.errors.clear()
+        groups_before = worker.stats.groups
+        mid = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+        sampler = asyncio.create_task(sample_redis(cfg, samples, stop))
+        started = time.monotonic()
+        await asyncio.sleep(seconds)
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        elapsed = time.monotonic() - started
+        stop.set()
+        await sampler
+        await trainer.Pause(trainer_pb2.PauseRequest(), timeout=120)
+        final = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+    for ch in channels:
+        await ch.close()
+    await redis.aclose()
+    return {"timings": timings, "stats": worker.stats, "elapsed_s": elapsed, "samples": samples,
+            "groups": worker.stats.groups - groups_before, "trainer_steps": final.step - mid.step,
+            "trained": final.trajectories_consumed - mid.trajectories_consumed,
+            "dropped": final.trajectories_dropped - mid.trajectories_dropped}
+
+
+def figures(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    timings: Timings = result["timings"]
+    rpcs = {}
+    for rpc in sorted(set(timings.latency_s) | {r for r, _ in timings.errors}):
+        lat = timings.latency_s.get(rpc, [])
+        rpcs[rpc] = {"calls": len(lat), "errors": sum(n for (r, _), n in timings.errors.items() if r == rpc),
+                     "p50_ms": 1000 * percentile(lat, 50) if lat else None,
+                     "p99_ms": 1000 * percentile(lat, 99) if lat else None}
+    stats, samples = result["stats"], result["samples"]
+    backlogs = [s["backlog"] for s in samples] or [0]
+    groups_in_flight = max(1, args.episodes // GROUP_SIZE)
+    bound = args.max_backlog + groups_in_flight * GROUP_SIZE
+    errors = sum(timings.errors.values()) + stats.failed_groups
+    return {
+        "episodes_in_flight": groups_in_flight * GROUP_SIZE, "seconds": round(result["elapsed_s"], 1),
+        # Counted by groups written (each holds GROUP_SIZE whole episodes); Score runs only for
+        # episodes the environment did not score itself, so it is no episode count.
+        "episodes_done": result["groups"] * GROUP_SIZE, "groups_written": result["groups"],
+        "episodes_per_s": result["groups"] * GROUP_SIZE / result["elapsed_s"],
+        "rpcs": rpcs, "errors": errors, "error_codes": {f"{r} {c}": n for (r, c), n in timings.errors.items()},
+        "failed_groups": stats.failed_groups, "episode_retries": stats.retries,
+        "backpressure_waits": stats.backpressure_waits, "trainer_steps": result["trainer_steps"],
+        "trained": result["trained"], "dropped": result["dropped"],
+        "backlog_max": max(backlogs), "backlog_final": backlogs[-1], "backlog_bound": bound,
+        "redis_used_memory_peak_mib": max((s["used_memory"] for s in samples), default=0) / 2**20,
+        "passed": errors == 0 and max(backlogs) <= bound,
+    }
+
+
+def report(out: dict[str, Any]) -> None:
+    rows = [[rpc, f["calls"], f["errors"], f["p50_ms"] or 0.0, f["p99_ms"] or 0.0] for rpc, f in out["rpcs"].items()]
+    print_table(f"load: {out['episodes_in_flight']} episodes in flight for {out['seconds']}s",
+                ["rpc", "calls", "errors", "p50 ms", "p99 ms"], rows)
+    summary = ["episodes_done", "groups_written", "episodes_per_s", "errors", "failed_groups", "episode_retries", "backpressure_waits",
+               "trainer_steps", "trained", "dropped", "backlog_max", "backlog_final", "backlog_bound",
+               "redis_used_memory_peak_mib", "passed"]
+    print_table("load: totals", ["figure", "value"], [[k, out[k]] for k in summary])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=256, help="episodes in flight (groups of 4)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="how long to hold (and measure) the load")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="load before measuring (JAX compiles)")
+    parser.add_argument("--max-backlog", type=int, default=256, help="redis.max_backlog for the run")
+    parser.add_argument("--rpc-timeout-s", type=float, default=60.0)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    cfg = bench_config(args)
+    with tempfile.TemporaryDirectory(prefix="arlo-load-") as home:
+        cluster = prepare_cluster(cfg, home=Path(home), free_ports=True, fresh_run=True)
+        try:
+            cluster.start(INFRA_SERVICES)
+            result = asyncio.run(drive(cluster.cfg, cluster.token, args.seconds, args.warmup_s))
+        finally:
+            cluster.stop()
+            if cluster.redis is None:
+                wipe_run(cluster.cfg)
+    out = figures(result, args)
+    report(out)
+    write_json(args.json, {"bench": "load", "command": "python -m bench.load " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json" and v is not None), **out})
+    if not out["passed"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
