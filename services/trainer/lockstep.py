@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "arlo/trainer/op/"
 POLL_MS = 1000
 """A follower's wait for the next announcement is cut into polls this long, so it can stop."""
+KEEP_KEYS = 8
+"""Announcements kept on the coordinator; older ones are deleted (see CoordinatorChannel)."""
 BATCH_FIELDS = ("tokens_bt", "behaviour_logprobs_bt", "mask_bt", "rewards_gk")
 
 
@@ -87,8 +89,9 @@ def _kv_client() -> Any:
 class CoordinatorChannel:
     """Announcements as numbered keys on the JAX coordinator's key-value store.
 
-    Key n is deleted when n+1 is announced: every announced op is a collective, so when the
-    leader has finished op n, every follower has read key n.
+    Key n is deleted when n + KEEP_KEYS is announced. Almost every op is a collective, so when
+    the leader has finished it every follower has read its key; a restore that finds no
+    checkpoint is not (nothing to read), and the window covers such a follower still behind.
     """
 
     def __init__(self, client: Any | None = None) -> None:
@@ -101,8 +104,8 @@ class CoordinatorChannel:
 
     def announce(self, name: str, header: dict[str, Any]) -> None:
         assert self.is_leader, "only process 0 announces"
-        if self._seq:
-            self._client.key_value_delete(f"{KEY_PREFIX}{self._seq}")
+        if self._seq >= KEEP_KEYS:
+            self._client.key_value_delete(f"{KEY_PREFIX}{self._seq + 1 - KEEP_KEYS}")
         self._seq += 1
         self._client.key_value_set(f"{KEY_PREFIX}{self._seq}", json.dumps({"name": name, "header": header}))
 
