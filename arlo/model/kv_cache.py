@@ -15,8 +15,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arlo.model.config import ModelConfig
+from arlo.model.sharding import BATCH_AXES, fit_spec
 
 SEQ_AXIS_K = 3
 SEQ_AXIS_V = 2
@@ -118,3 +120,15 @@ def scatter_band(cache: KVCache, win: KVCache, rows: jax.Array, band_start: jax.
 
     return KVCache(k=tuple(band_k(c, x) for c, x in zip(cache.k, win.k, strict=True)),
                    v=tuple(band_v(c, x) for c, x in zip(cache.v, win.v, strict=True)))
+
+
+def cache_shardings(cfg: ModelConfig, mesh: Mesh, *, batch: int, length: int) -> KVCache:
+    """A NamedSharding per cache array: rows (slots) over the data-parallel axes, kv heads over
+    `tensor` (as the k/v projections that write them), each only where it divides."""
+    batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names) or None
+    heads_axis = "tensor" if "tensor" in mesh.axis_names else None
+    k_shape, v_shape = cache_shapes(cfg, batch=batch, length=length)
+    spec = PartitionSpec(batch_axes, heads_axis)
+    k = NamedSharding(mesh, fit_spec(mesh, k_shape, spec))
+    v = NamedSharding(mesh, fit_spec(mesh, v_shape, spec))
+    return KVCache(k=(k,) * cfg.num_layers, v=(v,) * cfg.num_layers)

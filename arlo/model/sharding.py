@@ -43,6 +43,30 @@ def shard_state(state: nnx.State, mesh: Mesh, rules: Sequence[tuple[str, str | N
     return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
+def fit_spec(mesh: Mesh, shape: Sequence[int], spec: PartitionSpec) -> PartitionSpec:
+    """`spec` with every dimension the mesh axes do not divide left replicated.
+
+    A preset's sizes are not chosen for every mesh (tiny: 2 kv heads on a tensor axis of
+    4): replicating that one dimension serves the model correctly where device_put would
+    refuse it.
+    """
+    out: list[Any] = []
+    for size, axes in zip(shape, (*spec, *([None] * (len(shape) - len(spec)))), strict=True):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = 1
+        for a in names:
+            ways *= mesh.shape[a]
+        out.append(axes if names and size % ways == 0 else None)
+    return PartitionSpec(*out)
+
+
+def fitted_state_shardings(state: nnx.State, mesh: Mesh,
+                           rules: Sequence[tuple[str, str | None]] = DEFAULT_RULES) -> Any:
+    """`state_shardings`, each spec fitted to its parameter's shape (see `fit_spec`)."""
+    named = state_shardings(state, mesh, rules)
+    return jax.tree.map(lambda x, s: NamedSharding(mesh, fit_spec(mesh, x.shape, s.spec)), state, named)
+
+
 def batch_sharding(mesh: Mesh, rows: int, *, rows_dim: int = 1, ndim: int = 3) -> NamedSharding:
     """Rows split over the data-parallel axes when they divide evenly, else replicated."""
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)

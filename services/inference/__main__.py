@@ -1,4 +1,12 @@
-"""`python -m services.inference [-c CONFIG] [--port P] [--metrics-port M]`."""
+"""`python -m services.inference [-c CONFIG] [--port P] [--metrics-port M]`.
+
+Multi-host: `main` joins the JAX processes the environment describes (a JobSet across the
+hosts of a TPU slice; `arlo.distributed.initialize_from_env`, a no-op on one host) before
+any JAX work, and the engine shards the model and its KV cache over the mesh
+`inference.mesh` builds from this process's devices. Each process serves its own replica
+on its local devices: an engine's continuous batching is host-local state, and the
+rollout workers spread requests over the replicas.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +14,13 @@ import asyncio
 import os
 import socket
 
+import jax
+from jax.sharding import Mesh
+
 from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, WeightPointer, connect
+from arlo.distributed import MeshConfig, initialize_from_env, make_mesh
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
@@ -23,7 +35,8 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
                               prefill_tokens=ic.prefill_tokens)
     engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
                     limits=EngineLimits(max_n=ic.max_n, max_tokens=ic.max_tokens,
-                                        max_prompt_tokens=ic.max_prompt_tokens), config=engine_cfg)
+                                        max_prompt_tokens=ic.max_prompt_tokens), config=engine_cfg,
+                    mesh=inference_mesh(ic.mesh))
     redis = await connect(cfg.redis)
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
@@ -40,6 +53,12 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
     return running, engine
 
 
+def inference_mesh(cfg: MeshConfig) -> Mesh | None:
+    """The configured mesh over this process's devices; None on one device (no mesh needed)."""
+    devices = jax.local_devices()
+    return make_mesh(cfg, devices) if len(devices) > 1 else None
+
+
 async def run_engine(engine: Engine) -> None:
     """Ties the engine's loop thread to the service's lifetime: cancelled on shutdown, it stops."""
     engine.start()
@@ -52,6 +71,7 @@ async def run_engine(engine: Engine) -> None:
 def main() -> None:
     cfg = parse_service_config("inference")
     setup_logging("inference")
+    initialize_from_env()  # multi-host (JobSet/TPU slice) before any JAX work; a no-op on one host
     tasks = TaskGroup()
 
     async def start() -> RunningServer:

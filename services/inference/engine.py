@@ -26,8 +26,10 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from arlo.model import ModelConfig, create_model, get_tokenizer
+from arlo.model.sharding import fitted_state_shardings
 from services.inference.requests import (
     MAX_STOP_IDS,
     MAX_STOP_STRING_BYTES,
@@ -143,7 +145,9 @@ class Engine:
     """One model, one swappable policy, many concurrent requests batched on one device loop."""
 
     def __init__(self, model_name: str, *, seed: int, tokenizer: str, limits: EngineLimits,
-                 dtype: str = "float32", config: EngineConfig | None = None) -> None:
+                 dtype: str = "float32", config: EngineConfig | None = None, mesh: Mesh | None = None) -> None:
+        """`mesh`: shard the weights by their logical axes and the KV cache (slots over the data
+        axes, kv heads over `tensor`) across its devices; None serves from the default device."""
         self.config = config or EngineConfig()
         self.config.validate()
         self.model_name = model_name
@@ -153,12 +157,15 @@ class Engine:
         self.tokenizer = get_tokenizer(tokenizer)
         self.limits = limits
         self.graphdef, state = nnx.split(create_model(base, seed))
-        # Committed to the device, as every swapped-in state will be (see swap): jit keys its
+        # Committed to the device(s), as every swapped-in state will be (see swap): jit keys its
         # programs on placement, and a mismatch would recompile everything on the first swap.
-        self._policy = _Policy(state=jax.device_put(state, jax.devices()[0]), version=0)
+        placement = jax.devices()[0] if mesh is None else fitted_state_shardings(state, mesh)
+        self.mesh = mesh
+        self._policy = _Policy(state=jax.device_put(state, placement), version=0)
         self.num_slots = _num_slots(self.config, self.model_cfg, limits)
         self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
-                             decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows)
+                             decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows,
+                             mesh=mesh)
         self.scheduler = Scheduler(num_slots=self.num_slots, prefill_tokens=self.config.prefill_tokens)
         self.stats = EngineStats()
         self.timeline: deque[ChunkRecord] = deque(maxlen=4096)

@@ -1,8 +1,9 @@
 """The device side of the engine: one KV cache for all slots and two jitted programs.
 
-The cache has num_slots + 1 rows of `cache_len` positions; the last row is scratch, where
-the padding rows of a bucketed batch read and write. It lives on the device and is
-donated to every program, so each write is an in-place update.
+The cache has num_slots + 1 rows of `cache_len` positions (rounded up to split evenly
+over a mesh's data axes); row num_slots is scratch, where the padding rows of a bucketed
+batch read and write. It lives on the device(s) and is donated to every program, so each
+write is an in-place update; on a mesh every program hands it back sharded as it came.
 
 - prefill(rows m, tokens t, window w, samples j): gathers the window [slots, :w] of the
   requests being admitted, runs the model's prefill from each request's start (past a
@@ -22,6 +23,7 @@ recompiles as long as the new state has the same tree, shapes and dtypes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,10 +32,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from arlo.model.config import ModelConfig
-from arlo.model.kv_cache import KVCache, gather_window, init_cache, scatter_band, scatter_window
+from arlo.model.kv_cache import (
+    KVCache,
+    cache_shardings,
+    gather_window,
+    init_cache,
+    scatter_band,
+    scatter_window,
+)
 from arlo.model.sampling import sample
+from arlo.model.sharding import BATCH_AXES
 from services.inference.requests import MAX_STOP_IDS
 from services.inference.scheduler import Request
 from services.inference.scheduler import Sequence as Seq
@@ -100,8 +111,9 @@ class Emitted:
 
 class Runner:
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, num_slots: int, slot_len: int,
-                 decode_steps: int, max_prefill_rows: int) -> None:
+                 decode_steps: int, max_prefill_rows: int, mesh: Mesh | None = None) -> None:
         self.graphdef = graphdef
+        self.mesh = mesh
         self.num_slots = num_slots
         self.scratch = num_slots
         self.decode_steps = decode_steps
@@ -110,6 +122,11 @@ class Runner:
         self.cache_len = slot_len + decode_steps
         self.windows = window_buckets(self.cache_len)
         self._model_cfg = model_cfg
+        # Slots + the scratch row, rounded up so the rows split evenly over the data axes.
+        ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
+        self.cache_rows = -(-(num_slots + 1) // ways) * ways
+        self.cache_sharding: KVCache | None = None if mesh is None else cache_shardings(
+            model_cfg, mesh, batch=self.cache_rows, length=self.cache_len)
         self.cache = self._new_cache()
         self.prefill_rows = 0
         """Prompts prefilled so far (n samples of one prompt count once)."""
@@ -122,8 +139,8 @@ class Runner:
     def _new_cache(self) -> KVCache:
         # Committed like the programs' outputs, so the first call and every later one (which
         # gets the donated output back) share one compiled program.
-        cache = init_cache(self._model_cfg, batch=self.num_slots + 1, length=self.cache_len)
-        return jax.device_put(cache, jax.devices()[0])
+        cache = init_cache(self._model_cfg, batch=self.cache_rows, length=self.cache_len)
+        return jax.device_put(cache, self.cache_sharding or jax.devices()[0])
 
     def cache_bytes(self) -> int:
         return self.cache.nbytes()
@@ -149,8 +166,8 @@ class Runner:
         batch = _decode_batch(seqs, b, self.scratch)
         w = self.window(int(batch.pos.max()) + self.decode_steps)
         self.shapes.add(("decode", b, w))
-        self.cache, (tok_kb, lp_kb, emit_kb) = _decode_jit(self.graphdef, self.decode_steps, w, state, self.cache,
-                                                            batch)
+        self.cache, (tok_kb, lp_kb, emit_kb) = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding,
+                                                            state, self.cache, batch)
         tok_kb, lp_kb, emit_kb = jax.device_get((tok_kb, lp_kb, emit_kb))
         return [Emitted(seq=seq, token_ids=tok_kb[emit_kb[:, r], r].tolist(),
                         logprobs=lp_kb[emit_kb[:, r], r].tolist()) for r, seq in enumerate(seqs)]
@@ -184,7 +201,7 @@ class Runner:
             dst_slot[i], src_row[i] = seq.slot, row
         batch = PrefillBatch(src_slot=src_slot, tokens=tokens, lengths=lengths, starts=starts, dst_slot=dst_slot,
                              src_row=src_row, params=_sample_params([s for _, s in seqs], j))
-        self.cache, (tok_j, lp_j) = _prefill_jit(self.graphdef, w, state, self.cache, batch)
+        self.cache, (tok_j, lp_j) = _prefill_jit(self.graphdef, w, self.cache_sharding, state, self.cache, batch)
         tok_j, lp_j = jax.device_get((tok_j, lp_j))
         return [Emitted(seq=seq, token_ids=[int(tok_j[i])], logprobs=[float(lp_j[i])])
                 for i, (_, seq) in enumerate(seqs)]
@@ -236,18 +253,24 @@ def _draw(logits_rv: jax.Array, row_keys: jax.Array, count_r: jax.Array,
                   min_p=params.min_p)
 
 
-def _prefill(graphdef: nnx.GraphDef, window: int, state: nnx.State, cache: KVCache,
+def _keep_layout(cache: KVCache, sharding: KVCache | None) -> KVCache:
+    # On a mesh the cache leaves every program sharded as it came in: the next call then
+    # finds the layout it was compiled for, and the donated buffers are reused.
+    return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
+
+
+def _prefill(graphdef: nnx.GraphDef, window: int, sharding: KVCache | None, state: nnx.State, cache: KVCache,
              batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
     model = nnx.merge(graphdef, state)
     win = gather_window(cache, batch.src_slot, window)
     logits_mv, win = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts)
     cache = scatter_window(cache, win, batch.dst_slot, batch.src_row)
     first = _draw(logits_mv[batch.src_row], _row_keys(batch.params), jnp.zeros_like(batch.src_row), batch.params)
-    return cache, first
+    return _keep_layout(cache, sharding), first
 
 
-def _decode(graphdef: nnx.GraphDef, steps: int, window: int, state: nnx.State, cache: KVCache,
-            batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array, jax.Array]]:
+def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache | None, state: nnx.State,
+            cache: KVCache, batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array, jax.Array]]:
     model = nnx.merge(graphdef, state)
     row_keys = _row_keys(batch.params)
 
@@ -266,9 +289,9 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, state: nnx.State, c
              jnp.zeros_like(batch.live))
     (win, *_), (tok_kb, lp_kb, emit_kb) = jax.lax.scan(step, start, None, length=steps)
     band_start = jnp.minimum(batch.pos, window - steps)
-    return scatter_band(cache, win, batch.slot, band_start, steps), (tok_kb, lp_kb, emit_kb)
+    return _keep_layout(scatter_band(cache, win, batch.slot, band_start, steps), sharding), (tok_kb, lp_kb, emit_kb)
 
 
 # Module-level so every engine over the same graphdef shares the compiled programs.
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=(3,))
-_decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
