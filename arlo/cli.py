@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from arlo.config import ConfigError, load_config, replace_config
 from arlo.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
+from arlo.live import LiveRun
 from arlo.local import (
     INFRA_SERVICES,
     LocalCluster,
@@ -32,6 +32,7 @@ from arlo.local import (
     prepare_cluster,
     resolve_token,
 )
+from arlo.run_record import RunRecorder
 from arlo.supervisor import ServiceFailed
 
 console = Console(stderr=True)
@@ -46,13 +47,15 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 DEMO_RUN_ID = "demo"
+DEMO_CONFIG = Path(__file__).resolve().parent / "data" / "demo.yaml"
+DEMO_RL_STEPS = 60
 
 
 def _start_cluster(config: str | None, *, free_ports: bool, with_rollout: bool, demo: bool = False) -> LocalCluster:
     # `up` and `demo` start from the given or built-in config, never from a previous run's.
-    cfg = load_config(config)
     # The built-in demo owns its run namespace and starts it afresh; a user's run is never wiped.
     own_run = demo and config is None
+    cfg = load_config(DEMO_CONFIG if own_run else config)
     if own_run:
         cfg = replace_config(cfg, {"run_id": DEMO_RUN_ID})
     cluster = prepare_cluster(cfg, home=arlo_home(), free_ports=free_ports, fresh_run=own_run)
@@ -91,26 +94,34 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None) -> TrainReport:
-    with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("train", total=steps, info="waiting for the first step")
+def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *,
+                         evaluate: bool) -> tuple[TrainReport, RunRecorder]:
+    recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    display = LiveRun(console, sft_steps=None, rl_steps=steps)
+    check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
+    try:
+        with display:
+            report = asyncio.run(run_training(cfg, token, steps=steps, on_progress=display.update,
+                                              check_children=check, recorder=recorder, evaluate=evaluate))
+    finally:
+        recorder.close()
+    return report, recorder
 
-        def on_progress(done: int, total: int | None, m: dict[str, float]) -> None:
-            info = f"v{int(m['version'])} loss {m['loss']:.4f} reward {m['reward']:.3f}"
-            progress.update(task, completed=done, info=info)
 
-        check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
-        return asyncio.run(run_training(cfg, token, steps=steps, on_progress=on_progress, check_children=check))
-
-
-def _print_report(report: TrainReport, json_path: str | None) -> None:
-    console.print(f"trained {report.steps} steps in {report.wall_s:.1f}s; pointer at version {report.pointer_version}; "
-                  f"inference serving {report.inference_versions}")
-    if report.rewards:
-        console.print(f"reward: first step {report.rewards[0]:.3f}, last step {report.rewards[-1]:.3f}")
+def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | None) -> None:
+    console.print(f"trained {report.steps} steps ({report.sft_steps} SFT) in {report.wall_s:.1f}s; pointer at "
+                  f"version {report.pointer_version}; inference serving {report.inference_versions}")
+    summary = report.to_json()
+    if report.evals:
+        line = ", ".join(f"{tag} {summary[f'reward_{tag}']:.3f}" for tag in ("start", "after_sft", "end")
+                         if summary.get(f"reward_{tag}") is not None)
+        console.print(f"held-out reward (sampled): {line}")
+    elif report.rewards:
+        console.print(f"training reward: first step {report.rewards[0]:.3f}, last step {report.rewards[-1]:.3f}")
+    console.print(f"metrics: {recorder.metrics_path}, TensorBoard: {recorder.out_dir / 'tensorboard'}, "
+                  f"plot: {recorder.plot_path}")
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+        Path(json_path).write_text(json.dumps(summary, indent=2))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -120,13 +131,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     cluster = attach_cluster(cfg, token, config_path=args.config)
     try:
         cluster.start(("rollout",))
-        report = _train_with_progress(cluster, cfg, token, args.steps)
+        report, recorder = _train_with_progress(cluster, cfg, token, args.steps, evaluate=not args.no_eval)
     except KeyboardInterrupt:
         console.print("interrupted; pausing the trainer")
         return 130
     finally:
         cluster.stop()
-    _print_report(report, args.json)
+    _print_report(report, recorder, args.json)
     return 0
 
 
@@ -134,7 +145,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     cluster = _start_cluster(args.config, free_ports=True, with_rollout=True, demo=True)
     try:
-        report = _train_with_progress(cluster, cluster.cfg, cluster.token, args.steps)
+        steps = args.steps if args.steps is not None else DEMO_RL_STEPS
+        report, recorder = _train_with_progress(cluster, cluster.cfg, cluster.token, steps, evaluate=not args.no_eval)
     except (KeyboardInterrupt, _Stop):
         console.print("interrupted")
         return 130
@@ -143,7 +155,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         bad = {k: v for k, v in codes.items() if v not in (0, None)}
         if bad:
             console.print(f"[yellow]services exited uncleanly: {bad}")
-    _print_report(report, args.json)
+    _print_report(report, recorder, args.json)
     return 0
 
 
@@ -172,12 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("-c", "--config", help="run config YAML (default: built-in)")
     train = sub.add_parser("train", help="run training against running services")
     train.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
-    train.add_argument("--steps", type=int, help="stop after N trainer steps (default: until Ctrl-C)")
+    train.add_argument("--steps", type=int, help="stop after N RL steps, after any SFT warm start (default: until Ctrl-C)")
     train.add_argument("--json", help="write the run's figures to this file")
+    train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     demo = sub.add_parser("demo", help="start everything on the built-in config, train, stop")
     demo.add_argument("-c", "--config", help="run config YAML (default: built-in)")
-    demo.add_argument("--steps", type=int, default=5, help="trainer steps to run (default 5)")
-    demo.add_argument("--json", help="write the run's figures to this file")
+    demo.add_argument("--steps", type=int, help=f"RL steps after the SFT warm start (default {DEMO_RL_STEPS})")
+    demo.add_argument("--json", help="write the run's figures (reward_start, reward_after_sft, reward_end, wall_s, "
+                                     "...) to this file")
+    demo.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     status = sub.add_parser("status", help="versions, queue depth and health of a run")
     status.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
     status.add_argument("--json", action="store_true", help="print JSON")

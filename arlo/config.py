@@ -225,6 +225,29 @@ class AlgorithmConfig:
 
 
 @_frozen
+class SFTConfig:
+    """A supervised warm start before RL: the same learner, cross-entropy on the demonstrations'
+    assistant tokens. It runs first when the trainer is resumed, then RL takes over."""
+
+    data: str = ""
+    """Demonstrations: a JSONL path (one {"messages": [{role, content}, ...]} per line) or a
+    built-in set ("builtin:arith", "builtin:arith_tool")."""
+    steps: int = 0
+    """SFT optimizer steps before RL; 0 disables the warm start."""
+    batch_size: int = 64
+    learning_rate: float = 0.0
+    """0: trainer.learning_rate. SFT has its own AdamW state; RL starts with a fresh one."""
+    warmup_steps: int = 20
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.steps", self.steps >= 0, "must be >= 0")
+        _check(f"{path}.data", not self.steps or bool(self.data), "must name the demonstrations when steps > 0")
+        _check(f"{path}.batch_size", self.batch_size >= 1, "must be >= 1")
+        _check(f"{path}.learning_rate", 0 <= self.learning_rate < 1, "must be in [0, 1)")
+        _check(f"{path}.warmup_steps", self.warmup_steps >= 0, "must be >= 0")
+
+
+@_frozen
 class TrainerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50052, metrics_port=9102))
     groups_per_step: int = 4
@@ -251,9 +274,15 @@ class TrainerConfig:
     """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Optional supervised warm start on demonstrations before RL."""
+    start_paused: bool = False
+    """Take no step until a Resume RPC: `arlo up`/`demo` set it, so that `arlo train` drives the run
+    (evaluation first, then the warm start, then RL). False: train as soon as data arrives."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
+        self.sft.validate(f"{path}.sft")
         _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
         _check(f"{path}.remat", self.remat in ("none", "full", "dots"), "must be none, full or dots")
         _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
@@ -391,6 +420,29 @@ class SamplingConfig:
 
 
 @_frozen
+class EvalConfig:
+    """Held-out evaluation, run by the rollout workers on request and never trained on: each of
+    `num_tasks` tasks once greedily and `samples` times at the training temperature."""
+
+    env_config_json: str = ""
+    """JSON object merged over rollout.env_config_json for evaluation, e.g. {"split": "eval"} for
+    environments with a held-out split. Evaluation seeds are 0..num_tasks-1 either way."""
+    num_tasks: int = 64
+    samples: int = 4
+    """k of pass@k, and the samples behind the mean sampled reward."""
+    every_versions: int = 0
+    """`arlo train`/`demo` request an evaluation whenever the version passes a multiple of this
+    (and always at the start and the end); 0: start and end only."""
+    timeout_s: float = 600.0
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.num_tasks", 1 <= self.num_tasks <= 100_000, "must be in [1, 100000]")
+        _check(f"{path}.samples", 1 <= self.samples <= 64, "must be in [1, 64]")
+        _check(f"{path}.every_versions", self.every_versions >= 0, "must be >= 0")
+        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
+
+
+@_frozen
 class RolloutConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50055, metrics_port=9105))
     env_name: str = "arith"
@@ -404,9 +456,12 @@ class RolloutConfig:
     """Groups in flight per worker."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rpc_timeout_s: float = 30.0
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
+        self.eval.validate(f"{path}.eval")
         _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")

@@ -16,26 +16,40 @@ import grpc
 
 from arlo.config import RunConfig, TlsConfig
 from arlo.coord import TrajectoryStream, WeightPointer, connect
+from arlo.coord.evals import EvalQueue
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
+from arlo.run_record import RunRecorder
 from arlo.supervisor import is_serving
 
-ProgressFn = Callable[[int, int | None, dict[str, float]], None]
+ProgressFn = Callable[[dict[str, Any]], None]
+"""Called with each step row (see `StepRow`) as the driver sees it."""
+
+THROUGHPUT_WINDOW_S = 10.0
 
 
 @dataclass
 class TrainReport:
     steps: int = 0
+    """Optimizer steps taken during this drive (SFT and RL)."""
+    sft_steps: int = 0
     trainer_version: int = 0
     pointer_version: int = 0
     inference_versions: dict[str, int] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list)
+    """Training batch reward of each RL step seen."""
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Held-out evaluations by tag: "start", "after_sft", "end", and "v<version>" on the way."""
     wall_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["reward_start"] = self.rewards[0] if self.rewards else None
-        out["reward_end"] = self.rewards[-1] if self.rewards else None
+        for tag in ("start", "after_sft", "end"):  # reward_start, reward_after_sft, reward_end, greedy_*
+            result = self.evals.get(tag, {})
+            out[f"reward_{tag}"] = result.get("sampled_reward")
+            out[f"greedy_reward_{tag}"] = result.get("greedy_reward")
+        out["train_reward_first"] = self.rewards[0] if self.rewards else None
+        out["train_reward_last"] = self.rewards[-1] if self.rewards else None
         return out
 
 
@@ -54,41 +68,163 @@ def require_serving(cfg: RunConfig, names: tuple[str, ...]) -> None:
                          f"(or point -c at the config they run with).")
 
 
-async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, on_progress: ProgressFn,
-                       check_children: Callable[[], object] = lambda: None, poll_s: float = 0.2,
-                       stall_s: float = 300.0) -> TrainReport:
-    """Resumes the trainer, waits for `steps` more optimizer steps (forever when None), then pauses it."""
-    started = time.monotonic()
-    report = TrainReport()
-    async with make_channel(cfg.trainer.server.address, token=token, tls=cfg.auth.tls) as channel:
-        trainer = trainer_pb2_grpc.TrainerStub(channel)
-        status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
-        first_step = last_step = status.step
-        await trainer.Resume(trainer_pb2.ResumeRequest(), timeout=10)
-        last_progress = time.monotonic()
+@dataclass
+class _Meter:
+    """Throughput over a sliding window of (time, consumed, tokens) samples."""
+
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def rates(self, now: float, consumed: int, tokens: int) -> tuple[float, float]:
+        self.samples.append((now, consumed, tokens))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= THROUGHPUT_WINDOW_S:
+            self.samples.pop(0)
+        t0, c0, k0 = self.samples[0]
+        dt = now - t0
+        return ((consumed - c0) / dt, (tokens - k0) / dt) if dt > 0 else (0.0, 0.0)
+
+
+class RunDriver:
+    """Resumes the trainer phase by phase (warm start, then RL), evaluates at the boundaries, and
+    turns the trainer's status into step rows for the progress display and the run record."""
+
+    def __init__(self, cfg: RunConfig, token: str | None, *, on_progress: ProgressFn,
+                 check_children: Callable[[], object] = lambda: None, recorder: RunRecorder | None = None,
+                 evaluate: bool = True, poll_s: float = 0.2, stall_s: float = 300.0) -> None:
+        self.cfg, self.token = cfg, token
+        self.on_progress = on_progress
+        self.check_children = check_children
+        self.recorder = recorder
+        self.evaluate = evaluate
+        self.poll_s, self.stall_s = poll_s, stall_s
+        self.report = TrainReport()
+        self.started = time.monotonic()
+        self._meter = _Meter()
+        self._pending_evals: dict[str, str] = {}  # tag -> request id, answered later
+
+    async def run(self, steps: int | None) -> TrainReport:
+        """`steps` RL steps after the warm start (forever when None); then pauses the trainer."""
+        redis = await connect(self.cfg.redis)
+        self.evals = EvalQueue(redis, self.cfg.run_id)
         try:
-            while steps is None or last_step - first_step < steps:
-                check_children()
-                await asyncio.sleep(poll_s)
+            async with make_channel(self.cfg.trainer.server.address, token=self.token, tls=self.cfg.auth.tls) as ch:
+                trainer = trainer_pb2_grpc.TrainerStub(ch)
+                await self._run_phases(trainer, steps)
+        finally:
+            await redis.aclose()
+        self.report.wall_s = time.monotonic() - self.started
+        return self.report
+
+    async def _run_phases(self, trainer: trainer_pb2_grpc.TrainerStub, steps: int | None) -> None:
+        status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+        first_step = status.step
+        await self._evaluate_now("start", status.version)
+        sft_left = max(status.sft_steps - status.step, 0)
+        if sft_left:
+            status = await self._drive(trainer, until=status.step + sft_left)
+            pointer, _ = await wait_fleet_on_pointer(self.cfg, self.token)
+            await self._evaluate_now("after_sft", pointer)
+        until = status.step + steps if steps is not None else None
+        status = await self._drive(trainer, until=until)
+        self.report.steps = status.step - first_step
+        self.report.sft_steps = status.sft_steps
+        self.report.trainer_version = status.version
+        self.report.pointer_version, self.report.inference_versions = await wait_fleet_on_pointer(
+            self.cfg, self.token)
+        await self._evaluate_now("end", self.report.pointer_version)
+        await self._collect_pending(wait=True)
+
+    async def _drive(self, trainer: trainer_pb2_grpc.TrainerStub, *, until: int | None):
+        """Resumes until `until` steps (None: until interrupted), reporting every step seen."""
+        await trainer.Resume(trainer_pb2.ResumeRequest(until_step=until or 0), timeout=10)
+        status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+        last_step, last_progress = status.step, time.monotonic()
+        every = self.cfg.rollout.eval.every_versions
+        try:
+            while until is None or status.step < until:
+                self.check_children()
+                await asyncio.sleep(self.poll_s)
                 status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
-                if time.monotonic() - last_progress > stall_s:
-                    raise Stalled(f"no trainer step for {stall_s:.0f}s ({status.trajectories_dropped} trajectories "
-                                  f"dropped so far); the service logs say why")
-                if status.step != last_step:
-                    last_progress = time.monotonic()
-                    last_step = status.step
-                    report.rewards.append(status.last_reward)
-                    on_progress(last_step - first_step, steps, {"loss": status.last_loss, "reward": status.last_reward,
-                                                                "version": float(status.version)})
+                if status.step == last_step:
+                    if time.monotonic() - last_progress > self.stall_s:
+                        raise Stalled(f"no trainer step for {self.stall_s:.0f}s ({status.trajectories_dropped} "
+                                      f"trajectories dropped so far); the service logs say why")
+                    if status.paused:
+                        # Paused short of the target: the trainer restarted (it starts paused under
+                        # `arlo up`), or someone paused it. Driving the run means resuming it.
+                        await trainer.Resume(trainer_pb2.ResumeRequest(until_step=until or 0), timeout=10)
+                    continue
+                last_progress, last_step = time.monotonic(), status.step
+                self._record_step(status)
+                if every and status.phase == "rl" and status.version % every == 0:
+                    await self._request_eval(f"v{status.version}", status.version)
+                await self._collect_pending(wait=False)
         finally:
             await trainer.Pause(trainer_pb2.PauseRequest(), timeout=60)
-        status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)  # final, after the pause
-        last_step = status.step
-        report.steps = last_step - first_step
-        report.trainer_version = status.version
-    report.pointer_version, report.inference_versions = await wait_fleet_on_pointer(cfg, token)
-    report.wall_s = time.monotonic() - started
-    return report
+        return await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)  # final, after the pause
+
+    def _record_step(self, status: trainer_pb2.GetStatusResponse) -> None:
+        now = time.monotonic()
+        trajs_per_s, tokens_per_s = self._meter.rates(now, status.trajectories_consumed, status.tokens_trained)
+        row = {"step": status.step, "version": status.version, "phase": status.phase or "rl",
+               "loss": status.last_loss, "reward": status.last_reward if status.phase == "rl" else None,
+               "staleness": status.last_staleness if status.phase == "rl" else None,
+               "trajectories_per_s": trajs_per_s, "tokens_per_s": tokens_per_s,
+               "consumed": status.trajectories_consumed, "dropped": status.trajectories_dropped,
+               "elapsed_s": now - self.started, "time": time.time(),
+               "sft_steps": status.sft_steps, "until_step": status.until_step}
+        if row["phase"] == "rl":
+            self.report.rewards.append(status.last_reward)
+        if self.recorder is not None:
+            self.recorder.step(row)
+        self.on_progress(row)
+
+    # -- evaluations ----------------------------------------------------------------------
+
+    async def _request_eval(self, tag: str, min_version: int) -> None:
+        if self.evaluate and tag not in self._pending_evals and tag not in self.report.evals:
+            self._pending_evals[tag] = await self.evals.request(tag, min_version=min_version)
+
+    async def _evaluate_now(self, tag: str, min_version: int) -> None:
+        """Asks for an evaluation and waits for it: the trainer is paused, so it sees one version."""
+        if not self.evaluate:
+            return
+        await self._request_eval(tag, min_version)
+        self.on_progress({"evaluating": tag})
+        deadline = time.monotonic() + self.cfg.rollout.eval.timeout_s + 30
+        while tag in self._pending_evals:
+            self.check_children()
+            if time.monotonic() > deadline:
+                raise Stalled(f"evaluation {tag!r} got no answer; are rollout workers running?")
+            await asyncio.sleep(self.poll_s)
+            await self._collect_pending(wait=False)
+
+    async def _collect_pending(self, *, wait: bool) -> None:
+        deadline = time.monotonic() + (self.cfg.rollout.eval.timeout_s + 30 if wait else 0)
+        while self._pending_evals:
+            for tag, request_id in list(self._pending_evals.items()):
+                result = await self.evals.result(request_id)
+                if result is not None:
+                    del self._pending_evals[tag]
+                    self._store_eval(tag, result)
+            if not wait or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(self.poll_s)
+
+    def _store_eval(self, tag: str, result: dict[str, Any]) -> None:
+        self.report.evals[tag] = result
+        if self.recorder is not None:
+            self.recorder.evaluation(tag, result, step=len(self.report.rewards), time=time.time(),
+                                     elapsed_s=time.monotonic() - self.started)
+        self.on_progress({"evaluated": tag, **result})
+
+
+async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, on_progress: ProgressFn,
+                       check_children: Callable[[], object] = lambda: None, recorder: RunRecorder | None = None,
+                       evaluate: bool = True) -> TrainReport:
+    """Warm start (if configured), then `steps` RL steps (forever when None), evaluating on the way."""
+    driver = RunDriver(cfg, token, on_progress=on_progress, check_children=check_children, recorder=recorder,
+                       evaluate=evaluate)
+    return await driver.run(steps)
 
 
 async def wait_fleet_on_pointer(cfg: RunConfig, token: str | None, timeout_s: float = 60.0) -> tuple[int, dict[str, int]]:

@@ -113,6 +113,8 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     if free_ports:
         for name in SERVICE_SECTIONS:
             overrides[name] = {"server": {"port": free_port(), "metrics_port": free_port()}}
+    # The driver (`arlo train`/`demo`) resumes the trainer phase by phase; until then it waits.
+    overrides.setdefault("trainer", {})["start_paused"] = True
     token = None
     if not cfg.auth.disabled:
         token = resolve_token(cfg, home) or secrets.token_urlsafe(32)

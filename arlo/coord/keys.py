@@ -54,6 +54,16 @@ class Keys:
         """Pub/sub channel carrying each newly published version number."""
         return self.prefix + "weights:events"
 
+    @property
+    def eval_requests(self) -> str:
+        """Stream of evaluation requests, consumer group `rollout` (one worker takes each)."""
+        return self.prefix + "eval:requests"
+
+    @property
+    def eval_results(self) -> str:
+        """Stream of evaluation results (JSON), read by whoever asked."""
+        return self.prefix + "eval:results"
+
     def seen(self, traj_id: str) -> str:
         """Marker of a trajectory that was trained on (de-duplication)."""
         return f"{self.prefix}seen:{traj_id}"

@@ -111,6 +111,10 @@ class ModelConfig:
 _PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=264, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                         mlp_dim=256, max_seq_len=256),
+    # ~0.1M parameters: the built-in demo's policy. Sized so that SFT + RL through all the
+    # services learns the demo task within minutes on 2 CPU cores (docs/quickstart.md).
+    "demo": ModelConfig(vocab_size=264, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        mlp_dim=256, max_seq_len=128),
     # ~25M parameters: big enough to learn toy tasks, small enough for one CPU host.
     "small": ModelConfig(vocab_size=264, dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
                          mlp_dim=1536, max_seq_len=1024),

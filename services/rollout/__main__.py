@@ -5,18 +5,21 @@ Serves only health, reflection and metrics on its port (for probes); the work is
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
 from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, connect
+from arlo.coord.evals import EvalQueue
 from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
 from services.rollout.admission import AdmissionGate
 from services.rollout.clients import InferenceClient, RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
+from services.rollout.evaluation import Evaluator, serve_evaluations
 from services.rollout.worker import RolloutWorker
 
 
@@ -42,9 +45,18 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
                                       timeout_s=rc.rpc_timeout_s),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
     )
+    greedy = InferenceClient(channels["inference"], dataclasses.replace(rc.sampling, temperature=0.0),
+                             eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s)
+    evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
+
+    async def served_version() -> int:
+        return (await greedy.model_info()).policy_version
+
     running = await start_server("rollout", rc.server, cfg.auth, [])
     heartbeat = Heartbeat(redis, cfg.run_id, service="rollout", instance=instance)
     tasks.spawn("rollout", worker.run)
+    tasks.spawn("evaluations", lambda: serve_evaluations(EvalQueue(redis, cfg.run_id, consumer=instance),
+                                                         evaluator, served_version))
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
         "groups": worker.stats.groups, "episodes": worker.stats.episodes, "retries": worker.stats.retries,
         "failed_groups": worker.stats.failed_groups, "running": gate.running, "admission_waits": gate.waits}))

@@ -123,9 +123,13 @@ class RolloutWorker:
         return trajs
 
     async def _episode_with_retries(self, spec: EpisodeSpec) -> common_pb2.Trajectory:
+        return await self.episode(spec, self.gen)
+
+    async def episode(self, spec: EpisodeSpec, gen: Generator) -> common_pb2.Trajectory:
+        """One episode with `gen` (training's sampler, or evaluation's), retrying retryable errors."""
         for attempt in range(MAX_EPISODE_ATTEMPTS):
             try:
-                return await asyncio.wait_for(run_episode(spec, self.tok, self.gen, self.env, self.scorer),
+                return await asyncio.wait_for(run_episode(spec, self.tok, gen, self.env, self.scorer),
                                               self.cfg.episode_timeout_s)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE or attempt == MAX_EPISODE_ATTEMPTS - 1:

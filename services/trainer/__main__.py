@@ -17,15 +17,17 @@ from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
+from arlo.model import get_tokenizer
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
 from arlo.service_args import parse_service_config
 from services.trainer.checkpoint import Checkpointer
-from services.trainer.learner import Learner, learner_config
+from services.trainer.learner import Learner, learner_config, sft_learner_config
 from services.trainer.lockstep import Replica, channel_for_this_process, follow
 from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
+from services.trainer.warmstart import WarmStart
 
 
 def advertise_host(cfg: RunConfig) -> str:
@@ -42,7 +44,10 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=mesh)
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=mesh,
+                      sft_cfg=sft_learner_config(tc))
+    warm_start = (WarmStart(tc.sft, get_tokenizer(cfg.model.tokenizer), max_seq_len=learner.model_cfg.max_seq_len,
+                            seed=cfg.model.seed) if tc.sft.steps else None)
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
         source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,
@@ -50,6 +55,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         tokenizer=cfg.model.tokenizer, filter_zero_variance=tc.algorithm.filter_zero_variance,
         overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                   if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
+        warm_start=warm_start, start_paused=tc.start_paused,
     )
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [
@@ -70,7 +76,8 @@ async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyn
     it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
     tc = cfg.trainer
     # Built in the same order as start_trainer builds them: their creation is collective work too.
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=make_mesh(tc.mesh))
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=make_mesh(tc.mesh),
+                      sft_cfg=sft_learner_config(tc))
     checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
     running = await start_server("trainer", tc.server, cfg.auth, [])
     replica = Replica(learner, checkpointer, channel_for_this_process())

@@ -62,6 +62,13 @@ class StepMetrics:
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
+def sft_learner_config(tc: TrainerConfig) -> LearnerConfig:
+    """The SFT warm start's optimizer: its own learning rate and warmup, constant afterwards."""
+    base = learner_config(tc)
+    return dataclasses.replace(base, learning_rate=tc.sft.learning_rate or tc.learning_rate,
+                               warmup_steps=tc.sft.warmup_steps, total_steps=0, weight_decay=tc.weight_decay)
+
+
 def learner_config(tc: TrainerConfig) -> LearnerConfig:
     """The learner's view of the run config's trainer section."""
     a = tc.algorithm
@@ -98,7 +105,8 @@ def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
 class Learner:
     """Holds the policy and optimizer state; `step` applies one RL update, `sft_step` one SFT update."""
 
-    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: LearnerConfig, mesh: Mesh | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: LearnerConfig, mesh: Mesh | None = None,
+                 sft_cfg: LearnerConfig | None = None) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.mesh = mesh
@@ -113,7 +121,11 @@ class Learner:
         self.opt_state = self._tx.init(self.state)
         self.step_count = 0
         rl = functools.partial(_rl_step, self.graphdef, self._tx, obj)
-        sft = functools.partial(_sft_step, self.graphdef, self._tx, obj.forward)
+        # SFT keeps its own optimizer (its own learning rate and warmup) and state, made on the
+        # first SFT step, so a warm start leaves RL a fresh AdamW and RL-only runs pay nothing.
+        self._sft_tx = make_optimizer(sft_cfg or cfg)
+        self.sft_opt_state: Any = None
+        sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, obj.forward)
         self._rl_step = jax.jit(rl, donate_argnums=(0, 1))
         self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
 
@@ -128,7 +140,10 @@ class Learner:
         self.state, self.opt_state, self.step_count = state, opt_state, step
 
     def sft_step(self, batch: Batch) -> StepMetrics:
-        self.state, self.opt_state, metrics = self._sft_step(self.state, self.opt_state, self._device_rows(batch))
+        if self.sft_opt_state is None:
+            self.sft_opt_state = self._sft_tx.init(self.state)
+        self.state, self.sft_opt_state, metrics = self._sft_step(self.state, self.sft_opt_state,
+                                                                 self._device_rows(batch))
         return self._finish(metrics, batch, reward_mean=0.0)
 
     def _device_rows(self, batch: Batch) -> dict[str, jax.Array]:

@@ -139,9 +139,12 @@ class Replica:
         self.channel = channel
 
     def step(self, batch: Batch) -> StepMetrics:
-        self.channel.announce("step", {k: [list(getattr(batch, k).shape), str(getattr(batch, k).dtype)]
-                                       for k in BATCH_FIELDS} | {"num_tokens": batch.num_tokens})
+        self.channel.announce("step", _batch_header(batch))
         return self.learner.step(_broadcast_batch(batch))
+
+    def sft_step(self, batch: Batch) -> StepMetrics:
+        self.channel.announce("sft_step", _batch_header(batch))
+        return self.learner.sft_step(_broadcast_batch(batch))
 
     def state_bytes(self) -> bytes:
         self.channel.announce("publish", {})
@@ -164,6 +167,11 @@ class Replica:
     def stop(self) -> None:
         """Releases the followers (they finish their checkpoint writes and return)."""
         self.channel.announce("stop", {})
+
+
+def _batch_header(batch: Batch) -> dict[str, Any]:
+    return {k: [list(getattr(batch, k).shape), str(getattr(batch, k).dtype)] for k in BATCH_FIELDS} | {
+        "num_tokens": batch.num_tokens}
 
 
 def _broadcast_batch(batch: Batch) -> Batch:
@@ -196,6 +204,8 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
             waiter = None
         if op.name == "step":
             learner.step(_broadcast_batch(_placeholder(op.header)))
+        elif op.name == "sft_step":
+            learner.sft_step(_broadcast_batch(_placeholder(op.header)))
         elif op.name == "publish":
             state_bytes(learner.state)
         elif op.name == "save":

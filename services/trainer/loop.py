@@ -19,11 +19,18 @@ from dataclasses import dataclass
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
 from arlo.model import get_tokenizer
-from services.trainer.batching import GroupAssembler, ReadyGroup, build_batch, has_reward_spread
+from services.trainer.batching import (
+    GroupAssembler,
+    ReadyGroup,
+    build_batch,
+    has_reward_spread,
+    mean_staleness,
+)
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
+from services.trainer.warmstart import WarmStart
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,10 @@ class TrainerState:
     consumed: int = 0
     zero_variance: int = 0
     last: StepMetrics | None = None
+    until_step: int = 0
+    """> 0: pause once the learner's step count reaches it."""
+    last_staleness: float = 0.0
+    tokens_trained: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,7 +72,9 @@ class TrainingLoop:
         source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
         checkpoint_dir: str = "", checkpoint_every: int = 0, tokenizer: str = "byte",
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
+        warm_start: WarmStart | None = None, start_paused: bool = False,
     ) -> None:
+        self.warm_start = warm_start
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
         self.filter_zero_variance = filter_zero_variance
@@ -79,7 +92,7 @@ class TrainingLoop:
         self.replica = Replica(learner, self.checkpointer, channel)
         self.pad_id = get_tokenizer(tokenizer).pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness)
-        self.state = TrainerState()
+        self.state = TrainerState(paused=start_paused)
         self._ready: list[ReadyGroup] = []
         self._awaiting: list[TrainedStep] = []  # trained, published, not yet covered by a checkpoint
         self._saving: list[TrainedStep] = []  # covered by the checkpoint being written
@@ -102,7 +115,26 @@ class TrainingLoop:
             self.state.version = base + 1
             await self._publish()
 
+    @property
+    def sft_steps(self) -> int:
+        return self.warm_start.steps if self.warm_start else 0
+
+    @property
+    def phase(self) -> str:
+        return "sft" if self.learner.step_count < self.sft_steps else "rl"
+
+    def resume(self, until_step: int = 0) -> bool:
+        """Unpauses (until `until_step` when > 0); returns whether the trainer is now paused."""
+        self.state.until_step = until_step
+        self.state.paused = bool(until_step) and self.learner.step_count >= until_step
+        return self.state.paused
+
     async def run(self) -> None:
+        while self.phase == "sft":
+            if self.state.paused:
+                await asyncio.sleep(0.2)
+                continue
+            await self.sft_once()
         await self._reread_pending()
         last_claim = 0.0  # a dead consumer of another name may have left entries: claim at once
         while True:
@@ -124,7 +156,31 @@ class TrainingLoop:
 
     async def train_once(self) -> StepMetrics:
         async with self._step_lock:
-            return await self._train_once()
+            metrics = await self._train_once()
+            self._pause_if_due()
+            return metrics
+
+    async def sft_once(self) -> StepMetrics:
+        """One warm-start step; the version is published once, when the warm start is done
+        (publishing each SFT step would make the fleet pull weights nobody samples from)."""
+        assert self.warm_start is not None
+        async with self._step_lock:
+            batch = await asyncio.to_thread(self.warm_start.next_batch)
+            async with self._jax_lock:
+                metrics = await asyncio.to_thread(self.replica.sft_step, batch)
+            self.state.last = metrics
+            self.state.tokens_trained += batch.num_tokens
+            if self.phase == "rl":
+                self.state.version += 1
+                await self._publish()
+                log.info("warm start done: %d SFT steps -> version %d, loss %.4f", self.learner.step_count,
+                         self.state.version, metrics.loss)
+            self._pause_if_due()
+            return metrics
+
+    def _pause_if_due(self) -> None:
+        if self.state.until_step and self.learner.step_count >= self.state.until_step:
+            self.state.paused = True
 
     async def checkpoint(self) -> tuple[int, str]:
         """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
@@ -215,6 +271,8 @@ class TrainingLoop:
         await self._publish()
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
+        self.state.tokens_trained += batch.num_tokens
+        self.state.last_staleness = mean_staleness([t for g in groups for t in g.trajectories], self.state.version - 1)
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", self.learner.step_count,
                  self.state.version, metrics.loss, metrics.reward_mean, metrics.num_tokens,

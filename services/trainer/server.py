@@ -24,6 +24,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             checkpoint_version=s.checkpoint_version, trajectories_consumed=s.consumed,
             trajectories_dropped=sum(self.loop.dropped().values()),
             last_loss=last.loss if last else 0.0, last_reward=last.reward_mean if last else 0.0,
+            phase=self.loop.phase, sft_steps=self.loop.sft_steps, last_staleness=s.last_staleness,
+            tokens_trained=s.tokens_trained, until_step=s.until_step,
         )
 
     async def PullWeights(  # noqa: N802
@@ -68,5 +70,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.PauseResponse(paused=True)
 
     async def Resume(self, request, context):  # noqa: N802
-        self.loop.state.paused = False
-        return trainer_pb2.ResumeResponse(paused=False)
+        if request.until_step < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "until_step must be >= 0 (0 = no limit)")
+        return trainer_pb2.ResumeResponse(paused=self.loop.resume(request.until_step))

@@ -15,7 +15,10 @@ from pathlib import Path
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.proto.v1 import common_pb2
 
-BUILTIN = {"builtin:arith": Path(__file__).resolve().parents[2] / "arlo" / "data" / "arith_sft.jsonl"}
+_DATA = Path(__file__).resolve().parents[2] / "arlo" / "data"
+BUILTIN = {"builtin:arith": _DATA / "arith_sft.jsonl",
+           # The demo's: made by the arith env's own (imperfect) demonstrator, scripts/gen_demos.py.
+           "builtin:arith_tool": _DATA / "arith_tool_sft.jsonl"}
 
 
 def load_demonstrations(source: str) -> list[list[tuple[str, str]]]:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import random
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from arlo.model import ModelConfig, token_logprobs
+from arlo.model import ModelConfig, get_tokenizer, token_logprobs
 from arlo.proto.v1 import common_pb2
 from services.trainer.batching import build_batch
 from services.trainer.learner import Learner, LearnerConfig
+
+TOK = get_tokenizer("byte")
 
 
 def group(learner: Learner, good: int, bad: int) -> list[common_pb2.Trajectory]:
@@ -148,3 +152,22 @@ def test_memory_options_give_the_same_gradient(forward: dict) -> None:
     plain = sgd_update(0)
     for a, b in zip(plain, sgd_update(0, forward=ForwardConfig(**forward)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_sft_has_its_own_optimizer_and_leaves_rl_state_fresh() -> None:
+    from services.env_gateway.envs.arith import demonstration
+    from services.trainer.sft import demonstration_trajectory
+
+    cfg = ModelConfig.named("tiny")
+    learner = Learner(cfg, seed=0, cfg=LearnerConfig(learning_rate=1e-3),
+                      sft_cfg=LearnerConfig(learning_rate=1e-2))
+    rl_state_before = jax.tree.map(np.asarray, learner.opt_state)
+    rng = random.Random(0)
+    demos = [demonstration(i, {"op": "*", "max_operand": 30, "tool": True}, tool_prob=1.0, rng=rng) for i in range(16)]
+    batch = build_batch([[demonstration_trajectory(d, TOK, i)] for i, d in enumerate(demos)], 64, TOK.pad_id)
+    losses = [learner.sft_step(batch).loss for _ in range(6)]
+    assert losses[-1] < losses[0] and learner.step_count == 6 and learner.sft_opt_state is not None
+    # RL's AdamW state is untouched by the warm start: RL starts with fresh moments.
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(rl_state_before),
+                                                   jax.tree.leaves(jax.tree.map(np.asarray, learner.opt_state)),
+                                                   strict=True))

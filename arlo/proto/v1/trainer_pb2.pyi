@@ -44,6 +44,11 @@ class GetStatusResponse(_message.Message):
     TRAJECTORIES_DROPPED_FIELD_NUMBER: _builtins.int
     LAST_LOSS_FIELD_NUMBER: _builtins.int
     LAST_REWARD_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    SFT_STEPS_FIELD_NUMBER: _builtins.int
+    LAST_STALENESS_FIELD_NUMBER: _builtins.int
+    TOKENS_TRAINED_FIELD_NUMBER: _builtins.int
+    UNTIL_STEP_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Newest published version (0 before the first)."""
     step: _builtins.int
@@ -59,6 +64,18 @@ class GetStatusResponse(_message.Message):
     """Loss of the last step."""
     last_reward: _builtins.float
     """Mean reward of the last step's batch."""
+    phase: _builtins.str
+    """"sft" during the supervised warm start (trainer.sft), "rl" after it."""
+    sft_steps: _builtins.int
+    """SFT steps of the warm start (0: none); RL steps are step - sft_steps."""
+    last_staleness: _builtins.float
+    """Mean, over the last RL step's model tokens, of how many versions the policy that sampled
+    each token was behind the trainer.
+    """
+    tokens_trained: _builtins.int
+    """Model (loss-masked) tokens trained on since the trainer started, SFT included."""
+    until_step: _builtins.int
+    """> 0: the step at which the trainer pauses itself (ResumeRequest.until_step)."""
     def __init__(
         self,
         *,
@@ -70,10 +87,15 @@ class GetStatusResponse(_message.Message):
         trajectories_dropped: _builtins.int = ...,
         last_loss: _builtins.float = ...,
         last_reward: _builtins.float = ...,
+        phase: _builtins.str = ...,
+        sft_steps: _builtins.int = ...,
+        last_staleness: _builtins.float = ...,
+        tokens_trained: _builtins.int = ...,
+        until_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_version", b"checkpoint_version", "last_loss", b"last_loss", "last_reward", b"last_reward", "paused", b"paused", "step", b"step", "trajectories_consumed", b"trajectories_consumed", "trajectories_dropped", b"trajectories_dropped", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_version", b"checkpoint_version", "last_loss", b"last_loss", "last_reward", b"last_reward", "last_staleness", b"last_staleness", "paused", b"paused", "phase", b"phase", "sft_steps", b"sft_steps", "step", b"step", "tokens_trained", b"tokens_trained", "trajectories_consumed", b"trajectories_consumed", "trajectories_dropped", b"trajectories_dropped", "until_step", b"until_step", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -221,12 +243,19 @@ Global___PauseResponse: _TypeAlias = PauseResponse  # noqa: Y015
 class ResumeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    UNTIL_STEP_FIELD_NUMBER: _builtins.int
+    until_step: _builtins.int
+    """> 0: pause again once `step` (SFT and RL optimizer steps) reaches this; 0: run until Pause.
+    A value <= the current step leaves the trainer paused.
+    """
     def __init__(
         self,
+        *,
+        until_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["until_step", b"until_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,74 @@
+"""The live view of a training run: a progress bar over the planned steps and a table of the
+latest steps (step, phase, version, loss, reward, staleness, trajectories/s, tokens/s), with
+held-out evaluations as they arrive."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+ROWS_SHOWN = 8
+COLUMNS = ("step", "phase", "version", "loss", "reward", "staleness", "traj/s", "tokens/s")
+
+
+class LiveRun:
+    def __init__(self, console: Console, *, sft_steps: int | None, rl_steps: int | None) -> None:
+        self.console = console
+        self.rl_steps = rl_steps
+        self.progress = Progress(TextColumn("[bold]{task.fields[phase]}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+        self.task = self.progress.add_task("run", total=None, phase="starting", info="")
+        self.rows: deque[dict[str, Any]] = deque(maxlen=ROWS_SHOWN)
+        self.evals: list[str] = []
+        self.first_step: int | None = None
+        self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> LiveRun:
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.update(self._render())
+        self.live.__exit__(*exc)
+
+    def update(self, event: dict[str, Any]) -> None:
+        if "evaluating" in event:
+            self.progress.update(self.task, info=f"evaluating ({event['evaluating']})")
+        elif "evaluated" in event:
+            self.evals.append(_eval_line(event))
+        else:
+            self._step(event)
+        self.live.update(self._render())
+
+    def _step(self, row: dict[str, Any]) -> None:
+        if self.first_step is None:
+            self.first_step = row["step"] - 1
+        total = row["sft_steps"] - self.first_step + self.rl_steps if self.rl_steps is not None else None
+        self.progress.update(self.task, completed=row["step"] - self.first_step, total=total,
+                             phase="SFT warm start" if row["phase"] == "sft" else "RL",
+                             info=f"v{row['version']} loss {row['loss']:.4f}")
+        self.rows.append(row)
+
+    def _render(self) -> Group:
+        table = Table(*COLUMNS, title="latest steps", title_justify="left")
+        for r in self.rows:
+            table.add_row(str(r["step"]), r["phase"], str(r["version"]), f"{r['loss']:.4f}", _num(r["reward"]),
+                          _num(r["staleness"], 2), f"{r['trajectories_per_s']:.1f}", f"{r['tokens_per_s']:.0f}")
+        return Group(self.progress, table, *self.evals[-6:])
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _eval_line(e: dict[str, Any]) -> str:
+    if "error" in e:
+        return f"[red]eval {e['evaluated']}: {e['error']}"
+    return (f"eval {e['evaluated']} (v{e.get('served_version', '?')}): greedy {e['greedy_reward']:.3f}, "
+            f"sampled {e['sampled_reward']:.3f}, pass@{e['k']} {e['pass_at_k']:.3f} over {e['num_tasks']} "
+            f"held-out tasks ({e['wall_s']:.1f}s)")

@@ -1,0 +1,28 @@
+"""The SFT warm start's data: demonstrations -> endless shuffled, token-aligned learner batches.
+
+The trainer runs `steps` SFT steps on these before its first RL step (trainer.sft), so a run
+can start RL from a policy that already follows the task's format.
+"""
+
+from __future__ import annotations
+
+from arlo.config import SFTConfig
+from arlo.model.tokenizer import ByteTokenizer
+from services.trainer.batching import Batch, build_batch
+from services.trainer.sft import demonstration_batches, load_demonstrations
+
+
+class WarmStart:
+    def __init__(self, cfg: SFTConfig, tokenizer: ByteTokenizer, *, max_seq_len: int, seed: int = 0) -> None:
+        if not isinstance(tokenizer, ByteTokenizer):
+            raise ValueError("trainer.sft needs the byte tokenizer (demonstrations use its chat template)")
+        demos = load_demonstrations(cfg.data)  # a clear error at start for a missing or bad file
+        if len(demos) < cfg.batch_size:
+            raise ValueError(f"trainer.sft.data has {len(demos)} demonstrations; batch_size is {cfg.batch_size}")
+        self.steps = cfg.steps
+        self.max_seq_len = max_seq_len
+        self.pad_id = tokenizer.pad_id
+        self._batches = demonstration_batches(demos, tokenizer, cfg.batch_size, seed=seed)
+
+    def next_batch(self) -> Batch:
+        return build_batch(next(self._batches), self.max_seq_len, self.pad_id)
