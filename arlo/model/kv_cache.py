@@ -104,22 +104,26 @@ def scatter_window(cache: KVCache, win: KVCache, rows: jax.Array, src: jax.Array
                    v=tuple(c.at[rows, :, :w].set(pick(x)) for c, x in zip(cache.v, win.v, strict=True)))
 
 
-def scatter_band(cache: KVCache, win: KVCache, rows: jax.Array, band_start: jax.Array, steps: int) -> KVCache:
-    """Writes positions [band_start_r, band_start_r + steps) of window row r into cache row rows[r]:
-    the only part of a window a decode chunk of `steps` tokens can have changed."""
-    cols = band_start[:, None] + jnp.arange(steps, dtype=jnp.int32)  # [r, steps]
+def write_slot(k_bkhs: jax.Array, v_bksh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
+               start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`write_rows` with one start for every row: a dynamic_update_slice, in place."""
+    k_new = jnp.transpose(k_btkh, (0, 2, 3, 1)).astype(k_bkhs.dtype)
+    v_new = jnp.transpose(v_btkh, (0, 2, 1, 3)).astype(v_bksh.dtype)
+    zero = jnp.zeros((), jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    return (jax.lax.dynamic_update_slice(k_bkhs, k_new, (zero, zero, zero, start)),
+            jax.lax.dynamic_update_slice(v_bksh, v_new, (zero, zero, start, zero)))
 
-    def band_k(c: jax.Array, x: jax.Array) -> jax.Array:
-        part = jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, steps, axis=2))(x, band_start)
-        # Advanced indices (rows, cols) split by slices: their dims come first -> [r, steps, k, h].
-        return c.at[rows[:, None], :, :, cols].set(jnp.transpose(part, (0, 3, 1, 2)))
 
-    def band_v(c: jax.Array, x: jax.Array) -> jax.Array:
-        part = jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, steps, axis=1))(x, band_start)
-        return c.at[rows[:, None], :, cols].set(jnp.transpose(part, (0, 2, 1, 3)))
-
-    return KVCache(k=tuple(band_k(c, x) for c, x in zip(cache.k, win.k, strict=True)),
-                   v=tuple(band_v(c, x) for c, x in zip(cache.v, win.v, strict=True)))
+def write_band(cache: KVCache, buf: KVCache, rows: jax.Array, start_b: jax.Array) -> KVCache:
+    """Writes all `buf.length` positions of buffer row r at positions start_b[r].. of cache row
+    rows[r] (a decode chunk's new keys/values); callers guarantee start + length <= cache length."""
+    cols = start_b[:, None] + jnp.arange(buf.length, dtype=jnp.int32)  # [r, steps]
+    # Advanced indices (rows, cols) split by slices: their dims come first -> [r, steps, k, h].
+    return KVCache(k=tuple(c.at[rows[:, None], :, :, cols].set(jnp.transpose(x, (0, 3, 1, 2)).astype(c.dtype))
+                           for c, x in zip(cache.k, buf.k, strict=True)),
+                   v=tuple(c.at[rows[:, None], :, cols].set(jnp.transpose(x, (0, 2, 1, 3)).astype(c.dtype))
+                           for c, x in zip(cache.v, buf.v, strict=True)))
 
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh, *, batch: int, length: int) -> KVCache:

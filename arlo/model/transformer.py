@@ -5,6 +5,8 @@ Two entry points share the layers:
 - `prefill` / `decode_step`: the KV-cache path for generation. Cache slots are absolute
   positions, so the causal mask is just `slot <= position`; slots beyond a row's position
   hold stale or padding keys and are masked, never cleared.
+- `decode_step_buffered`: the engine's chunked decode, over a read-only cache plus a small
+  per-chunk buffer of the chunk's own keys/values (no per-step scatter into the cache).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from flax import nnx
 
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache
-from arlo.model.layers import MLP, Attention, Embedder, RMSNorm
+from arlo.model.layers import MLP, Attention, Embedder, Part, RMSNorm
 
 
 class Block(nnx.Module):
@@ -38,6 +40,12 @@ class Block(nnx.Module):
         h_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, mask_bts, kv, start_b)
         x_btd = x_btd + h_btd
         return x_btd + self.mlp(self.mlp_norm(x_btd)), new_kv
+
+    def decode_buffered(self, x_btd: jax.Array, positions_bt: jax.Array, cache: Part, buf: Part,
+                        step: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        h_btd, new_buf = self.attn.decode_buffered(self.attn_norm(x_btd), positions_bt, cache, buf, step)
+        x_btd = x_btd + h_btd
+        return x_btd + self.mlp(self.mlp_norm(x_btd)), new_buf
 
 
 class Transformer(nnx.Module):
@@ -98,6 +106,31 @@ class Transformer(nnx.Module):
         """Feed one token per row at its own position; returns (logits_bv float32, cache)."""
         x_btd, cache = self._forward_cached(tokens_b[:, None], jnp.asarray(positions_b, jnp.int32), cache)
         return self._logits(self.final_norm(x_btd))[:, 0], cache
+
+    def decode_step_buffered(
+        self, tokens_b: jax.Array, positions_b: jax.Array, base_b: jax.Array, cache: KVCache, buf: KVCache,
+        step: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """`decode_step` for a chunk of decode steps over a read-only `cache`.
+
+        `cache` holds each row's keys/values below base_b (the row's position when the chunk
+        began) and is not written; the chunk's own keys/values go to `buf` (same layout, one
+        slot per step) at slot `step`, and slots <= step of `buf` are attended too. The
+        caller writes `buf` back into its cache once per chunk (`kv_cache.write_band`).
+        Returns (logits_bv float32, buf).
+        """
+        positions_bt = jnp.asarray(positions_b, jnp.int32)[:, None]
+        cache_mask_bts = jnp.arange(cache.length, dtype=jnp.int32)[None, None, :] < base_b[:, None, None]
+        buf_mask_bts = jnp.broadcast_to(jnp.arange(buf.length, dtype=jnp.int32) <= step,
+                                        (tokens_b.shape[0], 1, buf.length))
+        x_btd = self.embedder.encode(tokens_b[:, None], self.cfg.compute_dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x_btd, (k, v) = layer.decode_buffered(x_btd, positions_bt, (cache.k[i], cache.v[i], cache_mask_bts),
+                                                  (buf.k[i], buf.v[i], buf_mask_bts), step)
+            new_k.append(k)
+            new_v.append(v)
+        return self._logits(self.final_norm(x_btd))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
 
     def _forward_cached(
         self, tokens_bt: jax.Array, start_b: jax.Array, cache: KVCache

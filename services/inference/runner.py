@@ -9,12 +9,13 @@ write is an in-place update; on a mesh every program hands it back sharded as it
   requests being admitted, runs the model's prefill from each request's start (past a
   session's reused prefix), copies each prompt's window into the slots of its n samples
   (one prefill per prompt) and samples every first token.
-- decode chunk(rows b, window w): gathers [slots, :w], where w covers the furthest row plus
-  the chunk's steps, so attention reads only the valid region rounded up to a bucket; runs
-  `steps` tokens as one lax.scan with the window in the carry; writes back only the band of
-  `steps` positions each row can have written. Sampling, stop ids and max tokens are
-  applied on the device with per-row parameters, so a round trip costs one host sync per
-  chunk, not per token.
+- decode chunk(rows b, window w): gathers [slots, :w], where w covers the furthest row's
+  cached length, so attention reads only the valid region rounded up to a bucket; runs
+  `steps` tokens as one lax.scan over that read-only window plus a [b, steps] buffer of the
+  chunk's own keys/values (written in place at the step's slot: no per-row scatter inside
+  the loop), then writes the buffer into each row's band of the cache once. Sampling, stop
+  ids and max tokens are applied on the device with per-row parameters, so a round trip
+  costs one host sync per chunk, not per token.
 
 Every dimension is bucketed (powers of two; windows also at 1.5x), so the programs are a
 small known set compiled on first use. Weights are a traced argument: a swap never
@@ -40,8 +41,8 @@ from arlo.model.kv_cache import (
     cache_shardings,
     gather_window,
     init_cache,
-    scatter_band,
     scatter_window,
+    write_band,
 )
 from arlo.model.sampling import sample
 from arlo.model.sharding import BATCH_AXES
@@ -164,7 +165,7 @@ class Runner:
         """One chunk of `decode_steps` tokens for every running sequence."""
         b = min(pow2(len(seqs)), max(self.num_slots, len(seqs)))
         batch = _decode_batch(seqs, b, self.scratch)
-        w = self.window(int(batch.pos.max()) + self.decode_steps)
+        w = self.window(int(batch.pos.max()))  # the chunk's own tokens live in a buffer beside it
         self.shapes.add(("decode", b, w))
         self.cache, (tok_kb, lp_kb, emit_kb) = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding,
                                                             state, self.cache, batch)
@@ -273,23 +274,22 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache |
             cache: KVCache, batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array, jax.Array]]:
     model = nnx.merge(graphdef, state)
     row_keys = _row_keys(batch.params)
+    win = gather_window(cache, batch.slot, window)  # read-only in the loop: valid below batch.pos
 
-    def step(carry: tuple, _: None) -> tuple[tuple, tuple[jax.Array, jax.Array, jax.Array]]:
-        win, token, pos, count, stopped = carry
+    def step(carry: tuple, i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array, jax.Array]]:
+        buf, token, pos, count, stopped = carry
         active = batch.live & ~stopped & (count < batch.max_tokens)
-        # Finished rows still run (the batch is static) but feed their own last token at their
-        # own position: that is the KV the slot would hold anyway, so nothing valid is touched.
-        logits, win = model.decode_step(token, pos, win)
+        # Finished rows still run (the batch is static); what they write lands past their end.
+        logits, buf = model.decode_step_buffered(token, pos, batch.pos, win, buf, i)
         new, logprob = _draw(logits, row_keys, count, batch.params)
         hit = jnp.any(new[:, None] == batch.stop_ids, axis=1)
         token = jnp.where(active, new, token)
-        return (win, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active)
+        return (buf, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active)
 
-    start = (gather_window(cache, batch.slot, window), batch.token, batch.pos, batch.count,
-             jnp.zeros_like(batch.live))
-    (win, *_), (tok_kb, lp_kb, emit_kb) = jax.lax.scan(step, start, None, length=steps)
-    band_start = jnp.minimum(batch.pos, window - steps)
-    return _keep_layout(scatter_band(cache, win, batch.slot, band_start, steps), sharding), (tok_kb, lp_kb, emit_kb)
+    buf = init_cache(model.cfg, batch=batch.slot.shape[0], length=steps)
+    start = (buf, batch.token, batch.pos, batch.count, jnp.zeros_like(batch.live))
+    (buf, *_), (tok_kb, lp_kb, emit_kb) = jax.lax.scan(step, start, jnp.arange(steps, dtype=jnp.int32))
+    return _keep_layout(write_band(cache, buf, batch.slot, batch.pos), sharding), (tok_kb, lp_kb, emit_kb)
 
 
 # Module-level so every engine over the same graphdef shares the compiled programs.
