@@ -48,7 +48,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 DEMO_RUN_ID = "demo"
 DEMO_CONFIG = Path(__file__).resolve().parent / "data" / "demo.yaml"
-DEMO_RL_STEPS = 60
+DEMO_RL_STEPS = 80
 
 
 def _start_cluster(config: str | None, *, free_ports: bool, with_rollout: bool, demo: bool = False) -> LocalCluster:
@@ -165,13 +165,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    table = Table(title=f"run '{status['run_id']}': trainer v{status['trainer_version']}, "
-                        f"pointer v{status['pointer_version']}, queue depth {status['queue_depth']}")
-    for col in ("service", "address", "healthy", "weight version"):
+    staleness = "-" if status["staleness"] is None else f"{status['staleness']:.2f}"
+    table = Table(title=f"run '{status['run_id']}': trainer v{status['trainer_version']}, pointer "
+                        f"v{status['pointer_version']}, queue depth {status['queue_depth']}, staleness {staleness}")
+    for col in ("service", "address", "healthy", "weight version", "instances", "throughput", "errors"):
         table.add_column(col)
     for s in status["services"]:
+        rates = ", ".join(f"{v:.1f} {unit}" for unit, v in s.get("throughput", {}).items()) or "-"
+        errors = ", ".join(f"{k} {v}" for k, v in s.get("errors", {}).items() if v) or "-"
         table.add_row(s["name"], s["address"], "yes" if s["healthy"] else "[red]no",
-                      "-" if s["weight_version"] is None else str(s["weight_version"]))
+                      "-" if s["weight_version"] is None else str(s["weight_version"]),
+                      str(s.get("instances", "-")), rates, errors)
     Console().print(table)
     return 0
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
 
 from arlo.config import RunConfig, TlsConfig
-from arlo.coord import TrajectoryStream, WeightPointer, connect
+from arlo.coord import TrajectoryStream, WeightPointer, connect, read_statuses
 from arlo.coord.evals import EvalQueue
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
@@ -41,6 +41,8 @@ class TrainReport:
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Held-out evaluations by tag: "start", "after_sft", "end", and "v<version>" on the way."""
     wall_s: float = 0.0
+    rl_wall_s: float = 0.0
+    """Wall time of the RL phase alone."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -89,7 +91,11 @@ class RunDriver:
 
     def __init__(self, cfg: RunConfig, token: str | None, *, on_progress: ProgressFn,
                  check_children: Callable[[], object] = lambda: None, recorder: RunRecorder | None = None,
-                 evaluate: bool = True, poll_s: float = 0.2, stall_s: float = 300.0) -> None:
+                 evaluate: bool = True, rl_seconds: float | None = None,
+                 on_phase: Callable[[str], Awaitable[None]] | None = None, poll_s: float = 0.2,
+                 stall_s: float = 300.0) -> None:
+        self.rl_seconds = rl_seconds
+        self.on_phase = on_phase
         self.cfg, self.token = cfg, token
         self.on_progress = on_progress
         self.check_children = check_children
@@ -124,7 +130,14 @@ class RunDriver:
             pointer, _ = await wait_fleet_on_pointer(self.cfg, self.token)
             await self._evaluate_now("after_sft", pointer)
         until = status.step + steps if steps is not None else None
-        status = await self._drive(trainer, until=until)
+        if self.on_phase:
+            await self.on_phase("rl_start")  # e.g. a benchmark's counters, measured over RL alone
+        self.rl_started = time.monotonic()
+        deadline = self.rl_started + self.rl_seconds if self.rl_seconds else None
+        status = await self._drive(trainer, until=until, deadline=deadline)
+        self.report.rl_wall_s = time.monotonic() - self.rl_started
+        if self.on_phase:
+            await self.on_phase("rl_end")
         self.report.steps = status.step - first_step
         self.report.sft_steps = status.sft_steps
         self.report.trainer_version = status.version
@@ -133,14 +146,16 @@ class RunDriver:
         await self._evaluate_now("end", self.report.pointer_version)
         await self._collect_pending(wait=True)
 
-    async def _drive(self, trainer: trainer_pb2_grpc.TrainerStub, *, until: int | None):
-        """Resumes until `until` steps (None: until interrupted), reporting every step seen."""
+    async def _drive(self, trainer: trainer_pb2_grpc.TrainerStub, *, until: int | None,
+                     deadline: float | None = None):
+        """Resumes until `until` steps (None: until interrupted) or the monotonic `deadline`,
+        reporting every step seen."""
         await trainer.Resume(trainer_pb2.ResumeRequest(until_step=until or 0), timeout=10)
         status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
         last_step, last_progress = status.step, time.monotonic()
         every = self.cfg.rollout.eval.every_versions
         try:
-            while until is None or status.step < until:
+            while (until is None or status.step < until) and (deadline is None or time.monotonic() < deadline):
                 self.check_children()
                 await asyncio.sleep(self.poll_s)
                 status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
@@ -220,10 +235,12 @@ class RunDriver:
 
 async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, on_progress: ProgressFn,
                        check_children: Callable[[], object] = lambda: None, recorder: RunRecorder | None = None,
-                       evaluate: bool = True) -> TrainReport:
-    """Warm start (if configured), then `steps` RL steps (forever when None), evaluating on the way."""
+                       evaluate: bool = True, rl_seconds: float | None = None,
+                       on_phase: Callable[[str], Awaitable[None]] | None = None) -> TrainReport:
+    """Warm start (if configured), then `steps` RL steps (forever when None; at most `rl_seconds`
+    of RL when given), evaluating on the way."""
     driver = RunDriver(cfg, token, on_progress=on_progress, check_children=check_children, recorder=recorder,
-                       evaluate=evaluate)
+                       evaluate=evaluate, rl_seconds=rl_seconds, on_phase=on_phase)
     return await driver.run(steps)
 
 
@@ -251,8 +268,17 @@ async def inference_versions(cfg: RunConfig, token: str | None) -> dict[str, int
     return {address: info.policy_version}
 
 
-async def collect_status(cfg: RunConfig, token: str | None) -> dict[str, Any]:
-    """What `arlo status` shows: per-service health and version, trainer version, queue depth."""
+RATES = {"inference": {"generated_tokens": "tokens/s", "requests": "requests/s"},
+         "trainer": {"consumed": "trajectories/s", "tokens_trained": "tokens/s", "step": "steps/s"},
+         "rollout": {"episodes": "episodes/s"}}
+ERRORS = {"trainer": ("dropped_stale", "dropped_failed", "dropped_malformed", "dropped_duplicate",
+                      "dropped_zero_variance"),
+          "rollout": ("retries", "failed_groups"), "inference": ("aborted",)}
+
+
+async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float = 2.5) -> dict[str, Any]:
+    """What `arlo status` shows: per-service health and version; queue depth and lag; staleness;
+    throughput per service (two heartbeat snapshots `interval_s` apart); errors by kind."""
     from arlo.local import SERVICE_SECTIONS
 
     services = []
@@ -269,12 +295,41 @@ async def collect_status(cfg: RunConfig, token: str | None) -> dict[str, Any]:
     redis = await connect(cfg.redis)
     try:
         pointer = await WeightPointer(redis, cfg.run_id).get()
-        queue_depth = await TrajectoryStream(redis, cfg.run_id, consumer="status").backlog()
+        stream = TrajectoryStream(redis, cfg.run_id, consumer="status")
+        queue_depth = await stream.backlog()
+        first = await read_statuses(redis, cfg.run_id)
+        await asyncio.sleep(interval_s if first else 0)
+        second = await read_statuses(redis, cfg.run_id)
     finally:
         await redis.aclose()
+    activity = service_activity(first, second)
+    for s in services:
+        s.update(activity.get(s["name"], {}))
+    trainer = next((x for x in second if x.get("service") == "trainer"), {})
     return {"run_id": cfg.run_id, "services": services,
             "trainer_version": trainer_version if trainer_version is not None else (pointer.version if pointer else 0),
-            "pointer_version": pointer.version if pointer else 0, "queue_depth": queue_depth}
+            "pointer_version": pointer.version if pointer else 0, "queue_depth": queue_depth,
+            "staleness": float(trainer["staleness"]) if "staleness" in trainer else None}
+
+
+def service_activity(first: list[dict[str, str]], second: list[dict[str, str]]) -> dict[str, dict[str, Any]]:
+    """Per service (summed over instances): rates between two heartbeat snapshots, error counters."""
+    before = {(s.get("service"), s.get("instance")): s for s in first}
+    out: dict[str, dict[str, Any]] = {}
+    for s in second:
+        name = s.get("service", "")
+        entry = out.setdefault(name, {"instances": 0, "throughput": {}, "errors": {}})
+        entry["instances"] += 1
+        prev = before.get((name, s.get("instance")))
+        dt = float(s.get("ts", 0)) - float(prev.get("ts", 0)) if prev else 0.0
+        for counter, unit in RATES.get(name, {}).items():
+            if prev and dt > 0 and counter in s and counter in prev:
+                rate = (float(s[counter]) - float(prev[counter])) / dt
+                entry["throughput"][unit] = entry["throughput"].get(unit, 0.0) + rate
+        for counter in ERRORS.get(name, ()):
+            if counter in s:
+                entry["errors"][counter] = entry["errors"].get(counter, 0) + int(float(s[counter]))
+    return out
 
 
 async def _served_version(name: str, address: str, token: str | None, tls: TlsConfig) -> int | None:

@@ -62,18 +62,28 @@ class LocalCluster:
     token: str | None
     redis: LocalRedis | None
     supervisor: Supervisor
+    cpu_shares: dict[str, str] | None = None
+    """Service name -> the CPUs it may use ("0", "1", "0,1"), applied by the service at start
+    (ARLO_CPUS) with one XLA/Eigen thread per CPU, so processes on a small host do not fight over
+    cores. None: the OS schedules everything."""
 
-    def service_env(self) -> dict[str, str]:
+    def service_env(self, name: str = "") -> dict[str, str]:
         env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PYTHONUNBUFFERED": "1"}
         if self.token:
             env[self.cfg.auth.token_env] = self.token
+        cpus = (self.cpu_shares or {}).get(name)
+        if cpus:
+            threads = len(cpus.split(","))
+            env["ARLO_CPUS"] = cpus
+            env["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
+            env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = str(threads)
         return env
 
     def start(self, names: tuple[str, ...], timeout_s: float = 180.0) -> None:
         for name in names:
             section = getattr(self.cfg, name)
             self.supervisor.specs.append(service_spec(name, self.config_path, section.server.address,
-                                                      self.home / "logs", self.service_env()))
+                                                      self.home / "logs", self.service_env(name)))
         for spec in self.supervisor.specs[-len(names):]:
             self.supervisor.start(spec, timeout_s)
 

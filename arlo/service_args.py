@@ -25,6 +25,7 @@ def parse_service_config(service: str, argv: Sequence[str] | None = None) -> Run
     parser.add_argument("--port", type=int, help=f"override {service}.server.port (0 = any free port)")
     parser.add_argument("--metrics-port", type=int, help=f"override {service}.server.metrics_port (-1 = off)")
     args = parser.parse_args(argv)
+    apply_cpu_share()
     server: dict[str, int] = {}
     if args.port is not None:
         server["port"] = args.port
@@ -35,3 +36,11 @@ def parse_service_config(service: str, argv: Sequence[str] | None = None) -> Run
     except ConfigError as e:
         print(f"arlo {service}: bad config: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+
+
+def apply_cpu_share() -> None:
+    """Pins this process to $ARLO_CPUS (e.g. "0" or "0,1") when set: `arlo`'s local cluster gives
+    each service an explicit share of a small host (bench/pipeline.py reports the setting)."""
+    cpus = os.environ.get("ARLO_CPUS", "").strip()
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})

@@ -97,6 +97,8 @@ class EngineStats:
     """Sum over chunks of the sequences in the chunk: decode_rows / decode_chunks is the mean batch."""
     max_batch: int = 0
     aborted: int = 0
+    busy_s: float = 0.0
+    """Wall time inside engine steps (prefill + decode); the rest of the time it waited for work."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -256,7 +258,7 @@ class Engine:
             "weight_version": self.version, "requests": s.requests, "generated_tokens": s.generated_tokens,
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "slots": self.num_slots, "programs": self.programs(),
             "mean_batch": s.decode_rows / max(s.decode_chunks, 1), "max_batch": s.max_batch, "swaps": s.swaps,
-            "aborted": s.aborted, "session_hits": sessions.hits, "session_misses": sessions.misses,
+            "aborted": s.aborted, "busy_s": round(s.busy_s, 3), "session_hits": sessions.hits, "session_misses": sessions.misses,
             "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
         }
 
@@ -290,11 +292,13 @@ class Engine:
                 self.scheduler.add(req)
             for request_id in cancels:
                 self._abort(request_id)
+            started = time.perf_counter()
             try:
                 self._step()
             except Exception as e:  # a device failure must not kill the loop: fail what ran, serve on
                 log.exception("engine step failed; failing the running requests")
                 self._fail_running(e)
+            self.stats.busy_s += time.perf_counter() - started
 
     def _step(self) -> None:
         policy = self._policy  # read once: the whole step runs under one version

@@ -67,7 +67,10 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     tasks.spawn("training-loop", loop.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
         "address": f"{advertise_host(cfg)}:{running.port}", "version": loop.state.version,
-        "step": loop.learner.step_count, "consumed": loop.state.consumed}))
+        "step": loop.learner.step_count, "consumed": loop.state.consumed,
+        "busy_s": round(loop.state.busy_s, 3), "io_s": round(loop.state.io_s, 3),
+        "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
+        **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}))
     return running, loop
 
 

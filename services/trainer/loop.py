@@ -55,6 +55,11 @@ class TrainerState:
     """> 0: pause once the learner's step count reaches it."""
     last_staleness: float = 0.0
     tokens_trained: int = 0
+    busy_s: float = 0.0
+    """Wall time inside optimizer steps (SFT and RL)."""
+    io_s: float = 0.0
+    """Wall time in the platform around RL steps: stream reads that returned data, intake
+    (decode, de-duplication), acknowledgements and publishing (serialise, store, pointer)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,11 +146,14 @@ class TrainingLoop:
             if self.state.paused:
                 await asyncio.sleep(0.2)
                 continue
+            started = time.perf_counter()
             entries = await self.stream.read(count=READ_COUNT, block_ms=self.read_block_ms)
             if time.monotonic() - last_claim > CLAIM_EVERY_S:
                 entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
                 last_claim = time.monotonic()
-            await self._admit(entries)
+            if entries:
+                await self._admit(entries)
+                self.state.io_s += time.perf_counter() - started
             await self._train_ready()
 
     async def pause(self) -> None:
@@ -166,8 +174,10 @@ class TrainingLoop:
         assert self.warm_start is not None
         async with self._step_lock:
             batch = await asyncio.to_thread(self.warm_start.next_batch)
+            started = time.perf_counter()
             async with self._jax_lock:
                 metrics = await asyncio.to_thread(self.replica.sft_step, batch)
+            self.state.busy_s += time.perf_counter() - started
             self.state.last = metrics
             self.state.tokens_trained += batch.num_tokens
             if self.phase == "rl":
@@ -265,9 +275,12 @@ class TrainingLoop:
         groups = self._take_batch_groups()
         batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
                             overlong=self.overlong)
+        started = time.perf_counter()
         async with self._jax_lock:
             metrics = await asyncio.to_thread(self.replica.step, batch)
+        self.state.busy_s += time.perf_counter() - started
         self.state.version += 1
+        started = time.perf_counter()
         await self._publish()
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
@@ -282,7 +295,9 @@ class TrainingLoop:
         if not self.checkpoint_every:
             await self.stream.mark_trained(batch.trajectory_ids)
             await self.stream.ack(entry_ids)
+            self.state.io_s += time.perf_counter() - started
             return metrics
+        self.state.io_s += time.perf_counter() - started
         self._awaiting.append(TrainedStep(version=self.state.version, entry_ids=entry_ids,
                                           trajectory_ids=batch.trajectory_ids))
         if self.state.version % self.checkpoint_every == 0:

@@ -1,0 +1,26 @@
+"""`arlo status`'s throughput and error columns from two heartbeat snapshots (a pure function)."""
+
+from __future__ import annotations
+
+from arlo.driver import service_activity
+
+
+def beat(service: str, instance: str, ts: float, **counters: float) -> dict[str, str]:
+    return {"service": service, "instance": instance, "ts": repr(ts), **{k: str(v) for k, v in counters.items()}}
+
+
+def test_rates_sum_over_instances_and_errors_are_by_kind() -> None:
+    first = [beat("rollout", "a", 100.0, episodes=10, retries=1, failed_groups=0),
+             beat("rollout", "b", 100.0, episodes=50, retries=0, failed_groups=2),
+             beat("trainer", "t", 100.0, consumed=100, tokens_trained=1000, step=4, dropped_stale=3)]
+    second = [beat("rollout", "a", 102.0, episodes=30, retries=2, failed_groups=0),
+              beat("rollout", "b", 104.0, episodes=70, retries=0, failed_groups=2),
+              beat("trainer", "t", 102.5, consumed=150, tokens_trained=1500, step=5, dropped_stale=3),
+              beat("inference", "new", 103.0, generated_tokens=7, aborted=0)]
+    activity = service_activity(first, second)
+    assert activity["rollout"] == {"instances": 2, "throughput": {"episodes/s": 10.0 + 5.0},
+                                   "errors": {"retries": 2, "failed_groups": 2}}
+    assert activity["trainer"]["throughput"] == {"trajectories/s": 20.0, "tokens/s": 200.0, "steps/s": 0.4}
+    assert activity["trainer"]["errors"] == {"dropped_stale": 3}
+    # An instance seen once (just started) counts, but has no rate yet.
+    assert activity["inference"] == {"instances": 1, "throughput": {}, "errors": {"aborted": 0}}
