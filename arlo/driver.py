@@ -92,8 +92,10 @@ class RunDriver:
     def __init__(self, cfg: RunConfig, token: str | None, *, on_progress: ProgressFn,
                  check_children: Callable[[], object] = lambda: None, recorder: RunRecorder | None = None,
                  evaluate: bool = True, rl_seconds: float | None = None,
-                 on_phase: Callable[[str], Awaitable[None]] | None = None, poll_s: float = 0.2,
+                 on_phase: Callable[[str], Awaitable[None]] | None = None,
+                 eval_tags: tuple[str, ...] = ("start", "after_sft", "end"), poll_s: float = 0.2,
                  stall_s: float = 300.0) -> None:
+        self.eval_tags = eval_tags
         self.rl_seconds = rl_seconds
         self.on_phase = on_phase
         self.cfg, self.token = cfg, token
@@ -201,7 +203,7 @@ class RunDriver:
 
     async def _evaluate_now(self, tag: str, min_version: int) -> None:
         """Asks for an evaluation and waits for it: the trainer is paused, so it sees one version."""
-        if not self.evaluate:
+        if not self.evaluate or tag not in self.eval_tags:
             return
         await self._request_eval(tag, min_version)
         self.on_progress({"evaluating": tag})
@@ -236,11 +238,12 @@ class RunDriver:
 async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, on_progress: ProgressFn,
                        check_children: Callable[[], object] = lambda: None, recorder: RunRecorder | None = None,
                        evaluate: bool = True, rl_seconds: float | None = None,
-                       on_phase: Callable[[str], Awaitable[None]] | None = None) -> TrainReport:
+                       on_phase: Callable[[str], Awaitable[None]] | None = None,
+                       eval_tags: tuple[str, ...] = ("start", "after_sft", "end")) -> TrainReport:
     """Warm start (if configured), then `steps` RL steps (forever when None; at most `rl_seconds`
     of RL when given), evaluating on the way."""
     driver = RunDriver(cfg, token, on_progress=on_progress, check_children=check_children, recorder=recorder,
-                       evaluate=evaluate, rl_seconds=rl_seconds, on_phase=on_phase)
+                       evaluate=evaluate, rl_seconds=rl_seconds, on_phase=on_phase, eval_tags=eval_tags)
     return await driver.run(steps)
 
 

@@ -100,7 +100,10 @@ def run_mode(staleness: int, args: argparse.Namespace, home: Path) -> dict[str, 
         cluster.start(("rollout",))
         report = asyncio.run(run_training(cluster.cfg, cluster.token, steps=None, on_progress=lambda row: None,
                                           check_children=cluster.supervisor.check, rl_seconds=args.rl_seconds,
-                                          on_phase=on_phase))
+                                          on_phase=on_phase,
+                                          # Not "start": a random policy scores 0; the evaluation after
+                                          # SFT compiles the engine's programs before the RL window opens.
+                                          eval_tags=("after_sft", "end")))
         rtt = loopback_rpc_s(cluster.cfg.inference.server.address)
     finally:
         cluster.stop()

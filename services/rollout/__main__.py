@@ -20,14 +20,17 @@ from services.rollout.admission import AdmissionGate
 from services.rollout.clients import InferenceClient, RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.evaluation import Evaluator, serve_evaluations
+from services.rollout.replicas import ReplicaSet
 from services.rollout.worker import RolloutWorker
 
 
 async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, RolloutWorker]:
     rc = cfg.rollout
     token = load_token(cfg.auth)
-    channels = {name: make_channel(section.server.address, token=token, tls=cfg.auth.tls)
-                for name, section in (("inference", cfg.inference), ("reward", cfg.reward))}
+    channels = {"reward": make_channel(cfg.reward.server.address, token=token, tls=cfg.auth.tls)}
+    # One inference replica per episode, so its KV prefix is reused across turns.
+    inference = ReplicaSet(cfg.inference.server.address,
+                           lambda address: make_channel(address, token=token, tls=cfg.auth.tls))
     tok = get_tokenizer(cfg.model.tokenizer)
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
@@ -38,14 +41,14 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     worker = RolloutWorker(
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
         filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance,
-        gen=InferenceClient(channels["inference"], rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
+        gen=InferenceClient(inference, rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
         # One gateway replica per episode: sessions live in the memory of the replica that made them.
         env=AffinityEnvironmentClient(cfg.env_gateway.server.address,
                                       lambda address: make_channel(address, token=token, tls=cfg.auth.tls),
                                       timeout_s=rc.rpc_timeout_s),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
     )
-    greedy = InferenceClient(channels["inference"], dataclasses.replace(rc.sampling, temperature=0.0),
+    greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 

@@ -17,6 +17,7 @@ from arlo.proto.v1 import (
     reward_pb2_grpc,
 )
 from services.rollout.agent import Turn
+from services.rollout.replicas import ReplicaSet
 
 # Worth retrying with backoff: the backend may be restarting or overloaded.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -24,18 +25,29 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 
 
 class InferenceClient:
-    def __init__(self, channel: grpc.aio.Channel, sampling: SamplingConfig, *, eos_id: int, timeout_s: float) -> None:
-        self.stub = inference_pb2_grpc.InferenceStub(channel)
+    """Generation over one channel, or over a ReplicaSet (each session on its own replica)."""
+
+    def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *, eos_id: int,
+                 timeout_s: float) -> None:
+        self.replicas = channel if isinstance(channel, ReplicaSet) else None
+        self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
         self.sampling = sampling
         self.eos_id = eos_id
         self.timeout_s = timeout_s
 
+    async def _stub(self, session_id: str = "") -> inference_pb2_grpc.InferenceStub:
+        if self.replicas is None:
+            return self.stub
+        return inference_pb2_grpc.InferenceStub(await self.replicas.channel(session_id))
+
     async def model_info(self) -> inference_pb2.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        stub = await self._stub()
+        return await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
 
     async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
         s = self.sampling
-        resp = await self.stub.Generate(inference_pb2.GenerateRequest(
+        stub = await self._stub(session_id)
+        resp = await stub.Generate(inference_pb2.GenerateRequest(
             prompt_token_ids=prompt, n=1, session_id=session_id, sampling=common_pb2.SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
                 stop_token_ids=[self.eos_id])), timeout=self.timeout_s)

@@ -23,7 +23,7 @@ SERVICES = ("inference", "trainer", "env_gateway", "reward", "rollout")
 
 def write_config(path: Path, run_id: str, redis_url: str, *, fixed_ports: bool) -> Path:
     cfg: dict = {"run_id": run_id, "redis": {"url": redis_url}, "trainer": {"groups_per_step": 2},
-                 "rollout": {"group_size": 4, "concurrent_groups": 2, "eval": {"num_tasks": 4, "samples": 1}}}
+                 "rollout": {"group_size": 4, "concurrent_groups": 2, "eval": {"num_tasks": 4, "samples": 1, "every_versions": 2}}}
     if fixed_ports:
         for name in SERVICES:
             cfg.setdefault(name, {})["server"] = {"port": free_port(), "metrics_port": free_port()}
@@ -49,6 +49,12 @@ def test_demo_trains_three_steps_and_fleet_serves_the_pointer(tmp_path: Path, re
         assert 0.0 <= report[f"reward_{tag}"] <= 1.0 and report["evals"][tag]["num_tasks"] == 4
     assert report["reward_after_sft"] is None  # no warm start in this config
     assert report["evals"]["end"]["served_version"] == report["pointer_version"]
+    assert "v2" in report["evals"]  # every_versions: evaluations on the way, by the same workers
+    (run_dir,) = (tmp_path / "home" / "runs").iterdir()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"step", "eval"} and len([r for r in rows if r["kind"] == "step"]) >= 3
+    assert (run_dir / "reward.png").read_bytes().startswith(b"\x89PNG")
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert report["pointer_version"] >= 3
     assert report["inference_versions"] and all(v == report["pointer_version"]
                                                  for v in report["inference_versions"].values())

@@ -1,0 +1,69 @@
+"""Inference replicas for the rollout: one channel per replica, one replica per episode.
+
+The engine keeps an episode's KV prefix between turns (sessions), but only on the replica that
+served its last turn; round-robin would spread an episode's turns over replicas and prefill
+the whole conversation again on each. So the rollout resolves the inference target (a
+headless Service: every ready pod) and sends all of an episode's requests to one replica,
+chosen by rendezvous hashing of the session id: stable while the replica set is, spread
+evenly, and when a replica leaves only its own episodes move (and only lose their cache:
+a moved request is still served correctly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from services.rollout.env_affinity import REFRESH_S, parse_target, resolve
+
+log = logging.getLogger(__name__)
+
+
+def rendezvous(key: str, addresses: list[str]) -> str:
+    """The address with the highest hash of (key, address): the same key, the same address."""
+    return max(addresses, key=lambda a: hashlib.blake2b(f"{key}|{a}".encode(), digest_size=8).digest())
+
+
+class ReplicaSet:
+    def __init__(self, target: str, channel_factory: Callable[[str], grpc.aio.Channel], *,
+                 refresh_s: float = REFRESH_S) -> None:
+        parse_target(target)  # a bad address fails at start
+        self.target = target
+        self._factory = channel_factory
+        self._refresh_s = refresh_s
+        self._addresses: list[str] = []
+        self._resolved_at = -float("inf")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def channel(self, key: str = "") -> grpc.aio.Channel:
+        """The channel of `key`'s replica (any replica for an empty key)."""
+        addresses = await self.addresses()
+        address = rendezvous(key, addresses) if key else addresses[0]
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = self._factory(address)
+        return channel
+
+    async def addresses(self) -> list[str]:
+        if time.monotonic() - self._resolved_at >= self._refresh_s or not self._addresses:
+            try:
+                found = await resolve(self.target)
+            except OSError as e:
+                if not self._addresses:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               f"cannot resolve inference address {self.target!r}: {e}") from e
+                log.warning("re-resolving %s failed (%s); keeping %d replicas", self.target, e, len(self._addresses))
+                found = self._addresses
+            if found != self._addresses:
+                log.info("inference replicas: %s", ", ".join(found))
+            self._addresses, self._resolved_at = found, time.monotonic()
+        return self._addresses
+
+    async def aclose(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
