@@ -55,6 +55,16 @@ class Keys:
         return self.prefix + "weights:events"
 
     @property
+    def rollout_accepted(self) -> str:
+        """Counter of trajectories the rollout wrote for training (the admission gate's)."""
+        return self.prefix + "rollout:accepted"
+
+    @property
+    def traj_dropped_stale(self) -> str:
+        """Counter of trajectories the trainer dropped as stale (given back to the gate's budget)."""
+        return self.prefix + "traj:dropped_stale"
+
+    @property
     def eval_requests(self) -> str:
         """Stream of evaluation requests, consumer group `rollout` (one worker takes each)."""
         return self.prefix + "eval:requests"

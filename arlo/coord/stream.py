@@ -97,6 +97,11 @@ class TrajectoryStream:
                 raise
 
     @cancel_safe
+    async def count_stale(self, n: int) -> None:
+        """Records `n` trajectories dropped as stale, for the rollout's admission budget."""
+        await self._redis.incrby(self._keys.traj_dropped_stale, n)
+
+    @cancel_safe
     async def length(self) -> int:
         return int(await self._redis.xlen(self._keys.traj))
 

@@ -24,9 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def may_start(*, running: int, accepted: int, group_size: int, trainer_version: int, max_staleness: int,
-              batch_size: int) -> bool:
-    """The admission rule, as a pure function."""
-    return running + accepted + group_size <= (max_staleness + trainer_version + 1) * batch_size
+              batch_size: int, dropped_stale: int = 0) -> bool:
+    """The admission rule, as a pure function. Trajectories the trainer dropped as stale after
+    they were accepted (e.g. generated before a trainer restart) are given back to the budget;
+    otherwise each such drop would shrink it for good and could stop every worker."""
+    return running + accepted - dropped_stale + group_size <= (max_staleness + trainer_version + 1) * batch_size
 
 
 class AdmissionGate:
@@ -46,7 +48,8 @@ class AdmissionGate:
         self.batch_size = batch_size
         self.poll_s = poll_s
         self.pointer = WeightPointer(redis, run_id)
-        self.accepted_key = Keys(run_id).prefix + "rollout:accepted"
+        self.accepted_key = Keys(run_id).rollout_accepted
+        self.stale_key = Keys(run_id).traj_dropped_stale
         self.running = 0
         self.waits = 0
 
@@ -62,9 +65,10 @@ class AdmissionGate:
             pointer = await self.pointer.get()
             version = pointer.version if pointer else 0
             accepted = int(await self.redis.get(self.accepted_key) or 0)
+            dropped_stale = int(await self.redis.get(self.stale_key) or 0)
             running = self.running + await self.others_running()
             if may_start(running=running, accepted=accepted, group_size=group_size, trainer_version=version,
-                         max_staleness=self.max_staleness, batch_size=self.batch_size):
+                         max_staleness=self.max_staleness, batch_size=self.batch_size, dropped_stale=dropped_stale):
                 self.running += group_size
                 return
             if not waited:

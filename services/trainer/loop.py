@@ -239,7 +239,10 @@ class TrainingLoop:
             await self.stream.ack(repeats)
         fresh = await self.stream.filter_unseen([e for e in entries if e.trajectory.id not in held_trajs])
         self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
+        stale_before = self.assembler.drops.stale
         ready, dropped = self.assembler.take_ready(self.state.version)
+        if self.assembler.drops.stale > stale_before:
+            await self.stream.count_stale(self.assembler.drops.stale - stale_before)
         if self.filter_zero_variance:
             flat = [g for g in ready if not has_reward_spread(g)]
             ready = [g for g in ready if has_reward_spread(g)]
