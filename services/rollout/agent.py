@@ -54,6 +54,8 @@ class EpisodeSpec:
     run_id: str
     group_id: str
     group_size: int
+    max_wall_s: float = 0.0
+    """> 0: no new turn starts after this long; the episode ends with finish_reason "max_wall_time"."""
 
 
 @dataclass(kw_only=True)
@@ -94,6 +96,9 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
             budget = min(spec.max_tokens_per_turn, spec.max_episode_tokens - len(b.tokens))
             if budget <= 0:
                 finish = "max_tokens"
+                break
+            if spec.max_wall_s and time.monotonic() - started > spec.max_wall_s:
+                finish = "max_wall_time"
                 break
             turns += 1
             t0 = time.monotonic()

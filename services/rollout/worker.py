@@ -105,7 +105,7 @@ class RolloutWorker:
             env_name=self.cfg.env_name, env_config_json=self.cfg.env_config_json, reward_fn=self.cfg.reward_fn,
             seed=task_seed, max_turns=self.cfg.max_turns, max_tokens_per_turn=self.cfg.sampling.max_tokens,
             max_episode_tokens=self.cfg.max_episode_tokens, run_id=self.run_id, group_id=group_id,
-            group_size=self.cfg.group_size,
+            group_size=self.cfg.group_size, max_wall_s=self.cfg.episode_timeout_s,
         )
         results = await asyncio.gather(*(self._episode_with_retries(spec) for _ in range(self.cfg.group_size)),
                                        return_exceptions=True)
@@ -129,8 +129,10 @@ class RolloutWorker:
         """One episode with `gen` (training's sampler, or evaluation's), retrying retryable errors."""
         for attempt in range(MAX_EPISODE_ATTEMPTS):
             try:
+                # The wall-time limit ends an episode between turns (a recorded finish reason, still
+                # trainable); this hard cap only catches a turn that itself hangs past it.
                 return await asyncio.wait_for(run_episode(spec, self.tok, gen, self.env, self.scorer),
-                                              self.cfg.episode_timeout_s)
+                                              2 * self.cfg.episode_timeout_s)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE or attempt == MAX_EPISODE_ATTEMPTS - 1:
                     raise

@@ -53,6 +53,20 @@ def test_turn_and_token_limits_end_the_episode_with_a_reason(engine: Engine) -> 
     assert tight.finish_reason in ("done", "max_tokens")
 
 
+def test_wall_time_limit_ends_the_episode_between_turns_with_a_reason() -> None:
+    class SlowWrongPolicy:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+            await asyncio.sleep(0.2)
+            ids = TOK.encode("-1") + [TOK.eos_id]
+            return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids),
+                        finished_by_stop=True)
+
+    traj = asyncio.run(run_episode(spec(max_turns=10, env_config_json='{"max_turns": 10}', max_wall_s=0.3),
+                                   TOK, SlowWrongPolicy(), GatewayEnv(), CoreScorer()))
+    assert traj.finish_reason == "max_wall_time" and traj.num_turns == 2
+    assert traj.status == common_pb2.TRAJECTORY_STATUS_TRUNCATED  # trainable, reward 0: no answer
+
+
 def test_correct_answer_scores_one() -> None:
     class Oracle:
         async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
