@@ -452,6 +452,7 @@ class RolloutConfig:
     max_turns: int = 3
     max_episode_tokens: int = 256
     episode_timeout_s: float = 120.0
+    """Wall-time limit of an episode: no turn starts after it (finish_reason "max_wall_time")."""
     concurrent_groups: int = 4
     """Groups in flight per worker."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
