@@ -52,6 +52,7 @@ class AdmissionGate:
         self.stale_key = Keys(run_id).traj_dropped_stale
         self.running = 0
         self.waits = 0
+        self._acquiring = asyncio.Lock()
 
     async def others_running(self) -> int:
         statuses = await read_statuses(self.redis, self.run_id)
@@ -60,13 +61,20 @@ class AdmissionGate:
 
     async def acquire(self, group_size: int) -> None:
         """Waits until a group of `group_size` may start, then counts it as running."""
+        async with self._acquiring:  # one check-and-count at a time, or two could pass on one slot
+            await self._acquire(group_size)
+
+    async def _acquire(self, group_size: int) -> None:
         waited = False
         while True:
+            # Our own count first, then the counter: `finish` raises the counter before it lowers
+            # the count, so this order never sees a finished group in neither.
+            own_running = self.running
             pointer = await self.pointer.get()
             version = pointer.version if pointer else 0
             accepted = int(await self.redis.get(self.accepted_key) or 0)
             dropped_stale = int(await self.redis.get(self.stale_key) or 0)
-            running = self.running + await self.others_running()
+            running = own_running + await self.others_running()
             if may_start(running=running, accepted=accepted, group_size=group_size, trainer_version=version,
                          max_staleness=self.max_staleness, batch_size=self.batch_size, dropped_stale=dropped_stale):
                 self.running += group_size
@@ -78,6 +86,6 @@ class AdmissionGate:
 
     async def finish(self, group_size: int, written: int) -> None:
         """The group is over: it no longer runs, and `written` trajectories were accepted."""
-        self.running -= group_size
         if written:
             await self.redis.incrby(self.accepted_key, written)
+        self.running -= group_size
