@@ -9,9 +9,10 @@ same wall-time budget and measure, over the RL window only:
 - the fraction of time the trainer and the inference engine sat idle (1 - busy/wall, from
   their own busy-time counters in the Redis heartbeats);
 - the held-out reward reached at the end (sampled, greedy);
-- platform overhead: the trainer's time in Redis reads/acks, intake (decode, de-duplication)
-  and publishing (serialise, store, pointer) plus the rollout's gRPC round trips (count x the
-  loopback round trip measured here), as a fraction of the trainer's step wall time.
+- platform overhead: the trainer's time in Redis reads that found data, intake (decode,
+  de-duplication), acks and publishing (serialise, store, pointer), as a fraction of its step
+  time plus that time; with the loopback gRPC round trip and the rollout's calls per trajectory
+  for context (hundreds of episodes' calls overlap, so their sum is not wall time).
 
 Each process gets an explicit CPU share (--cpus, one XLA/Eigen thread per CPU), the same in
 every mode. Bars: async >= 1.5x the synchronous trajectories/s with reward no worse at equal
@@ -118,7 +119,7 @@ def summarise(staleness: int, evals: dict[str, Any], before: dict[str, Any], aft
         return float(after[service][key]) - float(before[service][key])
 
     steps, busy, io = delta("trainer", "step"), delta("trainer", "busy_s"), delta("trainer", "io_s")
-    rpc_overhead = (after["rpcs"] - before["rpcs"]) * rtt
+    rpcs = after["rpcs"] - before["rpcs"]
     end = evals.get("end", {})
     return {
         "max_staleness": staleness, "rl_wall_s": wall, "rl_steps": steps,
@@ -128,9 +129,12 @@ def summarise(staleness: int, evals: dict[str, Any], before: dict[str, Any], aft
         "inference_idle_fraction": 1 - delta("inference", "busy_s") / wall,
         "reward_end": end.get("sampled_reward"), "greedy_reward_end": end.get("greedy_reward"),
         "reward_after_sft": evals.get("after_sft", {}).get("sampled_reward"),
-        # Per trainer step: the platform's share of the step's wall time.
-        "overhead_fraction": (io + rpc_overhead) / wall, "trainer_io_s": io, "rpc_overhead_s": rpc_overhead,
-        "loopback_rpc_ms": rtt * 1e3,
+        # The trainer's step: time in Redis reads that found data, intake (decode, de-duplication),
+        # acks and publishing (serialise, store, pointer), as a share of step time + that time.
+        "overhead_fraction": io / (busy + io) if busy + io else 0.0, "trainer_io_s": io, "trainer_busy_s": busy,
+        # The rollout's gRPC calls: fixed cost per call here, and calls per trajectory (context: the
+        # calls of hundreds of concurrent episodes overlap, so their sum is not wall time).
+        "loopback_rpc_ms": rtt * 1e3, "rpcs_per_trajectory": rpcs / max(delta("trainer", "consumed"), 1),
     }
 
 
