@@ -97,7 +97,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *,
                          evaluate: bool) -> tuple[TrainReport, RunRecorder]:
     recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}")
-    display = LiveRun(console, sft_steps=None, rl_steps=steps)
+    display = LiveRun(console, rl_steps=steps)
     check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
     try:
         with display:

@@ -17,7 +17,7 @@ COLUMNS = ("step", "phase", "version", "loss", "reward", "staleness", "traj/s", 
 
 
 class LiveRun:
-    def __init__(self, console: Console, *, sft_steps: int | None, rl_steps: int | None) -> None:
+    def __init__(self, console: Console, *, rl_steps: int | None) -> None:
         self.console = console
         self.rl_steps = rl_steps
         self.progress = Progress(TextColumn("[bold]{task.fields[phase]}"), BarColumn(), MofNCompleteColumn(),

@@ -60,19 +60,48 @@ async def resolve(target: str) -> list[str]:
     return sorted({f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for *_, (ip, *_rest) in infos})
 
 
+class ResolvedTarget:
+    """A target's replica addresses, re-resolved every `refresh_s`. A failed re-resolve keeps the
+    last good list (a DNS hiccup must not stop the run); with no list yet it is UNAVAILABLE."""
+
+    def __init__(self, target: str, *, role: str, refresh_s: float = REFRESH_S) -> None:
+        parse_target(target)  # a bad address fails at start, not at the first episode
+        self.target = target
+        self.role = role
+        self.refresh_s = refresh_s
+        self.current: list[str] = []
+        self._resolved_at = -float("inf")
+
+    async def addresses(self) -> list[str]:
+        """The current list; the same list object until a re-resolve finds a different one."""
+        if time.monotonic() - self._resolved_at < self.refresh_s and self.current:
+            return self.current
+        try:
+            found = await resolve(self.target)
+        except OSError as e:
+            if not self.current:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           f"cannot resolve {self.role} address {self.target!r}: {e}") from e
+            log.warning("re-resolving %s failed (%s); keeping %d replicas", self.target, e, len(self.current))
+            found = self.current
+        if found != self.current:
+            log.info("%s replicas: %s", self.role, ", ".join(found))
+            self.current = found
+        self._resolved_at = time.monotonic()
+        return self.current
+
+
 class AffinityEnvironmentClient:
     """The agent loop's Environment over several env_gateway replicas, one replica per episode."""
 
     def __init__(self, target: str, channel_factory: Callable[[str], grpc.aio.Channel], *, timeout_s: float,
                  refresh_s: float = REFRESH_S, max_tracked: int = MAX_TRACKED_SESSIONS) -> None:
-        parse_target(target)  # a bad address fails at start, not at the first episode
         self.target = target
         self.timeout_s = timeout_s
         self._factory = channel_factory
-        self._refresh_s = refresh_s
+        self._resolved = ResolvedTarget(target, role="env_gateway", refresh_s=refresh_s)
         self._max_tracked = max_tracked
         self._addresses: list[str] = []
-        self._resolved_at = -float("inf")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._owner: OrderedDict[str, str] = OrderedDict()  # session id -> address, oldest first
         self._open: Counter[str] = Counter()  # this client's open sessions per address
@@ -129,18 +158,9 @@ class AffinityEnvironmentClient:
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
     async def _replicas(self) -> list[str]:
-        if time.monotonic() - self._resolved_at >= self._refresh_s or not self._addresses:
-            try:
-                found = await resolve(self.target)
-            except OSError as e:  # DNS hiccup: keep the last good list, if there is one
-                if not self._addresses:
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               f"cannot resolve env_gateway address {self.target!r}: {e}") from e
-                log.warning("re-resolving %s failed (%s); keeping %d replicas", self.target, e, len(self._addresses))
-                found = self._addresses
-            if found != self._addresses:
-                log.info("env_gateway replicas: %s", ", ".join(found))
-            self._addresses, self._resolved_at = found, time.monotonic()
+        found = await self._resolved.addresses()
+        if found is not self._addresses:  # a new list: close channels of replicas that left
+            self._addresses = found
             self._drop_unlisted()
         return self._addresses
 

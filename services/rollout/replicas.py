@@ -12,15 +12,11 @@ a moved request is still served correctly).
 from __future__ import annotations
 
 import hashlib
-import logging
-import time
 from collections.abc import Callable
 
 import grpc
 
-from services.rollout.env_affinity import REFRESH_S, parse_target, resolve
-
-log = logging.getLogger(__name__)
+from services.rollout.env_affinity import REFRESH_S, ResolvedTarget
 
 
 def rendezvous(key: str, addresses: list[str]) -> str:
@@ -31,12 +27,9 @@ def rendezvous(key: str, addresses: list[str]) -> str:
 class ReplicaSet:
     def __init__(self, target: str, channel_factory: Callable[[str], grpc.aio.Channel], *,
                  refresh_s: float = REFRESH_S) -> None:
-        parse_target(target)  # a bad address fails at start
         self.target = target
+        self._resolved = ResolvedTarget(target, role="inference", refresh_s=refresh_s)
         self._factory = channel_factory
-        self._refresh_s = refresh_s
-        self._addresses: list[str] = []
-        self._resolved_at = -float("inf")
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def channel(self, key: str = "") -> grpc.aio.Channel:
@@ -49,19 +42,7 @@ class ReplicaSet:
         return channel
 
     async def addresses(self) -> list[str]:
-        if time.monotonic() - self._resolved_at >= self._refresh_s or not self._addresses:
-            try:
-                found = await resolve(self.target)
-            except OSError as e:
-                if not self._addresses:
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               f"cannot resolve inference address {self.target!r}: {e}") from e
-                log.warning("re-resolving %s failed (%s); keeping %d replicas", self.target, e, len(self._addresses))
-                found = self._addresses
-            if found != self._addresses:
-                log.info("inference replicas: %s", ", ".join(found))
-            self._addresses, self._resolved_at = found, time.monotonic()
-        return self._addresses
+        return await self._resolved.addresses()
 
     async def aclose(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
