@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import yaml
 
 from arlo.distributed import MeshConfig
+from arlo.jsonfields import parse_json_object
 
 T = TypeVar("T")
 
@@ -436,6 +437,10 @@ class EvalConfig:
     timeout_s: float = 600.0
 
     def validate(self, path: str) -> None:
+        try:
+            parse_json_object(self.env_config_json.strip(), f"{path}.env_config_json")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _check(f"{path}.num_tasks", 1 <= self.num_tasks <= 100_000, "must be in [1, 100000]")
         _check(f"{path}.samples", 1 <= self.samples <= 64, "must be in [1, 64]")
         _check(f"{path}.every_versions", self.every_versions >= 0, "must be >= 0")

@@ -18,6 +18,7 @@ from typing import Any
 
 from arlo.config import RolloutConfig
 from arlo.coord.evals import EvalQueue, EvalRequest
+from arlo.jsonfields import parse_json_object
 from arlo.proto.v1 import common_pb2
 from services.rollout.agent import EpisodeSpec, Generator
 
@@ -37,10 +38,8 @@ def pass_at_k(rewards_per_task: list[list[float]]) -> float:
 
 
 def eval_env_config(cfg: RolloutConfig) -> str:
-    base = json.loads(cfg.env_config_json) if cfg.env_config_json.strip() else {}
-    extra = json.loads(cfg.eval.env_config_json) if cfg.eval.env_config_json.strip() else {}
-    if not isinstance(base, dict) or not isinstance(extra, dict):
-        raise ValueError("rollout.env_config_json and rollout.eval.env_config_json must be JSON objects")
+    base = parse_json_object(cfg.env_config_json.strip(), "rollout.env_config_json")
+    extra = parse_json_object(cfg.eval.env_config_json.strip(), "rollout.eval.env_config_json")
     return json.dumps({**base, **extra})
 
 

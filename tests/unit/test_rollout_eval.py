@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from arlo.config import EvalConfig, RolloutConfig, SamplingConfig
+from arlo.config import ConfigError, EvalConfig, RolloutConfig, SamplingConfig, load_config
 from arlo.coord.evals import EvalQueue
 from services.rollout.agent import Turn, run_episode
 from services.rollout.evaluation import Evaluator, eval_env_config, pass_at_k, serve_evaluations
@@ -60,8 +60,10 @@ def test_pass_at_k_counts_tasks_with_any_success() -> None:
 
 def test_eval_config_is_merged_over_the_training_config() -> None:
     assert json.loads(eval_env_config(rollout_cfg())) == {**json.loads(TASK), "split": "eval"}
-    with pytest.raises(ValueError, match="JSON objects"):
+    with pytest.raises(ValueError, match="rollout.env_config_json must be a JSON object"):
         eval_env_config(RolloutConfig(env_config_json="[1]"))
+    with pytest.raises(ConfigError, match="rollout.eval.env_config_json is not valid JSON"):
+        load_config(overrides={"rollout": {"eval": {"env_config_json": "{split"}}})
 
 
 def test_figures_from_a_policy_of_known_skill() -> None:
