@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arlo.config import RunConfig, dump_config, load_config, replace_config
+from arlo.hostmem import merged_tunables
 from arlo.redis_server import LocalRedis, free_port, redis_answers, start_local_redis
 from arlo.supervisor import Supervisor, service_spec
 
@@ -68,7 +69,8 @@ class LocalCluster:
     cores. None: the OS schedules everything."""
 
     def service_env(self, name: str = "") -> dict[str, str]:
-        env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PYTHONUNBUFFERED": "1"}
+        env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PYTHONUNBUFFERED": "1",
+               "GLIBC_TUNABLES": merged_tunables(os.environ.get("GLIBC_TUNABLES"))}
         if self.token:
             env[self.cfg.auth.token_env] = self.token
         cpus = (self.cpu_shares or {}).get(name)

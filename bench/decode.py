@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -71,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arlo.hostmem import reexec_with_tunables
 from arlo.model import ModelConfig, create_model, state_from_bytes, state_to_bytes
 from bench.common import print_table, write_json
 from bench.roofline import Ceilings, best_time, measure_ceilings
@@ -209,6 +211,7 @@ def main() -> None:
     parser.add_argument("--swap-batch", type=int, default=0, help="batch for the swap figures (default: 64 or the largest)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    reexec_with_tunables()  # the inference service runs with these (arlo/hostmem.py); ARLO_DEFAULT_MALLOC=1 opts out
     batches = [int(b) for b in args.batches.split(",")]
     cfg = dataclasses.replace(ModelConfig.named(args.model), dtype=args.dtype)
     started = time.perf_counter()
@@ -242,7 +245,7 @@ def main() -> None:
         *[[f"speedup_vs_naive at batch {b}", x] for b, x in speedups.items()], *[[k, v] for k, v in swap.items()]])
     write_json(args.json, {
         "model": args.model, "dtype": args.dtype, "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "prompt": args.prompt, "new_tokens": args.new_tokens,
-        "decode_steps": args.steps,
+        "decode_steps": args.steps, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "roofline_fraction_b64": per_batch[64]["roofline_fraction"] if 64 in per_batch else None,
         "speedup_vs_naive": speedup, "naive_batch": naive_batch,
         "speedup_vs_naive_by_batch": {str(b): x for b, x in speedups.items()},

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arlo.hostmem import reexec_with_tunables
 from arlo.model import ModelConfig
 from arlo.proto.v1 import common_pb2
 from bench.common import print_table, write_json
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json")
     args = parser.parse_args()
+    reexec_with_tunables()  # the trainer service runs with these (arlo/hostmem.py); ARLO_DEFAULT_MALLOC=1 opts out
     cfg = dataclasses.replace(ModelConfig.named(args.model), dtype=args.dtype)
     started = time.perf_counter()
     ceilings = measure_ceilings(dtype=args.dtype)
@@ -114,6 +117,7 @@ def main() -> None:
                  ["remat=full + logprob_chunk=128", lean, {k: f"{v / 2**20:.0f}MiB" for k, v in lean_seen.items()}]])
     write_json(args.json, {
         "model": args.model, "dtype": args.dtype, "device": ceilings.device, "jax": jax.__version__,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "rows": step["rows"], "length": step["length"],
         "step_s": step["step_s"], "tokens_per_s": step["tokens_per_s"], "flops_per_step": step["flops"],
         "gemm_flops_per_s": ceilings.gemm_flops_per_s, "mem_bytes_per_s": ceilings.mem_bytes_per_s,
