@@ -52,14 +52,11 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
                              eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
-    async def served_version() -> int:
-        return (await greedy.model_info()).policy_version
-
     running = await start_server("rollout", rc.server, cfg.auth, [])
     heartbeat = Heartbeat(redis, cfg.run_id, service="rollout", instance=instance)
     tasks.spawn("rollout", worker.run)
     tasks.spawn("evaluations", lambda: serve_evaluations(EvalQueue(redis, cfg.run_id, consumer=instance),
-                                                         evaluator, served_version))
+                                                         evaluator, greedy.served_version))
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
         "groups": worker.stats.groups, "episodes": worker.stats.episodes, "retries": worker.stats.retries,
         "failed_groups": worker.stats.failed_groups, "running": gate.running, "admission_waits": gate.waits}))

@@ -35,7 +35,13 @@ class ReplicaSet:
     async def channel(self, key: str = "") -> grpc.aio.Channel:
         """The channel of `key`'s replica (any replica for an empty key)."""
         addresses = await self.addresses()
-        address = rendezvous(key, addresses) if key else addresses[0]
+        return self._channel(rendezvous(key, addresses) if key else addresses[0])
+
+    async def all_channels(self) -> list[grpc.aio.Channel]:
+        """One channel per replica the target resolves to now."""
+        return [self._channel(address) for address in await self.addresses()]
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = self._factory(address)

@@ -104,3 +104,35 @@ async def test_a_cancelled_generate_frees_its_slot(served: tuple[str, Engine]) -
             assert asyncio.get_running_loop().time() < deadline, "the slot was not freed"
             await asyncio.sleep(0.02)
     assert engine.scheduler.free_slots == engine.num_slots
+
+
+async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tuple[str, Engine]) -> None:
+    """Evaluation waits on `served_version`: its episodes spread over every replica, so one
+    replica still on old weights must hold it back (it used to ask replica 0 only)."""
+    from arlo.config import SamplingConfig
+    from services.rollout.clients import InferenceClient
+    from services.rollout.replicas import ReplicaSet
+
+    address, first = served
+    cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
+    second = Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=1, max_tokens=8, max_prompt_tokens=32),
+                    config=EngineConfig(max_slots=2))
+    name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    running = await start_server("inference", cfg.inference.server, cfg.auth, [
+        ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
+                       servicer=InferenceServicer(second, "byte"))])
+    replicas = ReplicaSet(f"ipv4:{address},127.0.0.1:{running.port}", lambda a: make_channel(a, token=TOKEN))
+    client = InferenceClient(replicas, SamplingConfig(), eos_id=first.tokenizer.eos_id, timeout_s=10.0)
+    try:
+        first.swap(first.state, 5)
+        second.swap(second.state, 3)
+        assert await client.served_version() == 3
+        second.swap(second.state, 7)
+        assert await client.served_version() == 5
+        await running.stop(0.1)  # a replica that cannot answer is not counted as caught up
+        with pytest.raises(grpc.aio.AioRpcError):
+            await client.served_version()
+    finally:
+        await replicas.aclose()
+        await running.stop(0.1)
+        await asyncio.to_thread(second.close)
