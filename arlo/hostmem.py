@@ -6,8 +6,9 @@ request from a thread's arena and, past the arena's 64 MB heap, falls back to mm
 memory is unmapped again when the call ends. So every call page-faults its temporaries back in.
 
 Measured with `bench/decode.py` (small model, batch 64, 2-core dev machine): 514K minor page
-faults in 8 decode chunks, against 23K with the settings below. The decode step went from
-42.5 ms to 35.2 ms, and roofline_fraction_b64 from 0.40 to 0.45.
+faults in 8 decode chunks, against 23K with the settings below. Over five alternated A/B
+pairs the decode step went from 38-44 ms to 35-41 ms (roofline_fraction_b64 0.38-0.44 ->
+0.42-0.46); a train step (`bench/train_step.py`) from 6.4-6.8 s to 4.9-5.2 s.
 
 The settings:
 - `arena_max=1` and `mmap_max=0`: every allocation comes from one heap grown with sbrk, so a

@@ -77,7 +77,9 @@ class LocalCluster:
         if cpus:
             threads = len(cpus.split(","))
             env["ARLO_CPUS"] = cpus
-            env["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
+            # Appended, so flags the user set for the services still apply.
+            env["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
+                                f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}").strip()
             env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = str(threads)
         return env
 

@@ -44,8 +44,8 @@ speedup_vs_naive 5.8-6.5 -> 6.9-8.5.
 - Page faults. XLA:CPU allocates a program's temporaries (here the ~180 MB window) afresh on
   every call, and glibc mmaps and unmaps them, so each chunk faulted them in again: 514K minor
   faults in 8 chunks. The benches and every service now run with the glibc settings of
-  arlo/hostmem.py (23K faults). The b64 step went from 38-42 ms to 35-36 ms; with
-  ARLO_DEFAULT_MALLOC=1 the old behaviour comes back, for A/B runs.
+  arlo/hostmem.py (23K faults). The b64 step went from 38-44 ms to 35-41 ms (five A/B
+  pairs, alternated); with ARLO_DEFAULT_MALLOC=1 the old behaviour comes back, for A/B runs.
 
 Where the rest goes at b64 on this machine, from isolated kernels. These were measured on a
 quiet machine; the floor is 16 ms, compute-bound at ~205 GFLOP/s:
@@ -66,10 +66,10 @@ Tried here and rejected, A/B on the same machine:
 - bfloat16: the GEMM ceiling is the same 195-199 GFLOP/s, and the step is 41 ms;
 - RoPE's sin/cos once per step instead of per layer: no change;
 - a single XLA thread at b1: slower.
-Taken together, this bench reaches 0.5 from batch 256 up (0.55).
+Taken together, this bench reaches about 0.5 only from batch 256 up (0.47-0.55).
 
 At b1 the step is matrix-vector products: XLA:CPU's reach 22-36 GB/s in isolation, against
-a 53-72 GB/s ceiling. The dots alone take ~4.7 of the ~5.5 ms step. 10x over the no-cache
+a 53-79 GB/s ceiling. The dots alone take ~4.7 of the ~5.5 ms step. 10x over the no-cache
 baseline needs a step of at most ~4.5 ms (the baseline spends ~5.8 s on 128 tokens), which
 is more than XLA's own matrix-vector kernels allow here; measured 7.2-8.1x. At batch 16 the
 same baseline is ~42x slower than the engine. Both figures are printed
@@ -256,6 +256,8 @@ def main() -> None:
     naive_s: dict[int, float] = {}
     naive_batches = [int(b) for b in args.naive_batches.split(",") if b] or sorted({min(batches), 16} & set(batches))
     swap_batch = args.swap_batch or (64 if 64 in batches else max(batches))
+    if not set(naive_batches) <= set(batches) or swap_batch not in batches:
+        parser.error(f"--naive-batches {naive_batches} and --swap-batch {swap_batch} must be among --batches {batches}")
     for batch in batches:
         engine = make_engine(args, batch)
         try:

@@ -41,16 +41,11 @@ class InferenceClient:
             return self.stub
         return inference_pb2_grpc.InferenceStub(await self.replicas.channel(session_id))
 
-    async def model_info(self) -> inference_pb2.GetModelInfoResponse:
-        stub = await self._stub()
-        return await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
-
     async def served_version(self) -> int:
         """The oldest policy version any replica serves: episodes spread over every replica, so
         this is what a caller can count on all of them having."""
-        if self.replicas is None:
-            return (await self.model_info()).policy_version
-        stubs = [inference_pb2_grpc.InferenceStub(channel) for channel in await self.replicas.all_channels()]
+        stubs = ([self.stub] if self.replicas is None else
+                 [inference_pb2_grpc.InferenceStub(channel) for channel in await self.replicas.all_channels()])
         infos = await asyncio.gather(*(stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
                                        for stub in stubs))
         return min(info.policy_version for info in infos)
