@@ -76,3 +76,17 @@ def test_each_missing_or_unsupported_piece_is_named(checkpoint: Path, tmp_path: 
         (broken / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
     with pytest.raises(ValueError, match=match):
         check_model_dir(broken)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
+def test_checkpoints_written_by_transformers_resolve_with_every_eos_id(family: str, tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    from tests.support.hf_checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / family, family, max_shard_size="100KB")
+    source = resolve_model(name="tiny", path=str(path), tokenizer="", seed=0)
+    generation = json.loads((path / "generation_config.json").read_text())
+    tok = source.tokenizer()
+    # The turn's end first (what the rollout appends when a turn is cut), then every other eos id.
+    assert sorted(tok.stop_token_ids) == sorted(generation["eos_token_id"])
+    assert source.cfg.vocab_size >= tok.vocab_size and source.checkpoint == path

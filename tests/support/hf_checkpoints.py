@@ -1,0 +1,94 @@
+"""Tiny real-format Hugging Face checkpoints written by `transformers` itself (random weights,
+the families' real config classes, safetensors single or sharded), with a BPE tokenizer trained
+here by `tokenizers` (a Qwen-style pre-tokenizer, so transformers' own tokenizer classes give
+the file's ids) and the family's real chat template. No hub: everything is made on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tests.support.chat_templates import LLAMA31, QWEN25
+
+# Qwen2's split: single digits, letters with one leading non-letter, punctuation runs, spaces.
+_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_CORPUS = [
+    "What is 12*7? Use the calculator tool if you need it.", "The answer is 84.", "calc 12*7", "84",
+    '{"name": "calculator", "arguments": {"expression": "12*7"}}', "You are a helpful assistant.",
+    "Given the following functions, please respond with a JSON for a function call",
+    "<tool_call>\n</tool_call>\n<tool_response>\n</tool_response>", "Cutting Knowledge Date: December 2023",
+    "Today Date: 26 Jul 2024", "Environment: ipython", "parameters", "description", "properties", "type",
+    "string", "object", "required", "function", "expression", "Evaluate an arithmetic expression.",
+] * 4
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2": dict(config_class="Qwen2Config", template=QWEN25, tokenizer_class="Qwen2Tokenizer",
+                  specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<tool_call>", "</tool_call>"],
+                  bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra_eos=["<|endoftext|>"],
+                  config=dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": dict(config_class="Qwen3Config", template=QWEN25, tokenizer_class="Qwen2Tokenizer",
+                  specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<tool_call>", "</tool_call>"],
+                  bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra_eos=["<|endoftext|>"],
+                  config=dict(tie_word_embeddings=True, head_dim=16, rope_theta=1e6)),
+    "llama3": dict(config_class="LlamaConfig", template=LLAMA31, tokenizer_class="PreTrainedTokenizerFast",
+                   specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                             "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], added=[],
+                   bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|end_of_text|>",
+                   extra_eos=["<|end_of_text|>", "<|eom_id|>"],
+                   config=dict(tie_word_embeddings=False, rope_theta=500000.0)),
+}
+
+
+def train_tokenizer(specials: list[str], added: list[str], vocab_size: int = 400) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    if added:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return tok
+
+
+def write_checkpoint(path: Path, family: str, *, layers: int = 2, hidden: int = 32, seed: int = 0,
+                     max_shard_size: str | None = None, dtype: str = "float32") -> Path:
+    """A `family` ("qwen2", "qwen3", "llama3") checkpoint at `path`, written by transformers."""
+    import torch
+    import transformers
+
+    spec = FAMILIES[family]
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(spec["specials"], spec["added"])
+    tok.save(str(path / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in [*spec["specials"], *spec["added"]]}
+    vocab = -(-tok.get_vocab_size() // 8) * 8
+    eos_ids = [ids[spec["eos"]], *(ids[t] for t in spec["extra_eos"])]
+    torch.manual_seed(seed)
+    config = getattr(transformers, spec["config_class"])(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        initializer_range=0.2, bos_token_id=ids.get(spec["bos"]) if spec["bos"] else None,
+        eos_token_id=eos_ids[0], pad_token_id=ids[spec["pad"]], **spec["config"])
+    model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = eos_ids
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    tokenizer_config = {
+        "tokenizer_class": spec["tokenizer_class"], "chat_template": spec["template"],
+        "eos_token": spec["eos"], "pad_token": spec["pad"], "bos_token": spec["bos"],
+        "model_max_length": 512, "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(i): {"content": t, "special": t in spec["specials"], "normalized": False, "lstrip": False,
+                     "rstrip": False, "single_word": False} for t, i in ids.items()},
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return path
