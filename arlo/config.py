@@ -18,6 +18,7 @@ import yaml
 
 from arlo.distributed import MeshConfig
 from arlo.jsonfields import parse_json_object
+from arlo.private_files import write_private
 
 T = TypeVar("T")
 
@@ -580,7 +581,8 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Written 0600 (atomically): redis.url may carry a password."""
+    write_private(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def replace_config(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:

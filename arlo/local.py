@@ -16,6 +16,7 @@ from pathlib import Path
 
 from arlo.config import RunConfig, dump_config, load_config, replace_config
 from arlo.hostmem import merged_tunables
+from arlo.private_files import private_dir, write_private
 from arlo.redis_server import LocalRedis, free_port, redis_answers, start_local_redis
 from arlo.supervisor import Supervisor, service_spec
 
@@ -117,7 +118,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
 
     `fresh_run` wipes the run's Redis namespace first: only for runs arlo owns (the demo's).
     """
-    home.mkdir(parents=True, exist_ok=True)
+    private_dir(home)  # holds the token and a config that may carry a Redis password
     overrides: dict = {}
     redis = None
     if not redis_answers(cfg.redis.url):
@@ -133,8 +134,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     if not cfg.auth.disabled:
         token = resolve_token(cfg, home) or secrets.token_urlsafe(32)
         token_path = home / "token"
-        token_path.write_text(token)
-        token_path.chmod(0o600)
+        write_private(token_path, token)
         overrides["auth"] = {"token_file": str(token_path)}
     resolved = replace_config(cfg, overrides)
     if fresh_run:
@@ -153,6 +153,6 @@ def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None
     else:
         path = resolved_config_path(home)
         if not path.is_file():
-            home.mkdir(parents=True, exist_ok=True)
+            private_dir(home)
             dump_config(cfg, path)
     return LocalCluster(cfg=cfg, config_path=path, home=home, token=token, redis=None, supervisor=Supervisor([]))

@@ -307,19 +307,26 @@ class TrajectoryStream:
                 bad.append((eid, fields or {}, e.reason))
         if bad:
             await self._dead_letter(bad)
+            self.malformed += len(bad)
         return good
+
+    @cancel_safe
+    async def dead_letter(self, items: Sequence[tuple[str, common_pb2.Trajectory, str]]) -> None:
+        """Moves decoded entries the trainer refuses (entry id, trajectory, reason) to `traj:dead`,
+        acknowledged in the same transaction. The caller counts them by its own reasons."""
+        if items:
+            await self._dead_letter([(eid, codec.encode(traj), reason[:512]) for eid, traj, reason in items])
 
     async def _dead_letter(self, bad: Sequence[tuple[str, Any, str]]) -> None:
         # One transaction: an entry is either still pending or both copied and acked.
         pipe = self._redis.pipeline(transaction=True)
         for eid, fields, reason in bad:
-            log.warning("trajectory entry %s is malformed (%s); moved to %s", eid, reason, self._keys.traj_dead)
+            log.warning("trajectory entry %s refused (%s); moved to %s", eid, reason, self._keys.traj_dead)
             dead = codec.dead_fields(fields, reason=reason, entry_id=eid, consumer=self._consumer)
             pipe.xadd(self._keys.traj_dead, dead, maxlen=DEAD_MAXLEN, approximate=True)
         await self._ack_script(keys=[self._keys.traj, self._keys.traj_acked],
                                args=[self._group, *(eid for eid, _, _ in bad)], client=pipe)
         await pipe.execute()
-        self.malformed += len(bad)
 
     async def _groups(self) -> list[dict[str, Any]]:
         try:

@@ -12,7 +12,11 @@ Reported logprobs are those of the distribution actually sampled from (after tem
 and filtering, renormalised), so they are the behaviour policy's for off-policy
 corrections. Temperature 0 is greedy: the token is the argmax (lowest id on ties) and its
 logprob is taken under the *untempered, unfiltered* softmax, i.e. the model's own
-confidence, since the point mass's logprob (always 0) carries no information.
+confidence, since the point mass's logprob (always 0) carries no information. Any
+temperature below GREEDY_BELOW (1e-5) is greedy too: dividing logits by 1e-12..1e-30
+overflows float32 and gave +-inf or NaN logprobs, and such a distribution is a point mass
+anyway. A returned logprob is always finite, in [LOGPROB_FLOOR, 0]: a non-finite one would
+poison the trainer's importance ratios.
 
 Filtering sorts the vocabulary (one full sort per row and step, only in batches where some
 row filters); on a large vocabulary a static `lax.top_k` cap would be cheaper, at the
@@ -25,6 +29,11 @@ import jax
 import jax.numpy as jnp
 
 ArrayLike = jax.Array | float | int
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this (0 included) are greedy; the documented floor of sampling.temperature."""
+LOGPROB_FLOOR = -1e4
+"""Returned logprobs are clipped to [LOGPROB_FLOOR, 0], NaN mapped to the floor: always finite."""
 
 
 def sampling_logprobs(
@@ -66,7 +75,7 @@ def sample(
 
     def plain() -> jax.Array:
         t = _per_row(temperature, jnp.float32)
-        return jax.nn.log_softmax(logits_bv.astype(jnp.float32) / jnp.where(t <= 0, 1.0, t), axis=-1)
+        return jax.nn.log_softmax(logits_bv.astype(jnp.float32) / jnp.where(t < GREEDY_BELOW, 1.0, t), axis=-1)
 
     def sorted_() -> jax.Array:
         order_bv, logprobs_sorted_bv = _sorted_sampling_logprobs(logits_bv, temperature, top_k, top_p, min_p)
@@ -74,11 +83,16 @@ def sample(
         return jnp.zeros_like(logprobs_sorted_bv).at[rows_b1, order_bv].set(logprobs_sorted_bv)
 
     logprobs_bv = jax.lax.cond(jnp.any(filtered), sorted_, plain)
-    greedy_b = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32) <= 0, (b,))
+    greedy_b = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32) < GREEDY_BELOW, (b,))
     # Greedy: argmax of the logits (lowest id on ties); its logprob is the untempered one.
     tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), jnp.argmax(logprobs_bv + noise_bv, axis=-1))
     logprobs_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
-    return tokens_b.astype(jnp.int32), logprobs_b
+    return tokens_b.astype(jnp.int32), finite_logprobs(logprobs_b)
+
+
+def finite_logprobs(logprobs: jax.Array) -> jax.Array:
+    """Clips to [LOGPROB_FLOOR, 0] and maps NaN to the floor: what leaves the sampler is finite."""
+    return jnp.clip(jnp.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0), LOGPROB_FLOOR, 0.0)
 
 
 def _sorted_sampling_logprobs(
@@ -87,7 +101,7 @@ def _sorted_sampling_logprobs(
     """(order_bv: token ids by descending probability, logprobs of the sampling
     distribution in that order)."""
     t = _per_row(temperature, jnp.float32)
-    greedy = t <= 0
+    greedy = t < GREEDY_BELOW
     scaled_bv = logits_bv.astype(jnp.float32) / jnp.where(greedy, 1.0, t)
     order_bv = jnp.argsort(scaled_bv, axis=-1, descending=True, stable=True)
     sorted_bv = jnp.take_along_axis(scaled_bv, order_bv, axis=-1)

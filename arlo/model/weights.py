@@ -13,6 +13,7 @@ import hashlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx, serialization
 
@@ -39,6 +40,37 @@ def state_from_bytes(data: bytes, like: nnx.State) -> nnx.State:
     for key, (path, var) in expected.items():
         restored.append((path, var.copy(_load_leaf(key, params[key], var.get_value()))))
     return nnx.from_flat_state(restored)
+
+
+class NonFiniteWeights(ValueError):
+    """A parameter holds NaN or inf: such weights are never published nor installed."""
+
+
+def nonfinite_param(state: nnx.State) -> str | None:
+    """The path of the first parameter holding a NaN or inf, or None when all are finite.
+
+    One jitted reduction per floating array, on the device (with several processes a
+    collective: all of them must call it); only one bool per array comes to the host.
+    """
+    flat = [(key, var.get_value()) for key, var in ((_key(p), v) for p, v in _flat(state))]
+    floats = [(key, x) for key, x in flat if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not floats:
+        return None
+    finite = np.asarray(_all_finite([x for _, x in floats]))
+    bad = np.flatnonzero(~finite)
+    return floats[int(bad[0])][0] if bad.size else None
+
+
+@jax.jit
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in arrays])
+
+
+def check_finite(state: nnx.State) -> None:
+    """Raises NonFiniteWeights naming the first parameter that holds a NaN or inf."""
+    bad = nonfinite_param(state)
+    if bad is not None:
+        raise NonFiniteWeights(f"weights: parameter {bad!r} holds NaN or inf")
 
 
 def sha256_hex(data: bytes) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from arlo.jsonfields import loads_bounded
 from services.env_gateway.envs.base import Message
 from services.env_gateway.tool_schema import check_object, json_type_name, tool_name
 
@@ -85,7 +86,7 @@ def _parse_llama3(text: str, by_name: Mapping[str, Any], max_calls: int) -> Pars
     if not (tagged or looks_like_json):
         return ParsedTurn(text=text.strip(), calls=())
     try:
-        value = json.loads(body)
+        value = loads_bounded(body)
     except json.JSONDecodeError as e:
         return ParsedTurn(text="", format="llama3", calls=(BadToolCall(name=_guess_name(body), error=(
             f"the tool call is not valid JSON ({e.msg} at char {e.pos}); write the whole message as "
@@ -108,7 +109,7 @@ def _call_from_json(body: str, index: int, by_name: Mapping[str, Any], args_key:
     if fenced:
         body = fenced.group(1)
     try:
-        value = json.loads(body)
+        value = loads_bounded(body)
     except json.JSONDecodeError as e:
         return BadToolCall(name=_guess_name(body), error=(
             f"tool call {index + 1} is not valid JSON ({e.msg} at char {e.pos}); write "
@@ -131,7 +132,7 @@ def _call_from_value(value: Any, index: int, by_name: Mapping[str, Any], args_ke
     arguments = value.get(args_key, value.get("parameters" if args_key == "arguments" else "arguments", {}))
     if isinstance(arguments, str):  # OpenAI's wire format sends arguments as a JSON string
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = loads_bounded(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as e:
             return BadToolCall(name=name, error=f"{name}: {args_key} is a string but not valid JSON ({e.msg})")
     if not isinstance(arguments, dict):

@@ -74,6 +74,7 @@ def validate_request(req: SamplingRequest, limits: EngineLimits, *, vocab_size: 
          f"prompt_token_ids has {len(req.prompt)} tokens; at most {limits.max_prompt_tokens}"),
         (all(0 <= t < vocab_size for t in req.prompt), f"prompt_token_ids must be in [0, {vocab_size})"),
         (1 <= req.n <= limits.max_n, f"n must be in [1, {limits.max_n}], got {req.n}"),
+        (not req.session_id or req.n == 1, f"session_id needs n = 1 (one conversation), got n = {req.n}"),
         (1 <= req.max_tokens <= limits.max_tokens,
          f"sampling.max_tokens must be in [1, {limits.max_tokens}], got {req.max_tokens}"),
         (len(req.prompt) + req.max_tokens <= max_seq_len,

@@ -29,7 +29,7 @@ def to_sampling_request(req: inference_pb2.GenerateRequest) -> SamplingRequest:
         raise ValueError("sampling.max_tokens is required (>= 1)")
     s = req.sampling
     return SamplingRequest(
-        prompt=tuple(req.prompt_token_ids), n=req.n or 1, max_tokens=s.max_tokens,
+        prompt=tuple(req.prompt_token_ids), n=req.n, max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None,
         stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop), session_id=req.session_id,

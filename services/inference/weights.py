@@ -16,7 +16,7 @@ import grpc
 
 from arlo.config import TlsConfig
 from arlo.coord import WeightPointer, WeightPointerState
-from arlo.model.weights import state_from_bytes
+from arlo.model.weights import nonfinite_param, state_from_bytes
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from services.inference.engine import Engine
@@ -32,6 +32,8 @@ class WeightPullError(Exception):
 class SyncStats:
     pulls: int = 0
     failures: int = 0
+    refused_nonfinite: int = 0
+    """Versions whose sha matched but which held NaN or inf: refused, old weights kept."""
     last_swap_s: float = 0.0
 
 
@@ -82,6 +84,7 @@ class WeightSync:
         self.poll_s = poll_s
         self.max_message_bytes = max_message_bytes
         self.stats = SyncStats()
+        self._refused: tuple[int, str] | None = None  # the last (version, sha) refused as non-finite
 
     async def run(self) -> None:
         backoff = 0.5
@@ -100,6 +103,8 @@ class WeightSync:
                 backoff = min(backoff * 2, 10.0)
 
     async def sync_to(self, pointer: WeightPointerState) -> None:
+        if self._refused == (pointer.version, pointer.sha256):
+            raise WeightPullError(f"version {pointer.version} was refused: it holds NaN or inf")
         if not pointer.source.startswith("grpc://"):
             raise ValueError(f"unsupported weight source {pointer.source!r}")
         loop = asyncio.get_running_loop()
@@ -109,6 +114,15 @@ class WeightSync:
         if sha != pointer.sha256:
             raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
         state = await asyncio.to_thread(state_from_bytes, data, self.engine.state)
+        # A checksum proves the bytes are the trainer's, not that they are usable: a NaN
+        # version would make the replica emit token 0 forever.
+        bad = await asyncio.to_thread(nonfinite_param, state)
+        if bad is not None:
+            self._refused = (pointer.version, pointer.sha256)
+            self.stats.refused_nonfinite += 1
+            log.error("refusing version %d: parameter %r holds NaN or inf; still serving %d", pointer.version, bad,
+                      self.engine.version, extra={"refused_version": pointer.version})
+            raise WeightPullError(f"version {pointer.version}: parameter {bad!r} holds NaN or inf")
         if pointer.version > self.engine.version:
             self.engine.swap(state, pointer.version)
             self.stats.pulls += 1

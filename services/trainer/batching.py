@@ -6,6 +6,7 @@ Pure Python/NumPy: no Redis, no gRPC. The server feeds stream entries in and get
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -44,10 +45,12 @@ class DropCounts:
     stale: int = 0
     failed: int = 0
     malformed: int = 0
+    poisoned: int = 0
+    """A non-finite reward or logprob, or a token id outside the vocabulary (dead-lettered)."""
 
     @property
     def total(self) -> int:
-        return self.stale + self.failed + self.malformed
+        return self.stale + self.failed + self.malformed + self.poisoned
 
 
 def validate_trajectory(traj: common_pb2.Trajectory) -> str | None:
@@ -63,6 +66,30 @@ def validate_trajectory(traj: common_pb2.Trajectory) -> str | None:
         return f"group_size {traj.group_size} > {MAX_GROUP_SIZE}"
     if not any(traj.loss_mask):
         return "no model tokens (loss_mask all 0)"
+    return None
+
+
+def poison_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
+    """Why a trajectory's values would corrupt the weights, or None.
+
+    One NaN or inf reaches every parameter through the advantages (rewards) or the importance
+    ratios (logprobs), and an id outside [0, vocab_size) indexes the embedding out of range
+    (JAX clamps or fills it silently), so every token counts, loss mask 0 included.
+    """
+    if not math.isfinite(traj.reward):
+        return f"non-finite reward {traj.reward}"
+    bad = next((k for k, v in traj.reward_components.items() if not math.isfinite(v)), None)
+    if bad is not None:
+        return f"non-finite reward component {bad[:64]!r}: {traj.reward_components[bad]}"
+    tokens = np.asarray(traj.token_ids, np.int64)
+    if tokens.size and (tokens.min() < 0 or (vocab_size > 0 and tokens.max() >= vocab_size)):
+        return f"token id outside [0, {vocab_size}): {int(tokens.min())}..{int(tokens.max())}"
+    logprobs = np.asarray(traj.logprobs, np.float64)
+    if np.isnan(logprobs).any():
+        return "NaN logprob"
+    masked = np.asarray(traj.loss_mask, bool)
+    if not np.isfinite(logprobs[masked]).all():
+        return "non-finite logprob on a loss-masked (model) token"
     return None
 
 
@@ -93,12 +120,15 @@ class GroupAssembler:
     """
 
     max_staleness: int
+    vocab_size: int = 0
+    """Token ids must lie in [0, vocab_size) (0: only >= 0 is checked)."""
     incomplete_timeout_s: float = 600.0
     pending: dict[str, dict[str, common_pb2.Trajectory]] = field(default_factory=dict)
     drops: DropCounts = field(default_factory=DropCounts)
     _first_seen: dict[str, float] = field(default_factory=dict)
     _closed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # group id -> why its members drop
     _rejected: list[str] = field(default_factory=list)  # dropped entry ids not yet handed out
+    _dead: list[tuple[str, common_pb2.Trajectory, str]] = field(default_factory=list)  # to dead-letter
 
     def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -109,11 +139,14 @@ class GroupAssembler:
             if reason is None and traj.status == common_pb2.TRAJECTORY_STATUS_ERROR:
                 reason = "failed"  # a masked group (its worker gave up on it): no need to wait for the rest
                 self._close(gid, reason)
-            elif reason is None and validate_trajectory(traj) is not None:
-                log.warning("group %r dropped: member %r is malformed (%s)", gid[:64], traj.id[:64],
-                            validate_trajectory(traj))
-                reason = "malformed"
-                self._close(gid, reason)
+            elif reason is None and (why := self._invalid(traj)) is not None:
+                # The member itself is dead-lettered with its reason (inspectable); its group closes.
+                kind = "malformed" if validate_trajectory(traj) else "poisoned"
+                log.warning("group %r dropped: member %r is %s (%s)", gid[:64], traj.id[:64], kind, why)
+                self._close(gid, kind)
+                setattr(self.drops, kind, getattr(self.drops, kind) + 1)
+                self._dead.append((entry_id, traj, why))
+                continue
             if reason is not None:
                 self._drop([entry_id], reason)
                 continue
@@ -146,6 +179,14 @@ class GroupAssembler:
                 self._rejected.extend(members)
         dropped, self._rejected = self._rejected, []
         return ready, dropped
+
+    def take_dead(self) -> list[tuple[str, common_pb2.Trajectory, str]]:
+        """(entry id, trajectory, reason) of members rejected since the last call, for `traj:dead`."""
+        dead, self._dead = self._dead, []
+        return dead
+
+    def _invalid(self, traj: common_pb2.Trajectory) -> str | None:
+        return validate_trajectory(traj) or poison_reason(traj, self.vocab_size)
 
     def _close(self, gid: str, reason: str) -> None:
         """Drops the group's pending members now, and its later members on arrival."""

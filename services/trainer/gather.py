@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from arlo.model.weights import state_to_bytes
+from arlo.model.weights import check_finite, state_to_bytes
 
 
 def host_state(state: Any) -> Any:
@@ -25,5 +25,9 @@ def host_state(state: Any) -> Any:
 
 
 def state_bytes(state: nnx.State) -> bytes:
-    """`state_to_bytes` of the whole state, from any process (all processes call it together)."""
+    """`state_to_bytes` of the whole state, from any process (all processes call it together).
+
+    Raises NonFiniteWeights (on every process alike, before any gather) when a parameter holds
+    NaN or inf: such a version must never reach the fleet."""
+    check_finite(state)
     return state_to_bytes(host_state(state))

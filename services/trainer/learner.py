@@ -60,6 +60,8 @@ class StepMetrics:
     grad_norm: float
     num_tokens: int
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
+    skipped: bool = False
+    """The loss or gradient norm was non-finite: weights and optimizer state are unchanged."""
 
 
 def sft_learner_config(tc: TrainerConfig) -> LearnerConfig:
@@ -164,9 +166,11 @@ class Learner:
         return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
 
     def _finish(self, metrics: dict[str, jax.Array], batch: Batch, *, reward_mean: float) -> StepMetrics:
-        self.step_count += 1
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one deliberate sync per step
+        skipped = host.pop("skipped", 0.0) > 0
+        self.step_count += 0 if skipped else 1
         return StepMetrics(
+            skipped=skipped,
             loss=host.pop("loss"), reward_mean=reward_mean, clip_fraction=host.pop("clip_fraction", 0.0),
             approx_kl=host.pop("approx_kl", 0.0), grad_norm=host.pop("grad_norm"), num_tokens=batch.num_tokens,
             extra=host,
@@ -213,6 +217,20 @@ def _apply(tx: optax.GradientTransformation, state: nnx.State, opt_state: Any, g
     return optax.apply_updates(state, updates), opt_state
 
 
+def _apply_if_finite(tx: optax.GradientTransformation, state: nnx.State, opt_state: Any, grads: nnx.State,
+                     loss: jax.Array) -> tuple[nnx.State, Any, dict[str, jax.Array]]:
+    """The update, or none at all when the loss or gradient norm is non-finite.
+
+    Decided inside the jitted step: the state is donated, so once the step returns the old
+    arrays are gone and a check on the host could no longer keep them. A skipped step leaves
+    weights and optimizer state (Adam's moments and count) exactly as they were.
+    """
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    state, opt_state = jax.lax.cond(ok, lambda: _apply(tx, state, opt_state, grads), lambda: (state, opt_state))
+    return state, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - ok.astype(jnp.float32)}
+
+
 def _rl_step(graphdef: Any, tx: optax.GradientTransformation, obj: ObjectiveConfig, state: nnx.State,
              opt_state: Any, ref_state: nnx.State | None, mbs: dict[str, jax.Array], rewards_gk: jax.Array):
     ref_model = nnx.merge(graphdef, ref_state) if ref_state is not None else None
@@ -228,8 +246,8 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, obj: ObjectiveConf
                                         num_rows=rewards_gk.size)
     loss, grads, metrics = _accumulate(
         graphdef, lambda model, mb: rl_objective(model, mb, denominator, obj, ref_model), state, mbs)
-    state, opt_state = _apply(tx, state, opt_state, grads)
-    return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+    state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
+    return state, opt_state, {**metrics, **outcome}
 
 
 def _sft_step(graphdef: Any, tx: optax.GradientTransformation, fwd: ForwardConfig, state: nnx.State,
@@ -237,5 +255,5 @@ def _sft_step(graphdef: Any, tx: optax.GradientTransformation, fwd: ForwardConfi
     denominator = jnp.maximum(mbs["mask_bt"][:, :, 1:].sum(), 1.0)
     loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator, fwd),
                                        state, mbs)
-    state, opt_state = _apply(tx, state, opt_state, grads)
-    return state, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+    state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
+    return state, opt_state, {**metrics, **outcome}

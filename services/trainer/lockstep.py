@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from arlo.model.weights import NonFiniteWeights
 from services.trainer.batching import Batch
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored
 from services.trainer.gather import state_bytes
@@ -207,7 +208,10 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
         elif op.name == "sft_step":
             learner.sft_step(_broadcast_batch(_placeholder(op.header)))
         elif op.name == "publish":
-            state_bytes(learner.state)
+            try:
+                state_bytes(learner.state)
+            except NonFiniteWeights:
+                pass  # the leader refuses that publish too (same global check) and goes on
         elif op.name == "save":
             assert ckpt is not None, "the leader checkpoints, so every process needs trainer.checkpoint_dir"
             meta = CheckpointMeta(**{**op.header, "trajectory_ids": tuple(op.header["trajectory_ids"])})

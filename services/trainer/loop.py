@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
 from arlo.model import get_tokenizer
+from arlo.model.weights import NonFiniteWeights
 from services.trainer.batching import (
     GroupAssembler,
     ReadyGroup,
@@ -55,6 +56,8 @@ class TrainerState:
     """> 0: pause once the learner's step count reaches it."""
     last_staleness: float = 0.0
     tokens_trained: int = 0
+    skipped_steps: int = 0
+    """Steps refused for a non-finite loss, gradient norm or parameter (nothing applied or published)."""
     busy_s: float = 0.0
     """Wall time inside optimizer steps (SFT and RL)."""
     io_s: float = 0.0
@@ -96,7 +99,7 @@ class TrainingLoop:
         # Every JAX call goes through the replica: with several processes it tells the others first.
         self.replica = Replica(learner, self.checkpointer, channel)
         self.pad_id = get_tokenizer(tokenizer).pad_id
-        self.assembler = GroupAssembler(max_staleness=max_staleness)
+        self.assembler = GroupAssembler(max_staleness=max_staleness, vocab_size=learner.model_cfg.vocab_size)
         self.state = TrainerState(paused=start_paused)
         self._ready: list[ReadyGroup] = []
         self._awaiting: list[TrainedStep] = []  # trained, published, not yet covered by a checkpoint
@@ -104,6 +107,7 @@ class TrainingLoop:
         self._job: asyncio.Task[tuple[int, str]] | None = None
         self._job_version = 0
         self._repeats = 0
+        self._nonfinite = 0  # trajectories of refused steps
         self._jax_lock = asyncio.Lock()
         self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
 
@@ -183,6 +187,10 @@ class TrainingLoop:
             async with self._jax_lock:
                 metrics = await asyncio.to_thread(self.replica.sft_step, batch)
             self.state.busy_s += time.perf_counter() - started
+            if metrics.skipped:  # weights unchanged; the warm start's next batch follows
+                self.state.skipped_steps += 1
+                log.error("SFT step skipped: loss %s, grad norm %s", metrics.loss, metrics.grad_norm)
+                return metrics
             self.state.last = metrics
             self.state.tokens_trained += batch.num_tokens
             if self.phase == "rl":
@@ -216,7 +224,8 @@ class TrainingLoop:
         """Trajectories not trained on, by reason."""
         drops = self.assembler.drops
         return {"stale": drops.stale, "failed": drops.failed, "malformed": drops.malformed + self.stream.malformed,
-                "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance}
+                "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance,
+                "poisoned": drops.poisoned, "nonfinite_step": self._nonfinite}
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -246,6 +255,7 @@ class TrainingLoop:
         self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
         stale_before = self.assembler.drops.stale
         ready, dropped = self.assembler.take_ready(self.state.version)
+        await self.stream.dead_letter(self.assembler.take_dead())  # acknowledged with it
         if self.assembler.drops.stale > stale_before:
             await self.stream.count_stale(self.assembler.drops.stale - stale_before)
         if self.filter_zero_variance:
@@ -287,9 +297,17 @@ class TrainingLoop:
         async with self._jax_lock:
             metrics = await asyncio.to_thread(self.replica.step, batch)
         self.state.busy_s += time.perf_counter() - started
+        if metrics.skipped:
+            await self._refuse_step(groups, f"step skipped: loss {metrics.loss}, grad norm {metrics.grad_norm}")
+            return metrics
         self.state.version += 1
         started = time.perf_counter()
-        await self._publish()
+        try:
+            await self._publish()
+        except NonFiniteWeights as e:
+            self.state.version -= 1  # nothing was published under it
+            await self._refuse_step(groups, f"not published: {e}")
+            return metrics
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         self.state.tokens_trained += batch.num_tokens
@@ -315,6 +333,16 @@ class TrainingLoop:
                 # The step itself is done; its data stays unacknowledged until a later checkpoint.
                 log.exception("could not start checkpoint %d", self.state.version)
         return metrics
+
+    async def _refuse_step(self, groups: Sequence[ReadyGroup], reason: str) -> None:
+        """A step that would corrupt the weights: nothing published, its groups dead-lettered."""
+        self.state.skipped_steps += 1
+        items = [(e, t, reason) for g in groups for e, t in zip(g.entry_ids, g.trajectories, strict=True)]
+        self._nonfinite += len(items)
+        log.error("step refused (%s); %d trajectories moved to %s, version stays %d", reason, len(items),
+                  self.stream.keys.traj_dead, self.state.version,
+                  extra={"skipped_steps": self.state.skipped_steps, "version": self.state.version})
+        await self.stream.dead_letter(items)
 
     def _take_batch_groups(self) -> list[ReadyGroup]:
         # A batch needs one group size; groups of another size wait for their own batch.

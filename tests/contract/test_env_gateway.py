@@ -106,7 +106,10 @@ async def test_same_seed_same_task_and_full_uint64_seed(stub: env_pb2_grpc.Envir
     (env_pb2.ResetRequest(env_name="arith", config_json="[]"), INVALID, "JSON object"),
     (env_pb2.ResetRequest(env_name="arith", config_json='{"colour": 1}'), INVALID, "colour"),
     (env_pb2.ResetRequest(env_name="arith", config_json='{"max_turns": "3"}'), INVALID, "max_turns"),
-], ids=["no-name", "unknown", "long-name", "big-config", "bad-json", "not-object", "unknown-key", "bad-type"])
+    (env_pb2.ResetRequest(env_name="arith", config_json='{"a": ' + "[" * 20000 + "]" * 20000 + "}"), INVALID,
+     "config_json is not valid JSON: nesting deeper"),
+], ids=["no-name", "unknown", "long-name", "big-config", "bad-json", "not-object", "unknown-key", "bad-type",
+        "deep-config"])
 async def test_reset_bad_inputs(stub: env_pb2_grpc.EnvironmentStub, request_: env_pb2.ResetRequest,
                                 code: grpc.StatusCode, fragment: str) -> None:
     await fails(stub.Reset(request_, timeout=5), code, fragment)

@@ -136,3 +136,23 @@ async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tupl
         await replicas.aclose()
         await running.stop(0.1)
         await asyncio.to_thread(second.close)
+
+
+async def test_n_zero_and_a_session_with_n_above_one_are_invalid(served: tuple[str, Engine]) -> None:
+    """n = 0 was served as 1, and a session (one conversation's KV) was accepted with n = 2."""
+    address, _ = served
+    zero = request(2)
+    zero.n = 0
+    session = request(2)
+    session.n, session.session_id = 2, "conversation-1"
+    async with make_channel(address, token=TOKEN) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        for bad, field in ((zero, "n must be"), (session, "session_id")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert field in (err.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.GenerateStream(inference_pb2.GenerateStreamRequest(request=bad)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

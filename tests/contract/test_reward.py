@@ -125,8 +125,10 @@ async def test_score(stub: reward_pb2_grpc.RewardStub) -> None:
     (item(metadata_json=" " * (64 * 1024 + 1)), INVALID, "metadata_json"),
     (item(metadata_json="{"), INVALID, "not valid JSON"),
     (item(metadata_json="[1]"), INVALID, "JSON object"),
+    # Deep nesting within the size bound was a RecursionError, answered INTERNAL.
+    (item(metadata_json='{"a": ' + "[" * 20000 + "]" * 20000 + "}"), INVALID, "metadata_json is not valid JSON"),
 ], ids=["no-fn", "unknown-fn", "long-fn", "big-response", "big-utf8-response", "big-reference", "big-metadata",
-        "bad-metadata", "metadata-not-object"])
+        "bad-metadata", "metadata-not-object", "deep-metadata"])
 async def test_score_bad_inputs(stub: reward_pb2_grpc.RewardStub, request_: reward_pb2.ScoreRequest,
                                 code: grpc.StatusCode, fragment: str) -> None:
     await fails(stub.Score(request_, timeout=5), code, fragment)

@@ -185,7 +185,7 @@ def test_truncated_streams_free_their_slots(stack: Stack, channels: dict[str, gr
     """Clients that walk away from a token stream (after 0 or 1 messages) leave nothing running."""
     stub = inference_pb2_grpc.InferenceStub(channels["inference"])
     request = inference_pb2.GenerateStreamRequest(request=inference_pb2.GenerateRequest(
-        prompt_token_ids=[257, 49, 50], sampling=common_pb2.SamplingParams(max_tokens=8, temperature=1.0)))
+        prompt_token_ids=[257, 49, 50], n=1, sampling=common_pb2.SamplingParams(max_tokens=8, temperature=1.0)))
     for i in range(12):
         call = stub.GenerateStream(request, timeout=20, metadata=AUTH)
         if i % 2:

@@ -71,3 +71,22 @@ def test_stop_string_cuts_the_completion(engine: Engine) -> None:
     assert stop in engine.tokenizer.decode(cut.token_ids)
     assert stop not in engine.tokenizer.decode(cut.token_ids[:-1])
     assert cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-12, 1e-40, 9.9e-6])
+def test_tiny_temperatures_are_greedy_with_finite_logprobs(engine: Engine, temperature: float) -> None:
+    """Below sampling.GREEDY_BELOW a temperature is greedy: dividing logits by it overflowed to
+    +-inf logprobs, which the trainer then learned from."""
+    import math
+
+    greedy = engine.generate(SamplingRequest(prompt=PROMPT, n=2, max_tokens=8, temperature=0.0))
+    tiny = engine.generate(SamplingRequest(prompt=PROMPT, n=2, max_tokens=8, temperature=temperature))
+    for g, t in zip(greedy, tiny, strict=True):
+        assert all(math.isfinite(x) and x <= 0 for x in t.logprobs), t.logprobs
+        assert t.token_ids == g.token_ids
+        assert t.logprobs == pytest.approx(g.logprobs, abs=1e-5)
+
+
+def test_session_with_n_above_one_is_rejected(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="session_id"):
+        engine.generate(SamplingRequest(prompt=PROMPT, n=2, max_tokens=4, session_id="s1"))

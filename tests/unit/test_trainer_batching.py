@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from arlo.proto.v1 import common_pb2
-from services.trainer.batching import GroupAssembler, bucket_length, build_batch
+from services.trainer.batching import (
+    GroupAssembler,
+    bucket_length,
+    build_batch,
+    poison_reason,
+    validate_trajectory,
+)
 
 
 def traj(group: str, *, size: int = 2, version: int = 0, reward: float = 1.0, n: int = 5,
@@ -84,7 +91,9 @@ def test_malformed_member_drops_its_group_at_once_and_later_members_on_arrival()
     del bad.logprobs[:]
     a = GroupAssembler(max_staleness=0)
     a.add([("1-0", traj("g", size=3)), ("2-0", bad)])
-    assert a.take_ready(0) == ([], ["1-0", "2-0"]) and a.pending == {}
+    # The malformed member itself goes to the dead-letter stream, with its reason; its mates are dropped.
+    assert a.take_ready(0) == ([], ["1-0"]) and a.pending == {}
+    assert [(eid, why) for eid, _, why in a.take_dead()] == [("2-0", validate_trajectory(bad))]
     a.add([("3-0", traj("g", size=3))])
     assert a.take_ready(0) == ([], ["3-0"]) and a.drops.malformed == 3 and a.pending == {}
 
@@ -101,7 +110,8 @@ def test_a_group_that_never_completes_is_dropped_as_failed_after_the_timeout() -
 def test_an_absurd_group_size_is_malformed_and_members_beyond_the_size_are_dropped() -> None:
     a = GroupAssembler(max_staleness=0)
     a.add([("1-0", traj("huge", size=100_000))])
-    assert a.take_ready(0) == ([], ["1-0"]) and a.drops.malformed == 1
+    assert a.take_ready(0) == ([], []) and a.drops.malformed == 1
+    assert [eid for eid, _, _ in a.take_dead()] == ["1-0"]
     a.add([("2-0", traj("g")), ("3-0", traj("g"))])
     ready, _ = a.take_ready(0)
     assert len(ready) == 1
@@ -115,3 +125,34 @@ def test_a_masked_group_counts_as_failed_not_malformed() -> None:
     a.add([("1-0", masked), ("2-0", common_pb2.Trajectory(id="m1", group_id="g", group_size=2,
                                                           status=common_pb2.TRAJECTORY_STATUS_ERROR))])
     assert a.take_ready(0) == ([], ["1-0", "2-0"]) and a.drops.failed == 2 and a.drops.malformed == 0
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"reward": float("nan")}, "reward"), ({"reward": float("-inf")}, "reward"),
+    ({"components": float("inf")}, "component"), ({"logprob0": float("nan")}, "NaN logprob"),
+    ({"logprob_last": float("-inf")}, "loss-masked"), ({"token0": 264}, "token id"), ({"token0": -1}, "token id"),
+])
+def test_poisoned_values_are_refused_with_a_reason_and_counted(change: dict, needle: str) -> None:
+    import math
+
+    bad = traj("g")
+    for name, value in change.items():
+        if name == "reward":
+            bad.reward = value
+        elif name == "components":
+            bad.reward_components["x"] = value
+        elif name == "logprob0":
+            bad.logprobs[0] = value
+        elif name == "logprob_last":
+            bad.logprobs[-1] = value
+        else:
+            bad.token_ids[0] = value
+    assert needle in (poison_reason(bad, vocab_size=264) or "")
+    assert poison_reason(traj("g"), vocab_size=264) is None
+    a = GroupAssembler(max_staleness=0, vocab_size=264)
+    a.add([("1-0", bad), ("2-0", traj("g"))])
+    assert a.take_ready(0) == ([], ["2-0"]) and a.drops.poisoned == 2
+    assert [(eid, needle in why) for eid, _, why in a.take_dead()] == [("1-0", True)]
+    ok = traj("h")
+    ok.logprobs[0] = -math.inf  # -inf on a prompt token (mask 0) carries no weight: allowed
+    assert poison_reason(ok, vocab_size=264) is None

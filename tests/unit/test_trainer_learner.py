@@ -171,3 +171,26 @@ def test_sft_has_its_own_optimizer_and_leaves_rl_state_fresh() -> None:
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(rl_state_before),
                                                    jax.tree.leaves(jax.tree.map(np.asarray, learner.opt_state)),
                                                    strict=True))
+
+
+@pytest.mark.parametrize("poison", ["nan_reward", "huge_negative_logprob"])
+def test_a_non_finite_step_is_skipped_leaving_weights_and_optimizer_state_unchanged(poison: str) -> None:
+    """The skip is decided inside the jitted step (its inputs are donated): nothing of it lands."""
+    from arlo.model.weights import state_to_bytes
+
+    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig(learning_rate=1e-2))
+    learner.step(build_batch([group(learner, 55, 56)], 256, 256))  # Adam's moments are non-zero now
+    weights, moments = state_to_bytes(learner.state), [np.asarray(x) for x in jax.tree.leaves(learner.opt_state)]
+    bad = group(learner, 55, 56)
+    if poison == "nan_reward":
+        bad[0].reward = float("nan")
+    else:  # finite, so intake passes it, but the importance ratio overflows to inf
+        bad[1].logprobs[-1] = -1e30
+    metrics = learner.step(build_batch([bad], 256, 256))
+    assert metrics.skipped and learner.step_count == 1
+    assert not (np.isfinite(metrics.loss) and np.isfinite(metrics.grad_norm))
+    assert state_to_bytes(learner.state) == weights
+    after = [np.asarray(x) for x in jax.tree.leaves(learner.opt_state)]
+    assert all(np.array_equal(a, b) for a, b in zip(moments, after, strict=True))
+    good = learner.step(build_batch([group(learner, 55, 56)], 256, 256))
+    assert not good.skipped and learner.step_count == 2 and state_to_bytes(learner.state) != weights
