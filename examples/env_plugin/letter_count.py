@@ -11,8 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.env_gateway.envs.answers import last_integer
-from services.env_gateway.envs.base import (EpisodeOverError, Message, ResetResult, StepResult, check_range,
-                                            describe_config, parse_config)
+from services.env_gateway.envs.base import (
+    EpisodeOverError,
+    Message,
+    ResetResult,
+    StepResult,
+    check_range,
+    describe_config,
+    parse_config,
+)
 from services.env_gateway.spec import EnvSpec
 from services.env_gateway.tool_calls import BadToolCall, error_message, parse_tool_calls
 from services.env_gateway.tool_schema import function_tool, tools_json
