@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections import Counter
 
 import pytest
@@ -74,3 +75,49 @@ async def test_single_env_form_is_a_one_entry_mixture() -> None:
     picker = TaskPicker(cfg.mixture, random.Random(1))
     pick = await picker.next()
     assert (pick.env.name, pick.env.config_json, pick.cursor) == ("guess_number", '{"high": 50}', None)
+
+
+async def test_worker_runs_a_dataset_mixture_through_the_cursor(redis: Redis, run_id: str, tmp_path) -> None:
+    """The worker's one call site: groups take cursor seeds (a restarted worker continues the
+    sequence), trajectories carry their entry's label, and the row's metadata reaches the scorer."""
+    import json
+
+    from arlo.coord import TrajectoryStream
+    from arlo.coord.codec import decode
+    from services.rollout.agent import Turn
+    from services.rollout.worker import RolloutWorker
+    from tests.support.inprocess import TOK, CoreScorer, GatewayEnv
+
+    rows = [{"prompt": f"{i}*2=", "answer": str(2 * i), "level": i} for i in range(6)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    class Oracle:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+            n = re.findall(r"(\d+)\*2=", TOK.decode(prompt))[-1]  # the row's prompt
+            ids = TOK.encode(str(2 * int(n))) + [TOK.eos_id]
+            return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids),
+                        finished_by_stop=True)
+
+    class RecordingScorer(CoreScorer):
+        metadata: list[str] = []
+
+        async def score(self, reward_fn: str, response: str, reference: str, metadata_json: str = ""):
+            self.metadata.append(metadata_json)
+            return await super().score(reward_fn, response, reference, metadata_json)
+
+    cfg = RolloutConfig(group_size=2, concurrent_groups=1, max_turns=1, envs=(RolloutEnvConfig(
+        name="dataset", label="doubles", config_json=json.dumps({"path": str(tmp_path / "t.jsonl"),
+                                                                 "metadata_fields": "level"})),))
+    stream = TrajectoryStream(redis, run_id, consumer="rollout", max_backlog=1000)
+    await stream.ensure_group()
+    scorer = RecordingScorer()
+    for _ in range(2):  # the second worker is the first one restarted: same Redis, new objects
+        worker = RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=Oracle(), env=GatewayEnv(), scorer=scorer,
+                               stream=stream, tasks=durable_picker(cfg, redis, run_id, random.Random()))
+        await worker.run(max_groups=3)
+    entries = await redis.xrange(Keys(run_id).traj)
+    trajs = [decode(fields) for _, fields in entries]
+    assert len(trajs) == 12 and {t.env_name for t in trajs} == {"doubles"}
+    assert all(t.reward == 1.0 for t in trajs), [(t.task_id, t.reward) for t in trajs]
+    assert sorted(Counter(t.task_id for t in trajs).values()) == [2] * 6  # each of the 6 tasks once (x group)
+    assert sorted(json.loads(m)["level"] for m in scorer.metadata) == sorted([i for i in range(6)] * 2)
