@@ -361,6 +361,24 @@ class RemoteEnvConfig:
 
 
 @_frozen
+class EnvPluginConfig:
+    """An environment from the user's package, registered under `name` at gateway start."""
+
+    name: str
+    """The environment name clients Reset with; must not clash with a built-in or a remote."""
+    target: str
+    """"package.module:attr": an `EnvSpec`, a class (instantiated once per session), or a factory
+    taking the `EnvContext` and returning an `EnvSpec`."""
+    description: str = ""
+    """Overrides the description ListEnvironments shows (default: the spec's, or the class docstring)."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.name", bool(self.name), "must be set")
+        module, _, attr = self.target.partition(":")
+        _check(f"{path}.target", bool(module) and bool(attr), "must look like 'package.module:attr'")
+
+
+@_frozen
 class EnvGatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50053, metrics_port=9103))
     session_idle_timeout_s: float = 600.0
@@ -369,6 +387,8 @@ class EnvGatewayConfig:
     remotes: tuple[RemoteEnvConfig, ...] = ()
     retrieval_docs_dir: str = ""
     """Directory of .txt/.md documents for the retrieval env; empty uses the built-in set."""
+    plugins: tuple[EnvPluginConfig, ...] = ()
+    """Environments from your own package (see docs/environments.md); a broken one stops start-up."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
@@ -376,6 +396,11 @@ class EnvGatewayConfig:
         self.sandbox.validate(f"{path}.sandbox")
         for i, remote in enumerate(self.remotes):
             remote.validate(f"{path}.remotes[{i}]")
+        names: set[str] = set()
+        for i, plugin in enumerate(self.plugins):
+            plugin.validate(f"{path}.plugins[{i}]")
+            _check(f"{path}.plugins[{i}].name", plugin.name not in names, f"repeats {plugin.name!r}")
+            names.add(plugin.name)
 
 
 @_frozen
@@ -448,6 +473,44 @@ class EvalConfig:
         _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
 
 
+TASK_SEEDS = ("auto", "random", "cursor")
+
+
+@_frozen
+class RolloutEnvConfig:
+    """One environment of the run's mixture (`rollout.envs`)."""
+
+    name: str
+    """Environment name at the gateway (a built-in such as "dataset", a plugin or a remote one)."""
+    config_json: str = ""
+    """JSON object passed to Reset, e.g. the dataset's path and field mapping."""
+    reward_fn: str = "exact_match"
+    """Reward function the reward service scores this environment's answers with."""
+    weight: float = 1.0
+    """Share of groups drawn from this entry: weight / sum of weights."""
+    label: str = ""
+    """Name of this entry in trajectories (Trajectory.env_name), metrics and its task cursor; empty
+    means `name`. Set it when two entries use the same environment (two datasets)."""
+    seeds: str = "auto"
+    """How group seeds are chosen: "cursor" takes the next one from a durable Redis counter
+    (every task once per epoch, across restarts), "random" draws one; "auto" is "cursor" for the
+    dataset environment and "random" for the others."""
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.name", bool(self.name), "must be set")
+        _check(f"{path}.weight", 0 < self.weight < float("inf"), "must be > 0")
+        _check(f"{path}.seeds", self.seeds in TASK_SEEDS, f"must be one of {', '.join(TASK_SEEDS)}")
+        _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
+        try:
+            parse_json_object(self.config_json.strip(), f"{path}.config_json")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 @_frozen
 class RolloutConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50055, metrics_port=9105))
@@ -465,10 +528,30 @@ class RolloutConfig:
     rpc_timeout_s: float = 30.0
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
+    envs: tuple[RolloutEnvConfig, ...] = ()
+    """A mixture of environments, each group drawn from one by weight; empty means the one entry
+    {name: env_name, config_json: env_config_json, reward_fn: reward_fn}. Evaluation uses the first."""
+    task_lease_s: float = 900.0
+    """A cursor-drawn task not finished this long after it was handed out (its worker died) is
+    handed out again: at-least-once. Keep it above the longest a group can take."""
+
+    @property
+    def mixture(self) -> tuple[RolloutEnvConfig, ...]:
+        """`envs`, or the single entry the env_name/env_config_json/reward_fn fields describe."""
+        if self.envs:
+            return self.envs
+        return (RolloutEnvConfig(name=self.env_name, config_json=self.env_config_json, reward_fn=self.reward_fn),)
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         self.eval.validate(f"{path}.eval")
+        keys: set[str] = set()
+        for i, entry in enumerate(self.envs):
+            entry.validate(f"{path}.envs[{i}]")
+            _check(f"{path}.envs[{i}].label", entry.key not in keys,
+                   f"two entries are both called {entry.key!r}: give one a label")
+            keys.add(entry.key)
+        _check(f"{path}.task_lease_s", self.task_lease_s > 0, "must be > 0")
         _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")

@@ -89,8 +89,9 @@ class TimedScorer:
     def __init__(self, inner: RewardClient, timings: Timings) -> None:
         self.inner, self.timings = inner, timings
 
-    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse:
-        return await self.timings.time("Reward.Score", self.inner.score(reward_fn, response, reference))
+    async def score(self, reward_fn: str, response: str, reference: str,
+                    metadata_json: str = "") -> reward_pb2.ScoreResponse:
+        return await self.timings.time("Reward.Score", self.inner.score(reward_fn, response, reference, metadata_json))
 
 
 def bench_config(args: argparse.Namespace) -> RunConfig:

@@ -74,6 +74,14 @@ class Keys:
         """Stream of evaluation results (JSON), read by whoever asked."""
         return self.prefix + "eval:results"
 
+    def tasks_cursor(self, env_key: str) -> str:
+        """Counter of task seeds handed out for one rollout.envs entry (its label or env name)."""
+        return f"{self.prefix}tasks:cursor:{env_key}"
+
+    def tasks_pending(self, env_key: str) -> str:
+        """Sorted set of seeds handed out but not finished, scored by when (for re-issue after a crash)."""
+        return f"{self.prefix}tasks:pending:{env_key}"
+
     def seen(self, traj_id: str) -> str:
         """Marker of a trajectory that was trained on (de-duplication)."""
         return f"{self.prefix}seen:{traj_id}"

@@ -8,6 +8,7 @@ from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal
 from arlo.sandbox.hardening import make_undumpable
 from arlo.service_args import parse_service_config
 from services.env_gateway.gateway import Gateway
+from services.env_gateway.plugins import load_env_plugin
 from services.env_gateway.registry import EnvContext, default_registry
 from services.env_gateway.remote import RemoteEnvs
 from services.env_gateway.server import SERVICE_NAME, EnvironmentServicer
@@ -15,13 +16,20 @@ from services.env_gateway.sessions import SessionStore
 
 
 def build_gateway(cfg: RunConfig, context: EnvContext | None = None) -> Gateway:
-    """The in-process core with the built-in environments; ConfigError for a bad retrieval docs dir."""
+    """The in-process core with the built-in environments and the configured plugins; ConfigError
+    for a bad retrieval docs dir or a broken plugin (naming it)."""
     gw = cfg.env_gateway
     sessions = SessionStore(idle_timeout_s=gw.session_idle_timeout_s, max_sessions=gw.max_sessions)
     try:
         registry = default_registry(context if context is not None else EnvContext(gw))
     except ValueError as e:
         raise ConfigError(f"env_gateway.retrieval_docs_dir: {e}") from e
+    for i, plugin in enumerate(gw.plugins):
+        where = f"env_gateway.plugins[{i}]"
+        spec = load_env_plugin(plugin, registry.context, where)
+        if registry.get(spec.name) is not None:
+            raise ConfigError(f"{where} {plugin.name!r}: the name is taken by a built-in environment")
+        registry.register(spec)
     return Gateway(registry, sessions)
 
 

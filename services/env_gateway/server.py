@@ -162,7 +162,8 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         result = started.result
         return env_pb2.ResetResponse(session_id=started.session_id, observation=_messages(result.observation),
-                                     tools_json=result.tools_json, task_id=result.task_id)
+                                     tools_json=result.tools_json, task_id=result.task_id,
+                                     metadata_json=json.dumps(result.metadata, default=str) if result.metadata else "")
 
     async def Step(self, request: env_pb2.StepRequest, context: grpc.aio.ServicerContext) -> env_pb2.StepResponse:
         problem = step_problem(request.session_id, request.action)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
 
 from arlo.background import TaskGroup
@@ -20,6 +21,7 @@ from services.rollout.admission import AdmissionGate
 from services.rollout.clients import InferenceClient, RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.evaluation import Evaluator, serve_evaluations
+from services.rollout.mixture import durable_picker
 from services.rollout.replicas import ReplicaSet
 from services.rollout.worker import RolloutWorker
 
@@ -47,6 +49,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
                                       lambda address: make_channel(address, token=token, tls=cfg.auth.tls),
                                       timeout_s=rc.rpc_timeout_s),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
+        tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s)

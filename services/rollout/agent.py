@@ -39,7 +39,8 @@ class EnvClient(Protocol):
 
 
 class Scorer(Protocol):
-    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse: ...
+    async def score(self, reward_fn: str, response: str, reference: str,
+                    metadata_json: str = "") -> reward_pb2.ScoreResponse: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,7 +119,7 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
     finally:
         await env.close(reset.session_id)
     t0 = time.monotonic()
-    score = await scorer.score(spec.reward_fn, answer, reference) if finish == "done" else None
+    score = await scorer.score(spec.reward_fn, answer, reference, reset.metadata_json) if finish == "done" else None
     timings.reward_s = time.monotonic() - t0
     timings.total_s = time.monotonic() - started
     return _trajectory(spec, episode_id, reset.task_id, b, prompt_length, finish, turns, score, timings)

@@ -87,6 +87,8 @@ class RewardClient:
         self.stub = reward_pb2_grpc.RewardStub(channel)
         self.timeout_s = timeout_s
 
-    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse:
+    async def score(self, reward_fn: str, response: str, reference: str,
+                    metadata_json: str = "") -> reward_pb2.ScoreResponse:
         return await self.stub.Score(reward_pb2.ScoreRequest(reward_fn=reward_fn, response=response,
-                                                             reference=reference), timeout=self.timeout_s)
+                                                             reference=reference, metadata_json=metadata_json),
+                                     timeout=self.timeout_s)

@@ -38,7 +38,9 @@ def pass_at_k(rewards_per_task: list[list[float]]) -> float:
 
 
 def eval_env_config(cfg: RolloutConfig) -> str:
-    base = parse_json_object(cfg.env_config_json.strip(), "rollout.env_config_json")
+    # Evaluation runs the mixture's first entry (per-environment evaluation is not built yet).
+    where = "rollout.envs[0].config_json" if cfg.envs else "rollout.env_config_json"
+    base = parse_json_object(cfg.mixture[0].config_json.strip(), where)
     extra = parse_json_object(cfg.eval.env_config_json.strip(), "rollout.eval.env_config_json")
     return json.dumps({**base, **extra})
 
@@ -53,8 +55,8 @@ class Evaluator:
         self.env_config_json = eval_env_config(cfg)  # a bad config fails at start, not at the first eval
 
     def _spec(self, seed: int) -> EpisodeSpec:
-        c = self.cfg
-        return EpisodeSpec(env_name=c.env_name, env_config_json=self.env_config_json, reward_fn=c.reward_fn,
+        c, env = self.cfg, self.cfg.mixture[0]
+        return EpisodeSpec(env_name=env.name, env_config_json=self.env_config_json, reward_fn=env.reward_fn,
                            seed=seed, max_turns=c.max_turns, max_tokens_per_turn=c.sampling.max_tokens,
                            max_episode_tokens=c.max_episode_tokens, run_id=self.run_id,
                            group_id=f"eval-{uuid.uuid4().hex}", group_size=1)

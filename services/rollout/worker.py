@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from arlo.config import RolloutConfig
+from arlo.config import RolloutConfig, RolloutEnvConfig
 from arlo.coord import BacklogFull, TrajectoryStream
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.proto.v1 import common_pb2
 from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, run_episode
 from services.rollout.clients import RETRYABLE
+from services.rollout.mixture import TaskPicker
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class WorkerStats:
 class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, *, run_id: str, tokenizer: ByteTokenizer, gen: Generator,
                  env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None,
-                 gate: AdmissionGate | None = None, filter_zero_variance: bool = False) -> None:
+                 gate: AdmissionGate | None = None, filter_zero_variance: bool = False,
+                 tasks: TaskPicker | None = None) -> None:
         self.gate = gate
         self.filter_zero_variance = filter_zero_variance
         self.cfg = cfg
@@ -50,6 +52,8 @@ class RolloutWorker:
         self.gen, self.env, self.scorer = gen, env, scorer
         self.stream = stream
         self.rng = random.Random(seed)
+        # Which env and seed each group gets; without a Redis-backed picker, random seeds.
+        self.tasks = tasks if tasks is not None else TaskPicker(cfg.mixture, self.rng)
         self.stats = WorkerStats()
         self._consecutive_failures = 0
 
@@ -75,7 +79,9 @@ class RolloutWorker:
         try:
             if self.gate is not None:
                 await self.gate.acquire(self.cfg.group_size)
-            written = self.usable(await self.run_group(self.rng.randrange(2**31)))
+            pick = await self.tasks.next()
+            written = self.usable(await self.run_group(pick.seed, pick.env))
+            await self.tasks.done(pick)  # not reached on a crash: the cursor hands the seed out again
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -99,10 +105,11 @@ class RolloutWorker:
             return 0
         return len(trajs)
 
-    async def run_group(self, task_seed: int) -> list[common_pb2.Trajectory]:
+    async def run_group(self, task_seed: int, env: RolloutEnvConfig | None = None) -> list[common_pb2.Trajectory]:
+        env = env if env is not None else self.cfg.mixture[0]
         group_id = uuid.uuid4().hex
         spec = EpisodeSpec(
-            env_name=self.cfg.env_name, env_config_json=self.cfg.env_config_json, reward_fn=self.cfg.reward_fn,
+            env_name=env.name, env_config_json=env.config_json, reward_fn=env.reward_fn,
             seed=task_seed, max_turns=self.cfg.max_turns, max_tokens_per_turn=self.cfg.sampling.max_tokens,
             max_episode_tokens=self.cfg.max_episode_tokens, run_id=self.run_id, group_id=group_id,
             group_size=self.cfg.group_size, max_wall_s=self.cfg.episode_timeout_s,
@@ -110,6 +117,8 @@ class RolloutWorker:
         results = await asyncio.gather(*(self._episode_with_retries(spec) for _ in range(self.cfg.group_size)),
                                        return_exceptions=True)
         trajs = self._mask_if_failed(spec, results)
+        for t in trajs:
+            t.env_name = env.key  # per-environment metrics in a mixture
         failed = trajs[0].status == common_pb2.TRAJECTORY_STATUS_ERROR
         self._consecutive_failures = self._consecutive_failures + 1 if failed else 0
         await self._add_with_backpressure(trajs)

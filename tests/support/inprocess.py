@@ -42,7 +42,8 @@ class GatewayEnv:
         started = self.gw.reset(env_name, config_json, seed)
         r = started.result
         return env_pb2.ResetResponse(session_id=started.session_id, task_id=r.task_id, observation=[
-            {"role": m.role, "content": m.content} for m in r.observation])
+            {"role": m.role, "content": m.content} for m in r.observation],
+            metadata_json=json.dumps(r.metadata) if r.metadata else "")
 
     async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
         r = self.gw.step(session_id, action)
@@ -60,8 +61,10 @@ class CoreScorer:
         self.scorer = RewardScorer(timeout_s=5.0)
         self.registry = reward_registry()
 
-    async def score(self, reward_fn: str, response: str, reference: str) -> reward_pb2.ScoreResponse:
-        out = await self.scorer.score(self.registry.get(reward_fn).fn, response, reference, {})
+    async def score(self, reward_fn: str, response: str, reference: str,
+                    metadata_json: str = "") -> reward_pb2.ScoreResponse:
+        metadata = json.loads(metadata_json) if metadata_json else {}
+        out = await self.scorer.score(self.registry.get(reward_fn).fn, response, reference, metadata)
         status = {ScoreStatus.OK: reward_pb2.SCORE_STATUS_OK, ScoreStatus.ERROR: reward_pb2.SCORE_STATUS_ERROR,
                   ScoreStatus.TIMEOUT: reward_pb2.SCORE_STATUS_TIMEOUT}[out.status]
         return reward_pb2.ScoreResponse(reward=out.reward, components=dict(out.components), status=status,

@@ -79,3 +79,15 @@ def test_same_seed_same_secret() -> None:
 def test_bad_config_names_the_key(config: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=re.escape(fragment)):
         GuessNumberEnv().reset(0, config)
+
+
+def test_held_out_split_never_draws_a_training_number() -> None:
+    from services.env_gateway.envs.guess_number import GuessNumberEnv
+
+    env = GuessNumberEnv()
+    secrets = {split: {int(env.reset(s, {"split": split}).task_id.rsplit("-", 1)[1]) for s in range(400)}
+               for split in ("train", "eval")}
+    assert secrets["eval"] == set(range(8, 101, 8))  # all 12 held-out numbers come up, nothing else
+    assert secrets["train"].isdisjoint(secrets["eval"]) and len(secrets["train"]) > 60
+    with pytest.raises(ValueError, match=r"split needs high - low \+ 1 >= 8"):
+        env.reset(0, {"low": 1, "high": 5, "split": "eval"})

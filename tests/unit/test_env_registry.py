@@ -78,15 +78,15 @@ def test_factories_get_the_context_and_configs_are_typed() -> None:
 
 def test_builtin_specs_carry_tools_and_configs() -> None:
     registry = default_registry()
-    assert registry.names() == ["arith", "calculator", "guess_number", "python", "retrieval"]
+    assert registry.names() == ["arith", "calculator", "dataset", "guess_number", "python", "retrieval"]
     for spec in registry.specs():
         assert spec.config_type.__dataclass_params__.frozen  # type: ignore[attr-defined]
         for field in dataclasses.fields(spec.config_type):
             assert field.name in spec.description, (spec.name, field.name)
-        env = registry.create(spec) if spec.name != "python" else None
+        env = registry.create(spec) if spec.name not in ("python", "dataset") else None  # these need a sandbox, a path
         if env is not None:
             assert env.reset(0, {}).tools_json == spec.tools_json
-    assert [s.name for s in registry.specs() if s.blocking] == ["python"]
+    assert [s.name for s in registry.specs() if s.blocking] == ["dataset", "python"]
 
 
 async def test_blocking_steps_run_in_worker_threads_and_leave_the_loop_free() -> None:

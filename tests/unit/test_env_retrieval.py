@@ -110,3 +110,13 @@ def test_unusable_docs_dir_says_why(tmp_path: Path, files: dict[str, str], fragm
 def test_bad_config_names_the_key() -> None:
     with pytest.raises(ValueError, match=r"retrieval config: top_k must be in \[1, 20\]"):
         RetrievalEnv(load_corpus()).reset(0, {"top_k": 50})
+
+
+def test_held_out_split_never_asks_a_training_question() -> None:
+    from services.env_gateway.envs.retrieval import RetrievalEnv, load_corpus
+
+    corpus = load_corpus()
+    env = RetrievalEnv(corpus)
+    asked = {split: {env.reset(s, {"split": split}).task_id for s in range(300)} for split in ("train", "eval")}
+    assert asked["train"].isdisjoint(asked["eval"]) and asked["eval"]
+    assert len(asked["train"]) + len(asked["eval"]) == len(corpus.questions)

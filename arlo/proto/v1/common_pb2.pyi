@@ -219,6 +219,7 @@ class Trajectory(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     NUM_TURNS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    ENV_NAME_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Globally unique id; the trainer de-duplicates on it."""
     run_id: _builtins.str
@@ -242,6 +243,10 @@ class Trajectory(_message.Message):
     """Number of model turns."""
     created_at: _builtins.float
     """Unix time (seconds) at which the episode was written."""
+    env_name: _builtins.str
+    """The rollout.envs entry it was sampled from (its label, by default the environment name),
+    so metrics and evaluation can be split per environment.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """All tokens of the episode: prompt, model turns and observations."""
@@ -285,10 +290,11 @@ class Trajectory(_message.Message):
         timings: Global___Timings | None = ...,
         num_turns: _builtins.int = ...,
         created_at: _builtins.float = ...,
+        env_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "env_name", b"env_name", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

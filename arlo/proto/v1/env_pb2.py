@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from arlo.proto.v1 import common_pb2 as arlo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x61rlo/v1/env.proto\x12\x07\x61rlo.v1\x1a\x14\x61rlo/v1/common.proto\"[\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x11\n\tmax_turns\x18\x04 \x01(\r\"\x19\n\x17ListEnvironmentsRequest\"J\n\x18ListEnvironmentsResponse\x12.\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x18.arlo.v1.EnvironmentInfo\"C\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"o\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x0bobservation\x18\x02 \x03(\x0b\x32\x10.arlo.v1.Message\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\x89\x01\n\x0cStepResponse\x12%\n\x0bobservation\x18\x01 \x03(\x0b\x32\x10.arlo.v1.Message\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\x12\x11\n\treference\x18\x05 \x01(\t\x12\x11\n\tinfo_json\x18\x06 \x01(\t\"7\n\x10StepBatchRequest\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.arlo.v1.StepRequest\"T\n\nStepResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\'\n\x08response\x18\x03 \x01(\x0b\x32\x15.arlo.v1.StepResponse\"9\n\x11StepBatchResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.arlo.v1.StepResult\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\xcf\x02\n\x0b\x45nvironment\x12W\n\x10ListEnvironments\x12 .arlo.v1.ListEnvironmentsRequest\x1a!.arlo.v1.ListEnvironmentsResponse\x12\x36\n\x05Reset\x12\x15.arlo.v1.ResetRequest\x1a\x16.arlo.v1.ResetResponse\x12\x33\n\x04Step\x12\x14.arlo.v1.StepRequest\x1a\x15.arlo.v1.StepResponse\x12\x42\n\tStepBatch\x12\x19.arlo.v1.StepBatchRequest\x1a\x1a.arlo.v1.StepBatchResponse\x12\x36\n\x05\x43lose\x12\x15.arlo.v1.CloseRequest\x1a\x16.arlo.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x61rlo/v1/env.proto\x12\x07\x61rlo.v1\x1a\x14\x61rlo/v1/common.proto\"[\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x11\n\tmax_turns\x18\x04 \x01(\r\"\x19\n\x17ListEnvironmentsRequest\"J\n\x18ListEnvironmentsResponse\x12.\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32\x18.arlo.v1.EnvironmentInfo\"C\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\x86\x01\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x0bobservation\x18\x02 \x03(\x0b\x32\x10.arlo.v1.Message\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\x89\x01\n\x0cStepResponse\x12%\n\x0bobservation\x18\x01 \x03(\x0b\x32\x10.arlo.v1.Message\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\x12\x11\n\treference\x18\x05 \x01(\t\x12\x11\n\tinfo_json\x18\x06 \x01(\t\"7\n\x10StepBatchRequest\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.arlo.v1.StepRequest\"T\n\nStepResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\'\n\x08response\x18\x03 \x01(\x0b\x32\x15.arlo.v1.StepResponse\"9\n\x11StepBatchResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.arlo.v1.StepResult\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\xcf\x02\n\x0b\x45nvironment\x12W\n\x10ListEnvironments\x12 .arlo.v1.ListEnvironmentsRequest\x1a!.arlo.v1.ListEnvironmentsResponse\x12\x36\n\x05Reset\x12\x15.arlo.v1.ResetRequest\x1a\x16.arlo.v1.ResetResponse\x12\x33\n\x04Step\x12\x14.arlo.v1.StepRequest\x1a\x15.arlo.v1.StepResponse\x12\x42\n\tStepBatch\x12\x19.arlo.v1.StepBatchRequest\x1a\x1a.arlo.v1.StepBatchResponse\x12\x36\n\x05\x43lose\x12\x15.arlo.v1.CloseRequest\x1a\x16.arlo.v1.CloseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,22 +40,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=246
   _globals['_RESETREQUEST']._serialized_start=248
   _globals['_RESETREQUEST']._serialized_end=315
-  _globals['_RESETRESPONSE']._serialized_start=317
-  _globals['_RESETRESPONSE']._serialized_end=428
-  _globals['_STEPREQUEST']._serialized_start=430
-  _globals['_STEPREQUEST']._serialized_end=479
-  _globals['_STEPRESPONSE']._serialized_start=482
-  _globals['_STEPRESPONSE']._serialized_end=619
-  _globals['_STEPBATCHREQUEST']._serialized_start=621
-  _globals['_STEPBATCHREQUEST']._serialized_end=676
-  _globals['_STEPRESULT']._serialized_start=678
-  _globals['_STEPRESULT']._serialized_end=762
-  _globals['_STEPBATCHRESPONSE']._serialized_start=764
-  _globals['_STEPBATCHRESPONSE']._serialized_end=821
-  _globals['_CLOSEREQUEST']._serialized_start=823
-  _globals['_CLOSEREQUEST']._serialized_end=857
-  _globals['_CLOSERESPONSE']._serialized_start=859
-  _globals['_CLOSERESPONSE']._serialized_end=874
-  _globals['_ENVIRONMENT']._serialized_start=877
-  _globals['_ENVIRONMENT']._serialized_end=1212
+  _globals['_RESETRESPONSE']._serialized_start=318
+  _globals['_RESETRESPONSE']._serialized_end=452
+  _globals['_STEPREQUEST']._serialized_start=454
+  _globals['_STEPREQUEST']._serialized_end=503
+  _globals['_STEPRESPONSE']._serialized_start=506
+  _globals['_STEPRESPONSE']._serialized_end=643
+  _globals['_STEPBATCHREQUEST']._serialized_start=645
+  _globals['_STEPBATCHREQUEST']._serialized_end=700
+  _globals['_STEPRESULT']._serialized_start=702
+  _globals['_STEPRESULT']._serialized_end=786
+  _globals['_STEPBATCHRESPONSE']._serialized_start=788
+  _globals['_STEPBATCHRESPONSE']._serialized_end=845
+  _globals['_CLOSEREQUEST']._serialized_start=847
+  _globals['_CLOSEREQUEST']._serialized_end=881
+  _globals['_CLOSERESPONSE']._serialized_start=883
+  _globals['_CLOSERESPONSE']._serialized_end=898
+  _globals['_ENVIRONMENT']._serialized_start=901
+  _globals['_ENVIRONMENT']._serialized_end=1236
 # @@protoc_insertion_point(module_scope)

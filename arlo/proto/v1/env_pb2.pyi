@@ -122,11 +122,16 @@ class ResetResponse(_message.Message):
     OBSERVATION_FIELD_NUMBER: _builtins.int
     TOOLS_JSON_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
+    METADATA_JSON_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     tools_json: _builtins.str
     """Tools available in this episode (JSON, OpenAI function format)."""
     task_id: _builtins.str
     """Identifies the task (stable for a seed)."""
+    metadata_json: _builtins.str
+    """The task's metadata as a JSON object (e.g. a dataset row's tests), "" for none; the rollout
+    passes it to the reward service as ScoreRequest.metadata_json.
+    """
     @_builtins.property
     def observation(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]:
         """Initial messages (system, user) to put in the prompt."""
@@ -138,10 +143,11 @@ class ResetResponse(_message.Message):
         observation: _abc.Iterable[_common_pb2.Message] | None = ...,
         tools_json: _builtins.str = ...,
         task_id: _builtins.str = ...,
+        metadata_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["observation", b"observation", "session_id", b"session_id", "task_id", b"task_id", "tools_json", b"tools_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata_json", b"metadata_json", "observation", b"observation", "session_id", b"session_id", "task_id", b"task_id", "tools_json", b"tools_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,6 +31,8 @@ class ResetResult:
     task_id: str
     """Stable for a (seed, config)."""
     tools_json: str = "[]"
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """The task's metadata (JSON-serialisable), sent as ResetResponse.metadata_json for the reward function."""
 
 
 @dataclass(kw_only=True, slots=True)

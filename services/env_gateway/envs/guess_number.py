@@ -27,6 +27,9 @@ MAX_TURNS = 64
 MAX_RANGE = 10**9
 TOOLS = (function_tool("guess", "Guess the hidden number.", {"number": {"type": "integer"}}),)
 HIGHER, LOWER = "higher", "lower"
+SPLITS = ("all", "train", "eval")
+EVAL_SHARE = 8
+"""One hidden number in EVAL_SHARE (one of any 8 consecutive ones) belongs to the "eval" split."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,15 +39,35 @@ class GuessNumberConfig:
     """The hidden number is in [low, high]."""
     max_turns: int = 10
     """Guesses allowed; 7 suffice for 1..100 with binary search."""
+    split: str = "all"
+    """"train" or "eval": draw only hidden numbers of that part of a fixed partition (1 in 8 is "eval")."""
 
     def validate(self) -> None:
         check_range("low", self.low, -MAX_RANGE, MAX_RANGE)
         check_range("high", self.high, self.low + 1, self.low + MAX_RANGE)
         check_range("max_turns", self.max_turns, 1, MAX_TURNS)
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {list(SPLITS)}, got {self.split!r}")
+        if self.split != "all" and self.high - self.low + 1 < EVAL_SHARE:
+            raise ValueError(f"split needs high - low + 1 >= {EVAL_SHARE}, so that both parts hold numbers")
 
 
 DESCRIPTION = ("Find a hidden integer from higher/lower hints; reply with a number or call guess(number); "
                f"reward 1 only when found. Config: {describe_config(GuessNumberConfig)}.")
+
+
+def in_split(secret: int, split: str) -> bool:
+    """A fixed partition of hidden numbers: the held-out ("eval") ones are never drawn for "train"."""
+    held_out = secret % EVAL_SHARE == 0  # exactly one of any EVAL_SHARE consecutive: both parts never empty
+    return split == "all" or held_out == (split == "eval")
+
+
+def draw_secret(seed: int, cfg: GuessNumberConfig) -> int:
+    rng = random.Random(seed)
+    while True:  # rejection sampling: EVAL_SHARE draws at most on average
+        secret = rng.randint(cfg.low, cfg.high)
+        if in_split(secret, cfg.split):
+            return secret
 
 
 class GuessNumberEnv:
@@ -57,7 +80,7 @@ class GuessNumberEnv:
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
         self._cfg = cfg = parse_config(GuessNumberConfig, config, NAME)
-        self._secret = random.Random(seed).randint(cfg.low, cfg.high)
+        self._secret = draw_secret(seed, cfg)
         self._turns, self._last_guess, self._done = 0, "", False
         prompt = (f"I am thinking of an integer between {cfg.low} and {cfg.high}. Guess it: reply with one "
                   f"number. After each guess I say '{HIGHER}' or '{LOWER}'. You have {cfg.max_turns} guesses.")

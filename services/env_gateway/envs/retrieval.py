@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,11 @@ TOOLS = (
 )
 
 
+SPLITS = ("all", "train", "eval")
+EVAL_SHARE = 4
+"""About one question in EVAL_SHARE (by a hash of its id) belongs to the "eval" split."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RetrievalConfig:
     top_k: int = 3
@@ -50,11 +56,15 @@ class RetrievalConfig:
     max_turns: int = 6
     max_doc_chars: int = 600
     """Each result's text is cut to this many characters."""
+    split: str = "all"
+    """"train" or "eval": ask only questions of that part of a fixed partition by question id."""
 
     def validate(self) -> None:
         check_range("top_k", self.top_k, 1, 20)
         check_range("max_turns", self.max_turns, 1, MAX_TURNS)
         check_range("max_doc_chars", self.max_doc_chars, 50, 100_000)
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {list(SPLITS)}, got {self.split!r}")
 
 
 DESCRIPTION = ("Answer a question about a local document set using search(query) and answer(text); plain "
@@ -66,12 +76,22 @@ class Corpus:
     docs: tuple[Doc, ...]
     questions: tuple[Question, ...]
     index: BM25Index
+    splits: Mapping[str, tuple[Question, ...]]
+    """"all", "train" and "eval" questions."""
+
+
+def held_out(question: Question) -> bool:
+    """Stable by id: adding questions to a docs dir moves none between the parts."""
+    return zlib.crc32(question.id.encode()) % EVAL_SHARE == 0
 
 
 def make_corpus(docs: tuple[Doc, ...], questions: tuple[Question, ...]) -> Corpus:
     if not docs or not questions:
         raise ValueError(f"a corpus needs documents and questions; got {len(docs)} and {len(questions)}")
-    return Corpus(docs=docs, questions=questions, index=BM25Index([f"{d.title}\n{d.text}" for d in docs]))
+    splits = {"all": questions, "train": tuple(q for q in questions if not held_out(q)),
+              "eval": tuple(q for q in questions if held_out(q))}
+    return Corpus(docs=docs, questions=questions, index=BM25Index([f"{d.title}\n{d.text}" for d in docs]),
+                  splits=splits)
 
 
 def load_corpus(docs_dir: str = "") -> Corpus:
@@ -122,7 +142,11 @@ class RetrievalEnv:
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
         self._cfg = parse_config(RetrievalConfig, config, NAME)
-        self._question = q = random.Random(seed).choice(self._corpus.questions)
+        questions = self._corpus.splits[self._cfg.split]
+        if not questions:
+            raise ValueError(f"split {self._cfg.split!r} holds no questions ({len(self._corpus.questions)} in all): "
+                             "add questions to the docs dir, or use split 'all'")
+        self._question = q = random.Random(seed).choice(questions)
         self._turns, self._searches, self._done = 0, 0, False
         prompt = (f"Question: {q.question}\nUse the search tool to find the answer in the documents, then call "
                   "answer with a short phrase.")

@@ -1,0 +1,238 @@
+"""`dataset`: tasks read from a file (JSONL, Parquet, a `datasets.save_to_disk` directory).
+
+Each row is a task: a prompt (or a list of chat messages), a reference answer, and metadata the
+reward function may need (tests, a difficulty...). Single-turn by default (the model's reply is
+the answer); with `tool: true` the agent also has the calculator tool and answers in plain text
+when done. The reward service scores the answer against the reference with the run's reward
+function; Reset hands the metadata to the rollout, which passes it on to the reward service.
+
+Seed -> task: position `seed % n` of epoch `seed // n`, each epoch a permutation seeded by
+(`shuffle_seed`, epoch); the rollout's durable cursor counts seeds 0, 1, 2, ... so every task
+comes once per epoch. See docs/datasets.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.env_gateway.envs.answers import last_integer, normalize_text
+from services.env_gateway.envs.base import (
+    EpisodeOverError,
+    Message,
+    ResetResult,
+    StepResult,
+    check_range,
+    describe_config,
+    parse_config,
+)
+from services.env_gateway.envs.calculator import TOOLS as CALCULATOR_TOOLS
+from services.env_gateway.envs.dataset_source import FORMATS, DatasetStore, Rows
+from services.env_gateway.envs.safe_eval import EvalError, evaluate, format_number
+from services.env_gateway.tool_calls import BadToolCall, error_message, parse_tool_calls
+from services.env_gateway.tool_schema import tools_json
+
+NAME = "dataset"
+MAX_TURNS = 32
+MAX_METADATA_BYTES = 64 << 10  # ScoreRequest.metadata_json's bound
+SPLITS = ("all", "train", "eval")
+ANSWER_FORMATS = ("text", "last_integer", "normalized")
+ROLES = ("system", "user", "assistant", "tool")
+TOOLS = CALCULATOR_TOOLS[:1]
+NO_ANSWER = "Give your final answer, or call the calculator tool."
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DatasetConfig:
+    path: str = ""
+    """The dataset: a .jsonl/.parquet file or a save_to_disk directory, on the gateway's disk."""
+    format: str = "auto"
+    """"jsonl", "parquet", "hf" (save_to_disk), or "auto" from the path."""
+    hf_split: str = ""
+    """Which split of a saved DatasetDict (empty: its only one)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text (the user message)."""
+    messages_field: str = ""
+    """Column holding a list of {role, content} messages; when set it is used instead of prompt_field."""
+    answer_field: str = "answer"
+    """Column holding the reference answer (non-strings are written as JSON)."""
+    id_field: str = ""
+    """Column with a stable task id (empty: the row number). The held-out split is drawn by id."""
+    metadata_fields: str = ""
+    """Comma-separated columns returned as the task's metadata (Reset's metadata_json), e.g. "tests"."""
+    system_prompt: str = ""
+    """A system message put before the prompt (not with messages_field)."""
+    split: str = "all"
+    """"train" or "eval": the part of a fixed partition by task id; "all" for separate files."""
+    eval_fraction: float = 0.0
+    """Share of the tasks held out as "eval" (with split "train"/"eval")."""
+    split_seed: int = 0
+    """Seeds the partition: change it and another set of tasks is held out."""
+    shuffle_seed: int = 0
+    """Seeds every epoch's order (epoch e is shuffled by (shuffle_seed, e))."""
+    answer_format: str = "text"
+    """How the final reply becomes the answer: "text" (stripped), "last_integer", or "normalized"
+    (lower case, no punctuation or articles; the reference is normalised the same way)."""
+    tool: bool = False
+    """The agent has a calculator tool; the episode ends at its first reply without a tool call."""
+    max_turns: int = 1
+    """Turns before the episode ends unanswered (only matters with tool)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ValueError("path is required: a .jsonl or .parquet file or a save_to_disk directory")
+        _one_of("format", self.format, FORMATS)
+        _one_of("split", self.split, SPLITS)
+        _one_of("answer_format", self.answer_format, ANSWER_FORMATS)
+        if not (self.prompt_field or self.messages_field):
+            raise ValueError("set prompt_field or messages_field")
+        if not self.answer_field:
+            raise ValueError("answer_field is required")
+        check_range("eval_fraction", self.eval_fraction, 0.0, 1.0)
+        if self.split != "all" and not 0 < self.eval_fraction < 1:
+            raise ValueError(f"split {self.split!r} needs eval_fraction in (0, 1); for separate train and "
+                             "eval files use split 'all' and a different path for evaluation")
+        check_range("max_turns", self.max_turns, 1, MAX_TURNS)
+
+    @property
+    def metadata_columns(self) -> tuple[str, ...]:
+        return tuple(f.strip() for f in self.metadata_fields.split(",") if f.strip())
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+DESCRIPTION = ("Tasks from a dataset file (JSONL, Parquet or a datasets save_to_disk directory) with a field "
+               "mapping; single-turn, or multi-turn with a calculator tool; scored by the run's reward "
+               f"function. Config: {describe_config(DatasetConfig)}.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Task:
+    id: str
+    observation: list[Message]
+    reference: str
+    metadata: dict[str, Any]
+
+
+def pick_task(store: DatasetStore, cfg: DatasetConfig, seed: int) -> Task:
+    """The task for `seed`: row order[seed % n] of epoch seed // n in the configured split."""
+    key, rows = store.rows(cfg.path, cfg.format, cfg.hf_split)
+    _check_columns(cfg, rows)
+
+    def task_id(i: int) -> str:
+        return str(rows.row(i)[cfg.id_field]) if cfg.id_field else str(i)
+
+    indices = store.split(key, rows, task_id, cfg.split, cfg.eval_fraction, cfg.split_seed)
+    if not indices:
+        raise ValueError(f"split {cfg.split!r} of {cfg.path!r} holds no tasks ({len(rows)} rows, "
+                         f"eval_fraction {cfg.eval_fraction})")
+    n = len(indices)
+    epoch, position = divmod(seed, n)
+    skey = (key, cfg.split, cfg.eval_fraction, cfg.split_seed)
+    index = indices[store.order(skey, n, epoch, cfg.shuffle_seed)[position]]
+    return _task(cfg, rows.row(index), task_id(index), index)
+
+
+def _check_columns(cfg: DatasetConfig, rows: Rows) -> None:
+    wanted = {"messages_field": cfg.messages_field} if cfg.messages_field else {"prompt_field": cfg.prompt_field}
+    wanted |= {"answer_field": cfg.answer_field, "id_field": cfg.id_field}
+    wanted |= {f"metadata_fields ({c})": c for c in cfg.metadata_columns}
+    for key, column in wanted.items():
+        if column and column not in rows.columns:
+            raise ValueError(f"{key}: column {column!r} is not in {cfg.path!r}; its columns are {list(rows.columns)}")
+
+
+def _task(cfg: DatasetConfig, row: dict[str, Any], task_id: str, index: int) -> Task:
+    where = f"{cfg.path!r} row {index}"
+    if cfg.messages_field:
+        observation = _messages(row.get(cfg.messages_field), f"{where}: {cfg.messages_field}")
+    else:
+        prompt = row.get(cfg.prompt_field)
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: {cfg.prompt_field} must be a non-empty string, got {prompt!r:.80}")
+        observation = ([Message(role="system", content=cfg.system_prompt)] if cfg.system_prompt else []) + \
+            [Message(role="user", content=prompt)]
+    answer = row.get(cfg.answer_field)
+    if answer is None:
+        raise ValueError(f"{where}: {cfg.answer_field} is missing")
+    reference = answer if isinstance(answer, str) else json.dumps(answer)
+    metadata = {c: row.get(c) for c in cfg.metadata_columns}
+    if len(json.dumps(metadata, default=str)) > MAX_METADATA_BYTES:
+        raise ValueError(f"{where}: metadata {list(metadata)} is larger than {MAX_METADATA_BYTES} bytes as JSON")
+    return Task(id=task_id, observation=observation, reference=reference, metadata=metadata)
+
+
+def _messages(value: Any, where: str) -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where} must be a non-empty list of {{role, content}}, got {value!r:.80}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}[{i}] must be {{role: one of {list(ROLES)}, content: str}}, got {m!r:.80}")
+        out.append(Message(role=m["role"], content=m["content"], name=str(m.get("name") or "")))
+    return out
+
+
+class DatasetEnv:
+    def __init__(self, store: DatasetStore) -> None:
+        self._store = store
+        self._cfg = DatasetConfig(path="-")
+        self._reference = ""
+        self._turns = 0
+        self._done = True
+
+    def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
+        self._cfg = cfg = parse_config(DatasetConfig, config, NAME)
+        task = pick_task(self._store, cfg, seed)
+        self._reference = normalize_text(task.reference) if cfg.answer_format == "normalized" else task.reference
+        self._turns, self._done = 0, False
+        return ResetResult(observation=task.observation, task_id=f"{NAME}-{task.id}",
+                           tools_json=tools_json(TOOLS) if cfg.tool else "[]", metadata=task.metadata)
+
+    def step(self, action: str) -> StepResult:
+        if self._done:
+            raise EpisodeOverError("the episode is over; call Reset to start another")
+        self._turns += 1
+        if not self._cfg.tool:
+            return self._finish(action)
+        parsed = parse_tool_calls(action, TOOLS)
+        if not parsed.calls:
+            if parsed.text.strip():
+                return self._finish(parsed.text)
+            replies = [Message(role="user", content=NO_ANSWER)]
+        else:
+            replies = [error_message(c) if isinstance(c, BadToolCall) else _calculate(c.arguments["expression"])
+                       for c in parsed.calls]
+        if self._turns >= self._cfg.max_turns:
+            return self._finish("", out_of_turns=True)
+        return StepResult(observation=replies, done=False, info={"turns": self._turns})
+
+    def _finish(self, text: str, *, out_of_turns: bool = False) -> StepResult:
+        self._done = True
+        answer = _answer(text, self._cfg.answer_format)
+        # The run's reward function scores it; this is only the environment's own exact-match view.
+        correct = bool(answer) and answer == self._reference
+        return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=answer,
+                          reference=self._reference,
+                          info={"turns": self._turns, "correct": correct, "out_of_turns": out_of_turns})
+
+
+def _answer(text: str, answer_format: str) -> str:
+    if answer_format == "last_integer":
+        return last_integer(text) or ""
+    if answer_format == "normalized":
+        return normalize_text(text)
+    return text.strip()
+
+
+def _calculate(expression: str) -> Message:
+    try:
+        content = format_number(evaluate(expression))
+    except EvalError as e:
+        content = f"error: {e}"
+    return Message(role="tool", name="calculator", content=content)

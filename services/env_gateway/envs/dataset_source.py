@@ -1,0 +1,192 @@
+"""Rows of a task dataset read from disk: JSON Lines, Parquet (pyarrow) or a Hugging Face
+`datasets` directory written by `save_to_disk`. Each is read once per (file, modification time)
+and shared by every session; Parquet and `datasets` rows stay in Arrow memory (memory-mapped for
+`datasets`) and are turned into Python objects one row at a time.
+
+The split and the epoch order are pure functions of the row ids and recorded seeds, so any
+gateway replica, before or after a restart, maps a seed to the same task.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+FORMATS = ("auto", "jsonl", "parquet", "hf")
+MAX_JSONL_BYTES = 1 << 30
+_CACHED_DATASETS = 8
+_CACHED_ORDERS = 64
+
+
+class Rows(Protocol):
+    columns: tuple[str, ...]
+
+    def __len__(self) -> int: ...
+
+    def row(self, i: int) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ListRows:
+    columns: tuple[str, ...]
+    rows: tuple[dict[str, Any], ...]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+
+class ArrowRows:
+    """A pyarrow Table (Parquet) or a `datasets.Dataset`: rows converted on access."""
+
+    def __init__(self, table: Any, columns: Sequence[str], get_row: Any) -> None:
+        self._table, self._get_row = table, get_row
+        self.columns = tuple(columns)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def row(self, i: int) -> dict[str, Any]:
+        return self._get_row(self._table, i)
+
+
+def detect_format(path: Path) -> str:
+    if path.is_dir():
+        return "hf"
+    if path.suffix in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if path.suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise ValueError(f"path {str(path)!r}: cannot tell the format from the name; set format to one of "
+                     f"{list(FORMATS[1:])}")
+
+
+def read_jsonl(path: Path) -> ListRows:
+    if path.stat().st_size > MAX_JSONL_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_JSONL_BYTES} bytes: convert it to Parquet")
+    rows: list[dict[str, Any]] = []
+    columns: dict[str, None] = {}
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
+            if not isinstance(item, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(item).__name__}")
+            rows.append(item)
+            columns.update(dict.fromkeys(item))
+    return ListRows(columns=tuple(columns), rows=tuple(rows))
+
+
+def read_parquet(path: Path) -> ArrowRows:
+    import pyarrow.parquet as pq  # the `data` extra: only datasets from files need it
+
+    table = pq.read_table(path)
+    return ArrowRows(table, table.column_names, lambda t, i: t.slice(i, 1).to_pylist()[0])
+
+
+def read_hf(path: Path, hf_split: str) -> ArrowRows:
+    import datasets  # the `data` extra
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if not hf_split:
+            if len(loaded) != 1:
+                raise ValueError(f"{path} holds the splits {sorted(loaded)}: set hf_split to one of them")
+            hf_split = next(iter(loaded))
+        if hf_split not in loaded:
+            raise ValueError(f"hf_split {hf_split!r} is not in {path}; it holds {sorted(loaded)}")
+        loaded = loaded[hf_split]
+    elif hf_split:
+        raise ValueError(f"hf_split {hf_split!r}: {path} holds a single Dataset, not a DatasetDict")
+    return ArrowRows(loaded, loaded.column_names, lambda d, i: d[i])
+
+
+def read_rows(path: Path, fmt: str, hf_split: str) -> Rows:
+    if not path.exists():
+        raise ValueError(f"path {str(path)!r} does not exist")
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    try:
+        if fmt == "jsonl":
+            return read_jsonl(path)
+        if fmt == "parquet":
+            return read_parquet(path)
+        return read_hf(path, hf_split)
+    except ImportError as e:
+        raise ValueError(f"format {fmt!r} needs the `data` extra (pip install 'arlo[data]'): {e}") from None
+    except (OSError, UnicodeDecodeError) as e:  # pyarrow's ArrowInvalid is an OSError... or a ValueError
+        raise ValueError(f"path {str(path)!r}: cannot read it as {fmt}: {e}") from None
+
+
+def in_eval(task_id: str, fraction: float, split_seed: int) -> bool:
+    """A fixed partition by task id: stable when rows are added, reordered or read from another copy."""
+    return zlib.crc32(f"{split_seed}:{task_id}".encode()) < fraction * 2**32
+
+
+def epoch_order(n: int, epoch: int, shuffle_seed: int) -> list[int]:
+    """The order of positions 0..n-1 in `epoch`: a permutation seeded by (shuffle_seed, epoch)."""
+    order = list(range(n))
+    random.Random(f"{shuffle_seed}:{epoch}").shuffle(order)
+    return order
+
+
+class DatasetStore:
+    """Loaded datasets, their splits and epoch orders, shared by the sessions of a gateway."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: OrderedDict[tuple[Any, ...], Rows] = OrderedDict()
+        self._splits: OrderedDict[tuple[Any, ...], tuple[int, ...]] = OrderedDict()
+        self._orders: OrderedDict[tuple[Any, ...], list[int]] = OrderedDict()
+
+    def rows(self, path: str, fmt: str, hf_split: str) -> tuple[tuple[Any, ...], Rows]:
+        p = Path(path).expanduser().resolve()
+        try:
+            stat = p.stat()
+        except OSError:
+            raise ValueError(f"path {path!r} does not exist") from None
+        key = (str(p), stat.st_mtime_ns, stat.st_size, fmt, hf_split)
+        with self._lock:  # one load per file even when many sessions start at once
+            if key not in self._rows:
+                self._put(self._rows, key, read_rows(p, fmt, hf_split), _CACHED_DATASETS)
+            self._rows.move_to_end(key)
+            return key, self._rows[key]
+
+    def split(self, key: tuple[Any, ...], rows: Rows, ids: Any, split: str, fraction: float,
+              split_seed: int) -> tuple[int, ...]:
+        """Row indices of `split` ("all", "train" or "eval"); `ids(i)` is row i's task id."""
+        skey = (key, split, fraction, split_seed)
+        with self._lock:
+            if skey not in self._splits:
+                if split == "all":
+                    chosen = tuple(range(len(rows)))
+                else:
+                    want = split == "eval"
+                    chosen = tuple(i for i in range(len(rows)) if in_eval(ids(i), fraction, split_seed) == want)
+                self._put(self._splits, skey, chosen, _CACHED_ORDERS)
+            return self._splits[skey]
+
+    def order(self, skey: tuple[Any, ...], n: int, epoch: int, shuffle_seed: int) -> list[int]:
+        okey = (skey, n, epoch, shuffle_seed)
+        with self._lock:
+            if okey not in self._orders:
+                self._put(self._orders, okey, epoch_order(n, epoch, shuffle_seed), _CACHED_ORDERS)
+            return self._orders[okey]
+
+    @staticmethod
+    def _put(cache: OrderedDict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any, limit: int) -> None:
+        cache[key] = value
+        while len(cache) > limit:
+            cache.popitem(last=False)

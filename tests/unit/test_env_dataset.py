@@ -1,0 +1,160 @@
+"""The dataset environment on real files: JSONL, Parquet written by pyarrow, and a directory
+written by `datasets.save_to_disk`; field mapping, held-out split, epoch order, tools, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.env_gateway.envs.dataset import DatasetEnv
+from services.env_gateway.envs.dataset_source import DatasetStore
+
+ROWS = [{"id": f"t{i}", "question": f"What is {i} + {i}?", "solution": str(2 * i), "tests": [f"assert f({i})"],
+         "level": i % 3} for i in range(40)]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    pa = pytest.importorskip("pyarrow", reason="the `data` extra (pyarrow) is not installed")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_hf(path: Path, rows: list[dict[str, Any]]) -> Path:
+    datasets = pytest.importorskip("datasets", reason="the `data` extra (datasets) is not installed")
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+WRITERS = {"jsonl": (write_jsonl, "tasks.jsonl"), "parquet": (write_parquet, "tasks.parquet"),
+           "hf": (write_hf, "tasks_hf")}
+
+
+def config(path: Path, **extra: Any) -> dict[str, Any]:
+    return {"path": str(path), "prompt_field": "question", "answer_field": "solution", "id_field": "id",
+            "metadata_fields": "tests, level", **extra}
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_every_format_maps_fields_and_gives_each_task_once_per_epoch(tmp_path: Path, fmt: str) -> None:
+    writer, name = WRITERS[fmt]
+    path = writer(tmp_path / name, ROWS)
+    env, cfg = DatasetEnv(DatasetStore()), config(path, system_prompt="Be brief.")
+    epochs = []
+    for epoch in range(2):
+        ids = []
+        for seed in range(epoch * len(ROWS), (epoch + 1) * len(ROWS)):
+            reset = env.reset(seed, cfg)
+            row = ROWS[int(reset.task_id.removeprefix("dataset-t"))]
+            assert [(m.role, m.content) for m in reset.observation] == [("system", "Be brief."),
+                                                                      ("user", row["question"])]
+            assert reset.metadata == {"tests": row["tests"], "level": row["level"]} and reset.tools_json == "[]"
+            ids.append(reset.task_id)
+        assert sorted(ids) == sorted(f"dataset-{r['id']}" for r in ROWS)  # every task once
+        epochs.append(ids)
+    assert epochs[0] != epochs[1]  # the second epoch is reshuffled
+    assert env.reset(3, cfg).task_id == DatasetEnv(DatasetStore()).reset(3, cfg).task_id  # same seed, same task
+    assert env.reset(3, cfg).task_id != env.reset(3, {**cfg, "shuffle_seed": 1}).task_id or \
+        env.reset(4, cfg).task_id != env.reset(4, {**cfg, "shuffle_seed": 1}).task_id
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_single_turn_answer_is_the_reply(tmp_path: Path, fmt: str) -> None:
+    writer, name = WRITERS[fmt]
+    env = DatasetEnv(DatasetStore())
+    reset = env.reset(0, config(writer(tmp_path / name, ROWS)))
+    row = next(r for r in ROWS if f"dataset-{r['id']}" == reset.task_id)
+    step = env.step(f"  {row['solution']} \n")
+    assert step.done and step.answer == step.reference == row["solution"] and step.reward == 1.0
+
+
+def test_held_out_split_is_disjoint_and_covers_the_rows(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    env = DatasetEnv(DatasetStore())
+    parts = {split: {env.reset(s, config(path, split=split, eval_fraction=0.25)).task_id for s in range(200)}
+             for split in ("train", "eval")}
+    assert parts["train"].isdisjoint(parts["eval"])
+    assert parts["train"] | parts["eval"] == {f"dataset-{r['id']}" for r in ROWS}
+    assert 4 <= len(parts["eval"]) <= 18
+    # By id, not position: reversed rows hold out the same tasks.
+    reversed_path = write_jsonl(tmp_path / "r.jsonl", ROWS[::-1])
+    assert {env.reset(s, config(reversed_path, split="eval", eval_fraction=0.25)).task_id
+            for s in range(200)} == parts["eval"]
+
+
+def test_messages_field_and_integer_answers(tmp_path: Path) -> None:
+    rows = [{"messages": [{"role": "system", "content": "Count."}, {"role": "user", "content": "1,2,3?"}],
+             "answer": 3}]
+    env = DatasetEnv(DatasetStore())
+    reset = env.reset(5, {"path": str(write_jsonl(tmp_path / "m.jsonl", rows)), "messages_field": "messages",
+                          "answer_format": "last_integer"})
+    assert [m.role for m in reset.observation] == ["system", "user"] and reset.task_id == "dataset-0"
+    step = env.step("There are 3.")
+    assert (step.answer, step.reference, step.reward) == ("3", "3", 1.0)
+
+
+def test_calculator_tool_multi_turn(tmp_path: Path) -> None:
+    rows = [{"prompt": "What is 4821 * 337?", "answer": str(4821 * 337)}]
+    env = DatasetEnv(DatasetStore())
+    reset = env.reset(0, {"path": str(write_jsonl(tmp_path / "c.jsonl", rows)), "tool": True, "max_turns": 3,
+                          "answer_format": "last_integer"})
+    assert json.loads(reset.tools_json)[0]["function"]["name"] == "calculator"
+    tool = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "4821 * 337"}}</tool_call>')
+    assert not tool.done and tool.observation[0].role == "tool" and tool.observation[0].content == "1624677"
+    final = env.step(f"The product is {tool.observation[0].content}.")
+    assert final.done and final.answer == final.reference == "1624677"
+
+
+@pytest.mark.parametrize(("extra", "rows", "match"), [
+    ({"answer_field": "nope"}, ROWS, r"answer_field: column 'nope' is not in .*; its columns are \['id'"),
+    ({"metadata_fields": "tests,nope"}, ROWS, r"metadata_fields \(nope\): column 'nope'"),
+    ({"split": "eval"}, ROWS, r"split 'eval' needs eval_fraction in \(0, 1\)"),
+    ({"format": "csv"}, ROWS, r"format must be one of"),
+    ({}, [{"question": "", "solution": "1", "id": "a", "tests": [], "level": 0}], r"row 0: question must be a non-empty"),
+    ({"bogus": 1}, ROWS, r"dataset config: unknown key\(s\) \['bogus'\]"),
+])
+def test_bad_configs_and_rows_name_the_field(tmp_path: Path, extra: dict[str, Any], rows: list[dict[str, Any]],
+                                             match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DatasetEnv(DatasetStore()).reset(0, config(write_jsonl(tmp_path / "t.jsonl", rows), **extra))
+
+
+def test_missing_and_unreadable_files(tmp_path: Path) -> None:
+    env = DatasetEnv(DatasetStore())
+    with pytest.raises(ValueError, match="does not exist"):
+        env.reset(0, {"path": str(tmp_path / "none.jsonl")})
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "1"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        env.reset(0, {"path": str(tmp_path / "bad.jsonl")})
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError):
+        env.reset(0, {"path": str(tmp_path / "bad.parquet")})
+
+
+def test_a_rewritten_file_is_read_again(tmp_path: Path) -> None:
+    store, path = DatasetStore(), tmp_path / "t.jsonl"
+    write_jsonl(path, [{"prompt": "a?", "answer": "1"}])
+    env = DatasetEnv(store)
+    assert env.reset(0, {"path": str(path)}).observation[0].content == "a?"
+    write_jsonl(path, [{"prompt": "bb?", "answer": "2"}, {"prompt": "bb?", "answer": "2"}])
+    assert env.reset(0, {"path": str(path)}).observation[0].content == "bb?"
+
+
+def test_dataset_dict_needs_a_split_name(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets", reason="the `data` extra (datasets) is not installed")
+    rows = [{"prompt": "p?", "answer": "1"}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    env = DatasetEnv(DatasetStore())
+    with pytest.raises(ValueError, match=r"holds the splits \['test', 'train'\]: set hf_split"):
+        env.reset(0, {"path": str(tmp_path / "dd")})
+    assert env.reset(0, {"path": str(tmp_path / "dd"), "hf_split": "test"}).task_id == "dataset-0"
