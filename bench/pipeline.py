@@ -32,10 +32,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from arlo.app.driver import run_training
+from arlo.app.local import INFRA_SERVICES, prepare_cluster
 from arlo.config import load_config
 from arlo.coord import connect, read_statuses
-from arlo.driver import run_training
-from arlo.local import INFRA_SERVICES, prepare_cluster
 from bench.common import machine, print_table, write_json
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "arlo" / "data" / "demo.yaml"

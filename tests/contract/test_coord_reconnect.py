@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 from redis.asyncio import Redis
 
+from arlo.app.redis_server import LocalRedis, host_port, start_local_redis
 from arlo.config import RedisConfig
 from arlo.coord import TrajectoryStream, WeightPointer, connect
 from arlo.proto.v1 import common_pb2
-from arlo.redis_server import LocalRedis, host_port, start_local_redis
 
 
 async def until_subscribed(client: Redis, channel: str, timeout_s: float = 10.0) -> None:

@@ -40,9 +40,9 @@ def test_the_image_sets_the_same_value() -> None:
 
 
 def test_local_services_start_with_them(tmp_path: Path) -> None:
+    from arlo.app.local import LocalCluster
+    from arlo.app.supervisor import Supervisor
     from arlo.config import RunConfig
-    from arlo.local import LocalCluster
-    from arlo.supervisor import Supervisor
 
     cluster = LocalCluster(cfg=RunConfig(), config_path=tmp_path / "run.yaml", home=tmp_path, token=None,
                            redis=None, supervisor=Supervisor([]))

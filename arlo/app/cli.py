@@ -20,10 +20,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from arlo.config import ConfigError, load_config, replace_config
-from arlo.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
-from arlo.live import LiveRun
-from arlo.local import (
+from arlo.app.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
+from arlo.app.live import LiveRun
+from arlo.app.local import (
     INFRA_SERVICES,
     LocalCluster,
     arlo_home,
@@ -32,8 +31,9 @@ from arlo.local import (
     prepare_cluster,
     resolve_token,
 )
-from arlo.run_record import RunRecorder
-from arlo.supervisor import ServiceFailed
+from arlo.app.run_record import RunRecorder
+from arlo.app.supervisor import ServiceFailed
+from arlo.config import ConfigError, load_config, replace_config
 
 console = Console(stderr=True)
 
