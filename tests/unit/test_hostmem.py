@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +30,6 @@ def test_with_tunables_copies() -> None:
     env = {"PATH": "/bin"}
     assert with_tunables(env) == {"PATH": "/bin", "GLIBC_TUNABLES": GLIBC_TUNABLES}
     assert env == {"PATH": "/bin"}
-
-
-def test_the_image_sets_the_same_value() -> None:
-    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    found = re.findall(r"GLIBC_TUNABLES=(\S+)", dockerfile)
-    assert found == [GLIBC_TUNABLES]
 
 
 def test_local_services_start_with_them(tmp_path: Path) -> None:
