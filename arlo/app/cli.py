@@ -34,6 +34,7 @@ from arlo.app.local import (
 from arlo.app.run_record import RunRecorder
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
+from arlo.data import resource_path
 
 console = Console(stderr=True)
 
@@ -47,7 +48,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 DEMO_RUN_ID = "demo"
-DEMO_CONFIG = Path(__file__).resolve().parent / "data" / "demo.yaml"
+DEMO_CONFIG = resource_path("demo.yaml")
 DEMO_RL_STEPS = 80
 
 
