@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from arlo.app.local import INFRA_SERVICES, prepare_cluster, wipe_run
 from arlo.config import RunConfig, load_config
 from arlo.coord import TrajectoryStream, connect
-from arlo.local import INFRA_SERVICES, prepare_cluster, wipe_run
 from arlo.model import get_tokenizer
 from arlo.proto.v1 import env_pb2, reward_pb2, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel

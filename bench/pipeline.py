@@ -32,13 +32,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from arlo.app.driver import run_training
+from arlo.app.local import INFRA_SERVICES, prepare_cluster
 from arlo.config import load_config
 from arlo.coord import connect, read_statuses
-from arlo.driver import run_training
-from arlo.local import INFRA_SERVICES, prepare_cluster
+from arlo.data import resource_path
 from bench.common import machine, print_table, write_json
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "arlo" / "data" / "demo.yaml"
+DEMO_CONFIG = resource_path("demo.yaml")
 # Two cores: inference and the trainer each get one; the light services share both.
 DEFAULT_CPUS = "inference=0,trainer=1,rollout=0,env_gateway=1,reward=1"
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from arlo.redis_server import redis_answers, start_local_redis
+from arlo.app.redis_server import redis_answers, start_local_redis
 
 # Keep JAX on a small, predictable CPU footprint in tests.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

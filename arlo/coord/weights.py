@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from arlo.coord.client import cancel_safe, reraise_lost_cancel, text
+from arlo.coord.client import cancel_safe, text
 from arlo.coord.keys import Keys
 from arlo.proto.v1 import common_pb2
 
@@ -40,11 +40,6 @@ if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'checkpoint_version', ARGV[1], 'checkpoint_uri', ARGV[2])
 return 1
 """
-
-# How long one pub/sub read waits: bounds how late a watcher notices it was closed or that
-# its connection broke. Not a polling interval (nothing is re-read when it elapses).
-_EVENT_READ_S = 1.0
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightPointerState:
@@ -131,33 +126,6 @@ class WeightPointer:
         finally:
             await _close(pubsub)
 
-    async def events(self) -> AsyncGenerator[int, None]:
-        """Versions as they are published, until the iterator is closed (then it unsubscribes).
-
-        Best effort: versions published while the connection is down are missed, so pair it
-        with an occasional get().
-        """
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            subscribed = await self._subscribe(pubsub)
-            while True:
-                if not subscribed:
-                    await asyncio.sleep(_EVENT_READ_S)
-                    subscribed = await self._subscribe(pubsub)
-                    continue
-                try:
-                    message = await pubsub.get_message(timeout=_EVENT_READ_S)
-                except (RedisError, OSError) as e:
-                    log.warning("weight events: %s; resubscribing", e)
-                    subscribed = False
-                    continue
-                reraise_lost_cancel()
-                version = _event_version(message)
-                if version is not None:
-                    yield version
-        finally:
-            await _close(pubsub)
-
     # -- internals --------------------------------------------------------------------------
 
     async def _subscribe(self, pubsub: PubSub) -> bool:
@@ -191,16 +159,6 @@ class WeightPointer:
         except (RedisError, OSError) as e:
             log.warning("weight events: %s; polling", e)
             return False
-
-
-def _event_version(message: Mapping[str, Any] | None) -> int | None:
-    if not message or message.get("type") != "message":
-        return None
-    try:
-        return int(text(message["data"]))
-    except ValueError:
-        log.warning("ignoring malformed weight event %r", message.get("data"))
-        return None
 
 
 async def _close(pubsub: PubSub) -> None:

@@ -1,13 +1,13 @@
 """Flax NNX decoder-only transformer (Llama 3 / Qwen2 / Qwen3), tokenizers, sampling,
-generation, weight bytes, and Hugging Face checkpoint loading (`load_hf_model`).
+weight bytes, and Hugging Face checkpoint loading (`load_hf_model`). Generation is the
+inference service's (`services/inference`: continuous batching over `prefill`/`decode_step`).
 
 Typical use: `model = create_model(ModelConfig.named("tiny"), seed=0)`, then
 `graphdef, state = nnx.split(model)` once; jit functional code over `state` and pass
-`graphdef` as a static argument (see `generate`).
+`graphdef` as a static argument.
 """
 
 from arlo.model.config import ModelConfig
-from arlo.model.generate import GenerationResult, generate
 from arlo.model.hf import load_hf_model, load_hf_state
 from arlo.model.hf_tokenizer import HFTokenizer
 from arlo.model.kv_cache import KVCache, init_cache
@@ -20,7 +20,6 @@ from arlo.model.weights import sha256_hex, state_from_bytes, state_to_bytes
 
 __all__ = [
     "ByteTokenizer",
-    "GenerationResult",
     "HFTokenizer",
     "KVCache",
     "ModelConfig",
@@ -29,7 +28,6 @@ __all__ = [
     "Transformer",
     "abstract_model",
     "create_model",
-    "generate",
     "get_tokenizer",
     "init_cache",
     "load_hf_model",

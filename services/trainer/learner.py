@@ -36,6 +36,7 @@ from services.trainer.objectives import (
     sequence_kl,
     sft_objective,
 )
+from services.trainer.sft import SFTBatch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,17 +142,19 @@ class Learner:
         """Continues from a checkpoint; the KL reference stays the seed's initial policy."""
         self.state, self.opt_state, self.step_count = state, opt_state, step
 
-    def sft_step(self, batch: Batch) -> StepMetrics:
+    def sft_step(self, batch: SFTBatch) -> StepMetrics:
         if self.sft_opt_state is None:
             self.sft_opt_state = self._sft_tx.init(self.state)
-        self.state, self.sft_opt_state, metrics = self._sft_step(self.state, self.sft_opt_state,
-                                                                 self._device_rows(batch))
+        rows = self._on_device({"tokens_bt": batch.tokens_bt, "mask_bt": batch.mask_bt})
+        self.state, self.sft_opt_state, metrics = self._sft_step(self.state, self.sft_opt_state, rows)
         return self._finish(metrics, batch, reward_mean=0.0)
 
     def _device_rows(self, batch: Batch) -> dict[str, jax.Array]:
-        rows = {"tokens_bt": batch.tokens_bt, "behaviour_logprobs_bt": batch.behaviour_logprobs_bt,
-                "mask_bt": batch.mask_bt}
-        size = self.cfg.micro_batch_size or len(batch.tokens_bt)
+        return self._on_device({"tokens_bt": batch.tokens_bt, "behaviour_logprobs_bt": batch.behaviour_logprobs_bt,
+                                "mask_bt": batch.mask_bt})
+
+    def _on_device(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        size = self.cfg.micro_batch_size or len(rows["tokens_bt"])
         padded = pad_rows(rows, multiple=size)
         # [micro_batches, rows, ...]: static shapes, so one compiled step per bucket.
         shaped = {k: v.reshape(-1, size, *v.shape[1:]) for k, v in padded.items()}
@@ -165,7 +168,7 @@ class Learner:
             return jnp.asarray(array)
         return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
 
-    def _finish(self, metrics: dict[str, jax.Array], batch: Batch, *, reward_mean: float) -> StepMetrics:
+    def _finish(self, metrics: dict[str, jax.Array], batch: Batch | SFTBatch, *, reward_mean: float) -> StepMetrics:
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one deliberate sync per step
         skipped = host.pop("skipped", 0.0) > 0
         self.step_count += 0 if skipped else 1

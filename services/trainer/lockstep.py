@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ from services.trainer.batching import Batch
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored
 from services.trainer.gather import state_bytes
 from services.trainer.learner import Learner, StepMetrics
+from services.trainer.sft import SFTBatch
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ POLL_MS = 1000
 KEEP_KEYS = 8
 """Announcements kept on the coordinator; older ones are deleted (see CoordinatorChannel)."""
 BATCH_FIELDS = ("tokens_bt", "behaviour_logprobs_bt", "mask_bt", "rewards_gk")
+SFT_BATCH_FIELDS = ("tokens_bt", "mask_bt")
+AnyBatch = TypeVar("AnyBatch", Batch, SFTBatch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,12 +143,12 @@ class Replica:
         self.channel = channel
 
     def step(self, batch: Batch) -> StepMetrics:
-        self.channel.announce("step", _batch_header(batch))
-        return self.learner.step(_broadcast_batch(batch))
+        self.channel.announce("step", _batch_header(batch, BATCH_FIELDS))
+        return self.learner.step(_broadcast_batch(batch, BATCH_FIELDS))
 
-    def sft_step(self, batch: Batch) -> StepMetrics:
-        self.channel.announce("sft_step", _batch_header(batch))
-        return self.learner.sft_step(_broadcast_batch(batch))
+    def sft_step(self, batch: SFTBatch) -> StepMetrics:
+        self.channel.announce("sft_step", _batch_header(batch, SFT_BATCH_FIELDS))
+        return self.learner.sft_step(_broadcast_batch(batch, SFT_BATCH_FIELDS))
 
     def state_bytes(self) -> bytes:
         self.channel.announce("publish", {})
@@ -170,24 +173,31 @@ class Replica:
         self.channel.announce("stop", {})
 
 
-def _batch_header(batch: Batch) -> dict[str, Any]:
-    return {k: [list(getattr(batch, k).shape), str(getattr(batch, k).dtype)] for k in BATCH_FIELDS} | {
+def _batch_header(batch: Batch | SFTBatch, fields: tuple[str, ...]) -> dict[str, Any]:
+    return {k: [list(getattr(batch, k).shape), str(getattr(batch, k).dtype)] for k in fields} | {
         "num_tokens": batch.num_tokens}
 
 
-def _broadcast_batch(batch: Batch) -> Batch:
+def _broadcast_batch(batch: AnyBatch, fields: tuple[str, ...]) -> AnyBatch:
     """Process 0's batch, on every process (the others pass a placeholder of the same shapes)."""
     if jax.process_count() == 1:
         return batch
     from jax.experimental import multihost_utils
 
-    arrays = multihost_utils.broadcast_one_to_all({k: getattr(batch, k) for k in BATCH_FIELDS})
+    arrays = multihost_utils.broadcast_one_to_all({k: getattr(batch, k) for k in fields})
     return dataclasses.replace(batch, **{k: np.asarray(v) for k, v in arrays.items()})
 
 
+def _placeholder_arrays(header: dict[str, Any], fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+    return {k: np.zeros(tuple(header[k][0]), np.dtype(header[k][1])) for k in fields}
+
+
 def _placeholder(header: dict[str, Any]) -> Batch:
-    arrays = {k: np.zeros(tuple(header[k][0]), np.dtype(header[k][1])) for k in BATCH_FIELDS}
-    return Batch(**arrays, trajectory_ids=(), num_tokens=int(header["num_tokens"]))
+    return Batch(**_placeholder_arrays(header, BATCH_FIELDS), trajectory_ids=(), num_tokens=int(header["num_tokens"]))
+
+
+def _sft_placeholder(header: dict[str, Any]) -> SFTBatch:
+    return SFTBatch(**_placeholder_arrays(header, SFT_BATCH_FIELDS), num_tokens=int(header["num_tokens"]))
 
 
 def follow(replica: Replica, stop: threading.Event | None = None) -> int:
@@ -204,9 +214,9 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
             waiter.join()  # the leader, too, waits for the previous save first
             waiter = None
         if op.name == "step":
-            learner.step(_broadcast_batch(_placeholder(op.header)))
+            learner.step(_broadcast_batch(_placeholder(op.header), BATCH_FIELDS))
         elif op.name == "sft_step":
-            learner.sft_step(_broadcast_batch(_placeholder(op.header)))
+            learner.sft_step(_broadcast_batch(_sft_placeholder(op.header), SFT_BATCH_FIELDS))
         elif op.name == "publish":
             try:
                 state_bytes(learner.state)

@@ -120,8 +120,10 @@ def sequence_kl(model, ref_model, mb: dict[str, Array], kind: str) -> Array:
 
 def sft_objective(model, mb: dict[str, Array], denominator: Array,
                   fwd: ForwardConfig = ForwardConfig()) -> tuple[Array, dict[str, Array]]:
-    inputs, targets, _, mask = shifted(mb)
-    logprobs, _ = forward_logprobs(model, inputs, targets, fwd)
+    """`mb` holds tokens_bt and mask_bt only (an SFT batch has no sampler logprobs)."""
+    tokens = mb["tokens_bt"]
+    logprobs, _ = forward_logprobs(model, tokens[:, :-1], tokens[:, 1:], fwd)
+    mask = mb["mask_bt"][:, 1:]
     loss, metrics = sft_loss(logprobs, mask)
     # sft_loss is a token mean over this micro-batch; rescale to the whole batch's token count.
     return loss * jnp.maximum(mask.sum(), 1.0) / denominator, metrics

@@ -1,4 +1,4 @@
-"""The SFT warm start's data: demonstrations -> endless shuffled, token-aligned learner batches.
+"""The SFT warm start's data: demonstrations -> endless shuffled, token-aligned SFT batches.
 
 The trainer runs `steps` SFT steps on these before its first RL step (trainer.sft), so a run
 can start RL from a policy that already follows the task's format.
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from arlo.config import SFTConfig
 from arlo.model.tokenizer import ByteTokenizer
-from services.trainer.batching import Batch, build_batch
-from services.trainer.sft import demonstration_batches, load_demonstrations
+from services.trainer.sft import SFTBatch, demonstration_batches, load_demonstrations
 
 
 class WarmStart:
@@ -20,9 +19,7 @@ class WarmStart:
         if len(demos) < cfg.batch_size:
             raise ValueError(f"trainer.sft.data has {len(demos)} demonstrations; batch_size is {cfg.batch_size}")
         self.steps = cfg.steps
-        self.max_seq_len = max_seq_len
-        self.pad_id = tokenizer.pad_id
-        self._batches = demonstration_batches(demos, tokenizer, cfg.batch_size, seed=seed)
+        self._batches = demonstration_batches(demos, tokenizer, cfg.batch_size, max_seq_len=max_seq_len, seed=seed)
 
-    def next_batch(self) -> Batch:
-        return build_batch(next(self._batches), self.max_seq_len, self.pad_id)
+    def next_batch(self) -> SFTBatch:
+        return next(self._batches)

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 from redis.asyncio import Redis
 
+from arlo.app.redis_server import LocalRedis, host_port, start_local_redis
 from arlo.config import RedisConfig
 from arlo.coord import TrajectoryStream, WeightPointer, connect
 from arlo.proto.v1 import common_pb2
-from arlo.redis_server import LocalRedis, host_port, start_local_redis
 
 
 async def until_subscribed(client: Redis, channel: str, timeout_s: float = 10.0) -> None:
@@ -41,8 +41,8 @@ async def test_calls_succeed_after_a_restart(server: list[LocalRedis], run_id: s
         await stream.ensure_group()
         await stream.add(common_pb2.Trajectory(id="before"))
         assert await pointer.publish(1, source="s", sha256="0" * 64)
-        events = pointer.events()
-        first = asyncio.ensure_future(anext(events))
+        # A watcher like inference's, waiting across the restart (poll_s bounds its re-reads).
+        waiter = asyncio.ensure_future(pointer.wait_for_newer(1, timeout_s=60, poll_s=1.0))
         await until_subscribed(client, stream.keys.weights_events)
 
         server[0].process.kill()  # a crash, not a clean shutdown
@@ -67,7 +67,7 @@ async def test_calls_succeed_after_a_restart(server: list[LocalRedis], run_id: s
         assert await pointer.publish(2, source="s", sha256="0" * 64)
         state = await pointer.get()
         assert state is not None and state.version == 2
-        assert await asyncio.wait_for(first, 10) == 2
-        await events.aclose()
+        newer = await asyncio.wait_for(waiter, 10)
+        assert newer is not None and newer.version == 2
     finally:
         await client.aclose()

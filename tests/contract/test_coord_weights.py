@@ -1,4 +1,4 @@
-"""WeightPointer against a real Redis: forward-only moves, events, waiting, script reloads."""
+"""WeightPointer against a real Redis: forward-only moves, announcements, waiting, script reloads."""
 
 from __future__ import annotations
 
@@ -64,18 +64,25 @@ async def test_checkpoint_only_moves_forward_and_survives_publish(r: Redis, run_
 
 
 async def test_publish_announces_the_version(r: Redis, run_id: str) -> None:
+    """A move is announced on the channel wait_for_newer listens to; a stale publish is not."""
     wp = WeightPointer(r, run_id)
     channel = Keys(run_id).weights_events
-    events = wp.events()
-    first = asyncio.ensure_future(anext(events))
-    await until(lambda: _has_subscriber(r, channel))
-    assert await wp.publish(7, source="s", sha256=SHA)
-    assert not await wp.publish(6, source="s", sha256=SHA)  # stale: no event
-    assert await wp.publish(8, source="s", sha256=SHA)
-    assert await asyncio.wait_for(first, 5) == 7
-    assert await asyncio.wait_for(anext(events), 5) == 8
-    await events.aclose()
-    await until(lambda: _no_subscriber(r, channel))
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(channel)
+    try:
+        await until(lambda: _has_subscriber(r, channel))
+        assert await wp.publish(7, source="s", sha256=SHA)
+        assert not await wp.publish(6, source="s", sha256=SHA)  # stale: no event
+        assert await wp.publish(8, source="s", sha256=SHA)
+        announced = []
+        deadline = time.monotonic() + 5
+        while len(announced) < 2 and time.monotonic() < deadline:
+            message = await pubsub.get_message(timeout=1.0)
+            if message is not None:
+                announced.append(int(message["data"]))
+        assert announced == [7, 8]
+    finally:
+        await pubsub.aclose()
 
 
 async def _has_subscriber(r: Redis, channel: str) -> bool:

@@ -20,9 +20,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from arlo.app.redis_server import free_port
 from arlo.config import AuthConfig, ConfigError, ServerConfig, TlsConfig, load_config
 from arlo.proto.v1 import reward_pb2, reward_pb2_grpc
-from arlo.redis_server import free_port
 from arlo.rpc import RunningServer, ServiceBinding, make_channel, setup_logging, start_server
 from tests.support.certs import CertAuthority
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 import yaml
 
-from arlo.redis_server import free_port
+from arlo.app.redis_server import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def write_config(path: Path, run_id: str, redis_url: str, *, fixed_ports: bool) 
 def arlo(*args: str, home: Path, **kw) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
     env.pop("ARLO_TOKEN", None)
-    return subprocess.run([sys.executable, "-m", "arlo.cli", *args], env=env, capture_output=True, text=True, **kw)
+    return subprocess.run([sys.executable, "-m", "arlo.app.cli", *args], env=env, capture_output=True, text=True, **kw)
 
 
 def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str, run_id: str) -> None:
@@ -76,7 +76,7 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
     home = tmp_path / "home"
     env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
     env.pop("ARLO_TOKEN", None)
-    up = subprocess.Popen([sys.executable, "-m", "arlo.cli", "up", "-c", str(config)], env=env,
+    up = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "up", "-c", str(config)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from arlo.app.local import prepare_cluster
 from arlo.config import dump_config, load_config
-from arlo.local import prepare_cluster
 from arlo.private_files import private_dir, write_private
 
 

@@ -29,15 +29,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from arlo.app.local import INFRA_SERVICES, LocalCluster, prepare_cluster
+from arlo.app.redis_server import free_port, redis_answers
+from arlo.app.supervisor import is_serving
 from arlo.config import load_config
 from arlo.coord import connect
 from arlo.coord.client import text
 from arlo.coord.codec import MalformedEntry, decode, parse_stream_id
-from arlo.local import INFRA_SERVICES, LocalCluster, prepare_cluster
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from arlo.redis_server import free_port, redis_answers
 from arlo.rpc import make_channel
-from arlo.supervisor import is_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480),
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")]

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arlo.model import ModelConfig, generate
+from arlo.model import ModelConfig
 from arlo.model.hf import INDEX_FILE, load_hf_model
 from arlo.model.rope import RopeScaling
+from tests.support.reference_decode import greedy_decode
 
 _SKIP = "needs the hf extra: pip install -e '.[hf]'"
 torch = pytest.importorskip("torch", reason=_SKIP)
@@ -100,12 +101,10 @@ def test_logits_match(case: tuple[Any, Path, str]) -> None:
 
 def test_greedy_generation_matches(case: tuple[Any, Path, str]) -> None:
     hf_model, path, _ = case
-    graphdef, state = nnx.split(load_hf_model(path))
     prompt = _tokens(1, 7, seed=2)[0].tolist()
     steps = 12
-    ours = generate(graphdef, state, prompt, n=1, max_tokens=steps, temperature=0.0, top_p=1.0, top_k=0,
-                    min_p=0.0, seed=0, stop_token_ids=[], max_seq_len=64)
+    ours = greedy_decode(load_hf_model(path), prompt, steps)
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=steps,
                                 min_new_tokens=steps, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    assert ours.tokens[0].tolist() == ref[0, len(prompt):].tolist()
+    assert ours == ref[0, len(prompt):].tolist()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,16 +32,10 @@ def test_with_tunables_copies() -> None:
     assert env == {"PATH": "/bin"}
 
 
-def test_the_image_sets_the_same_value() -> None:
-    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    found = re.findall(r"GLIBC_TUNABLES=(\S+)", dockerfile)
-    assert found == [GLIBC_TUNABLES]
-
-
 def test_local_services_start_with_them(tmp_path: Path) -> None:
+    from arlo.app.local import LocalCluster
+    from arlo.app.supervisor import Supervisor
     from arlo.config import RunConfig
-    from arlo.local import LocalCluster
-    from arlo.supervisor import Supervisor
 
     cluster = LocalCluster(cfg=RunConfig(), config_path=tmp_path / "run.yaml", home=tmp_path, token=None,
                            redis=None, supervisor=Supervisor([]))

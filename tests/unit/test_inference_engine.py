@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
-from arlo.model import ModelConfig, create_model
+from arlo.model import ModelConfig, create_model, token_logprobs
 from services.inference.engine import Engine, EngineLimits, SamplingRequest
 
 
@@ -90,3 +92,14 @@ def test_tiny_temperatures_are_greedy_with_finite_logprobs(engine: Engine, tempe
 def test_session_with_n_above_one_is_rejected(engine: Engine) -> None:
     with pytest.raises(ValueError, match="session_id"):
         engine.generate(SamplingRequest(prompt=PROMPT, n=2, max_tokens=4, session_id="s1"))
+
+
+def test_sampled_logprobs_match_teacher_forcing(engine: Engine) -> None:
+    """What the trainer recomputes from the tokens (a full forward, no cache) equals what the
+    engine reported while sampling at temperature 1: the importance ratio starts at 1."""
+    samples = engine.generate(SamplingRequest(prompt=PROMPT, n=2, max_tokens=12, temperature=1.0, seed=7))
+    for s in samples:
+        seq = jnp.asarray([[*PROMPT, *s.token_ids]], jnp.int32)
+        logits_btv = nnx.merge(engine.graphdef, engine.state)(seq)
+        lp_t = token_logprobs(logits_btv[:, :-1], seq[:, 1:])[0, len(PROMPT) - 1:]
+        np.testing.assert_allclose(s.logprobs, lp_t, atol=1e-4)

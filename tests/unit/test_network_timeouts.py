@@ -1,6 +1,6 @@
 """Nothing waits forever on the network: every RPC call in the code passes `timeout=`, and every
 Redis client gets a socket timeout (the only constructors are arlo.coord.connect and the
-short-lived PING in arlo.redis_server, both with timeouts)."""
+short-lived PING in arlo.app.redis_server, both with timeouts)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from arlo.run_record import RunRecorder
+from arlo.app.run_record import RunRecorder
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,6 +13,7 @@ from arlo.model import ModelConfig, get_tokenizer, token_logprobs
 from arlo.proto.v1 import common_pb2
 from services.trainer.batching import build_batch
 from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.sft import Example, sft_batch
 
 TOK = get_tokenizer("byte")
 
@@ -132,7 +133,8 @@ def test_objective_variants_take_finite_steps(objective: dict) -> None:
 
 def test_sft_steps_lower_the_demonstration_loss() -> None:
     learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig(learning_rate=1e-2, micro_batch_size=2))
-    batch = build_batch(random_groups(1, 3, seed=5), 256, 256)
+    (demos,) = random_groups(1, 3, seed=5)
+    batch = sft_batch([Example(list(t.token_ids), list(t.loss_mask)) for t in demos], 256, 256)
     losses = [learner.sft_step(batch).loss for _ in range(8)]
     assert losses[-1] < losses[0] * 0.8
 
@@ -156,7 +158,7 @@ def test_memory_options_give_the_same_gradient(forward: dict) -> None:
 
 def test_sft_has_its_own_optimizer_and_leaves_rl_state_fresh() -> None:
     from services.env_gateway.envs.arith import demonstration
-    from services.trainer.sft import demonstration_trajectory
+    from services.trainer.sft import tokenize_demonstration
 
     cfg = ModelConfig.named("tiny")
     learner = Learner(cfg, seed=0, cfg=LearnerConfig(learning_rate=1e-3),
@@ -164,7 +166,7 @@ def test_sft_has_its_own_optimizer_and_leaves_rl_state_fresh() -> None:
     rl_state_before = jax.tree.map(np.asarray, learner.opt_state)
     rng = random.Random(0)
     demos = [demonstration(i, {"op": "*", "max_operand": 30, "tool": True}, tool_prob=1.0, rng=rng) for i in range(16)]
-    batch = build_batch([[demonstration_trajectory(d, TOK, i)] for i, d in enumerate(demos)], 64, TOK.pad_id)
+    batch = sft_batch([tokenize_demonstration(d, TOK) for d in demos], 64, TOK.pad_id)
     losses = [learner.sft_step(batch).loss for _ in range(6)]
     assert losses[-1] < losses[0] and learner.step_count == 6 and learner.sft_opt_state is not None
     # RL's AdamW state is untouched by the warm start: RL starts with fresh moments.

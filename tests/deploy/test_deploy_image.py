@@ -192,6 +192,14 @@ def test_the_sandbox_interpreter_exists_in_the_image() -> None:
     assert f"ln -s /usr/local/bin/python3 {python}" in runtime_runs
 
 
+def test_the_image_sets_the_malloc_tunables_of_arlo_hostmem() -> None:
+    """The pods get GLIBC_TUNABLES from the image; the local cluster from arlo.hostmem: one value."""
+    from arlo.hostmem import GLIBC_TUNABLES
+
+    found = re.findall(r"GLIBC_TUNABLES=(\S+)", DOCKERFILE.read_text())
+    assert found == [GLIBC_TUNABLES]
+
+
 def test_the_build_stage_compiles_bytecode_for_a_read_only_root() -> None:
     runs = " ".join(r.body for r in ops("RUN", 0))
     assert "compileall" in runs

@@ -20,10 +20,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from arlo.config import ConfigError, load_config, replace_config
-from arlo.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
-from arlo.live import LiveRun
-from arlo.local import (
+from arlo.app.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
+from arlo.app.live import LiveRun
+from arlo.app.local import (
     INFRA_SERVICES,
     LocalCluster,
     arlo_home,
@@ -32,8 +31,10 @@ from arlo.local import (
     prepare_cluster,
     resolve_token,
 )
-from arlo.run_record import RunRecorder
-from arlo.supervisor import ServiceFailed
+from arlo.app.run_record import RunRecorder
+from arlo.app.supervisor import ServiceFailed
+from arlo.config import ConfigError, load_config, replace_config
+from arlo.data import resource_path
 
 console = Console(stderr=True)
 
@@ -47,7 +48,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 DEMO_RUN_ID = "demo"
-DEMO_CONFIG = Path(__file__).resolve().parent / "data" / "demo.yaml"
+DEMO_CONFIG = resource_path("demo.yaml")
 DEMO_RL_STEPS = 80
 
 

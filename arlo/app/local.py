@@ -14,11 +14,11 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from arlo.app.redis_server import LocalRedis, free_port, redis_answers, start_local_redis
+from arlo.app.supervisor import Supervisor, service_spec
 from arlo.config import RunConfig, dump_config, load_config, replace_config
 from arlo.hostmem import merged_tunables
 from arlo.private_files import private_dir, write_private
-from arlo.redis_server import LocalRedis, free_port, redis_answers, start_local_redis
-from arlo.supervisor import Supervisor, service_spec
 
 log = logging.getLogger(__name__)
 

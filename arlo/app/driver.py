@@ -14,13 +14,13 @@ from typing import Any
 
 import grpc
 
+from arlo.app.run_record import RunRecorder
+from arlo.app.supervisor import is_serving
 from arlo.config import RunConfig, TlsConfig
 from arlo.coord import TrajectoryStream, WeightPointer, connect, read_statuses
 from arlo.coord.evals import EvalQueue
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
-from arlo.run_record import RunRecorder
-from arlo.supervisor import is_serving
 
 ProgressFn = Callable[[dict[str, Any]], None]
 """Called with each step row (see `StepRow`) as the driver sees it."""
@@ -282,7 +282,7 @@ ERRORS = {"trainer": ("dropped_stale", "dropped_failed", "dropped_malformed", "d
 async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float = 2.5) -> dict[str, Any]:
     """What `arlo status` shows: per-service health and version; queue depth and lag; staleness;
     throughput per service (two heartbeat snapshots `interval_s` apart); errors by kind."""
-    from arlo.local import SERVICE_SECTIONS
+    from arlo.app.local import SERVICE_SECTIONS
 
     services = []
     trainer_version = None

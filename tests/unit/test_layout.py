@@ -1,0 +1,39 @@
+"""The package layout's import rules (docs/architecture.md, "Code layout"): the shared library
+and the services never import the operator application, which reaches the services only as
+subprocesses and over gRPC."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def modules(folder: str) -> list[Path]:
+    return [p for p in (ROOT / folder).rglob("*.py") if "proto" not in p.relative_to(ROOT).parts]
+
+
+def offenders(files: list[Path], prefix: str) -> list[str]:
+    return sorted(f"{p.relative_to(ROOT)}: {m}" for p in files for m in imported(p)
+                  if m == prefix or m.startswith(prefix + "."))
+
+
+def test_library_and_services_do_not_import_the_application() -> None:
+    library = [p for p in modules("arlo") if "app" not in p.relative_to(ROOT / "arlo").parts[:1]]
+    assert library and offenders(library + modules("services"), "arlo.app") == []
+
+
+def test_the_application_does_not_import_the_services() -> None:
+    app = modules("arlo/app")
+    assert app and offenders(app, "services") == []
