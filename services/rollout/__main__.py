@@ -15,12 +15,12 @@ from arlo.coord import Heartbeat, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
 from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
+from arlo.rpc.replicas import ReplicaSet
 from arlo.service_args import parse_service_config
 from services.rollout.admission import AdmissionGate
 from services.rollout.clients import InferenceClient, RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.evaluation import Evaluator, serve_evaluations
-from services.rollout.replicas import ReplicaSet
 from services.rollout.worker import RolloutWorker
 
 
@@ -30,7 +30,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     channels = {"reward": make_channel(cfg.reward.server.address, token=token, tls=cfg.auth.tls)}
     # One inference replica per episode, so its KV prefix is reused across turns.
     inference = ReplicaSet(cfg.inference.server.address,
-                           lambda address: make_channel(address, token=token, tls=cfg.auth.tls))
+                           lambda address: make_channel(address, token=token, tls=cfg.auth.tls), service="inference")
     tok = get_tokenizer(cfg.model.tokenizer)
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
