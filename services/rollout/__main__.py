@@ -11,7 +11,7 @@ import socket
 
 from arlo.background import TaskGroup
 from arlo.config import RunConfig
-from arlo.coord import Heartbeat, TrajectoryStream, connect
+from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
 from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
@@ -53,13 +53,13 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [])
-    heartbeat = Heartbeat(redis, cfg.run_id, service="rollout", instance=instance)
+    heartbeat = Heartbeat(redis, cfg.run_id, service=RolloutStatus.SERVICE, instance=instance)
     tasks.spawn("rollout", worker.run)
     tasks.spawn("evaluations", lambda: serve_evaluations(EvalQueue(redis, cfg.run_id, consumer=instance),
                                                          evaluator, greedy.served_version))
-    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "groups": worker.stats.groups, "episodes": worker.stats.episodes, "retries": worker.stats.retries,
-        "failed_groups": worker.stats.failed_groups, "running": gate.running, "admission_waits": gate.waits}))
+    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: RolloutStatus(
+        groups=worker.stats.groups, episodes=worker.stats.episodes, retries=worker.stats.retries,
+        failed_groups=worker.stats.failed_groups, running=gate.running, admission_waits=gate.waits).fields()))
     return running, worker
 
 

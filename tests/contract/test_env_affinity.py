@@ -14,8 +14,8 @@ import pytest
 from arlo.config import AuthConfig, EnvGatewayConfig, RunConfig, ServerConfig
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc import RunningServer, make_channel
-from services.env_gateway.__main__ import start_env_gateway
 from arlo.rpc.replicas import parse_target, resolve
+from services.env_gateway.__main__ import start_env_gateway
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.types import BackendError, RetryableError
 
