@@ -83,3 +83,19 @@ async def test_a_terminal_error_masks_the_whole_group(redis_url: str, run_id: st
     assert worker.stats.retries == 0 and worker.stats.failed_groups == 1
     assert [t.status for t in trajs] == [common_pb2.TRAJECTORY_STATUS_ERROR] * 2
     assert "NOT_FOUND" in trajs[0].error and worker.usable(trajs) == 0
+
+
+def test_the_rollout_counts_what_the_trainer_trains_on() -> None:
+    """One rule (arlo/groups.py): the worker's accepted count and the trainer's zero-variance drop agree."""
+    from arlo.groups import trainable_count
+    from services.trainer.batching import ReadyGroup, has_reward_spread
+
+    def group(*rewards: float, failed: bool = False) -> list[common_pb2.Trajectory]:
+        status = common_pb2.TRAJECTORY_STATUS_ERROR if failed else common_pb2.TRAJECTORY_STATUS_OK
+        return [common_pb2.Trajectory(reward=r, status=status) for r in rewards]
+
+    for trajs in (group(1.0, 0.0), group(1.0, 1.0), group(0.5, 0.5 + 1e-7), group(0.0, 1.0, failed=True)):
+        kept_by_trainer = has_reward_spread(ReadyGroup(trajectories=trajs, entry_ids=[]))
+        failed = trajs[0].status == common_pb2.TRAJECTORY_STATUS_ERROR
+        assert trainable_count(trajs, filter_zero_variance=True) == (len(trajs) if kept_by_trainer and not failed else 0)
+        assert trainable_count(trajs, filter_zero_variance=False) == (0 if failed else len(trajs))
