@@ -1,8 +1,10 @@
-"""Built-in environments through a real env_gateway: steps/s for Step and StepBatch(64), and the
-gateway's added latency over calling the environment in process.
+"""Built-in environments through a real env_gateway: steps/s for Step and StepBatch(64), the
+gateway's added latency over calling the environment in process, and concurrent episodes through
+the rollout's env client, each Step its own call vs coalesced into StepBatches.
 
     python -m bench.env [--envs arith,calculator,...] [--steps 2000] [--batches 200]
-                        [--python-steps 40] [--python-batches 3] [--json PATH]
+                        [--python-steps 40] [--python-batches 3]
+                        [--episodes 1,64] [--episode-steps 200] [--json PATH]
 
 The gateway runs in this process on an ephemeral port (auth off) and the client shares its
 event loop, so a latency here is client + server on one core: an upper bound on the
@@ -11,6 +13,13 @@ gateway's own cost. Sessions that finish are replaced between timed calls, never
 measured in alternating rounds (the bar: <= 2 for `arith`, the inline path; environments whose
 own step costs tens of microseconds, and `python`, bound by its sandbox processes, are
 reported too).
+
+The episodes table runs N episode loops at once (step, step, ..., done, Reset a new one)
+through `AffinityEnvironmentClient` on `--episode-env`, once with `max_in_flight=0` (one Step
+call per step, as before) and once with the default coalescing (concurrent Steps to a busy
+replica leave together as one StepBatch), in alternating rounds. `coalesced_over_per_step` is
+the coalesced steps/s over the per-step steps/s; at 1 episode it shows the cost of coalescing
+when nothing overlaps (there should be none).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from arlo.rpc import make_channel
 from bench.common import percentile, print_table, write_json
 from services.env_gateway.__main__ import build_gateway, start_env_gateway
 from services.env_gateway.envs.base import Environment
+from services.rollout.env_affinity import AffinityEnvironmentClient
 
 BATCH = 64
 
@@ -152,7 +162,61 @@ async def bench_env(stub: env_pb2_grpc.EnvironmentStub, name: str, make: Callabl
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+async def time_episodes(client: AffinityEnvironmentClient, name: str, episodes: int,
+                        steps_each: int) -> tuple[float, list[float]]:
+    """Steps/s of `episodes` concurrent episode loops of `steps_each` steps, and every step's latency."""
+    workload, config = WORKLOADS[name], json.dumps(WORKLOADS[name].config)
+    latencies: list[float] = []
+
+    async def loop(i: int) -> None:
+        seed = i * 1_000_000
+        session = (await client.reset(name, config, seed)).session_id
+        for _ in range(steps_each):
+            started = time.perf_counter()
+            result = await client.step(session, workload.action)
+            latencies.append(time.perf_counter() - started)
+            if result.done:
+                await client.close(session)
+                seed += 1
+                session = (await client.reset(name, config, seed)).session_id
+        await client.close(session)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop(i) for i in range(episodes)))
+    return episodes * steps_each / (time.perf_counter() - started), latencies
+
+
+async def bench_episodes(port: int, name: str, episodes: int, steps_each: int, rounds: int = 3) -> dict[str, float]:
+    clients = {mode: AffinityEnvironmentClient(f"ipv4:127.0.0.1:{port}", lambda a: make_channel(a, token=None),
+                                               timeout_s=120, max_in_flight=in_flight)
+               for mode, in_flight in (("per_step", 0), ("coalesced", 1))}
+    rates: dict[str, list[float]] = {mode: [] for mode in clients}
+    latency: dict[str, list[float]] = {mode: [] for mode in clients}
+    try:
+        for client in clients.values():  # warm-up: channels, sessions, caches
+            await time_episodes(client, name, episodes, max(steps_each // 10, 2))
+            client.calls.clear()
+        for _ in range(rounds):  # alternating, so load from elsewhere lands on both
+            for mode, client in clients.items():
+                rate, lat = await time_episodes(client, name, episodes, steps_each)
+                rates[mode].append(rate)
+                latency[mode] += lat
+        calls = clients["coalesced"].calls
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    ms, out = 1e3, {"episodes": episodes}
+    for mode in clients:
+        out[f"{mode}_steps_per_s"] = statistics.median(rates[mode])
+        out[f"{mode}_p50_ms"] = percentile(latency[mode], 50) * ms
+        out[f"{mode}_p99_ms"] = percentile(latency[mode], 99) * ms
+    out["coalesced_over_per_step"] = out["coalesced_steps_per_s"] / out["per_step_steps_per_s"]
+    out["coalesced_calls_per_step"] = (calls["Step"] + calls["StepBatch"]) / (rounds * episodes * steps_each)
+    out["coalesced_mean_batch"] = calls["batched_steps"] / max(calls["StepBatch"], 1)
+    return out
+
+
+async def run(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], list[dict[str, float]]]:
     cfg = RunConfig(auth=AuthConfig(disabled=True), env_gateway=EnvGatewayConfig(
         server=ServerConfig(port=0, metrics_port=-1), max_sessions=100_000))
     local = build_gateway(cfg)  # for the in-process baseline: the same factories, no gRPC
@@ -166,10 +230,12 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 assert spec is not None and name in WORKLOADS, f"no workload for {name!r}"
                 steps, batches = (args.python_steps, args.python_batches) if spec.blocking else (args.steps, args.batches)
                 results[name] = await bench_env(stub, name, lambda s=spec: local.registry.create(s), steps, batches)
+        concurrent = [await bench_episodes(running.port, args.episode_env, n, args.episode_steps)
+                      for n in map(int, filter(None, args.episodes.split(",")))]
     finally:
         await running.stop(None)
         local.shutdown()
-    return results
+    return results, concurrent
 
 
 def main() -> None:
@@ -179,17 +245,29 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200, help="timed StepBatch(64) calls per inline environment")
     parser.add_argument("--python-steps", type=int, default=40)
     parser.add_argument("--python-batches", type=int, default=3)
+    parser.add_argument("--episodes", default="1,64", help="concurrent episode counts ('' to skip)")
+    parser.add_argument("--episode-env", default="arith", choices=sorted(WORKLOADS))
+    parser.add_argument("--episode-steps", type=int, default=200, help="timed steps per episode loop per round")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    results = asyncio.run(run(args))
+    results, concurrent = asyncio.run(run(args))
     columns = ["env", "Step/s", "StepBatch64 steps/s", "Step p50 ms", "Step p99 ms", "in-process p50 ms",
                "added p50 ms", "added p99 ms", "StepBatch64 / Step"]
     keys = ["step_per_s", "stepbatch64_steps_per_s", "step_p50_ms", "step_p99_ms", "in_process_p50_ms",
             "added_p50_ms", "added_p99_ms", "stepbatch64_over_step"]
     print_table("env_gateway: built-in environments over gRPC (client in-process, 1 event loop)", columns,
                 [[name, *(r[k] for k in keys)] for name, r in results.items()])
-    figures = {"environments": results, "batch": BATCH, "bar": 2.0,
+    episode_keys = ["per_step_steps_per_s", "coalesced_steps_per_s", "coalesced_over_per_step", "per_step_p50_ms",
+                    "coalesced_p50_ms", "per_step_p99_ms", "coalesced_p99_ms", "coalesced_calls_per_step",
+                    "coalesced_mean_batch"]
+    if concurrent:
+        print_table(f"concurrent {args.episode_env} episodes through the rollout's env client: one Step call "
+                    "per step vs coalesced StepBatches",
+                    ["episodes", "per-step steps/s", "coalesced steps/s", "coalesced / per-step", "per-step p50 ms",
+                     "coalesced p50 ms", "per-step p99 ms", "coalesced p99 ms", "calls / step", "mean batch"],
+                    [[r["episodes"], *(r[k] for k in episode_keys)] for r in concurrent])
+    figures = {"environments": results, "batch": BATCH, "bar": 2.0, "concurrent_episodes": concurrent,
                "stepbatch64_over_step": results["arith"]["stepbatch64_over_step"] if "arith" in results else None}
     if "arith" in results:
         arith = results["arith"]

@@ -27,17 +27,16 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
-
 from arlo.app.local import INFRA_SERVICES, prepare_cluster, wipe_run
 from arlo.config import RunConfig, load_config
 from arlo.coord import TrajectoryStream, connect
 from arlo.model import get_tokenizer
-from arlo.proto.v1 import env_pb2, reward_pb2, trainer_pb2, trainer_pb2_grpc
+from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from bench.common import percentile, print_table, write_json
 from services.rollout.agent import Turn
 from services.rollout.clients import EnvironmentClient, InferenceClient, RewardClient
+from services.rollout.types import BackendError, ResetResult, ScoreResult, StepResult
 from services.rollout.worker import RolloutWorker
 
 T = TypeVar("T")
@@ -55,8 +54,8 @@ class Timings:
         start = time.perf_counter()
         try:
             result = await call
-        except grpc.aio.AioRpcError as e:
-            self.errors[(rpc, e.code().name)] += 1
+        except BackendError as e:
+            self.errors[(rpc, e.code)] += 1
             raise
         self.latency_s[rpc].append(time.perf_counter() - start)
         return result
@@ -75,10 +74,10 @@ class TimedEnv:
     def __init__(self, inner: EnvironmentClient, timings: Timings) -> None:
         self.inner, self.timings = inner, timings
 
-    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse:
+    async def reset(self, env_name: str, config_json: str, seed: int) -> ResetResult:
         return await self.timings.time("Environment.Reset", self.inner.reset(env_name, config_json, seed))
 
-    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
+    async def step(self, session_id: str, action: str) -> StepResult:
         return await self.timings.time("Environment.Step", self.inner.step(session_id, action))
 
     async def close(self, session_id: str) -> None:
@@ -89,8 +88,7 @@ class TimedScorer:
     def __init__(self, inner: RewardClient, timings: Timings) -> None:
         self.inner, self.timings = inner, timings
 
-    async def score(self, reward_fn: str, response: str, reference: str,
-                    metadata_json: str = "") -> reward_pb2.ScoreResponse:
+    async def score(self, reward_fn: str, response: str, reference: str, metadata_json: str = "") -> ScoreResult:
         return await self.timings.time("Reward.Score", self.inner.score(reward_fn, response, reference, metadata_json))
 
 

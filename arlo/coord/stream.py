@@ -19,6 +19,7 @@ from redis.exceptions import ResponseError
 from arlo.coord import codec
 from arlo.coord.client import cancel_safe, decodes_responses, socket_timeout_s, text
 from arlo.coord.keys import Keys
+from arlo.coord.records import count_dropped_stale
 from arlo.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class TrajectoryStream:
     @cancel_safe
     async def count_stale(self, n: int) -> None:
         """Records `n` trajectories dropped as stale, for the rollout's admission budget."""
-        await self._redis.incrby(self._keys.traj_dropped_stale, n)
+        await count_dropped_stale(self._redis, self._keys.run_id, n)
 
     @cancel_safe
     async def length(self) -> int:

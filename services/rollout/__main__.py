@@ -12,17 +12,17 @@ import socket
 
 from arlo.background import TaskGroup
 from arlo.config import RunConfig
-from arlo.coord import Heartbeat, TrajectoryStream, connect
+from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
 from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
+from arlo.rpc.replicas import ReplicaSet
 from arlo.service_args import parse_service_config
 from services.rollout.admission import AdmissionGate
 from services.rollout.clients import InferenceClient, RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.evaluation import Evaluator, serve_evaluations
 from services.rollout.mixture import durable_picker
-from services.rollout.replicas import ReplicaSet
 from services.rollout.worker import RolloutWorker
 
 
@@ -32,7 +32,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     channels = {"reward": make_channel(cfg.reward.server.address, token=token, tls=cfg.auth.tls)}
     # One inference replica per episode, so its KV prefix is reused across turns.
     inference = ReplicaSet(cfg.inference.server.address,
-                           lambda address: make_channel(address, token=token, tls=cfg.auth.tls))
+                           lambda address: make_channel(address, token=token, tls=cfg.auth.tls), service="inference")
     tok = get_tokenizer(cfg.model.tokenizer)
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
@@ -56,13 +56,13 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [])
-    heartbeat = Heartbeat(redis, cfg.run_id, service="rollout", instance=instance)
+    heartbeat = Heartbeat(redis, cfg.run_id, service=RolloutStatus.SERVICE, instance=instance)
     tasks.spawn("rollout", worker.run)
     tasks.spawn("evaluations", lambda: serve_evaluations(EvalQueue(redis, cfg.run_id, consumer=instance),
                                                          evaluator, greedy.served_version))
-    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "groups": worker.stats.groups, "episodes": worker.stats.episodes, "retries": worker.stats.retries,
-        "failed_groups": worker.stats.failed_groups, "running": gate.running, "admission_waits": gate.waits}))
+    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: RolloutStatus(
+        groups=worker.stats.groups, episodes=worker.stats.episodes, retries=worker.stats.retries,
+        failed_groups=worker.stats.failed_groups, running=gate.running, admission_waits=gate.waits).fields()))
     return running, worker
 
 

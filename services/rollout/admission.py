@@ -17,8 +17,8 @@ import logging
 
 from redis.asyncio import Redis
 
-from arlo.coord import WeightPointer, read_statuses
-from arlo.coord.keys import Keys
+from arlo.coord import AdmissionCounters, RolloutStatus, WeightPointer, read_service_statuses
+from arlo.coord.records import count_accepted
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ def may_start(*, running: int, accepted: int, group_size: int, trainer_version: 
 class AdmissionGate:
     """Blocks group starts that would exceed the staleness bound.
 
-    `accepted` is a Redis counter (durable across worker restarts). Other workers' running
-    counts come from their heartbeats, so a dead worker's episodes stop counting once its
+    `accepted` is a Redis counter (durable across worker restarts; `AdmissionCounters`). Other
+    workers' running counts come from their heartbeats (`RolloutStatus`), so a dead worker's episodes stop counting once its
     heartbeat expires; this worker's own count is exact.
     """
 
@@ -48,16 +48,13 @@ class AdmissionGate:
         self.batch_size = batch_size
         self.poll_s = poll_s
         self.pointer = WeightPointer(redis, run_id)
-        self.accepted_key = Keys(run_id).rollout_accepted
-        self.stale_key = Keys(run_id).traj_dropped_stale
         self.running = 0
         self.waits = 0
         self._acquiring = asyncio.Lock()
 
     async def others_running(self) -> int:
-        statuses = await read_statuses(self.redis, self.run_id)
-        return sum(int(s.get("running", 0)) for s in statuses
-                   if s.get("service") == "rollout" and s.get("instance") != self.instance)
+        statuses = await read_service_statuses(self.redis, self.run_id, RolloutStatus)
+        return sum(s.running for instance, s in statuses.items() if instance != self.instance)
 
     async def acquire(self, group_size: int) -> None:
         """Waits until a group of `group_size` may start, then counts it as running."""
@@ -72,11 +69,11 @@ class AdmissionGate:
             own_running = self.running
             pointer = await self.pointer.get()
             version = pointer.version if pointer else 0
-            accepted = int(await self.redis.get(self.accepted_key) or 0)
-            dropped_stale = int(await self.redis.get(self.stale_key) or 0)
+            counters = await AdmissionCounters.read(self.redis, self.run_id)
             running = own_running + await self.others_running()
-            if may_start(running=running, accepted=accepted, group_size=group_size, trainer_version=version,
-                         max_staleness=self.max_staleness, batch_size=self.batch_size, dropped_stale=dropped_stale):
+            if may_start(running=running, accepted=counters.accepted, group_size=group_size, trainer_version=version,
+                         max_staleness=self.max_staleness, batch_size=self.batch_size,
+                         dropped_stale=counters.dropped_stale):
                 self.running += group_size
                 return
             if not waited:
@@ -87,5 +84,5 @@ class AdmissionGate:
     async def finish(self, group_size: int, written: int) -> None:
         """The group is over: it no longer runs, and `written` trajectories were accepted."""
         if written:
-            await self.redis.incrby(self.accepted_key, written)
+            await count_accepted(self.redis, self.run_id, written)
         self.running -= group_size

@@ -2,8 +2,10 @@
 
 The trajectory is the exact tokens the engine produced plus the exact tokens of each
 observation, concatenated; the conversation is never re-tokenized (re-tokenization drift
-breaks PPO in peers). The loop depends on three small Protocols, so it runs against
-in-process objects in tests and gRPC clients in production alike.
+breaks PPO in peers). The loop depends on three small Protocols over the rollout's own
+records (`types.py`), so it runs against the in-process adapters (`inprocess.py`) in tests and
+the gRPC clients (`clients.py`) in production alike. The Trajectory it returns is a protobuf:
+it is the trajectory stream's contract, written to Redis as is.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from arlo.model.tokenizer import ByteTokenizer
-from arlo.proto.v1 import common_pb2, env_pb2, reward_pb2
+from arlo.proto.v1 import common_pb2
+from services.rollout.types import ResetResult, ScoreResult, StepResult
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,14 +36,18 @@ class Generator(Protocol):
 
 
 class EnvClient(Protocol):
-    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse: ...
-    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse: ...
-    async def close(self, session_id: str) -> None: ...
+    """Failures raise `types.BackendError` (`RetryableError` when a retry may succeed)."""
+
+    async def reset(self, env_name: str, config_json: str, seed: int) -> ResetResult: ...
+    async def step(self, session_id: str, action: str) -> StepResult: ...
+    async def close(self, session_id: str) -> None:
+        """Best effort: never raises for a session the backend already forgot."""
+        ...
 
 
 class Scorer(Protocol):
     async def score(self, reward_fn: str, response: str, reference: str,
-                    metadata_json: str = "") -> reward_pb2.ScoreResponse: ...
+                    metadata_json: str = "") -> ScoreResult: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,7 +96,7 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
     timings = common_pb2.Timings()
     reset = await env.reset(spec.env_name, spec.env_config_json, spec.seed)
     b = _Builder()
-    b.add_context(tok.encode_messages(list(reset.observation), add_generation_prompt=True, add_bos=True))
+    b.add_context(tok.encode_messages(reset.observation, add_generation_prompt=True, add_bos=True))
     prompt_length = len(b.tokens)
     finish, answer, reference, turns = "max_turns", "", "", 0
     try:
@@ -115,7 +122,7 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
             if step.done:
                 finish, answer, reference = "done", step.answer, step.reference
                 break
-            b.add_context(tok.encode_messages(list(step.observation), add_generation_prompt=True, add_bos=False))
+            b.add_context(tok.encode_messages(step.observation, add_generation_prompt=True, add_bos=False))
     finally:
         await env.close(reset.session_id)
     t0 = time.monotonic()
@@ -126,7 +133,7 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
 
 
 def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, prompt_length: int, finish: str, turns: int,
-                score: reward_pb2.ScoreResponse | None, timings: common_pb2.Timings) -> common_pb2.Trajectory:
+                score: ScoreResult | None, timings: common_pb2.Timings) -> common_pb2.Trajectory:
     traj = common_pb2.Trajectory(
         id=episode_id, run_id=spec.run_id, task_id=task_id, group_id=spec.group_id,
         group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
@@ -136,9 +143,9 @@ def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, p
     if score is None:
         # A limit ended the episode before an answer: trainable, with reward 0 for no answer.
         traj.status = common_pb2.TRAJECTORY_STATUS_TRUNCATED
-    elif score.status != reward_pb2.SCORE_STATUS_OK:
+    elif score.status != "ok":
         traj.status = common_pb2.TRAJECTORY_STATUS_ERROR
-        traj.error = f"reward {reward_pb2.ScoreStatus.Name(score.status)}: {score.error}"
+        traj.error = f"reward {score.status}: {score.error}"
     else:
         traj.status = common_pb2.TRAJECTORY_STATUS_OK
         traj.reward = score.reward

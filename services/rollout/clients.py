@@ -1,9 +1,16 @@
-"""gRPC-backed implementations of the agent loop's Protocols (the transport edge of rollout)."""
+"""gRPC-backed implementations of the agent loop's Protocols (the transport edge of rollout).
+
+Everything gRPC stops here: replies become `services.rollout.types` records and a failed call
+becomes a `BackendError` (`RetryableError` for the status codes worth a retry), so the core
+above never imports grpc or a *_pb2 module for its backends.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import ParamSpec, TypeVar
 
 import grpc
 
@@ -17,12 +24,59 @@ from arlo.proto.v1 import (
     reward_pb2,
     reward_pb2_grpc,
 )
+from arlo.rpc.replicas import ReplicaSet
 from services.rollout.agent import Turn
-from services.rollout.replicas import ReplicaSet
+from services.rollout.types import BackendError, Message, ResetResult, RetryableError, ScoreResult, StepResult
 
 # Worth retrying with backoff: the backend may be restarting or overloaded.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def backend_error(service: str, code: grpc.StatusCode, details: str) -> BackendError:
+    kind = RetryableError if code in RETRYABLE else BackendError
+    return kind(service, code.name, details)
+
+
+def translated(service: str) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+    """Turns a gRPC failure of the wrapped call into the core's BackendError / RetryableError."""
+    def wrap(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        @functools.wraps(fn)
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return await fn(*args, **kwargs)
+            except grpc.aio.AioRpcError as e:
+                raise backend_error(service, e.code(), e.details() or "") from e
+        return call
+    return wrap
+
+
+def _messages(observation: Sequence[common_pb2.Message]) -> tuple[Message, ...]:
+    return tuple(Message(role=m.role, content=m.content, name=m.name) for m in observation)
+
+
+def reset_result(reply: env_pb2.ResetResponse) -> ResetResult:
+    return ResetResult(session_id=reply.session_id, task_id=reply.task_id, observation=_messages(reply.observation),
+                       tools_json=reply.tools_json, metadata_json=reply.metadata_json)
+
+
+def step_result(reply: env_pb2.StepResponse) -> StepResult:
+    return StepResult(observation=_messages(reply.observation), reward=reply.reward, done=reply.done,
+                      answer=reply.answer, reference=reply.reference, info_json=reply.info_json)
+
+
+_SCORE_STATUS = {reward_pb2.SCORE_STATUS_OK: "ok", reward_pb2.SCORE_STATUS_ERROR: "error",
+                 reward_pb2.SCORE_STATUS_TIMEOUT: "timeout"}
+
+
+def score_result(reply: reward_pb2.ScoreResponse) -> ScoreResult:
+    status = _SCORE_STATUS.get(reply.status)
+    if status is None:  # UNSPECIFIED: a reward server that did not say is not trusted with a reward
+        return ScoreResult(status="error", error=f"reward status {reply.status} unknown: {reply.error}")
+    return ScoreResult(status=status, reward=reply.reward, components=dict(reply.components), error=reply.error)
 
 
 class InferenceClient:
@@ -41,6 +95,7 @@ class InferenceClient:
             return self.stub
         return inference_pb2_grpc.InferenceStub(await self.replicas.channel(session_id))
 
+    @translated("inference")
     async def served_version(self) -> int:
         """The oldest policy version any replica serves: episodes spread over every replica, so
         this is what a caller can count on all of them having."""
@@ -50,6 +105,7 @@ class InferenceClient:
                                        for stub in stubs))
         return min(info.policy_version for info in infos)
 
+    @translated("inference")
     async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
         s = self.sampling
         stub = await self._stub(session_id)
@@ -64,16 +120,21 @@ class InferenceClient:
 
 
 class EnvironmentClient:
+    """The agent loop's environment over one channel (one gateway, or a proxy in front of several)."""
+
     def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float) -> None:
         self.stub = env_pb2_grpc.EnvironmentStub(channel)
         self.timeout_s = timeout_s
 
-    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse:
-        return await self.stub.Reset(env_pb2.ResetRequest(env_name=env_name, config_json=config_json, seed=seed),
-                                     timeout=self.timeout_s)
+    @translated("env_gateway")
+    async def reset(self, env_name: str, config_json: str, seed: int) -> ResetResult:
+        return reset_result(await self.stub.Reset(
+            env_pb2.ResetRequest(env_name=env_name, config_json=config_json, seed=seed), timeout=self.timeout_s))
 
-    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
-        return await self.stub.Step(env_pb2.StepRequest(session_id=session_id, action=action), timeout=self.timeout_s)
+    @translated("env_gateway")
+    async def step(self, session_id: str, action: str) -> StepResult:
+        return step_result(await self.stub.Step(env_pb2.StepRequest(session_id=session_id, action=action),
+                                                timeout=self.timeout_s))
 
     async def close(self, session_id: str) -> None:
         try:
@@ -87,8 +148,8 @@ class RewardClient:
         self.stub = reward_pb2_grpc.RewardStub(channel)
         self.timeout_s = timeout_s
 
-    async def score(self, reward_fn: str, response: str, reference: str,
-                    metadata_json: str = "") -> reward_pb2.ScoreResponse:
-        return await self.stub.Score(reward_pb2.ScoreRequest(reward_fn=reward_fn, response=response,
-                                                             reference=reference, metadata_json=metadata_json),
-                                     timeout=self.timeout_s)
+    @translated("reward")
+    async def score(self, reward_fn: str, response: str, reference: str, metadata_json: str = "") -> ScoreResult:
+        return score_result(await self.stub.Score(reward_pb2.ScoreRequest(
+            reward_fn=reward_fn, response=response, reference=reference, metadata_json=metadata_json),
+            timeout=self.timeout_s))

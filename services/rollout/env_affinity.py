@@ -1,17 +1,24 @@
 """Episode affinity over env_gateway replicas: every call of an episode reaches the replica that
-created its session.
+created its session; concurrent Steps to one replica travel together as one StepBatch.
 
 A gateway session (Reset, then Step after Step, then Close) lives in the memory of one
 replica; round-robin over replicas would send most Steps to a replica that never heard of it
-(NOT_FOUND). So this client resolves the gateway's headless Service to its pod addresses,
-keeps one channel per replica, starts each episode (Reset) on the replica with the fewest of
-this client's open sessions, and remembers which replica owns each session id.
+(NOT_FOUND). So this client resolves the gateway's headless Service to its pod addresses
+(arlo/rpc/replicas.py), keeps one channel per replica, starts each episode (Reset) on the
+replica with the fewest of this client's open sessions, and remembers which replica owns each
+session id.
 
 Replicas come and go (HPA, rolling updates): the address list is re-resolved every
 `refresh_s`, new episodes start only on listed replicas, and a replica that refuses a Reset
 (UNAVAILABLE) is skipped for that Reset. An episode whose replica died mid-way fails its Step
-with UNAVAILABLE, which the rollout worker answers by restarting the episode (RETRYABLE), and
-the restart lands on a live replica.
+with UNAVAILABLE (a RetryableError), which the rollout worker answers by restarting the
+episode, and the restart lands on a live replica.
+
+Step coalescing (`max_in_flight`): a Step goes out alone while fewer than `max_in_flight` calls
+are in flight to its replica, so a lone episode pays no added latency; Steps that arrive
+while the replica is busy wait for the next free call and leave together as one StepBatch.
+Many concurrent episodes then cost a few calls per round instead of one each (bench/env.py
+`--episodes` measures both ways). 0 turns coalescing off (one Step call per step).
 """
 
 from __future__ import annotations
@@ -19,87 +26,49 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import socket
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
+from arlo.rpc.replicas import REFRESH_S, ResolvedTarget
+from services.rollout.clients import backend_error, reset_result, step_result, translated
+from services.rollout.types import ResetResult, StepResult
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 30.0
 DOWN_S = 5.0
 """A replica that refused a Reset (UNAVAILABLE) gets no new episode for this long, unless all did."""
 MAX_TRACKED_SESSIONS = 100_000
 """Bounds the session -> replica map when episodes end without Close (the gateway expires those)."""
+MAX_BATCH_STEPS = 256
+"""The gateway's StepBatch bound (env.proto)."""
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def parse_target(target: str) -> tuple[str, int] | list[str]:
-    """(host, port) to resolve, or a fixed list of "ip:port" (gRPC's `ipv4:a:p,b:q` form)."""
-    if target.startswith(("ipv4:", "ipv6:")):
-        return [a.strip() for a in target.split(":", 1)[1].split(",") if a.strip()]
-    rest = target.removeprefix("dns:")
-    if rest.startswith("//"):
-        rest = rest[2:].split("/", 1)[-1]  # dns://authority/host:port or dns:///host:port
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"env_gateway address {target!r}: expected host:port, dns:///host:port or ipv4:a:p,b:q")
-    return host.strip("[]"), int(port)
+@dataclass(eq=False)
+class _Lane:
+    """The Steps bound for one replica: how many calls are in flight, and who waits for the next."""
 
-
-async def resolve(target: str) -> list[str]:
-    """The replicas' "ip:port" addresses, sorted (a headless Service resolves to every ready pod)."""
-    parsed = parse_target(target)
-    if isinstance(parsed, list):
-        return sorted(parsed)
-    host, port = parsed
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for *_, (ip, *_rest) in infos})
-
-
-class ResolvedTarget:
-    """A target's replica addresses, re-resolved every `refresh_s`. A failed re-resolve keeps the
-    last good list (a DNS hiccup must not stop the run); with no list yet it is UNAVAILABLE."""
-
-    def __init__(self, target: str, *, role: str, refresh_s: float = REFRESH_S) -> None:
-        parse_target(target)  # a bad address fails at start, not at the first episode
-        self.target = target
-        self.role = role
-        self.refresh_s = refresh_s
-        self.current: list[str] = []
-        self._resolved_at = -float("inf")
-
-    async def addresses(self) -> list[str]:
-        """The current list; the same list object until a re-resolve finds a different one."""
-        if time.monotonic() - self._resolved_at < self.refresh_s and self.current:
-            return self.current
-        try:
-            found = await resolve(self.target)
-        except OSError as e:
-            if not self.current:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           f"cannot resolve {self.role} address {self.target!r}: {e}") from e
-            log.warning("re-resolving %s failed (%s); keeping %d replicas", self.target, e, len(self.current))
-            found = self.current
-        if found != self.current:
-            log.info("%s replicas: %s", self.role, ", ".join(found))
-            self.current = found
-        self._resolved_at = time.monotonic()
-        return self.current
+    in_flight: int = 0
+    waiting: list[tuple[env_pb2.StepRequest, asyncio.Future[StepResult]]] = field(default_factory=list)
 
 
 class AffinityEnvironmentClient:
     """The agent loop's Environment over several env_gateway replicas, one replica per episode."""
 
     def __init__(self, target: str, channel_factory: Callable[[str], grpc.aio.Channel], *, timeout_s: float,
-                 refresh_s: float = REFRESH_S, max_tracked: int = MAX_TRACKED_SESSIONS) -> None:
+                 refresh_s: float = REFRESH_S, max_tracked: int = MAX_TRACKED_SESSIONS, max_in_flight: int = 1) -> None:
+        if max_in_flight < 0:
+            raise ValueError(f"max_in_flight: must be >= 0 (0: no coalescing), got {max_in_flight}")
         self.target = target
         self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
         self._factory = channel_factory
-        self._resolved = ResolvedTarget(target, role="env_gateway", refresh_s=refresh_s)
+        self._resolved = ResolvedTarget(target, service="env_gateway", refresh_s=refresh_s)
         self._max_tracked = max_tracked
         self._addresses: list[str] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -108,11 +77,16 @@ class AffinityEnvironmentClient:
         self._rng = random.Random()
         self._closing: set[asyncio.Task[None]] = set()
         self._down_until: dict[str, float] = {}
+        self._lanes: dict[str, _Lane] = {}
+        self._batches: set[asyncio.Task[None]] = set()
+        self.calls: Counter[str] = Counter()
+        """RPCs sent, by method ("Step", "StepBatch"), and "batched_steps": steps sent inside StepBatches."""
 
     def replica_of(self, session_id: str) -> str | None:
         return self._owner.get(session_id)
 
-    async def reset(self, env_name: str, config_json: str, seed: int) -> env_pb2.ResetResponse:
+    @translated("env_gateway")
+    async def reset(self, env_name: str, config_json: str, seed: int) -> ResetResult:
         request = env_pb2.ResetRequest(env_name=env_name, config_json=config_json, seed=seed)
         now = time.monotonic()
         candidates = sorted(await self._replicas(),
@@ -129,10 +103,11 @@ class AffinityEnvironmentClient:
                 self._down_until[address] = time.monotonic() + DOWN_S
                 continue
             self._track(reply.session_id, address)
-            return reply
+            return reset_result(reply)
         raise AssertionError("unreachable: _replicas() is never empty")
 
-    async def step(self, session_id: str, action: str) -> env_pb2.StepResponse:
+    @translated("env_gateway")
+    async def step(self, session_id: str, action: str) -> StepResult:
         address = self._owner.get(session_id)
         if address is None:
             # Not started here (or forgotten): any replica answers NOT_FOUND unless it owns it.
@@ -141,7 +116,55 @@ class AffinityEnvironmentClient:
         else:
             self._owner.move_to_end(session_id)
         request = env_pb2.StepRequest(session_id=session_id, action=action)
-        return await self._stub(address).Step(request, timeout=self.timeout_s)
+        lane = self._lanes.setdefault(address, _Lane())
+        if self.max_in_flight and lane.in_flight >= self.max_in_flight:
+            waiter: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+            lane.waiting.append((request, waiter))
+            return await waiter
+        lane.in_flight += 1
+        try:
+            self.calls["Step"] += 1
+            return step_result(await self._stub(address).Step(request, timeout=self.timeout_s))
+        finally:
+            lane.in_flight -= 1
+            self._pump(address, lane)
+
+    def _pump(self, address: str, lane: _Lane) -> None:
+        """Sends the waiting Steps (one StepBatch of up to MAX_BATCH_STEPS) while a call is free."""
+        while lane.waiting and lane.in_flight < max(self.max_in_flight, 1):
+            batch = [(r, f) for r, f in lane.waiting[:MAX_BATCH_STEPS] if not f.done()]  # done: caller gave up
+            del lane.waiting[:MAX_BATCH_STEPS]
+            if not batch:
+                continue
+            lane.in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._send_batch(address, lane, batch))
+            self._batches.add(task)  # held until done: a task nobody references may be collected
+            task.add_done_callback(self._batches.discard)
+
+    async def _send_batch(self, address: str, lane: _Lane,
+                          batch: list[tuple[env_pb2.StepRequest, asyncio.Future[StepResult]]]) -> None:
+        try:
+            self.calls["StepBatch"] += 1
+            self.calls["batched_steps"] += len(batch)
+            reply = await self._stub(address).StepBatch(env_pb2.StepBatchRequest(steps=[r for r, _ in batch]),
+                                                        timeout=self.timeout_s)
+            for (_, waiter), result in zip(batch, reply.results, strict=True):
+                if waiter.done():
+                    continue
+                if result.code:
+                    waiter.set_exception(backend_error("env_gateway", _STATUS.get(result.code, grpc.StatusCode.UNKNOWN),
+                                                       result.message))
+                else:
+                    waiter.set_result(step_result(result.response))
+        except Exception as e:  # the whole call failed (or a reply of the wrong length): every step did
+            error = backend_error("env_gateway", e.code(), e.details() or "") \
+                if isinstance(e, grpc.aio.AioRpcError) else e
+            for _, waiter in batch:
+                if not waiter.done():
+                    waiter.set_exception(error)
+        finally:
+            lane.in_flight -= 1
+            self._pump(address, lane)
 
     async def close(self, session_id: str) -> None:
         address = self._forget(session_id)
@@ -154,6 +177,9 @@ class AffinityEnvironmentClient:
         self._drop_unlisted()
 
     async def aclose(self) -> None:
+        for task in list(self._batches):
+            task.cancel()
+        await asyncio.gather(*self._batches, return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
@@ -189,6 +215,9 @@ class AffinityEnvironmentClient:
     def _drop_unlisted(self) -> None:
         """Closes channels to replicas no longer listed once none of their sessions is open."""
         for address in [a for a in self._channels if a not in self._addresses and not self._open[a]]:
+            lane = self._lanes.get(address)
+            if lane is not None and not lane.in_flight and not lane.waiting:
+                del self._lanes[address]
             task = asyncio.get_running_loop().create_task(self._channels.pop(address).close())
             self._closing.add(task)  # held until done: a task nobody references may be collected
             task.add_done_callback(self._closing.discard)

@@ -13,16 +13,15 @@ import random
 import uuid
 from dataclasses import dataclass
 
-import grpc
-
 from arlo.config import RolloutConfig, RolloutEnvConfig
 from arlo.coord import BacklogFull, TrajectoryStream
+from arlo.groups import trainable_count
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.proto.v1 import common_pb2
 from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, run_episode
-from services.rollout.clients import RETRYABLE
 from services.rollout.mixture import TaskPicker
+from services.rollout.types import RetryableError
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +97,7 @@ class RolloutWorker:
         dropped by the trainer; counting it would use up the staleness budget for good and
         eventually stop every worker.
         """
-        if any(t.status == common_pb2.TRAJECTORY_STATUS_ERROR for t in trajs):
-            return 0
-        rewards = [t.reward for t in trajs]
-        if self.filter_zero_variance and rewards and max(rewards) - min(rewards) <= 1e-6:
-            return 0
-        return len(trajs)
+        return trainable_count(trajs, filter_zero_variance=self.filter_zero_variance)
 
     async def run_group(self, task_seed: int, env: RolloutEnvConfig | None = None) -> list[common_pb2.Trajectory]:
         env = env if env is not None else self.cfg.mixture[0]
@@ -142,8 +136,8 @@ class RolloutWorker:
                 # trainable); this hard cap only catches a turn that itself hangs past it.
                 return await asyncio.wait_for(run_episode(spec, self.tok, gen, self.env, self.scorer),
                                               2 * self.cfg.episode_timeout_s)
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE or attempt == MAX_EPISODE_ATTEMPTS - 1:
+            except RetryableError:
+                if attempt == MAX_EPISODE_ATTEMPTS - 1:
                     raise
                 self.stats.retries += 1
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0) * (0.5 + self.rng.random()))

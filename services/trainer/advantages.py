@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from arlo.groups import REWARD_ATOL
+
 
 def grpo_advantages(rewards_gk: Array, *, scale_by_std: bool = True, eps: float = 1e-6) -> Array:
     """GRPO group normalisation: (r - mean_group) / (std_group + eps).
@@ -73,7 +75,7 @@ def gae_advantages(
     return advantages, (advantages + values_bt) * mask
 
 
-def zero_variance_groups(rewards_gk: Array, *, atol: float = 1e-6) -> Array:
+def zero_variance_groups(rewards_gk: Array, *, atol: float = REWARD_ATOL) -> Array:
     """1 for groups whose rewards differ (they teach something), 0 for all-equal groups.
 
     DAPO's dynamic sampling drops the 0 groups before the step, so the batch is not diluted

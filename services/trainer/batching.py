@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
+from arlo import groups
+from arlo.groups import REWARD_ATOL, group_failed
 from arlo.proto.v1 import common_pb2
 from services.trainer.advantages import overlong_penalty
 
@@ -136,7 +138,7 @@ class GroupAssembler:
         for entry_id, traj in entries:
             gid = traj.group_id
             reason = self._closed.get(gid)
-            if reason is None and traj.status == common_pb2.TRAJECTORY_STATUS_ERROR:
+            if reason is None and group_failed((traj,)):
                 reason = "failed"  # a masked group (its worker gave up on it): no need to wait for the rest
                 self._close(gid, reason)
             elif reason is None and (why := self._invalid(traj)) is not None:
@@ -209,7 +211,7 @@ class GroupAssembler:
         if any(validate_trajectory(t) for t in group):
             self.drops.malformed += len(group)
             return "malformed"
-        if any(t.status == common_pb2.TRAJECTORY_STATUS_ERROR for t in group):
+        if group_failed(group):
             self.drops.failed += len(group)
             return "failed"
         if min(oldest_version(t) for t in group) < trainer_version - self.max_staleness:
@@ -218,10 +220,9 @@ class GroupAssembler:
         return None
 
 
-def has_reward_spread(group: ReadyGroup, atol: float = 1e-6) -> bool:
-    """False for a group whose rewards are all equal: its GRPO advantages are all 0."""
-    rewards = [t.reward for t in group.trajectories]
-    return max(rewards) - min(rewards) > atol
+def has_reward_spread(group: ReadyGroup, atol: float = REWARD_ATOL) -> bool:
+    """False for a group whose rewards are all equal: its GRPO advantages are all 0 (arlo/groups.py)."""
+    return groups.has_reward_spread([t.reward for t in group.trajectories], atol)
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:

@@ -14,9 +14,10 @@ import pytest
 from arlo.config import AuthConfig, EnvGatewayConfig, RunConfig, ServerConfig
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc import RunningServer, make_channel
+from arlo.rpc.replicas import parse_target, resolve
 from services.env_gateway.__main__ import start_env_gateway
-from services.rollout.clients import RETRYABLE
-from services.rollout.env_affinity import AffinityEnvironmentClient, parse_target, resolve
+from services.rollout.env_affinity import AffinityEnvironmentClient
+from services.rollout.types import BackendError, RetryableError
 
 TOKEN = "affinity-token"
 TOKEN_ENV = "ARLO_TEST_AFFINITY_TOKEN"
@@ -94,9 +95,8 @@ async def test_a_lost_replica_costs_only_its_episodes(replicas: list[RunningServ
         await replicas[0].stop(None)
         for session_id in sessions:
             if env.replica_of(session_id) == lost:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
+                with pytest.raises(RetryableError):  # the worker restarts the episode
                     await env.step(session_id, "1")
-                assert e.value.code() in RETRYABLE  # the worker restarts the episode
             else:
                 await env.step(session_id, "1")
         # New episodes skip the dead replica (it refuses the Reset) and land on the live one.
@@ -107,9 +107,41 @@ async def test_a_lost_replica_costs_only_its_episodes(replicas: list[RunningServ
 
 
 async def test_targets_resolve_like_the_deployed_address() -> None:
-    assert parse_target("dns:///env-gateway:50053") == ("env-gateway", 50053)
-    assert parse_target("env-gateway.arlo.svc:50053") == ("env-gateway.arlo.svc", 50053)
-    assert parse_target("ipv4:10.0.0.1:1,10.0.0.2:1") == ["10.0.0.1:1", "10.0.0.2:1"]
+    assert parse_target("dns:///env-gateway:50053", "env_gateway") == ("env-gateway", 50053)
+    assert parse_target("env-gateway.arlo.svc:50053", "env_gateway") == ("env-gateway.arlo.svc", 50053)
+    assert parse_target("ipv4:10.0.0.1:1,10.0.0.2:1", "env_gateway") == ["10.0.0.1:1", "10.0.0.2:1"]
     assert "127.0.0.1:50053" in await resolve("dns:///localhost:50053")
-    with pytest.raises(ValueError, match="host:port"):
+    with pytest.raises(ValueError, match="^env_gateway address .*host:port"):
         AffinityEnvironmentClient("env-gateway", lambda a: make_channel(a, token=None), timeout_s=1)
+
+
+async def test_concurrent_steps_to_one_replica_travel_as_one_step_batch(replicas: list[RunningServer]) -> None:
+    """A lone Step goes out alone; Steps that arrive while one is in flight leave together as a
+    StepBatch, each caller getting its own result (or its own error)."""
+    env = client_for(replicas[:1])
+    try:
+        started = [await env.reset("arith", "", seed) for seed in range(32)]
+        alone = await env.step(started[0].session_id, "x")
+        assert not alone.done and env.calls == {"Step": 1}
+        answers = [str(answer_of(s.observation[0].content)) for s in started]
+        results = await asyncio.gather(*(env.step(s.session_id, a) for s, a in zip(started, answers, strict=True)),
+                                       env.step("no-such-session", "1"), return_exceptions=True)
+        *steps, missing = results
+        assert all(r.done and r.reward == 1.0 and r.answer == a for r, a in zip(steps, answers, strict=True))
+        assert isinstance(missing, BackendError) and not isinstance(missing, RetryableError)
+        assert missing.code == "NOT_FOUND"
+        # One Step went out at once; the other 32 waited for it and left in one StepBatch.
+        assert env.calls == {"Step": 2, "StepBatch": 1, "batched_steps": 32}
+    finally:
+        await env.aclose()
+
+
+async def test_without_coalescing_every_step_is_its_own_call(replicas: list[RunningServer]) -> None:
+    env = AffinityEnvironmentClient(f"ipv4:127.0.0.1:{replicas[0].port}",
+                                    lambda address: make_channel(address, token=TOKEN), timeout_s=5, max_in_flight=0)
+    try:
+        started = [await env.reset("arith", "", seed) for seed in range(8)]
+        await asyncio.gather(*(env.step(s.session_id, "x") for s in started))
+        assert env.calls == {"Step": 8}
+    finally:
+        await env.aclose()

@@ -110,8 +110,9 @@ async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tupl
     """Evaluation waits on `served_version`: its episodes spread over every replica, so one
     replica still on old weights must hold it back (it used to ask replica 0 only)."""
     from arlo.config import SamplingConfig
+    from arlo.rpc.replicas import ReplicaSet
     from services.rollout.clients import InferenceClient
-    from services.rollout.replicas import ReplicaSet
+    from services.rollout.types import RetryableError
 
     address, first = served
     cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
@@ -121,7 +122,8 @@ async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tupl
     running = await start_server("inference", cfg.inference.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
                        servicer=InferenceServicer(second, "byte"))])
-    replicas = ReplicaSet(f"ipv4:{address},127.0.0.1:{running.port}", lambda a: make_channel(a, token=TOKEN))
+    replicas = ReplicaSet(f"ipv4:{address},127.0.0.1:{running.port}", lambda a: make_channel(a, token=TOKEN),
+                          service="inference")
     client = InferenceClient(replicas, SamplingConfig(), eos_id=first.tokenizer.eos_id, timeout_s=10.0)
     try:
         first.swap(first.state, 5)
@@ -130,7 +132,7 @@ async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tupl
         second.swap(second.state, 7)
         assert await client.served_version() == 5
         await running.stop(0.1)  # a replica that cannot answer is not counted as caught up
-        with pytest.raises(grpc.aio.AioRpcError):
+        with pytest.raises(RetryableError):  # UNAVAILABLE, as the rollout's core sees it
             await client.served_version()
     finally:
         await replicas.aclose()

@@ -7,7 +7,7 @@ from collections import Counter
 
 import grpc
 
-from services.rollout.replicas import ReplicaSet, rendezvous
+from arlo.rpc.replicas import ReplicaSet, rendezvous
 
 ADDRESSES = [f"10.0.0.{i}:50051" for i in range(1, 5)]
 
@@ -31,7 +31,7 @@ async def test_a_session_always_gets_its_replicas_channel() -> None:
         made.append(address)
         return grpc.aio.insecure_channel(address)
 
-    replicas = ReplicaSet("ipv4:127.0.0.1:1,127.0.0.1:2", factory)
+    replicas = ReplicaSet("ipv4:127.0.0.1:1,127.0.0.1:2", factory, service="inference")
     try:
         first = {k: await replicas.channel(k) for k in ("a", "b", "c", "d", "e", "f")}
         for _ in range(3):

@@ -1,0 +1,44 @@
+"""Typed coordination records against the real Redis: the admission counters under their
+documented key names, and heartbeat status records written and read back."""
+
+from __future__ import annotations
+
+import pytest
+
+from arlo.config import RedisConfig
+from arlo.coord import AdmissionCounters, Heartbeat, RolloutStatus, TrajectoryStream, connect, delete_run
+from arlo.coord.records import count_accepted, read_service_statuses
+
+
+async def test_admission_counters_live_under_the_documented_keys(redis_url: str, run_id: str) -> None:
+    redis = await connect(RedisConfig(url=redis_url))
+    try:
+        assert await AdmissionCounters.read(redis, run_id) == AdmissionCounters()
+        await count_accepted(redis, run_id, 8)
+        await TrajectoryStream(redis, run_id, consumer="trainer").count_stale(3)
+        assert await AdmissionCounters.read(redis, run_id) == AdmissionCounters(accepted=8, dropped_stale=3)
+        # The layout docs/architecture.md lists: changing it strands a running fleet's budget.
+        assert int(await redis.get(f"arlo:{run_id}:rollout:accepted")) == 8
+        assert int(await redis.get(f"arlo:{run_id}:traj:dropped_stale")) == 3
+        await redis.set(f"arlo:{run_id}:traj:dropped_stale", "lots")
+        with pytest.raises(ValueError, match="traj:dropped_stale: expected an integer"):
+            await AdmissionCounters.read(redis, run_id)
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()
+
+
+async def test_rollout_status_round_trips_through_a_heartbeat(redis_url: str, run_id: str) -> None:
+    redis = await connect(RedisConfig(url=redis_url))
+    try:
+        status = RolloutStatus(groups=3, episodes=12, retries=1, failed_groups=0, running=8, admission_waits=2)
+        await Heartbeat(redis, run_id, service=RolloutStatus.SERVICE, instance="w1").beat(**status.fields())
+        await Heartbeat(redis, run_id, service="trainer", instance="t0").beat(version=4)  # another kind: not read
+        await Heartbeat(redis, run_id, service="rollout", instance="old").beat(running=4)  # fewer fields: defaults
+        assert await read_service_statuses(redis, run_id, RolloutStatus) == {
+            "w1": status, "old": RolloutStatus(running=4)}
+        with pytest.raises(ValueError, match="rollout status field 'running': expected int"):
+            RolloutStatus.parse({"running": "many"})
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()

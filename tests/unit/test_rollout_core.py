@@ -1,0 +1,101 @@
+"""The rollout core on its own records: no transport imported, retryable errors retried, others
+masking the group, on the real env gateway and reward cores (services/rollout/inprocess.py)
+and a real Redis stream."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from arlo.config import RolloutConfig, SamplingConfig
+from arlo.coord import TrajectoryStream, delete_run
+from arlo.proto.v1 import common_pb2
+from services.rollout.agent import Turn
+from services.rollout.inprocess import CoreScorer, GatewayEnv
+from services.rollout.types import BackendError, RetryableError, StepResult
+from services.rollout.worker import RolloutWorker
+from tests.support.inprocess import TOK
+
+CORE = ["agent.py", "worker.py", "evaluation.py", "admission.py", "types.py"]
+
+
+def test_the_core_imports_no_transport() -> None:
+    """Only the Trajectory proto (the stream's contract) may cross into the core."""
+    root = Path(__file__).parents[2] / "services" / "rollout"
+    for name in CORE:
+        tree = ast.parse((root / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        bad = {m for m in imported if m.split(".")[0] == "grpc" or re.search(r"(?<!common)_pb2(_grpc)?$", m)
+               or m.startswith("services.rollout.clients")}
+        assert not bad, f"{name} imports transport: {sorted(bad)}"
+
+
+class Solver:
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+        a, b = map(int, re.findall(r"(\d+)\+(\d+)=", TOK.decode(prompt))[-1])
+        ids = TOK.encode(str(a + b)) + [TOK.eos_id]
+        return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids), finished_by_stop=True)
+
+
+class FailingSteps(GatewayEnv):
+    """The real gateway core, with the first `n` steps failing with `error`."""
+
+    def __init__(self, error: BackendError, n: int) -> None:
+        super().__init__()
+        self.error, self.left = error, n
+
+    async def step(self, session_id: str, action: str) -> StepResult:
+        if self.left > 0:
+            self.left -= 1
+            raise self.error
+        return await super().step(session_id, action)
+
+
+async def run_one_group(redis_url: str, run_id: str, env: GatewayEnv) -> tuple[RolloutWorker, list]:
+    redis = aioredis.from_url(redis_url)
+    cfg = RolloutConfig(env_name="arith", reward_fn="exact_match", group_size=2, max_turns=2,
+                        sampling=SamplingConfig(max_tokens=8))
+    worker = RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=Solver(), env=env, scorer=CoreScorer(),
+                           stream=TrajectoryStream(redis, run_id, consumer="rollout"), seed=0)
+    try:
+        trajs = await worker.run_group(3)
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()
+    return worker, trajs
+
+
+async def test_a_retryable_error_restarts_the_episode(redis_url: str, run_id: str) -> None:
+    worker, trajs = await run_one_group(redis_url, run_id, FailingSteps(RetryableError("env_gateway", "UNAVAILABLE",
+                                                                                        "replica went away"), 1))
+    assert worker.stats.retries == 1 and worker.stats.failed_groups == 0
+    assert [t.status for t in trajs] == [common_pb2.TRAJECTORY_STATUS_OK] * 2 and all(t.reward == 1.0 for t in trajs)
+    assert worker.usable(trajs) == 2
+
+
+async def test_a_terminal_error_masks_the_whole_group(redis_url: str, run_id: str) -> None:
+    worker, trajs = await run_one_group(redis_url, run_id, FailingSteps(BackendError("env_gateway", "NOT_FOUND",
+                                                                                     "no such session"), 1))
+    assert worker.stats.retries == 0 and worker.stats.failed_groups == 1
+    assert [t.status for t in trajs] == [common_pb2.TRAJECTORY_STATUS_ERROR] * 2
+    assert "NOT_FOUND" in trajs[0].error and worker.usable(trajs) == 0
+
+
+def test_the_rollout_counts_what_the_trainer_trains_on() -> None:
+    """One rule (arlo/groups.py): the worker's accepted count and the trainer's zero-variance drop agree."""
+    from arlo.groups import trainable_count
+    from services.trainer.batching import ReadyGroup, has_reward_spread
+
+    def group(*rewards: float, failed: bool = False) -> list[common_pb2.Trajectory]:
+        status = common_pb2.TRAJECTORY_STATUS_ERROR if failed else common_pb2.TRAJECTORY_STATUS_OK
+        return [common_pb2.Trajectory(reward=r, status=status) for r in rewards]
+
+    for trajs in (group(1.0, 0.0), group(1.0, 1.0), group(0.5, 0.5 + 1e-7), group(0.0, 1.0, failed=True)):
+        kept_by_trainer = has_reward_spread(ReadyGroup(trajectories=trajs, entry_ids=[]))
+        failed = trajs[0].status == common_pb2.TRAJECTORY_STATUS_ERROR
+        assert trainable_count(trajs, filter_zero_variance=True) == (len(trajs) if kept_by_trainer and not failed else 0)
+        assert trainable_count(trajs, filter_zero_variance=False) == (0 if failed else len(trajs))
