@@ -8,18 +8,30 @@ that name the field's full path, e.g. `trainer.learning_rate: expected float, go
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
-from arlo.distributed import MeshConfig
 from arlo.jsonfields import parse_json_object
 
 T = TypeVar("T")
+
+# The allowed choices of each string setting, declared once: the loader checks them (the error
+# names the field and lists them) and other modules read them with `typing.get_args`.
+Dtype = Literal["float32", "bfloat16"]
+Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+RatioLevel = Literal["token", "sequence"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"]
+KlKind = Literal["k1", "k2", "k3"]
+Remat = Literal["none", "full", "dots"]
+Isolation = Literal["auto", "bwrap", "unshare", "none"]
+
+_RUN_ID_EXTRA = frozenset("-_.")
 
 
 class ConfigError(ValueError):
@@ -28,6 +40,13 @@ class ConfigError(ValueError):
 
 def _frozen(cls: type[T]) -> type[T]:
     return dataclass(frozen=True, kw_only=True, slots=True)(cls)
+
+
+def check_run_id(run_id: str, path: str = "run_id") -> None:
+    """The one rule for run ids: non-empty, ASCII letters, digits, '-', '_' and '.' (they name Redis
+    keys, and keep glob characters out of SCAN patterns). Raises ConfigError naming `path`."""
+    ok = bool(run_id) and all((c.isascii() and c.isalnum()) or c in _RUN_ID_EXTRA for c in run_id)
+    _check(path, ok, f"must be non-empty and use only letters, digits, '-', '_' and '.', got {run_id!r}")
 
 
 def _check(path: str, ok: bool, message: str) -> None:
@@ -128,17 +147,59 @@ class ModelSpec:
     """Tokenizer name ("byte") or a Hugging Face model directory holding tokenizer.json."""
     seed: int = 0
     """Seed of the initial weights (trainer and a cold inference server agree on it)."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Compute dtype ("float32" or "bfloat16"); parameters stay float32."""
-
-    def validate(self, path: str) -> None:
-        _check(f"{path}.dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16")
 
     def model_config(self) -> Any:
         """The arlo.model ModelConfig this spec names, with its compute dtype."""
         from arlo.model import ModelConfig
 
         return dataclasses.replace(ModelConfig.named(self.name), dtype=self.dtype)
+
+
+@_frozen
+class MeshConfig:
+    """Named device mesh axes, e.g. data x fsdp x tensor.
+
+    One size may be -1: "all the devices the other axes leave". The defaults put every
+    device on `data` (pure data parallelism), which is right on one device too.
+    """
+
+    axis_names: tuple[str, ...] = ("data", "fsdp", "tensor")
+    axis_sizes: tuple[int, ...] = (-1, 1, 1)
+    dcn_axis: str = "data"
+    """With devices of several TPU slices (multislice), this axis is split across slices
+    (over the data-centre network); the others stay inside a slice (ICI)."""
+
+    def validate(self, path: str = "mesh") -> None:
+        if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
+            raise ConfigError(f"{path}.axis_sizes: needs one size per axis name "
+                              f"({len(self.axis_names)} names, {len(self.axis_sizes)} sizes)")
+        if len(set(self.axis_names)) != len(self.axis_names) or not all(self.axis_names):
+            raise ConfigError(f"{path}.axis_names: must be distinct and non-empty, got {list(self.axis_names)}")
+        if any(s == 0 or s < -1 for s in self.axis_sizes):
+            raise ConfigError(f"{path}.axis_sizes: each must be >= 1 or -1 (the rest), got {list(self.axis_sizes)}")
+        if list(self.axis_sizes).count(-1) > 1:
+            raise ConfigError(f"{path}.axis_sizes: at most one -1, got {list(self.axis_sizes)}")
+        if self.dcn_axis not in self.axis_names:
+            raise ConfigError(f"{path}.dcn_axis: {self.dcn_axis!r} is not one of {list(self.axis_names)}")
+
+    def shape(self, num_devices: int) -> tuple[int, ...]:
+        """The concrete axis sizes for `num_devices` devices (-1 resolved); ValueError if they don't fit."""
+        self.validate()
+        known = math.prod(s for s in self.axis_sizes if s != -1)
+        if -1 in self.axis_sizes:
+            if num_devices % known:
+                raise ValueError(f"mesh {self._describe()} does not divide {num_devices} devices "
+                                 f"(the fixed axes need a multiple of {known})")
+            return tuple(num_devices // known if s == -1 else s for s in self.axis_sizes)
+        if known != num_devices:
+            raise ValueError(f"mesh {self._describe()} has {known} devices, but there are {num_devices}; "
+                             "make one axis -1 to take the rest")
+        return tuple(self.axis_sizes)
+
+    def _describe(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
 
 
 @_frozen
@@ -177,16 +238,16 @@ class InferenceConfig:
 class AlgorithmConfig:
     """The RL objective. Defaults are GRPO; the other fields switch on its known variants."""
 
-    advantage: str = "grpo"
+    advantage: Advantage = "grpo"
     """"grpo", "dr_grpo" (no std scaling), "rloo" or "reinforce_pp" (batch whitening)."""
     clip_eps: float = 0.2
     clip_eps_high: float = 0.0
     """Upper clip (DAPO clip-higher); 0 means the same as clip_eps."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1; 0 disables."""
-    ratio_level: str = "token"
+    ratio_level: RatioLevel = "token"
     """"token" (PPO/GRPO) or "sequence" (GSPO)."""
-    aggregation: str = "token_mean"
+    aggregation: Aggregation = "token_mean"
     """"token_mean", "seq_mean_token_mean" or "seq_sum_norm" (needs norm_constant)."""
     norm_constant: float = 0.0
     decoupled: bool = False
@@ -195,7 +256,7 @@ class AlgorithmConfig:
     """Truncated importance weight cap between trainer and sampler logprobs; 0 disables."""
     kl_coef: float = 0.0
     """KL to the initial policy; 0 disables (and holds no reference copy)."""
-    kl_kind: str = "k3"
+    kl_kind: KlKind = "k3"
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
     filter_zero_variance: bool = False
@@ -205,20 +266,14 @@ class AlgorithmConfig:
     """Soft overlong penalty on generated tokens; both 0 disables."""
 
     def validate(self, path: str) -> None:
-        _check(f"{path}.advantage", self.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
-               "must be one of grpo, dr_grpo, rloo, reinforce_pp")
         _check(f"{path}.clip_eps", 0 < self.clip_eps < 1, "must be in (0, 1)")
         _check(f"{path}.clip_eps_high", 0 <= self.clip_eps_high < 10, "must be in [0, 10)")
         _check(f"{path}.dual_clip", self.dual_clip == 0 or self.dual_clip > 1, "must be 0 (off) or > 1")
-        _check(f"{path}.ratio_level", self.ratio_level in ("token", "sequence"), "must be token or sequence")
-        _check(f"{path}.aggregation", self.aggregation in ("token_mean", "seq_mean_token_mean", "seq_sum_norm"),
-               "must be token_mean, seq_mean_token_mean or seq_sum_norm")
         _check(f"{path}.norm_constant", self.aggregation != "seq_sum_norm" or self.norm_constant > 0,
                "must be > 0 with aggregation seq_sum_norm")
         _check(f"{path}.is_cap", self.is_cap >= 0, "must be >= 0")
         _check(f"{path}.decoupled", not self.decoupled or self.is_cap > 0, "needs is_cap > 0")
         _check(f"{path}.kl_coef", self.kl_coef >= 0, "must be >= 0")
-        _check(f"{path}.kl_kind", self.kl_kind in ("k1", "k2", "k3"), "must be k1, k2 or k3")
         _check(f"{path}.entropy_coef", self.entropy_coef >= 0, "must be >= 0")
         _check(f"{path}.overlong_buffer_tokens",
                0 <= self.overlong_buffer_tokens <= self.overlong_max_tokens or self.overlong_max_tokens == 0,
@@ -269,7 +324,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every k versions; 0 disables."""
     read_block_ms: int = 1000
-    remat: str = "none"
+    remat: Remat = "none"
     """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
     logprob_chunk: int = 0
     """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
@@ -285,7 +340,6 @@ class TrainerConfig:
         self.server.validate(f"{path}.server")
         self.sft.validate(f"{path}.sft")
         _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
-        _check(f"{path}.remat", self.remat in ("none", "full", "dots"), "must be none, full or dots")
         _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
         self.mesh.validate(f"{path}.mesh")
         _check(f"{path}.micro_batch_size", self.micro_batch_size >= 0, "must be >= 0")
@@ -311,7 +365,7 @@ class SandboxConfig:
     max_processes: int = 32
     wall_timeout_s: float = 10.0
     """Wall-clock limit; past it the whole process group is killed."""
-    isolation: str = "auto"
+    isolation: Isolation = "auto"
     """"auto" (bubblewrap if installed, else unshare; says so when namespaces are refused), "bwrap", "unshare", "none"."""
     uid: int = 65534
     """Unprivileged uid the code runs as (when started as root)."""
@@ -324,8 +378,6 @@ class SandboxConfig:
         _check(f"{path}.file_size_mb", 1 <= self.file_size_mb <= 1 << 20, "must be in [1, 1048576]")
         _check(f"{path}.max_processes", 1 <= self.max_processes <= 4096, "must be in [1, 4096]")
         _check(f"{path}.wall_timeout_s", 0 < self.wall_timeout_s <= 3600, "must be in (0, 3600]")
-        _check(f"{path}.isolation", self.isolation in ("auto", "bwrap", "unshare", "none"),
-               "must be one of auto, bwrap, unshare, none")
         _check(f"{path}.max_output_bytes", 1024 <= self.max_output_bytes <= 1 << 24, "must be in [1 KiB, 16 MiB]")
 
 
@@ -492,8 +544,7 @@ class RunConfig:
     """Rollout workers: the task, group sampling, episode limits."""
 
     def validate(self, path: str = "") -> None:
-        _check("run_id", bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id),
-               "must be non-empty and use only letters, digits, '-', '_' and '.'")
+        check_run_id(self.run_id)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if hasattr(value, "validate"):
@@ -522,11 +573,27 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        # `type(value) is type(a)`: YAML's `true` must not pass as 1, nor 1 as 1.0.
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(f"{path}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, path)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{path}: must be set (null is not allowed)")
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _coerce(options[0], value, path)
+        for option in options:  # the first alternative that takes the value
+            try:
+                return _coerce(option, value, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: expected {' or '.join(type_name(o) for o in options)}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool):
@@ -539,6 +606,18 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         (item,) = typing.get_args(tp)[:1]
         return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     return value
+
+
+def type_name(tp: Any) -> str:
+    """A field type as the docs and errors show it: `int`, `list of str`, `"a" | "b"`, `float or null`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
