@@ -205,9 +205,13 @@ class MeshConfig:
 @_frozen
 class InferenceConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051, metrics_port=9101))
+    """Where the inference service listens."""
     max_n: int = 64
+    """Most samples one request may ask for (its `n`)."""
     max_tokens: int = 256
+    """Most new tokens one request may ask for."""
     max_prompt_tokens: int = 512
+    """Longest prompt a request may send, in tokens."""
     weight_poll_s: float = 2.0
     """Poll the weight pointer this often in case a pub/sub event was missed."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -220,6 +224,10 @@ class InferenceConfig:
     """Tokens decoded per host round trip: more amortises the sync, fewer admits new requests sooner."""
     prefill_tokens: int = 2048
     """Prompt tokens prefilled per engine step, so a burst of long prompts does not stall decoding."""
+    max_prefill_rows: int = 16
+    """Prompts prefilled together in one call (at least one request is admitted per step)."""
+    max_seq_len: int = 0
+    """Prompt + completion tokens one slot holds (KV cache length); 0 = the model's max_seq_len."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
@@ -228,6 +236,8 @@ class InferenceConfig:
         _check(f"{path}.kv_cache_mib", self.kv_cache_mib >= 0, "must be >= 0")
         _check(f"{path}.decode_steps", 1 <= self.decode_steps <= 1024, "must be in [1, 1024]")
         _check(f"{path}.prefill_tokens", self.prefill_tokens >= 1, "must be >= 1")
+        _check(f"{path}.max_prefill_rows", self.max_prefill_rows >= 1, "must be >= 1")
+        _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's)")
         _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
         _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
         _check(f"{path}.weight_poll_s", self.weight_poll_s > 0, "must be > 0")

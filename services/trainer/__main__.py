@@ -19,7 +19,14 @@ from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.model import get_tokenizer
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
-from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
+from arlo.rpc import (
+    RunningServer,
+    ServiceBinding,
+    advertise_host,
+    run_until_signal,
+    setup_logging,
+    start_server,
+)
 from arlo.service_args import parse_service_config
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.learner import Learner, learner_config, sft_learner_config
@@ -28,12 +35,6 @@ from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 from services.trainer.warmstart import WarmStart
-
-
-def advertise_host(cfg: RunConfig) -> str:
-    """Host other services pull weights from: $ARLO_ADVERTISE_HOST (a pod IP on k8s) or the bind host."""
-    host = os.environ.get("ARLO_ADVERTISE_HOST") or cfg.trainer.server.host
-    return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
 
 async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, TrainingLoop]:
@@ -61,12 +62,12 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     running = await start_server("trainer", tc.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=trainer_pb2_grpc.add_TrainerServicer_to_server,
                        servicer=TrainerServicer(loop))])
-    loop.source = f"grpc://{advertise_host(cfg)}:{running.port}"
+    loop.source = f"grpc://{advertise_host(tc.server.host)}:{running.port}"
     await loop.start()
     heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
     tasks.spawn("training-loop", loop.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "address": f"{advertise_host(cfg)}:{running.port}", "version": loop.state.version,
+        "address": f"{advertise_host(tc.server.host)}:{running.port}", "version": loop.state.version,
         "step": loop.learner.step_count, "consumed": loop.state.consumed,
         "busy_s": round(loop.state.busy_s, 3), "io_s": round(loop.state.io_s, 3),
         "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
