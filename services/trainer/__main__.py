@@ -29,7 +29,7 @@ from arlo.rpc import (
 )
 from arlo.service_args import parse_service_config
 from services.trainer.checkpoint import Checkpointer
-from services.trainer.learner import Learner, learner_config, sft_learner_config
+from services.trainer.learner import Learner
 from services.trainer.lockstep import Replica, channel_for_this_process, follow
 from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
@@ -45,8 +45,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=mesh,
-                      sft_cfg=sft_learner_config(tc))
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=mesh)
     warm_start = (WarmStart(tc.sft, get_tokenizer(cfg.model.tokenizer), max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
     loop = TrainingLoop(
@@ -80,8 +79,7 @@ async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyn
     it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
     tc = cfg.trainer
     # Built in the same order as start_trainer builds them: their creation is collective work too.
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=make_mesh(tc.mesh),
-                      sft_cfg=sft_learner_config(tc))
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=make_mesh(tc.mesh))
     checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
     running = await start_server("trainer", tc.server, cfg.auth, [])
     replica = Replica(learner, checkpointer, channel_for_this_process())
