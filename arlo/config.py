@@ -116,10 +116,13 @@ class ServerConfig:
     """Where one service listens. Port 0 picks a free port (tests)."""
 
     host: str = "127.0.0.1"
+    """Interface to bind; 0.0.0.0 for all (others then dial $ARLO_ADVERTISE_HOST or the host name)."""
     port: int = 0
+    """gRPC port; 0 picks a free one."""
     metrics_port: int = 0
     """Prometheus /metrics port; 0 picks a free port, -1 disables it."""
     max_message_bytes: int = 64 * 1024 * 1024
+    """Largest gRPC message sent or received (weights travel in chunks below it)."""
     grace_s: float = 5.0
     """On SIGTERM: NOT_SERVING, then this long for in-flight RPCs to finish."""
     max_concurrent_rpcs: int = 0
@@ -148,7 +151,7 @@ class ModelSpec:
     seed: int = 0
     """Seed of the initial weights (trainer and a cold inference server agree on it)."""
     dtype: Dtype = "float32"
-    """Compute dtype ("float32" or "bfloat16"); parameters stay float32."""
+    """Compute dtype of the forward pass; parameters stay float32."""
 
     def model_config(self) -> Any:
         """The arlo.model ModelConfig this spec names, with its compute dtype."""
@@ -166,7 +169,9 @@ class MeshConfig:
     """
 
     axis_names: tuple[str, ...] = ("data", "fsdp", "tensor")
+    """Names of the mesh axes, outermost first."""
     axis_sizes: tuple[int, ...] = (-1, 1, 1)
+    """Size of each axis; one may be -1 (all the devices the others leave)."""
     dcn_axis: str = "data"
     """With devices of several TPU slices (multislice), this axis is split across slices
     (over the data-centre network); the others stay inside a slice (ICI)."""
@@ -251,6 +256,7 @@ class AlgorithmConfig:
     advantage: Advantage = "grpo"
     """"grpo", "dr_grpo" (no std scaling), "rloo" or "reinforce_pp" (batch whitening)."""
     clip_eps: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
     clip_eps_high: float = 0.0
     """Upper clip (DAPO clip-higher); 0 means the same as clip_eps."""
     dual_clip: float = 0.0
@@ -260,6 +266,7 @@ class AlgorithmConfig:
     aggregation: Aggregation = "token_mean"
     """"token_mean", "seq_mean_token_mean" or "seq_sum_norm" (needs norm_constant)."""
     norm_constant: float = 0.0
+    """Divisor of "seq_sum_norm" per sequence (Dr. GRPO: a fixed token budget, so length does not bias the loss)."""
     decoupled: bool = False
     """Decoupled PPO objective: clip against the trainer's own logprobs, weight by trainer/sampler."""
     is_cap: float = 0.0
@@ -267,11 +274,15 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """KL to the initial policy; 0 disables (and holds no reference copy)."""
     kl_kind: KlKind = "k3"
+    """KL estimator (Schulman's k1, k2 or k3) of the KL term."""
     kl_in_reward: bool = False
+    """Subtract kl_coef x the sequence's summed KL from its reward instead of adding a loss term."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables."""
     filter_zero_variance: bool = False
     """Dynamic sampling: drop groups whose rewards are all equal (their advantage is 0)."""
     overlong_max_tokens: int = 0
+    """Generated tokens past which the overlong penalty is -1 (DAPO); 0 disables."""
     overlong_buffer_tokens: int = 0
     """Soft overlong penalty on generated tokens; both 0 disables."""
 
@@ -301,9 +312,11 @@ class SFTConfig:
     steps: int = 0
     """SFT optimizer steps before RL; 0 disables the warm start."""
     batch_size: int = 64
+    """Demonstrations per SFT step."""
     learning_rate: float = 0.0
     """0: trainer.learning_rate. SFT has its own AdamW state; RL starts with a fresh one."""
     warmup_steps: int = 20
+    """Linear warmup of the SFT learning rate, in steps."""
 
     def validate(self, path: str) -> None:
         _check(f"{path}.steps", self.steps >= 0, "must be >= 0")
@@ -316,17 +329,23 @@ class SFTConfig:
 @_frozen
 class TrainerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50052, metrics_port=9102))
+    """Where the trainer service listens (and serves weights from)."""
     groups_per_step: int = 4
     """GRPO groups in one optimizer step."""
     micro_batch_size: int = 0
     """Rows per micro-batch (gradient accumulation); 0 = the whole batch at once."""
     learning_rate: float = 1e-3
+    """Peak AdamW learning rate of RL."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 0
+    """Linear learning-rate warmup from 0, in optimizer steps."""
     total_steps: int = 0
     """> 0: cosine decay over this many steps."""
     max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL objective (GRPO and its variants)."""
     max_staleness: int = 1
     """Drop trajectories whose oldest token is more than this many versions behind; 0 = on-policy."""
     checkpoint_dir: str = ""
@@ -334,6 +353,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every k versions; 0 disables."""
     read_block_ms: int = 1000
+    """How long one read of the trajectory stream blocks waiting for data."""
     remat: Remat = "none"
     """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
     logprob_chunk: int = 0
@@ -369,10 +389,13 @@ class SandboxConfig:
     """Limits for untrusted code (env code execution, reward code tests)."""
 
     cpu_seconds: int = 5
+    """CPU time limit (RLIMIT_CPU) of the sandboxed process."""
     memory_mb: int = 512
     """Address-space limit of the sandboxed process."""
     file_size_mb: int = 16
+    """Largest file the sandboxed process may write (RLIMIT_FSIZE)."""
     max_processes: int = 32
+    """Processes the sandboxed code may run at once (RLIMIT_NPROC)."""
     wall_timeout_s: float = 10.0
     """Wall-clock limit; past it the whole process group is killed."""
     isolation: Isolation = "auto"
@@ -424,10 +447,15 @@ class RemoteEnvConfig:
 @_frozen
 class EnvGatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50053, metrics_port=9103))
+    """Where the environment gateway listens."""
     session_idle_timeout_s: float = 600.0
+    """An episode session untouched this long is closed and its state freed."""
     max_sessions: int = 10000
+    """Live sessions at most; new ones are refused past it."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits for environments that run untrusted code."""
     remotes: tuple[RemoteEnvConfig, ...] = ()
+    """External Environment services whose environments the gateway proxies."""
     retrieval_docs_dir: str = ""
     """Directory of .txt/.md documents for the retrieval env; empty uses the built-in set."""
 
@@ -444,8 +472,11 @@ class RewardPluginConfig:
     """A user verifier: `target` is "package.module:function", registered under `name`."""
 
     name: str
+    """Name the verifier is registered (and asked for) under."""
     target: str
+    """"package.module:function" of the verifier."""
     description: str = ""
+    """Shown in the reward function listing; empty uses the function's docstring."""
 
     def validate(self, path: str) -> None:
         _check(f"{path}.name", bool(self.name), "must be set")
@@ -456,10 +487,12 @@ class RewardPluginConfig:
 @_frozen
 class RewardConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50054, metrics_port=9104))
+    """Where the reward service listens."""
     timeout_s: float = 15.0
     """Per-item verifier deadline; past it the item gets SCORE_STATUS_TIMEOUT. Keep it above
     sandbox.wall_timeout_s, or a slow code test times out while its program still runs."""
     plugins: tuple[RewardPluginConfig, ...] = ()
+    """User verifiers registered next to the built-in reward functions."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits for running code-correctness tests."""
 
@@ -476,8 +509,11 @@ class RewardConfig:
 @_frozen
 class SamplingConfig:
     temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
     top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables."""
     top_k: int = 0
+    """Sample among the k most likely tokens; 0 disables."""
     max_tokens: int = 8
     """New tokens per model turn."""
 
@@ -491,12 +527,14 @@ class EvalConfig:
     """JSON object merged over rollout.env_config_json for evaluation, e.g. {"split": "eval"} for
     environments with a held-out split. Evaluation seeds are 0..num_tasks-1 either way."""
     num_tasks: int = 64
+    """Held-out tasks per evaluation (seeds 0..num_tasks-1)."""
     samples: int = 4
     """k of pass@k, and the samples behind the mean sampled reward."""
     every_versions: int = 0
     """`arlo train`/`demo` request an evaluation whenever the version passes a multiple of this
     (and always at the start and the end); 0: start and end only."""
     timeout_s: float = 600.0
+    """Deadline of one evaluation; past it the request reports an error."""
 
     def validate(self, path: str) -> None:
         try:
@@ -512,18 +550,27 @@ class EvalConfig:
 @_frozen
 class RolloutConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50055, metrics_port=9105))
+    """Where the rollout service listens."""
     env_name: str = "arith"
+    """Environment the training episodes run in (served by the env gateway)."""
     env_config_json: str = ""
+    """JSON object passed to the environment at each reset; empty = {}."""
     reward_fn: str = "exact_match"
+    """Reward function (reward service) that scores each episode's final answer."""
     group_size: int = 4
+    """Samples per task (a GRPO group): their rewards are compared with each other."""
     max_turns: int = 3
+    """Model turns per episode at most."""
     max_episode_tokens: int = 256
+    """Generated tokens per episode at most, over all its turns."""
     episode_timeout_s: float = 120.0
     """Wall-time limit of an episode: no turn starts after it (finish_reason "max_wall_time")."""
     concurrent_groups: int = 4
     """Groups in flight per worker."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How the policy samples during training episodes."""
     rpc_timeout_s: float = 30.0
+    """Deadline of each call to inference, the env gateway and the reward service."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
 
@@ -544,12 +591,17 @@ class RunConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     """The policy model, shared by trainer and inference."""
     redis: RedisConfig = field(default_factory=RedisConfig)
+    """The Redis that holds the trajectory stream, weight pointer and heartbeats."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """Bearer-token auth of every RPC but health."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """The inference service: request limits, batching, KV cache."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer service: optimizer, RL objective, checkpoints."""
     env_gateway: EnvGatewayConfig = field(default_factory=EnvGatewayConfig)
+    """The environment gateway: sessions, sandbox, remote environments."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward service: verifier deadline, plugins, sandbox."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout workers: the task, group sampling, episode limits."""
 
@@ -619,10 +671,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 
 def type_name(tp: Any) -> str:
-    """A field type as the docs and errors show it: `int`, `list of str`, `"a" | "b"`, `float or null`."""
+    """A field type as the docs and errors show it: `int`, `list of str`, `one of "a", "b"`, `float or null`."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in typing.get_args(tp))
+        return "one of " + ", ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
     if origin in (tuple, list):
