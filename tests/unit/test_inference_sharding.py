@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
-    from arlo.distributed import MeshConfig, make_mesh
+    from arlo.config import MeshConfig
+    from arlo.distributed import make_mesh
     from arlo.model import create_model, state_from_bytes, state_to_bytes
     from arlo.config import InferenceConfig
     from services.inference.engine import Engine, SamplingRequest
@@ -72,7 +73,7 @@ def test_sharded_engine_matches_single_device() -> None:
 
 
 def test_service_builds_no_mesh_on_one_device() -> None:
-    from arlo.distributed import MeshConfig
+    from arlo.config import MeshConfig
     from services.inference.__main__ import inference_mesh
 
     assert inference_mesh(MeshConfig()) is None  # one CPU device here: the plain single-device path

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
-    from arlo.distributed import MeshConfig, make_mesh
+    from arlo.config import MeshConfig
+    from arlo.distributed import make_mesh
     from arlo.model import ModelConfig
     from services.trainer.batching import build_batch
     from arlo.config import TrainerConfig
