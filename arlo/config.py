@@ -17,19 +17,10 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from arlo.choices import Advantage, Aggregation, Dtype, Isolation, KlKind, RatioLevel, Remat
 from arlo.jsonfields import parse_json_object
 
 T = TypeVar("T")
-
-# The allowed choices of each string setting, declared once: the loader checks them (the error
-# names the field and lists them) and other modules read them with `typing.get_args`.
-Dtype = Literal["float32", "bfloat16"]
-Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
-RatioLevel = Literal["token", "sequence"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"]
-KlKind = Literal["k1", "k2", "k3"]
-Remat = Literal["none", "full", "dots"]
-Isolation = Literal["auto", "bwrap", "unshare", "none"]
 
 _RUN_ID_EXTRA = frozenset("-_.")
 

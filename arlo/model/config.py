@@ -8,7 +8,7 @@ from typing import Any, get_args
 
 import jax.numpy as jnp
 
-from arlo.config import Dtype
+from arlo.choices import Dtype
 from arlo.model.rope import RopeScaling
 
 _DTYPES = get_args(Dtype)

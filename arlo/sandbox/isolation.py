@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from arlo import config
+from arlo.choices import Isolation as IsolationChoice
 
-KINDS = tuple(k for k in get_args(config.Isolation) if k != "auto")
+KINDS = tuple(k for k in get_args(IsolationChoice) if k != "auto")
 """The concrete kinds, best first (the config's choices less "auto")."""
 WORKDIR_IN_NAMESPACE = "/tmp"
 HIDDEN_DIRS = ("/root", "/home", "/run", "/var/tmp", "/mnt", "/media", "/srv")

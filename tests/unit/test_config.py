@@ -128,7 +128,8 @@ def test_the_docs_generator_refuses_an_undocumented_field(tmp_path: Path) -> Non
     pkg = copy / "arlo"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "jsonfields.py").write_text((ROOT / "arlo" / "jsonfields.py").read_text())
+    for name in ("jsonfields.py", "choices.py"):
+        (pkg / name).write_text((ROOT / "arlo" / name).read_text())
     (pkg / "config.py").write_text(source.replace(doc, ""))
     result = subprocess.run([sys.executable, str(copy / "scripts" / "gen_config_docs.py")], capture_output=True,
                             text=True, timeout=60, cwd=copy)
