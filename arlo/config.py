@@ -8,19 +8,22 @@ that name the field's full path, e.g. `trainer.learning_rate: expected float, go
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
-from arlo.distributed import MeshConfig
+from arlo.choices import Advantage, Aggregation, Dtype, Isolation, KlKind, RatioLevel, Remat
 from arlo.jsonfields import parse_json_object
 from arlo.private_files import write_private
 
 T = TypeVar("T")
+
+_RUN_ID_EXTRA = frozenset("-_.")
 
 
 class ConfigError(ValueError):
@@ -29,6 +32,13 @@ class ConfigError(ValueError):
 
 def _frozen(cls: type[T]) -> type[T]:
     return dataclass(frozen=True, kw_only=True, slots=True)(cls)
+
+
+def check_run_id(run_id: str, path: str = "run_id") -> None:
+    """The one rule for run ids: non-empty, ASCII letters, digits, '-', '_' and '.' (they name Redis
+    keys, and keep glob characters out of SCAN patterns). Raises ConfigError naming `path`."""
+    ok = bool(run_id) and all((c.isascii() and c.isalnum()) or c in _RUN_ID_EXTRA for c in run_id)
+    _check(path, ok, f"must be non-empty and use only letters, digits, '-', '_' and '.', got {run_id!r}")
 
 
 def _check(path: str, ok: bool, message: str) -> None:
@@ -98,10 +108,13 @@ class ServerConfig:
     """Where one service listens. Port 0 picks a free port (tests)."""
 
     host: str = "127.0.0.1"
+    """Interface to bind; 0.0.0.0 for all (others then dial $ARLO_ADVERTISE_HOST or the host name)."""
     port: int = 0
+    """gRPC port; 0 picks a free one."""
     metrics_port: int = 0
     """Prometheus /metrics port; 0 picks a free port, -1 disables it."""
     max_message_bytes: int = 64 * 1024 * 1024
+    """Largest gRPC message sent or received (weights travel in chunks below it)."""
     grace_s: float = 5.0
     """On SIGTERM: NOT_SERVING, then this long for in-flight RPCs to finish."""
     max_concurrent_rpcs: int = 0
@@ -129,11 +142,8 @@ class ModelSpec:
     """Tokenizer name ("byte") or a Hugging Face model directory holding tokenizer.json."""
     seed: int = 0
     """Seed of the initial weights (trainer and a cold inference server agree on it)."""
-    dtype: str = "float32"
-    """Compute dtype ("float32" or "bfloat16"); parameters stay float32."""
-
-    def validate(self, path: str) -> None:
-        _check(f"{path}.dtype", self.dtype in ("float32", "bfloat16"), "must be float32 or bfloat16")
+    dtype: Dtype = "float32"
+    """Compute dtype of the forward pass; parameters stay float32."""
 
     def model_config(self) -> Any:
         """The arlo.model ModelConfig this spec names, with its compute dtype."""
@@ -143,11 +153,62 @@ class ModelSpec:
 
 
 @_frozen
+class MeshConfig:
+    """Named device mesh axes, e.g. data x fsdp x tensor.
+
+    One size may be -1: "all the devices the other axes leave". The defaults put every
+    device on `data` (pure data parallelism), which is right on one device too.
+    """
+
+    axis_names: tuple[str, ...] = ("data", "fsdp", "tensor")
+    """Names of the mesh axes, outermost first."""
+    axis_sizes: tuple[int, ...] = (-1, 1, 1)
+    """Size of each axis; one may be -1 (all the devices the others leave)."""
+    dcn_axis: str = "data"
+    """With devices of several TPU slices (multislice), this axis is split across slices
+    (over the data-centre network); the others stay inside a slice (ICI)."""
+
+    def validate(self, path: str = "mesh") -> None:
+        if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
+            raise ConfigError(f"{path}.axis_sizes: needs one size per axis name "
+                              f"({len(self.axis_names)} names, {len(self.axis_sizes)} sizes)")
+        if len(set(self.axis_names)) != len(self.axis_names) or not all(self.axis_names):
+            raise ConfigError(f"{path}.axis_names: must be distinct and non-empty, got {list(self.axis_names)}")
+        if any(s == 0 or s < -1 for s in self.axis_sizes):
+            raise ConfigError(f"{path}.axis_sizes: each must be >= 1 or -1 (the rest), got {list(self.axis_sizes)}")
+        if list(self.axis_sizes).count(-1) > 1:
+            raise ConfigError(f"{path}.axis_sizes: at most one -1, got {list(self.axis_sizes)}")
+        if self.dcn_axis not in self.axis_names:
+            raise ConfigError(f"{path}.dcn_axis: {self.dcn_axis!r} is not one of {list(self.axis_names)}")
+
+    def shape(self, num_devices: int) -> tuple[int, ...]:
+        """The concrete axis sizes for `num_devices` devices (-1 resolved); ValueError if they don't fit."""
+        self.validate()
+        known = math.prod(s for s in self.axis_sizes if s != -1)
+        if -1 in self.axis_sizes:
+            if num_devices % known:
+                raise ValueError(f"mesh {self._describe()} does not divide {num_devices} devices "
+                                 f"(the fixed axes need a multiple of {known})")
+            return tuple(num_devices // known if s == -1 else s for s in self.axis_sizes)
+        if known != num_devices:
+            raise ValueError(f"mesh {self._describe()} has {known} devices, but there are {num_devices}; "
+                             "make one axis -1 to take the rest")
+        return tuple(self.axis_sizes)
+
+    def _describe(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
+
+
+@_frozen
 class InferenceConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051, metrics_port=9101))
+    """Where the inference service listens."""
     max_n: int = 64
+    """Most samples one request may ask for (its `n`)."""
     max_tokens: int = 256
+    """Most new tokens one request may ask for."""
     max_prompt_tokens: int = 512
+    """Longest prompt a request may send, in tokens."""
     weight_poll_s: float = 2.0
     """Poll the weight pointer this often in case a pub/sub event was missed."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -160,6 +221,10 @@ class InferenceConfig:
     """Tokens decoded per host round trip: more amortises the sync, fewer admits new requests sooner."""
     prefill_tokens: int = 2048
     """Prompt tokens prefilled per engine step, so a burst of long prompts does not stall decoding."""
+    max_prefill_rows: int = 16
+    """Prompts prefilled together in one call (at least one request is admitted per step)."""
+    max_seq_len: int = 0
+    """Prompt + completion tokens one slot holds (KV cache length); 0 = the model's max_seq_len."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
@@ -168,6 +233,8 @@ class InferenceConfig:
         _check(f"{path}.kv_cache_mib", self.kv_cache_mib >= 0, "must be >= 0")
         _check(f"{path}.decode_steps", 1 <= self.decode_steps <= 1024, "must be in [1, 1024]")
         _check(f"{path}.prefill_tokens", self.prefill_tokens >= 1, "must be >= 1")
+        _check(f"{path}.max_prefill_rows", self.max_prefill_rows >= 1, "must be >= 1")
+        _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's)")
         _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
         _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
         _check(f"{path}.weight_poll_s", self.weight_poll_s > 0, "must be > 0")
@@ -178,48 +245,48 @@ class InferenceConfig:
 class AlgorithmConfig:
     """The RL objective. Defaults are GRPO; the other fields switch on its known variants."""
 
-    advantage: str = "grpo"
+    advantage: Advantage = "grpo"
     """"grpo", "dr_grpo" (no std scaling), "rloo" or "reinforce_pp" (batch whitening)."""
     clip_eps: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
     clip_eps_high: float = 0.0
     """Upper clip (DAPO clip-higher); 0 means the same as clip_eps."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1; 0 disables."""
-    ratio_level: str = "token"
+    ratio_level: RatioLevel = "token"
     """"token" (PPO/GRPO) or "sequence" (GSPO)."""
-    aggregation: str = "token_mean"
+    aggregation: Aggregation = "token_mean"
     """"token_mean", "seq_mean_token_mean" or "seq_sum_norm" (needs norm_constant)."""
     norm_constant: float = 0.0
+    """Divisor of "seq_sum_norm" per sequence (Dr. GRPO: a fixed token budget, so length does not bias the loss)."""
     decoupled: bool = False
     """Decoupled PPO objective: clip against the trainer's own logprobs, weight by trainer/sampler."""
     is_cap: float = 0.0
     """Truncated importance weight cap between trainer and sampler logprobs; 0 disables."""
     kl_coef: float = 0.0
     """KL to the initial policy; 0 disables (and holds no reference copy)."""
-    kl_kind: str = "k3"
+    kl_kind: KlKind = "k3"
+    """KL estimator (Schulman's k1, k2 or k3) of the KL term."""
     kl_in_reward: bool = False
+    """Subtract kl_coef x the sequence's summed KL from its reward instead of adding a loss term."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables."""
     filter_zero_variance: bool = False
     """Dynamic sampling: drop groups whose rewards are all equal (their advantage is 0)."""
     overlong_max_tokens: int = 0
+    """Generated tokens past which the overlong penalty is -1 (DAPO); 0 disables."""
     overlong_buffer_tokens: int = 0
     """Soft overlong penalty on generated tokens; both 0 disables."""
 
     def validate(self, path: str) -> None:
-        _check(f"{path}.advantage", self.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
-               "must be one of grpo, dr_grpo, rloo, reinforce_pp")
         _check(f"{path}.clip_eps", 0 < self.clip_eps < 1, "must be in (0, 1)")
         _check(f"{path}.clip_eps_high", 0 <= self.clip_eps_high < 10, "must be in [0, 10)")
         _check(f"{path}.dual_clip", self.dual_clip == 0 or self.dual_clip > 1, "must be 0 (off) or > 1")
-        _check(f"{path}.ratio_level", self.ratio_level in ("token", "sequence"), "must be token or sequence")
-        _check(f"{path}.aggregation", self.aggregation in ("token_mean", "seq_mean_token_mean", "seq_sum_norm"),
-               "must be token_mean, seq_mean_token_mean or seq_sum_norm")
         _check(f"{path}.norm_constant", self.aggregation != "seq_sum_norm" or self.norm_constant > 0,
                "must be > 0 with aggregation seq_sum_norm")
         _check(f"{path}.is_cap", self.is_cap >= 0, "must be >= 0")
         _check(f"{path}.decoupled", not self.decoupled or self.is_cap > 0, "needs is_cap > 0")
         _check(f"{path}.kl_coef", self.kl_coef >= 0, "must be >= 0")
-        _check(f"{path}.kl_kind", self.kl_kind in ("k1", "k2", "k3"), "must be k1, k2 or k3")
         _check(f"{path}.entropy_coef", self.entropy_coef >= 0, "must be >= 0")
         _check(f"{path}.overlong_buffer_tokens",
                0 <= self.overlong_buffer_tokens <= self.overlong_max_tokens or self.overlong_max_tokens == 0,
@@ -237,9 +304,11 @@ class SFTConfig:
     steps: int = 0
     """SFT optimizer steps before RL; 0 disables the warm start."""
     batch_size: int = 64
+    """Demonstrations per SFT step."""
     learning_rate: float = 0.0
     """0: trainer.learning_rate. SFT has its own AdamW state; RL starts with a fresh one."""
     warmup_steps: int = 20
+    """Linear warmup of the SFT learning rate, in steps."""
 
     def validate(self, path: str) -> None:
         _check(f"{path}.steps", self.steps >= 0, "must be >= 0")
@@ -252,17 +321,23 @@ class SFTConfig:
 @_frozen
 class TrainerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50052, metrics_port=9102))
+    """Where the trainer service listens (and serves weights from)."""
     groups_per_step: int = 4
     """GRPO groups in one optimizer step."""
     micro_batch_size: int = 0
     """Rows per micro-batch (gradient accumulation); 0 = the whole batch at once."""
     learning_rate: float = 1e-3
+    """Peak AdamW learning rate of RL."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 0
+    """Linear learning-rate warmup from 0, in optimizer steps."""
     total_steps: int = 0
     """> 0: cosine decay over this many steps."""
     max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL objective (GRPO and its variants)."""
     max_staleness: int = 1
     """Drop trajectories whose oldest token is more than this many versions behind; 0 = on-policy."""
     checkpoint_dir: str = ""
@@ -270,7 +345,8 @@ class TrainerConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every k versions; 0 disables."""
     read_block_ms: int = 1000
-    remat: str = "none"
+    """How long one read of the trajectory stream blocks waiting for data."""
+    remat: Remat = "none"
     """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
     logprob_chunk: int = 0
     """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
@@ -286,7 +362,6 @@ class TrainerConfig:
         self.server.validate(f"{path}.server")
         self.sft.validate(f"{path}.sft")
         _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
-        _check(f"{path}.remat", self.remat in ("none", "full", "dots"), "must be none, full or dots")
         _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
         self.mesh.validate(f"{path}.mesh")
         _check(f"{path}.micro_batch_size", self.micro_batch_size >= 0, "must be >= 0")
@@ -306,13 +381,16 @@ class SandboxConfig:
     """Limits for untrusted code (env code execution, reward code tests)."""
 
     cpu_seconds: int = 5
+    """CPU time limit (RLIMIT_CPU) of the sandboxed process."""
     memory_mb: int = 512
     """Address-space limit of the sandboxed process."""
     file_size_mb: int = 16
+    """Largest file the sandboxed process may write (RLIMIT_FSIZE)."""
     max_processes: int = 32
+    """Processes the sandboxed code may run at once (RLIMIT_NPROC)."""
     wall_timeout_s: float = 10.0
     """Wall-clock limit; past it the whole process group is killed."""
-    isolation: str = "auto"
+    isolation: Isolation = "auto"
     """"auto" (bubblewrap if installed, else unshare; says so when namespaces are refused), "bwrap", "unshare", "none"."""
     uid: int = 65534
     """Unprivileged uid the code runs as (when started as root)."""
@@ -325,8 +403,6 @@ class SandboxConfig:
         _check(f"{path}.file_size_mb", 1 <= self.file_size_mb <= 1 << 20, "must be in [1, 1048576]")
         _check(f"{path}.max_processes", 1 <= self.max_processes <= 4096, "must be in [1, 4096]")
         _check(f"{path}.wall_timeout_s", 0 < self.wall_timeout_s <= 3600, "must be in (0, 3600]")
-        _check(f"{path}.isolation", self.isolation in ("auto", "bwrap", "unshare", "none"),
-               "must be one of auto, bwrap, unshare, none")
         _check(f"{path}.max_output_bytes", 1024 <= self.max_output_bytes <= 1 << 24, "must be in [1 KiB, 16 MiB]")
 
 
@@ -381,10 +457,15 @@ class EnvPluginConfig:
 @_frozen
 class EnvGatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50053, metrics_port=9103))
+    """Where the environment gateway listens."""
     session_idle_timeout_s: float = 600.0
+    """An episode session untouched this long is closed and its state freed."""
     max_sessions: int = 10000
+    """Live sessions at most; new ones are refused past it."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits for environments that run untrusted code."""
     remotes: tuple[RemoteEnvConfig, ...] = ()
+    """External Environment services whose environments the gateway proxies."""
     retrieval_docs_dir: str = ""
     """Directory of .txt/.md documents for the retrieval env; empty uses the built-in set."""
     plugins: tuple[EnvPluginConfig, ...] = ()
@@ -408,8 +489,11 @@ class RewardPluginConfig:
     """A user verifier: `target` is "package.module:function", registered under `name`."""
 
     name: str
+    """Name the verifier is registered (and asked for) under."""
     target: str
+    """"package.module:function" of the verifier."""
     description: str = ""
+    """Shown in the reward function listing; empty uses the function's docstring."""
 
     def validate(self, path: str) -> None:
         _check(f"{path}.name", bool(self.name), "must be set")
@@ -420,10 +504,12 @@ class RewardPluginConfig:
 @_frozen
 class RewardConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50054, metrics_port=9104))
+    """Where the reward service listens."""
     timeout_s: float = 15.0
     """Per-item verifier deadline; past it the item gets SCORE_STATUS_TIMEOUT. Keep it above
     sandbox.wall_timeout_s, or a slow code test times out while its program still runs."""
     plugins: tuple[RewardPluginConfig, ...] = ()
+    """User verifiers registered next to the built-in reward functions."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits for running code-correctness tests."""
 
@@ -440,8 +526,11 @@ class RewardConfig:
 @_frozen
 class SamplingConfig:
     temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
     top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables."""
     top_k: int = 0
+    """Sample among the k most likely tokens; 0 disables."""
     max_tokens: int = 8
     """New tokens per model turn."""
 
@@ -455,12 +544,14 @@ class EvalConfig:
     """JSON object merged over rollout.env_config_json for evaluation, e.g. {"split": "eval"} for
     environments with a held-out split. Evaluation seeds are 0..num_tasks-1 either way."""
     num_tasks: int = 64
+    """Held-out tasks per evaluation (seeds 0..num_tasks-1)."""
     samples: int = 4
     """k of pass@k, and the samples behind the mean sampled reward."""
     every_versions: int = 0
     """`arlo train`/`demo` request an evaluation whenever the version passes a multiple of this
     (and always at the start and the end); 0: start and end only."""
     timeout_s: float = 600.0
+    """Deadline of one evaluation; past it the request reports an error."""
 
     def validate(self, path: str) -> None:
         try:
@@ -514,18 +605,27 @@ class RolloutEnvConfig:
 @_frozen
 class RolloutConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50055, metrics_port=9105))
+    """Where the rollout service listens."""
     env_name: str = "arith"
+    """Environment the training episodes run in (served by the env gateway)."""
     env_config_json: str = ""
+    """JSON object passed to the environment at each reset; empty = {}."""
     reward_fn: str = "exact_match"
+    """Reward function (reward service) that scores each episode's final answer."""
     group_size: int = 4
+    """Samples per task (a GRPO group): their rewards are compared with each other."""
     max_turns: int = 3
+    """Model turns per episode at most."""
     max_episode_tokens: int = 256
+    """Generated tokens per episode at most, over all its turns."""
     episode_timeout_s: float = 120.0
     """Wall-time limit of an episode: no turn starts after it (finish_reason "max_wall_time")."""
     concurrent_groups: int = 4
     """Groups in flight per worker."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How the policy samples during training episodes."""
     rpc_timeout_s: float = 30.0
+    """Deadline of each call to inference, the env gateway and the reward service."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
     envs: tuple[RolloutEnvConfig, ...] = ()
@@ -566,18 +666,22 @@ class RunConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     """The policy model, shared by trainer and inference."""
     redis: RedisConfig = field(default_factory=RedisConfig)
+    """The Redis that holds the trajectory stream, weight pointer and heartbeats."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """Bearer-token auth of every RPC but health."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """The inference service: request limits, batching, KV cache."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer service: optimizer, RL objective, checkpoints."""
     env_gateway: EnvGatewayConfig = field(default_factory=EnvGatewayConfig)
+    """The environment gateway: sessions, sandbox, remote environments."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward service: verifier deadline, plugins, sandbox."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout workers: the task, group sampling, episode limits."""
 
     def validate(self, path: str = "") -> None:
-        _check("run_id", bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id),
-               "must be non-empty and use only letters, digits, '-', '_' and '.'")
+        check_run_id(self.run_id)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if hasattr(value, "validate"):
@@ -606,11 +710,27 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        # `type(value) is type(a)`: YAML's `true` must not pass as 1, nor 1 as 1.0.
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(f"{path}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, path)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{path}: must be set (null is not allowed)")
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _coerce(options[0], value, path)
+        for option in options:  # the first alternative that takes the value
+            try:
+                return _coerce(option, value, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: expected {' or '.join(type_name(o) for o in options)}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool):
@@ -623,6 +743,18 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         (item,) = typing.get_args(tp)[:1]
         return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     return value
+
+
+def type_name(tp: Any) -> str:
+    """A field type as the docs and errors show it: `int`, `list of str`, `one of "a", "b"`, `float or null`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -20,17 +20,19 @@ in docs/deploy.md):
    `MEGASCALE_COORDINATOR_ADDRESS`. The coordinator is worker 0 on port 8476 (JAX's default
    for TPU; `JAX_COORDINATOR_PORT` overrides).
 
-Importing this module imports no JAX: arlo.config can import `MeshConfig` cheaply.
+`MeshConfig` (the axes) is declared in arlo.config with every other setting; this module lays
+it out over devices. Importing it imports no JAX.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from arlo.config import MeshConfig
 
 log = logging.getLogger(__name__)
 
@@ -144,53 +146,6 @@ def initialize_from_env(env: Mapping[str, str] | None = None, *, timeout_s: int 
                                process_id=found.process_id, cluster_detection_method="deactivate",
                                initialization_timeout=timeout_s)
     return found
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeshConfig:
-    """Named device mesh axes, e.g. data x fsdp x tensor.
-
-    One size may be -1: "all the devices the other axes leave". The defaults put every
-    device on `data` (pure data parallelism), which is right on one device too.
-    """
-
-    axis_names: tuple[str, ...] = ("data", "fsdp", "tensor")
-    axis_sizes: tuple[int, ...] = (-1, 1, 1)
-    dcn_axis: str = "data"
-    """With devices of several TPU slices (multislice), this axis is split across slices
-    (over the data-centre network); the others stay inside a slice (ICI)."""
-
-    def validate(self, path: str = "mesh") -> None:
-        from arlo.config import ConfigError
-
-        if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
-            raise ConfigError(f"{path}.axis_sizes: needs one size per axis name "
-                              f"({len(self.axis_names)} names, {len(self.axis_sizes)} sizes)")
-        if len(set(self.axis_names)) != len(self.axis_names) or not all(self.axis_names):
-            raise ConfigError(f"{path}.axis_names: must be distinct and non-empty, got {list(self.axis_names)}")
-        if any(s == 0 or s < -1 for s in self.axis_sizes):
-            raise ConfigError(f"{path}.axis_sizes: each must be >= 1 or -1 (the rest), got {list(self.axis_sizes)}")
-        if list(self.axis_sizes).count(-1) > 1:
-            raise ConfigError(f"{path}.axis_sizes: at most one -1, got {list(self.axis_sizes)}")
-        if self.dcn_axis not in self.axis_names:
-            raise ConfigError(f"{path}.dcn_axis: {self.dcn_axis!r} is not one of {list(self.axis_names)}")
-
-    def shape(self, num_devices: int) -> tuple[int, ...]:
-        """The concrete axis sizes for `num_devices` devices (-1 resolved); ValueError if they don't fit."""
-        self.validate()
-        known = math.prod(s for s in self.axis_sizes if s != -1)
-        if -1 in self.axis_sizes:
-            if num_devices % known:
-                raise ValueError(f"mesh {self._describe()} does not divide {num_devices} devices "
-                                 f"(the fixed axes need a multiple of {known})")
-            return tuple(num_devices // known if s == -1 else s for s in self.axis_sizes)
-        if known != num_devices:
-            raise ValueError(f"mesh {self._describe()} has {known} devices, but there are {num_devices}; "
-                             "make one axis -1 to take the rest")
-        return tuple(self.axis_sizes)
-
-    def _describe(self) -> str:
-        return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
 
 
 def hybrid_shapes(cfg: MeshConfig, num_devices: int, num_slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

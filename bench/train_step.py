@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arlo.config import TrainerConfig
 from arlo.hostmem import reexec_with_tunables
 from arlo.model import ModelConfig
 from arlo.proto.v1 import common_pb2
 from bench.common import print_table, write_json
 from bench.roofline import best_time, measure_ceilings
 from services.trainer.batching import build_batch
-from services.trainer.learner import Learner, LearnerConfig
-from services.trainer.objectives import ForwardConfig, ObjectiveConfig
+from services.trainer.learner import Learner
 
 
 def synthetic_groups(groups: int, size: int, seq: int, seed: int = 0) -> list[list[common_pb2.Trajectory]]:
@@ -55,7 +55,7 @@ def step_flops(cfg: ModelConfig, rows: int, length: int) -> float:
 
 
 def measure_step(cfg: ModelConfig, groups: int, size: int, seq: int) -> dict[str, float]:
-    learner = Learner(cfg, seed=0, cfg=LearnerConfig(learning_rate=1e-4))
+    learner = Learner(cfg, seed=0, cfg=TrainerConfig(learning_rate=1e-4))
     batch = build_batch(synthetic_groups(groups, size, seq), cfg.max_seq_len + 1, 256)
     seconds = best_time(lambda: learner.step(batch).loss, repeats=3)
     rows, length = batch.tokens_bt.shape
@@ -63,10 +63,10 @@ def measure_step(cfg: ModelConfig, groups: int, size: int, seq: int) -> dict[str
             "flops": step_flops(cfg, rows, length - 1), "bytes": 9 * 4 * cfg.num_params()}
 
 
-def step_memory_bytes(cfg: ModelConfig, seq: int, fwd: ForwardConfig) -> int:
+def step_memory_bytes(cfg: ModelConfig, seq: int, fwd: TrainerConfig) -> int:
     """Peak bytes XLA plans for one train step on one sequence (compiled, not run)."""
     long_cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq + 1))
-    learner = Learner(long_cfg, seed=0, cfg=LearnerConfig(objective=ObjectiveConfig(forward=fwd)))
+    learner = Learner(long_cfg, seed=0, cfg=fwd)
     batch = build_batch(synthetic_groups(1, 1, seq), long_cfg.max_seq_len + 1, 256)
     rows = learner._device_rows(batch)
     compiled = learner._rl_step.lower(learner.state, learner.opt_state, None, rows,
@@ -75,7 +75,7 @@ def step_memory_bytes(cfg: ModelConfig, seq: int, fwd: ForwardConfig) -> int:
     return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
 
 
-def longest_fitting(cfg: ModelConfig, budget: int, fwd: ForwardConfig, lengths: list[int]) -> tuple[int, dict]:
+def longest_fitting(cfg: ModelConfig, budget: int, fwd: TrainerConfig, lengths: list[int]) -> tuple[int, dict]:
     best, seen = 0, {}
     for seq in lengths:
         need = step_memory_bytes(cfg, seq, fwd)
@@ -106,8 +106,8 @@ def main() -> None:
     fraction = floor / step["step_s"]
     lengths = [2**k for k in range(8, 40) if 2**k <= args.max_len]
     budget = args.budget_mib << 20
-    plain, plain_seen = longest_fitting(cfg, budget, ForwardConfig(), lengths)
-    lean, lean_seen = longest_fitting(cfg, budget, ForwardConfig(remat="full", logprob_chunk=128), lengths)
+    plain, plain_seen = longest_fitting(cfg, budget, TrainerConfig(), lengths)
+    lean, lean_seen = longest_fitting(cfg, budget, TrainerConfig(remat="full", logprob_chunk=128), lengths)
     print_table(f"train step, {args.model} ({cfg.num_params() / 1e6:.1f}M params, {args.dtype}) on {ceilings.device}",
                 ["rows x length", "step s", "tokens/s", "TFLOP/s", "GEMM TFLOP/s", "roofline_fraction"],
                 [[f"{step['rows']} x {step['length']}", step["step_s"], step["tokens_per_s"],

@@ -1,8 +1,9 @@
 """Writes docs/configuration.md from arlo/config.py, so the reference cannot drift from the code.
 
 Field descriptions are the string literals that follow each field in the dataclass body
-(read with `ast`); defaults come from the dataclasses themselves. `--check` fails when the
-committed file is stale (a test runs it).
+(read with `ast`); defaults come from the dataclasses themselves. Every field must have one:
+the script fails, naming them, when a field has none, and `--check` fails when the committed
+file is stale (tests run both).
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ def field_docs() -> dict[str, dict[str, str]]:
     return docs
 
 
-def type_name(tp: object) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (tuple, list):
-        return f"list of {type_name(typing.get_args(tp)[0])}"
-    return getattr(tp, "__name__", str(tp))
+def undocumented() -> list[str]:
+    """"Class.field" for every dataclass field of arlo/config.py without a docstring."""
+    docs = field_docs()
+    return [f"{cls.__name__}.{f.name}" for cls in config_classes() for f in dataclasses.fields(cls)
+            if f.name not in docs.get(cls.__name__, {})]
+
+
+def config_classes() -> list[type]:
+    return [obj for obj in vars(config_module).values()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == config_module.__name__]
 
 
 def default_of(f: dataclasses.Field) -> object:
@@ -82,7 +88,7 @@ def render() -> str:
                 shown = "`[]`" if is_list else "see below"
             else:
                 shown = f"`{value!r}`"
-            lines.append(f"| `{f.name}` | {type_name(tp)} | {shown} | {docs.get(cls.__name__, {}).get(f.name, '')} |")
+            lines.append(f"| `{f.name}` | {config_module.type_name(tp)} | {shown} | {docs.get(cls.__name__, {}).get(f.name, '')} |")
         lines.append("")
         for inner, sub, value in nested:
             section(inner, sub, value)
@@ -95,6 +101,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
+    missing = undocumented()
+    if missing:
+        print(f"fields without a docstring in arlo/config.py: {', '.join(missing)}", file=sys.stderr)
+        return 1
     text = render()
     if args.check:
         if not OUT.is_file() or OUT.read_text() != text:

@@ -6,15 +6,8 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from arlo.config import check_run_id
 from arlo.coord.client import cancel_safe
-
-_RUN_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-
-
-def check_run_id(run_id: str) -> None:
-    """Same rule as `RunConfig.run_id`; it also keeps glob characters out of SCAN patterns."""
-    if not run_id or not set(run_id) <= _RUN_ID_CHARS:
-        raise ValueError(f"run_id {run_id!r}: must be non-empty and use only letters, digits, '-', '_' and '.'")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import jax.numpy as jnp
 
+from arlo.choices import Dtype
 from arlo.model.rope import RopeScaling
 
-_DTYPES = ("float32", "bfloat16")
+_DTYPES = get_args(Dtype)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

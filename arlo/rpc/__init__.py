@@ -5,6 +5,7 @@ auth (health exempt), Prometheus metrics, request ids in JSON logs, and INTERNAL
 logged traceback) for unexpected handler errors. `run_until_signal` is the `__main__` loop.
 """
 
+from arlo.rpc.address import advertise_host
 from arlo.rpc.auth import load_token
 from arlo.rpc.client import make_channel
 from arlo.rpc.limits import utf8_len, utf8_too_long
@@ -14,6 +15,7 @@ from arlo.rpc.server import RunningServer, ServiceBinding, run_until_signal, sta
 __all__ = [
     "RunningServer",
     "ServiceBinding",
+    "advertise_host",
     "current_request_id",
     "load_token",
     "make_channel",

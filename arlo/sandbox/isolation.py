@@ -20,9 +20,12 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
-KINDS = ("bwrap", "unshare", "none")
+from arlo.choices import Isolation as IsolationChoice
+
+KINDS = tuple(k for k in get_args(IsolationChoice) if k != "auto")
+"""The concrete kinds, best first (the config's choices less "auto")."""
 WORKDIR_IN_NAMESPACE = "/tmp"
 HIDDEN_DIRS = ("/root", "/home", "/run", "/var/tmp", "/mnt", "/media", "/srv")
 """Covered by an empty read-only tmpfs inside the namespaces: secrets live in places like these

@@ -18,25 +18,29 @@ import jax
 from jax.sharding import Mesh
 
 from arlo.background import TaskGroup
-from arlo.config import RunConfig
+from arlo.config import MeshConfig, RunConfig
 from arlo.coord import Heartbeat, WeightPointer, connect
-from arlo.distributed import MeshConfig, initialize_from_env, make_mesh
+from arlo.distributed import initialize_from_env, make_mesh
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
-from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal, setup_logging, start_server
+from arlo.rpc import (
+    RunningServer,
+    ServiceBinding,
+    advertise_host,
+    load_token,
+    run_until_signal,
+    setup_logging,
+    start_server,
+)
 from arlo.service_args import parse_service_config
-from services.inference.engine import Engine, EngineConfig, EngineLimits
+from services.inference.engine import Engine
 from services.inference.server import InferenceServicer
 from services.inference.weights import WeightSync
 
 
 async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, Engine]:
     ic = cfg.inference
-    engine_cfg = EngineConfig(max_slots=ic.max_batch, kv_cache_mib=ic.kv_cache_mib, decode_steps=ic.decode_steps,
-                              prefill_tokens=ic.prefill_tokens)
     engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
-                    limits=EngineLimits(max_n=ic.max_n, max_tokens=ic.max_tokens,
-                                        max_prompt_tokens=ic.max_prompt_tokens), config=engine_cfg,
-                    mesh=inference_mesh(ic.mesh))
+                    config=ic, mesh=inference_mesh(ic.mesh))
     redis = await connect(cfg.redis)
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
@@ -44,7 +48,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
     running = await start_server("inference", ic.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
                        servicer=InferenceServicer(engine, cfg.model.tokenizer))])
-    host = os.environ.get("ARLO_ADVERTISE_HOST") or ic.server.host
+    host = advertise_host(ic.server.host)
     heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=f"{socket.gethostname()}-{os.getpid()}")
     tasks.spawn("engine", lambda: run_engine(engine))
     tasks.spawn("weight-sync", sync.run)

@@ -28,13 +28,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, create_model, get_tokenizer
 from arlo.model.sharding import fitted_state_shardings
 from services.inference.requests import (
     MAX_STOP_IDS,
     MAX_STOP_STRING_BYTES,
     MAX_STOP_STRINGS,
-    EngineLimits,
     OnDone,
     OnTokens,
     Sample,
@@ -48,36 +48,11 @@ from services.inference.scheduler import Request, Scheduler
 from services.inference.scheduler import Sequence as Seq
 
 __all__ = [
-    "MAX_STOP_IDS", "MAX_STOP_STRINGS", "MAX_STOP_STRING_BYTES", "ChunkRecord", "Engine", "EngineConfig", "EngineLimits",
+    "MAX_STOP_IDS", "MAX_STOP_STRINGS", "MAX_STOP_STRING_BYTES", "ChunkRecord", "Engine",
     "RequestHandle", "Sample", "SamplingRequest", "TokenDelta", "validate_request",
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
-    max_slots: int = 64
-    """Sequences decoded together (the batch); also the KV cache's rows."""
-    max_seq_len: int = 0
-    """Prompt + completion tokens one slot holds; 0 means the model's max_seq_len."""
-    kv_cache_mib: float = 0.0
-    """KV cache budget; fewer slots than max_slots are made when it holds fewer (requests then
-    queue). 0 means max_slots full-length slots."""
-    decode_steps: int = 8
-    """Tokens per host round trip: more amortises the sync, fewer admits new requests sooner."""
-    prefill_tokens: int = 2048
-    """Prompt tokens prefilled per engine step (at least one request), so that a burst of
-    long prompts does not stall the running sequences for long."""
-    max_prefill_rows: int = 16
-    """Prompts per prefill call."""
-
-    def validate(self) -> None:
-        for name in ("max_slots", "decode_steps", "prefill_tokens", "max_prefill_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_seq_len < 0 or self.kv_cache_mib < 0:
-            raise ValueError("EngineConfig.max_seq_len and kv_cache_mib must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,7 +70,8 @@ class EngineStats:
     decode_chunks: int = 0
     decode_rows: int = 0
     """Sum over chunks of the sequences in the chunk: decode_rows / decode_chunks is the mean batch."""
-    max_batch: int = 0
+    largest_batch: int = 0
+    """Most sequences decoded in one chunk so far (inference.max_batch is the capacity)."""
     aborted: int = 0
     busy_s: float = 0.0
     """Wall time inside engine steps (prefill + decode); the rest of the time it waited for work."""
@@ -146,25 +122,26 @@ class RequestHandle:
 class Engine:
     """One model, one swappable policy, many concurrent requests batched on one device loop."""
 
-    def __init__(self, model_name: str, *, seed: int, tokenizer: str, limits: EngineLimits,
-                 dtype: str = "float32", config: EngineConfig | None = None, mesh: Mesh | None = None) -> None:
-        """`mesh`: shard the weights by their logical axes and the KV cache (slots over the data
-        axes, kv heads over `tensor`) across its devices; None serves from the default device."""
-        self.config = config or EngineConfig()
-        self.config.validate()
+    def __init__(self, model_name: str, *, seed: int, tokenizer: str, dtype: str = "float32",
+                 config: InferenceConfig | None = None, mesh: Mesh | None = None) -> None:
+        """`config`: the run's inference section (slots, limits, KV budget; its `server` and
+        `mesh` are the service's business). `mesh`: shard the weights by their logical axes and
+        the KV cache (slots over the data axes, kv heads over `tensor`) across its devices; None
+        serves from the default device."""
+        self.config = config or InferenceConfig()
+        self.config.validate("inference")
         self.model_name = model_name
         base = dataclasses.replace(ModelConfig.named(model_name), dtype=dtype)
         slot_len = min(base.max_seq_len, self.config.max_seq_len or base.max_seq_len)
         self.model_cfg = dataclasses.replace(base, max_seq_len=slot_len)
         self.tokenizer = get_tokenizer(tokenizer)
-        self.limits = limits
         self.graphdef, state = nnx.split(create_model(base, seed))
         # Committed to the device(s), as every swapped-in state will be (see swap): jit keys its
         # programs on placement, and a mismatch would recompile everything on the first swap.
         placement = jax.devices()[0] if mesh is None else fitted_state_shardings(state, mesh)
         self.mesh = mesh
         self._policy = _Policy(state=jax.device_put(state, placement), version=0)
-        self.num_slots = _num_slots(self.config, self.model_cfg, limits)
+        self.num_slots = _num_slots(self.config, self.model_cfg)
         self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
                              decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows,
                              mesh=mesh)
@@ -219,7 +196,7 @@ class Engine:
         """Queues requests that the loop sees together (so they can share their first step);
         all are validated before any is queued."""
         for req in reqs:
-            validate_request(req, self.limits, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.max_seq_len)
+            validate_request(req, self.config, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.max_seq_len)
         requests = [self._request(req) for req in reqs]
         handles = [RequestHandle(r.id, on_tokens, on_done) for r in requests]
         self.start()
@@ -257,7 +234,7 @@ class Engine:
         return {
             "weight_version": self.version, "requests": s.requests, "generated_tokens": s.generated_tokens,
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "slots": self.num_slots, "programs": self.programs(),
-            "mean_batch": s.decode_rows / max(s.decode_chunks, 1), "max_batch": s.max_batch, "swaps": s.swaps,
+            "mean_batch": s.decode_rows / max(s.decode_chunks, 1), "largest_batch": s.largest_batch, "swaps": s.swaps,
             "aborted": s.aborted, "busy_s": round(s.busy_s, 3), "session_hits": sessions.hits, "session_misses": sessions.misses,
             "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
         }
@@ -318,7 +295,7 @@ class Engine:
                                           version=policy.version))
         self.stats.decode_chunks += 1
         self.stats.decode_rows += len(seqs)
-        self.stats.max_batch = max(self.stats.max_batch, len(seqs))
+        self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
         for em in emitted:
             self._apply(em, policy.version)
 
@@ -384,17 +361,17 @@ def _sample(seq: Seq) -> Sample:
                   finish_reason=seq.finish_reason or "abort")
 
 
-def _num_slots(config: EngineConfig, model_cfg: ModelConfig, limits: EngineLimits) -> int:
-    """max_slots, or fewer when the KV budget holds fewer full-length slots."""
+def _num_slots(config: InferenceConfig, model_cfg: ModelConfig) -> int:
+    """max_batch, or fewer when the KV budget holds fewer full-length slots."""
     per_slot = (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
                 * np.dtype(model_cfg.compute_dtype).itemsize * (model_cfg.max_seq_len + config.decode_steps))
-    slots = config.max_slots
+    slots = config.max_batch
     if config.kv_cache_mib:
         slots = min(slots, math.floor(config.kv_cache_mib * 2**20 / per_slot))
-    if slots < limits.max_n:
-        raise ValueError(f"EngineConfig: {slots} slots (max_slots={config.max_slots}, kv_cache_mib="
+    if slots < config.max_n:
+        raise ValueError(f"inference: {slots} slots (max_batch={config.max_batch}, kv_cache_mib="
                          f"{config.kv_cache_mib}, {per_slot / 2**20:.2f} MiB per slot) cannot hold n = "
-                         f"{limits.max_n} (inference.max_n)")
+                         f"{config.max_n} (inference.max_n)")
     return slots
 
 

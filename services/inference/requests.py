@@ -1,6 +1,6 @@
 """What a client asks the engine for and what it gets back; bounds checked with messages that name the field.
 
-No JAX and no gRPC here: the servicer converts protobuf to these types, the scheduler and
+No JAX and no gRPC here (the bounds are the run's `inference` section): the servicer converts protobuf to these types, the scheduler and
 the engine work on them.
 """
 
@@ -9,17 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from arlo.config import InferenceConfig
+
 MAX_STOP_IDS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 64
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineLimits:
-    max_n: int
-    max_tokens: int
-    max_prompt_tokens: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,7 +61,7 @@ OnTokens = Callable[[TokenDelta], None]
 OnDone = Callable[[list[Sample] | BaseException], None]
 
 
-def validate_request(req: SamplingRequest, limits: EngineLimits, *, vocab_size: int, max_seq_len: int) -> None:
+def validate_request(req: SamplingRequest, limits: InferenceConfig, *, vocab_size: int, max_seq_len: int) -> None:
     """Raises ValueError, naming the field and its bound, for anything a client got wrong."""
     checks = [
         (len(req.prompt) >= 1, "prompt_token_ids must not be empty"),

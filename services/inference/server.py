@@ -117,7 +117,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         e = self.engine
         return inference_pb2.GetModelInfoResponse(
             model_name=e.model_name, tokenizer=self.tokenizer_name, vocab_size=e.model_cfg.vocab_size,
-            max_seq_len=e.max_seq_len, max_prompt_tokens=e.limits.max_prompt_tokens,
-            max_tokens=e.limits.max_tokens, max_n=e.limits.max_n, policy_version=e.version,
+            max_seq_len=e.max_seq_len, max_prompt_tokens=e.config.max_prompt_tokens,
+            max_tokens=e.config.max_tokens, max_n=e.config.max_n, policy_version=e.version,
             eos_token_id=e.tokenizer.eos_id,
         )

@@ -19,21 +19,22 @@ from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.model import get_tokenizer
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
-from arlo.rpc import RunningServer, ServiceBinding, run_until_signal, setup_logging, start_server
+from arlo.rpc import (
+    RunningServer,
+    ServiceBinding,
+    advertise_host,
+    run_until_signal,
+    setup_logging,
+    start_server,
+)
 from arlo.service_args import parse_service_config
 from services.trainer.checkpoint import Checkpointer
-from services.trainer.learner import Learner, learner_config, sft_learner_config
+from services.trainer.learner import Learner
 from services.trainer.lockstep import Replica, channel_for_this_process, follow
 from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 from services.trainer.warmstart import WarmStart
-
-
-def advertise_host(cfg: RunConfig) -> str:
-    """Host other services pull weights from: $ARLO_ADVERTISE_HOST (a pod IP on k8s) or the bind host."""
-    host = os.environ.get("ARLO_ADVERTISE_HOST") or cfg.trainer.server.host
-    return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
 
 async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, TrainingLoop]:
@@ -44,8 +45,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=mesh,
-                      sft_cfg=sft_learner_config(tc))
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=mesh)
     warm_start = (WarmStart(tc.sft, get_tokenizer(cfg.model.tokenizer), max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
     loop = TrainingLoop(
@@ -61,12 +61,12 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     running = await start_server("trainer", tc.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=trainer_pb2_grpc.add_TrainerServicer_to_server,
                        servicer=TrainerServicer(loop))])
-    loop.source = f"grpc://{advertise_host(cfg)}:{running.port}"
+    loop.source = f"grpc://{advertise_host(tc.server.host)}:{running.port}"
     await loop.start()
     heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
     tasks.spawn("training-loop", loop.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "address": f"{advertise_host(cfg)}:{running.port}", "version": loop.state.version,
+        "address": f"{advertise_host(tc.server.host)}:{running.port}", "version": loop.state.version,
         "step": loop.learner.step_count, "consumed": loop.state.consumed,
         "busy_s": round(loop.state.busy_s, 3), "io_s": round(loop.state.io_s, 3),
         "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
@@ -80,8 +80,7 @@ async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyn
     it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
     tc = cfg.trainer
     # Built in the same order as start_trainer builds them: their creation is collective work too.
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=learner_config(tc), mesh=make_mesh(tc.mesh),
-                      sft_cfg=sft_learner_config(tc))
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=make_mesh(tc.mesh))
     checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
     running = await start_server("trainer", tc.server, cfg.auth, [])
     replica = Replica(learner, checkpointer, channel_for_this_process())

@@ -6,6 +6,9 @@ Python on every call. A batch is cut into micro-batches whose gradients are summ
 `lax.scan`; every micro-batch loss is divided by the WHOLE batch's denominator, so the
 gradient equals the full-batch gradient whatever the micro-batch size, a partial last
 micro-batch included (it is padded with rows whose mask is 0).
+
+The learner takes the run's `trainer` section (`TrainerConfig`) as it is: the optimizer,
+micro-batching, memory options and `algorithm` are read from there, never copied.
 """
 
 from __future__ import annotations
@@ -27,29 +30,14 @@ from arlo.config import TrainerConfig
 from arlo.model import ModelConfig, create_model
 from arlo.model.sharding import batch_sharding, shard_state
 from services.trainer.batching import Batch
-from services.trainer.losses import PolicyLossConfig, aggregate_denominator
+from services.trainer.losses import aggregate_denominator
 from services.trainer.objectives import (
-    ForwardConfig,
-    ObjectiveConfig,
     advantages_b,
     rl_objective,
     sequence_kl,
     sft_objective,
 )
 from services.trainer.sft import SFTBatch
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LearnerConfig:
-    learning_rate: float = 1e-3
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    total_steps: int = 0
-    """> 0: cosine decay to 10% of the peak over this many steps; 0: constant after warmup."""
-    micro_batch_size: int = 0
-    """Rows per micro-batch (gradient accumulation); 0 = the whole batch at once."""
-    objective: ObjectiveConfig = ObjectiveConfig()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,51 +53,36 @@ class StepMetrics:
     """The loss or gradient norm was non-finite: weights and optimizer state are unchanged."""
 
 
-def sft_learner_config(tc: TrainerConfig) -> LearnerConfig:
-    """The SFT warm start's optimizer: its own learning rate and warmup, constant afterwards."""
-    base = learner_config(tc)
-    return dataclasses.replace(base, learning_rate=tc.sft.learning_rate or tc.learning_rate,
-                               warmup_steps=tc.sft.warmup_steps, total_steps=0, weight_decay=tc.weight_decay)
-
-
-def learner_config(tc: TrainerConfig) -> LearnerConfig:
-    """The learner's view of the run config's trainer section."""
-    a = tc.algorithm
-    loss = PolicyLossConfig(
-        eps_low=a.clip_eps, eps_high=a.clip_eps_high or a.clip_eps, dual_clip=a.dual_clip or None,
-        ratio_level=a.ratio_level, aggregation=a.aggregation, norm_constant=a.norm_constant or None,
-        is_cap=a.is_cap or None)
-    objective = ObjectiveConfig(loss=loss, advantage=a.advantage, decoupled=a.decoupled, kl_coef=a.kl_coef,
-                                kl_kind=a.kl_kind, kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef,
-                                forward=ForwardConfig(remat=tc.remat, logprob_chunk=tc.logprob_chunk))
-    return LearnerConfig(learning_rate=tc.learning_rate, max_grad_norm=tc.max_grad_norm,
-                         weight_decay=tc.weight_decay, warmup_steps=tc.warmup_steps, total_steps=tc.total_steps,
-                         micro_batch_size=tc.micro_batch_size, objective=objective)
-
-
-def make_schedule(cfg: LearnerConfig) -> optax.Schedule:
-    if cfg.total_steps > 0:
+def make_schedule(learning_rate: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """Linear warmup, then constant, or (total_steps > 0) cosine decay to 10% of the peak."""
+    if total_steps > 0:
         return optax.warmup_cosine_decay_schedule(
-            init_value=0.0 if cfg.warmup_steps else cfg.learning_rate, peak_value=cfg.learning_rate,
-            warmup_steps=cfg.warmup_steps, decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
-            end_value=cfg.learning_rate * 0.1)
-    if cfg.warmup_steps > 0:
-        return optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-    return optax.constant_schedule(cfg.learning_rate)
+            init_value=0.0 if warmup_steps else learning_rate, peak_value=learning_rate,
+            warmup_steps=warmup_steps, decay_steps=max(total_steps, warmup_steps + 1),
+            end_value=learning_rate * 0.1)
+    if warmup_steps > 0:
+        return optax.linear_schedule(0.0, learning_rate, warmup_steps)
+    return optax.constant_schedule(learning_rate)
 
 
-def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(make_schedule(cfg), weight_decay=cfg.weight_decay),
-    )
+def _adamw(schedule: optax.Schedule, tc: TrainerConfig) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(tc.max_grad_norm),
+                       optax.adamw(schedule, weight_decay=tc.weight_decay))
+
+
+def rl_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
+    return _adamw(make_schedule(tc.learning_rate, tc.warmup_steps, tc.total_steps), tc)
+
+
+def sft_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
+    """The SFT warm start's optimizer: its own learning rate and warmup, constant afterwards."""
+    return _adamw(make_schedule(tc.sft.learning_rate or tc.learning_rate, tc.sft.warmup_steps, 0), tc)
 
 
 class Learner:
     """Holds the policy and optimizer state; `step` applies one RL update, `sft_step` one SFT update."""
 
-    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: LearnerConfig, mesh: Mesh | None = None,
-                 sft_cfg: LearnerConfig | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: TrainerConfig, mesh: Mesh | None = None) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.mesh = mesh
@@ -117,18 +90,17 @@ class Learner:
         if mesh is not None:
             # Parameters sharded by their logical axes; the optimizer state follows (zeros_like).
             self.state = shard_state(self.state, mesh)
-        obj = cfg.objective
         # The KL reference is the initial policy, held apart (never donated, never updated).
-        self.ref_state = jax.tree.map(jnp.copy, self.state) if obj.kl_coef else None
-        self._tx = make_optimizer(cfg)
+        self.ref_state = jax.tree.map(jnp.copy, self.state) if cfg.algorithm.kl_coef else None
+        self._tx = rl_optimizer(cfg)
         self.opt_state = self._tx.init(self.state)
         self.step_count = 0
-        rl = functools.partial(_rl_step, self.graphdef, self._tx, obj)
+        rl = functools.partial(_rl_step, self.graphdef, self._tx, cfg)
         # SFT keeps its own optimizer (its own learning rate and warmup) and state, made on the
         # first SFT step, so a warm start leaves RL a fresh AdamW and RL-only runs pay nothing.
-        self._sft_tx = make_optimizer(sft_cfg or cfg)
+        self._sft_tx = sft_optimizer(cfg)
         self.sft_opt_state: Any = None
-        sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, obj.forward)
+        sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, cfg)
         self._rl_step = jax.jit(rl, donate_argnums=(0, 1))
         self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
 
@@ -234,8 +206,9 @@ def _apply_if_finite(tx: optax.GradientTransformation, state: nnx.State, opt_sta
     return state, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - ok.astype(jnp.float32)}
 
 
-def _rl_step(graphdef: Any, tx: optax.GradientTransformation, obj: ObjectiveConfig, state: nnx.State,
+def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, state: nnx.State,
              opt_state: Any, ref_state: nnx.State | None, mbs: dict[str, jax.Array], rewards_gk: jax.Array):
+    obj = tc.algorithm
     ref_model = nnx.merge(graphdef, ref_state) if ref_state is not None else None
     if obj.kl_coef and obj.kl_in_reward:
         model = nnx.merge(graphdef, state)
@@ -245,18 +218,18 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, obj: ObjectiveConf
     total_rows = mbs["mask_bt"].shape[0] * mbs["mask_bt"].shape[1]
     mbs = {**mbs, "advantages_b": jnp.pad(adv, (0, total_rows - adv.size)).reshape(mbs["mask_bt"].shape[:2])}
     full_mask = mbs["mask_bt"][:, :, 1:].reshape(total_rows, -1)
-    denominator = aggregate_denominator(full_mask, obj.loss.aggregation, obj.loss.norm_constant,
+    denominator = aggregate_denominator(full_mask, obj.aggregation, obj.norm_constant or None,
                                         num_rows=rewards_gk.size)
     loss, grads, metrics = _accumulate(
-        graphdef, lambda model, mb: rl_objective(model, mb, denominator, obj, ref_model), state, mbs)
+        graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model), state, mbs)
     state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
     return state, opt_state, {**metrics, **outcome}
 
 
-def _sft_step(graphdef: Any, tx: optax.GradientTransformation, fwd: ForwardConfig, state: nnx.State,
+def _sft_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, state: nnx.State,
               opt_state: Any, mbs: dict[str, jax.Array]):
     denominator = jnp.maximum(mbs["mask_bt"][:, :, 1:].sum(), 1.0)
-    loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator, fwd),
+    loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator, tc),
                                        state, mbs)
     state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
     return state, opt_state, {**metrics, **outcome}

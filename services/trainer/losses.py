@@ -2,46 +2,17 @@
 
 PPO/GRPO clipping, DAPO's clip-higher, dual clip, GSPO's sequence-level ratio, the
 decoupled (off-policy) objective and truncated importance weights are configurations of
-one clipped surrogate, not copied branches.
+one clipped surrogate, not copied branches. Their switches are the run's `trainer.algorithm`
+section (`AlgorithmConfig`), read here as they are declared there: 0 turns an option off.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PolicyLossConfig:
-    eps_low: float = 0.2
-    """Ratio floor is 1 - eps_low."""
-    eps_high: float = 0.2
-    """Ratio ceiling is 1 + eps_high (DAPO's clip-higher sets it above eps_low)."""
-    dual_clip: float | None = None
-    """Dual clip c > 1: for negative advantages the loss is capped at c * |A|."""
-    ratio_level: Literal["token", "sequence"] = "token"
-    """"sequence" is GSPO: one ratio per sequence, the length-normalised product of token ratios."""
-    aggregation: Aggregation = "token_mean"
-    norm_constant: float | None = None
-    """Divisor of "seq_sum_norm" (Dr. GRPO: a fixed token budget, so length does not bias the loss)."""
-    is_cap: float | None = None
-    """Truncated importance weight cap between the proximal and the behaviour policy; None = no weight."""
-
-    def __post_init__(self) -> None:
-        if not (0 < self.eps_low < 1 and self.eps_high > 0):
-            raise ValueError("need 0 < eps_low < 1 and eps_high > 0")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError("dual_clip must be > 1")
-        if self.aggregation == "seq_sum_norm" and not self.norm_constant:
-            raise ValueError("aggregation 'seq_sum_norm' needs norm_constant")
-        if self.is_cap is not None and self.is_cap <= 0:
-            raise ValueError("is_cap must be > 0")
+from arlo.config import Aggregation, AlgorithmConfig, KlKind
 
 
 def masked_mean(x_bt: Array, mask_bt: Array) -> Array:
@@ -97,13 +68,15 @@ def policy_loss(
     behaviour_logprobs_bt: Array,
     advantages_bt: Array,
     mask_bt: Array,
-    cfg: PolicyLossConfig,
+    cfg: AlgorithmConfig,
     denominator: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """The clipped surrogate, decoupled: clip against the proximal policy, weight by proximal/behaviour.
 
-    On-policy PPO/GRPO passes the behaviour logprobs as the proximal ones (weight 1). With
-    `is_cap`, tokens sampled by an older or numerically different sampler are re-weighted by
+    The ratio is clipped to [1 - clip_eps, 1 + (clip_eps_high or clip_eps)]; "sequence"
+    `ratio_level` is GSPO (one ratio per sequence, the length-normalised product of token
+    ratios); `dual_clip` c > 1 caps the loss of negative advantages at c * |A|. On-policy
+    PPO/GRPO passes the behaviour logprobs as the proximal ones (weight 1). With `is_cap`, tokens sampled by an older or numerically different sampler are re-weighted by
     min(pi_prox / pi_behaviour, is_cap) (truncated importance sampling).
     """
     mask = mask_bt.astype(logprobs_bt.dtype)
@@ -113,15 +86,15 @@ def policy_loss(
         log_ratio_bt = jnp.broadcast_to(seq_log_ratio[:, None], log_ratio_bt.shape) * mask
     ratio = jnp.exp(log_ratio_bt)
     unclipped = -advantages_bt * ratio
-    clipped = -advantages_bt * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    clipped = -advantages_bt * jnp.clip(ratio, 1.0 - cfg.clip_eps, 1.0 + (cfg.clip_eps_high or cfg.clip_eps))
     loss_bt = jnp.maximum(unclipped, clipped)
-    if cfg.dual_clip is not None:
+    if cfg.dual_clip:
         loss_bt = jnp.where(advantages_bt < 0, jnp.minimum(loss_bt, -cfg.dual_clip * advantages_bt), loss_bt)
     mismatch_bt = proximal_logprobs_bt - behaviour_logprobs_bt
     weight_bt = jnp.ones_like(loss_bt)
-    if cfg.is_cap is not None:
+    if cfg.is_cap:
         weight_bt = jax.lax.stop_gradient(jnp.minimum(jnp.exp(mismatch_bt), cfg.is_cap))
-    loss = aggregate(loss_bt * weight_bt, mask, cfg.aggregation, cfg.norm_constant, denominator)
+    loss = aggregate(loss_bt * weight_bt, mask, cfg.aggregation, cfg.norm_constant or None, denominator)
     metrics = {
         "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
         "approx_kl": masked_mean(ratio - 1.0 - log_ratio_bt, mask),  # k3 of KL(prox || current)
@@ -132,7 +105,7 @@ def policy_loss(
     return loss, metrics
 
 
-def kl_estimate(logprobs_bt: Array, ref_logprobs_bt: Array, kind: Literal["k1", "k2", "k3"]) -> Array:
+def kl_estimate(logprobs_bt: Array, ref_logprobs_bt: Array, kind: KlKind) -> Array:
     """Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
     log_r = ref_logprobs_bt - logprobs_bt
     if kind == "k1":

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from arlo.config import load_config
+from arlo.config import InferenceConfig, load_config
 from arlo.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from arlo.rpc import ServiceBinding, make_channel, start_server
-from services.inference.engine import Engine, EngineConfig, EngineLimits
+from services.inference.engine import Engine
 from services.inference.server import InferenceServicer
 
 TOKEN = "stream-token"
@@ -24,8 +24,7 @@ async def served(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, En
     monkeypatch.setenv("ARLO_TOKEN", TOKEN)
     cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
     # Two steps per chunk and up to 200 tokens: a long request stays in flight for many chunks.
-    engine = Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=4, max_tokens=200, max_prompt_tokens=32),
-                    config=EngineConfig(max_slots=8, decode_steps=2))
+    engine = Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=4, max_tokens=200, max_prompt_tokens=32, max_batch=8, decode_steps=2))
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     running = await start_server("inference", cfg.inference.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
@@ -53,7 +52,7 @@ async def test_concurrent_generate_calls_share_decode_steps(served: tuple[str, E
         replies = await asyncio.gather(*(stub.Generate(request(12, prompt=(40 + i, 41, 42), temperature=0.0))
                                          for i in range(6)))
     assert all(len(r.completions[0].token_ids) == 12 for r in replies)
-    assert engine.stats.max_batch > 1  # separate calls, one batch
+    assert engine.stats.largest_batch > 1  # separate calls, one batch
 
 
 async def test_stream_sends_tokens_as_chunks_complete_and_matches_generate(served: tuple[str, Engine]) -> None:
@@ -116,8 +115,7 @@ async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tupl
 
     address, first = served
     cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
-    second = Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=1, max_tokens=8, max_prompt_tokens=32),
-                    config=EngineConfig(max_slots=2))
+    second = Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=1, max_tokens=8, max_prompt_tokens=32, max_batch=2))
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     running = await start_server("inference", cfg.inference.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
+from typing import Literal, get_args
 
 import pytest
 
-from arlo.config import ConfigError, RunConfig, dump_config, load_config, replace_config
+from arlo.config import (
+    Advantage,
+    ConfigError,
+    RunConfig,
+    check_run_id,
+    dump_config,
+    from_dict,
+    load_config,
+    replace_config,
+)
+from arlo.coord.keys import Keys
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_builtin_config_is_valid() -> None:
@@ -25,6 +41,12 @@ def test_builtin_config_is_valid() -> None:
     ({"env_gateway": {"sandbox": {"isolation": "docker"}}}, "env_gateway.sandbox.isolation"),
     ({"reward": {"timeout_s": 5.0}}, "reward.timeout_s: must exceed sandbox.wall_timeout_s"),
     ({"trainer": {"groups_per_step": True}}, "expected int"),
+    ({"trainer": {"algorithm": {"advantage": "ppo"}}},
+     "trainer.algorithm.advantage: must be one of grpo, dr_grpo, rloo, reinforce_pp, got 'ppo'"),
+    ({"trainer": {"remat": True}}, "trainer.remat: must be one of none, full, dots"),
+    ({"model": {"dtype": "float16"}}, "model.dtype: must be one of float32, bfloat16"),
+    ({"trainer": {"algorithm": {"kl_kind": "k4"}}}, "trainer.algorithm.kl_kind: must be one of k1, k2, k3"),
+    ({"trainer": {"learning_rate": None}}, "trainer.learning_rate: expected float, got None"),
 ])
 def test_errors_name_the_field(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -46,3 +68,69 @@ def test_missing_and_invalid_files(tmp_path: Path) -> None:
     bad.write_text("trainer: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Typed:
+    level: Literal[1, 2] = 1
+    cap: float | None = None
+    name: str | int = "a"
+
+
+def test_loader_checks_literal_and_optional_types_itself() -> None:
+    assert from_dict(_Typed, {"level": 2, "cap": None, "name": 3}) == _Typed(level=2, cap=None, name=3)
+    assert from_dict(_Typed, {"cap": 1}).cap == 1.0
+    for data, message in [({"level": True}, "level: must be one of 1, 2, got True"),
+                          ({"level": 3}, "level: must be one of 1, 2"),
+                          ({"cap": "x"}, "cap: expected float, got 'x'"),
+                          ({"name": 1.5}, "name: expected str or int, got 1.5")]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            from_dict(_Typed, data)
+
+
+def test_each_choice_list_is_declared_once() -> None:
+    from arlo.model.config import _DTYPES
+    from arlo.sandbox.isolation import KINDS
+
+    assert get_args(Advantage) == ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+    assert KINDS == ("bwrap", "unshare", "none") and _DTYPES == ("float32", "bfloat16")
+
+
+def test_one_run_id_rule_for_config_and_redis_keys() -> None:
+    for bad in ("", "a b", "a*", "é"):
+        with pytest.raises(ConfigError, match="run_id"):
+            check_run_id(bad)
+        with pytest.raises(ValueError, match="run_id"):
+            Keys(bad)
+    check_run_id("run-1_a.b")
+    assert Keys("run-1_a.b").prefix == "arlo:run-1_a.b:"
+
+
+def test_every_config_field_is_documented() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_config_docs
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert gen_config_docs.undocumented() == []
+    assert len(gen_config_docs.config_classes()) >= 19
+
+
+def test_the_docs_generator_refuses_an_undocumented_field(tmp_path: Path) -> None:
+    """Run against a copy of the tree whose config has one field without a docstring."""
+    copy = tmp_path / "repo"
+    (copy / "scripts").mkdir(parents=True)
+    (copy / "docs").mkdir()
+    (copy / "scripts" / "gen_config_docs.py").write_text((ROOT / "scripts" / "gen_config_docs.py").read_text())
+    source = (ROOT / "arlo" / "config.py").read_text()
+    doc = '    """Gradients are clipped to this global norm."""\n'
+    assert doc in source
+    pkg = copy / "arlo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in ("jsonfields.py", "choices.py"):
+        (pkg / name).write_text((ROOT / "arlo" / name).read_text())
+    (pkg / "config.py").write_text(source.replace(doc, ""))
+    result = subprocess.run([sys.executable, str(copy / "scripts" / "gen_config_docs.py")], capture_output=True,
+                            text=True, timeout=60, cwd=copy)
+    assert result.returncode == 1 and "TrainerConfig.max_grad_norm" in result.stderr, result.stderr

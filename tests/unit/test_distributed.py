@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from arlo.config import ConfigError
-from arlo.distributed import DEFAULT_COORDINATOR_PORT, DistributedEnv, MeshConfig, detect, hybrid_shapes
+from arlo.config import ConfigError, MeshConfig
+from arlo.distributed import DEFAULT_COORDINATOR_PORT, DistributedEnv, detect, hybrid_shapes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -151,7 +151,8 @@ def test_meshes_and_a_sharded_array_on_8_cpu_devices() -> None:
         import json
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from arlo.distributed import MeshConfig, make_mesh, initialize_from_env
+        from arlo.config import MeshConfig
+        from arlo.distributed import make_mesh, initialize_from_env
 
         out = {"devices": jax.device_count()}
         for sizes in [(-1, 1, 1), (-1, 2, 2), (2, 4, 1)]:
@@ -201,7 +202,8 @@ def test_two_processes_join_through_the_jobset_variables() -> None:
     code = """
         import json
         import jax
-        from arlo.distributed import MeshConfig, initialize_from_env, make_mesh
+        from arlo.config import MeshConfig
+        from arlo.distributed import initialize_from_env, make_mesh
 
         found = initialize_from_env(timeout_s=60)
         again = initialize_from_env(timeout_s=60)  # a second call is a no-op

@@ -5,6 +5,7 @@ hot swap between chunks, and multi-turn sessions."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterator
@@ -15,17 +16,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, create_model, state_from_bytes, state_to_bytes
-from services.inference.engine import Engine, EngineConfig, EngineLimits, SamplingRequest, TokenDelta
+from services.inference.engine import Engine, SamplingRequest, TokenDelta
 
-LIMITS = EngineLimits(max_n=8, max_tokens=32, max_prompt_tokens=64)
-CONFIG = EngineConfig(max_slots=8, decode_steps=4)
+CONFIG = InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64, max_batch=8, decode_steps=4)
 NO_STOP = (263,)  # an id the byte tokenizer never makes: completions run to max_tokens (unless sampled)
 
 
-def new_engine(limits: EngineLimits = LIMITS, **config: object) -> Engine:
-    cfg = EngineConfig(**{"max_slots": CONFIG.max_slots, "decode_steps": CONFIG.decode_steps, **config})
-    return Engine("tiny", seed=0, tokenizer="byte", limits=limits, config=cfg)
+def new_engine(**config: object) -> Engine:
+    return Engine("tiny", seed=0, tokenizer="byte", config=dataclasses.replace(CONFIG, **config))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_concurrent_requests_share_decode_steps_and_match_the_reference(engine: 
         tokens, logprobs = reference_greedy(engine, list(prompt), 10)
         assert got.token_ids == tokens
         np.testing.assert_allclose(got.logprobs, logprobs, atol=1e-4)
-    assert engine.stats.max_batch > 1
+    assert engine.stats.largest_batch > 1
     # Six 10-token completions alone would need 6 x 3 chunks of 4 steps; batched they need far fewer.
     assert engine.stats.decode_chunks - chunks_before < 12
 
@@ -157,12 +157,12 @@ def test_a_small_kv_budget_queues_requests_instead_of_failing_them() -> None:
     per_slot = 2 * 2 * 2 * 16 * 4 * (256 + 4)  # layers x (k, v) x kv heads x head dim x f32 x slot length
     with pytest.raises(ValueError, match="cannot hold n = 8"):
         new_engine(kv_cache_mib=2.5 * per_slot / 2**20)
-    e = new_engine(EngineLimits(max_n=2, max_tokens=32, max_prompt_tokens=64), kv_cache_mib=2.5 * per_slot / 2**20)
+    e = new_engine(max_n=2, kv_cache_mib=2.5 * per_slot / 2**20)
     try:
         assert e.num_slots == 2
         handles = [e.submit(greedy(p, 6)) for p in PROMPTS]
         assert all(len(h.result(120)[0].token_ids) == 6 for h in handles)
-        assert e.stats.max_batch == 2
+        assert e.stats.largest_batch == 2
     finally:
         e.close()
 
@@ -195,7 +195,7 @@ def test_swap_takes_effect_between_chunks_without_a_drain_or_a_recompile() -> No
 
 
 def test_sessions_prefill_only_new_tokens_and_never_change_the_result() -> None:
-    e = new_engine(max_slots=8)
+    e = new_engine(max_batch=8)
     try:
         turn1 = tuple(range(60, 70))
         (a,) = e.generate(greedy(turn1, 6, session_id="ep"), 120)

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, create_model, token_logprobs
-from services.inference.engine import Engine, EngineLimits, SamplingRequest
+from services.inference.engine import Engine, SamplingRequest
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=8, max_tokens=32, max_prompt_tokens=64))
+    return Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64))
 
 
 PROMPT = (257, 260, 51, 43, 52, 61, 258, 261)
@@ -46,7 +47,7 @@ def test_unseeded_requests_differ_and_seeded_repeat(engine: Engine) -> None:
 
 
 def test_swap_changes_outputs_and_versions() -> None:
-    engine = Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=2, max_tokens=8, max_prompt_tokens=32))
+    engine = Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=2, max_tokens=8, max_prompt_tokens=32))
     req = SamplingRequest(prompt=PROMPT, max_tokens=8, temperature=0.0)
     before = engine.generate(req)[0]
     assert set(before.policy_versions) == {0}

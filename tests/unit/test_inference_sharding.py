@@ -17,19 +17,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
-    from arlo.distributed import MeshConfig, make_mesh
+    from arlo.config import MeshConfig
+    from arlo.distributed import make_mesh
     from arlo.model import create_model, state_from_bytes, state_to_bytes
-    from services.inference.engine import Engine, EngineConfig, EngineLimits, SamplingRequest
+    from arlo.config import InferenceConfig
+    from services.inference.engine import Engine, SamplingRequest
 
     assert jax.device_count() == 8
-    limits = EngineLimits(max_n=2, max_tokens=24, max_prompt_tokens=32)
-    config = EngineConfig(max_slots=6, max_seq_len=64, decode_steps=4)
+    config = InferenceConfig(max_n=2, max_tokens=24, max_prompt_tokens=32, max_batch=6, max_seq_len=64, decode_steps=4)
     reqs = [SamplingRequest(prompt=(5, 17, 42, 99, 7), n=2, max_tokens=20, temperature=0.0, ignore_eos=True),
             SamplingRequest(prompt=tuple(range(30, 52)), n=1, max_tokens=12, temperature=0.0, ignore_eos=True),
             SamplingRequest(prompt=(1, 2, 3), n=2, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)]
 
     def serve(mesh):
-        engine = Engine("tiny", seed=0, tokenizer="byte", limits=limits, config=config, mesh=mesh)
+        engine = Engine("tiny", seed=0, tokenizer="byte", config=config, mesh=mesh)
         try:
             first = [[s.token_ids for s in h.result(300)] for h in engine.submit_many(reqs)]
             # A swap on the mesh keeps every parameter's placement (no recompile, no gather).
@@ -72,7 +73,7 @@ def test_sharded_engine_matches_single_device() -> None:
 
 
 def test_service_builds_no_mesh_on_one_device() -> None:
-    from arlo.distributed import MeshConfig
+    from arlo.config import MeshConfig
     from services.inference.__main__ import inference_mesh
 
     assert inference_mesh(MeshConfig()) is None  # one CPU device here: the plain single-device path

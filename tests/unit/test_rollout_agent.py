@@ -7,15 +7,16 @@ import asyncio
 
 import pytest
 
+from arlo.config import InferenceConfig
 from arlo.proto.v1 import common_pb2
-from services.inference.engine import Engine, EngineLimits
+from services.inference.engine import Engine
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
 from tests.support.inprocess import TOK, CoreScorer, EngineGenerator, GatewayEnv
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine("tiny", seed=0, tokenizer="byte", limits=EngineLimits(max_n=8, max_tokens=32, max_prompt_tokens=200))
+    return Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=200))
 
 
 def spec(**kw) -> EpisodeSpec:

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arlo.config import AlgorithmConfig, SFTConfig, TrainerConfig
 from arlo.model import ModelConfig, get_tokenizer, token_logprobs
 from arlo.proto.v1 import common_pb2
 from services.trainer.batching import build_batch
-from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.learner import Learner
 from services.trainer.sft import Example, sft_batch
 
 TOK = get_tokenizer("byte")
@@ -40,7 +41,7 @@ def _logits(learner: Learner, ids: list[int]) -> np.ndarray:
 
 
 def test_grpo_steps_raise_the_rewarded_token_probability() -> None:
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig(learning_rate=1e-2))
+    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(learning_rate=1e-2))
     prompt_logits = _logits(learner, [257, 260, 51, 43, 52, 61, 258, 261])[-1]
     before = jax.nn.log_softmax(prompt_logits)
     for _ in range(5):
@@ -53,7 +54,7 @@ def test_grpo_steps_raise_the_rewarded_token_probability() -> None:
 
 
 def test_on_policy_ratio_is_one_at_the_first_step() -> None:
-    learner = Learner(ModelConfig.named("tiny"), seed=1, cfg=LearnerConfig())
+    learner = Learner(ModelConfig.named("tiny"), seed=1, cfg=TrainerConfig())
     metrics = learner.step(build_batch([group(learner, 55, 56)], 256, 256))
     # Behaviour logprobs were computed from the same weights: nothing is clipped, KL is ~0.
     assert metrics.clip_fraction == 0.0 and abs(metrics.approx_kl) < 1e-5
@@ -76,7 +77,7 @@ def random_groups(num_groups: int, size: int, seed: int = 0) -> list[list[common
     return groups
 
 
-def sgd_update(micro_batch_size: int, **objective) -> list[np.ndarray]:
+def sgd_update(micro_batch_size: int, algorithm: AlgorithmConfig | None = None, **trainer) -> list[np.ndarray]:
     """One plain-SGD step (lr 1) through the learner's step function: the update is -gradient.
 
     Adam would normalise tiny gradient entries to +-lr and hide (or magnify) float noise, so
@@ -87,25 +88,20 @@ def sgd_update(micro_batch_size: int, **objective) -> list[np.ndarray]:
     import optax
 
     from services.trainer.learner import _rl_step
-    from services.trainer.losses import PolicyLossConfig
-    from services.trainer.objectives import ObjectiveConfig
 
-    obj = ObjectiveConfig(**{"loss": PolicyLossConfig(), **objective})
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig(micro_batch_size=micro_batch_size,
-                                                                          objective=obj))
+    tc = TrainerConfig(micro_batch_size=micro_batch_size, algorithm=algorithm or AlgorithmConfig(), **trainer)
+    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=tc)
     batch = build_batch(random_groups(3, 2), 256, 256)  # 6 rows
     tx = optax.sgd(1.0)
     before = jax.tree.leaves(jax.device_get(nnx.to_pure_dict(learner.state)))
-    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, obj))
+    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc))
     after, _, _ = step(learner.state, tx.init(learner.state), None, learner._device_rows(batch),
                        jax.numpy.asarray(batch.rewards_gk))
     return [b - a for a, b in zip(before, jax.tree.leaves(jax.device_get(nnx.to_pure_dict(after))), strict=True)]
 
 
 def test_micro_batches_give_the_full_batch_gradient_including_a_partial_last_one() -> None:
-    from services.trainer.losses import PolicyLossConfig
-
-    for objective in ({}, {"loss": PolicyLossConfig(aggregation="seq_mean_token_mean")}):
+    for objective in ({}, {"algorithm": AlgorithmConfig(aggregation="seq_mean_token_mean")}):
         full = sgd_update(0, **objective)
         for mb in (4, 1):  # 6 rows: 4 + a partial 2; and 6 x 1
             for a, b in zip(full, sgd_update(mb, **objective), strict=True):
@@ -119,10 +115,8 @@ def test_micro_batches_give_the_full_batch_gradient_including_a_partial_last_one
     {"entropy_coef": 0.01}, {"decoupled": True},
 ])
 def test_objective_variants_take_finite_steps(objective: dict) -> None:
-    from services.trainer.objectives import ObjectiveConfig
-
-    learner = Learner(ModelConfig.named("tiny"), seed=0,
-                      cfg=LearnerConfig(micro_batch_size=4, objective=ObjectiveConfig(**objective)))
+    algorithm = AlgorithmConfig(**objective)
+    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(micro_batch_size=4, algorithm=algorithm))
     metrics = learner.step(build_batch(random_groups(2, 4), 256, 256))
     assert np.isfinite(metrics.loss) and np.isfinite(metrics.grad_norm) and metrics.grad_norm > 0
     if objective.get("kl_coef") and not objective.get("kl_in_reward"):
@@ -132,7 +126,8 @@ def test_objective_variants_take_finite_steps(objective: dict) -> None:
 
 
 def test_sft_steps_lower_the_demonstration_loss() -> None:
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig(learning_rate=1e-2, micro_batch_size=2))
+    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(learning_rate=1e-2, micro_batch_size=2,
+                                                                      sft=SFTConfig(warmup_steps=0)))
     (demos,) = random_groups(1, 3, seed=5)
     batch = sft_batch([Example(list(t.token_ids), list(t.loss_mask)) for t in demos], 256, 256)
     losses = [learner.sft_step(batch).loss for _ in range(8)]
@@ -142,17 +137,15 @@ def test_sft_steps_lower_the_demonstration_loss() -> None:
 def test_warmup_cosine_schedule() -> None:
     from services.trainer.learner import make_schedule
 
-    sched = make_schedule(LearnerConfig(learning_rate=1.0, warmup_steps=10, total_steps=110))
+    sched = make_schedule(learning_rate=1.0, warmup_steps=10, total_steps=110)
     assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
     assert float(sched(110)) == pytest.approx(0.1, abs=1e-3)
 
 
 @pytest.mark.parametrize("forward", [{"remat": "full"}, {"remat": "dots"}, {"logprob_chunk": 4}])
 def test_memory_options_give_the_same_gradient(forward: dict) -> None:
-    from services.trainer.objectives import ForwardConfig
-
     plain = sgd_update(0)
-    for a, b in zip(plain, sgd_update(0, forward=ForwardConfig(**forward)), strict=True):
+    for a, b in zip(plain, sgd_update(0, **forward), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
@@ -161,8 +154,8 @@ def test_sft_has_its_own_optimizer_and_leaves_rl_state_fresh() -> None:
     from services.trainer.sft import tokenize_demonstration
 
     cfg = ModelConfig.named("tiny")
-    learner = Learner(cfg, seed=0, cfg=LearnerConfig(learning_rate=1e-3),
-                      sft_cfg=LearnerConfig(learning_rate=1e-2))
+    learner = Learner(cfg, seed=0, cfg=TrainerConfig(learning_rate=1e-3,
+                                                     sft=SFTConfig(learning_rate=1e-2, warmup_steps=0)))
     rl_state_before = jax.tree.map(np.asarray, learner.opt_state)
     rng = random.Random(0)
     demos = [demonstration(i, {"op": "*", "max_operand": 30, "tool": True}, tool_prob=1.0, rng=rng) for i in range(16)]
@@ -180,7 +173,7 @@ def test_a_non_finite_step_is_skipped_leaving_weights_and_optimizer_state_unchan
     """The skip is decided inside the jitted step (its inputs are donated): nothing of it lands."""
     from arlo.model.weights import state_to_bytes
 
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig(learning_rate=1e-2))
+    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(learning_rate=1e-2))
     learner.step(build_batch([group(learner, 55, 56)], 256, 256))  # Adam's moments are non-zero now
     weights, moments = state_to_bytes(learner.state), [np.asarray(x) for x in jax.tree.leaves(learner.opt_state)]
     bad = group(learner, 55, 56)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from arlo.config import AlgorithmConfig
 from services.trainer.advantages import (
     batch_normalized_advantages,
     gae_advantages,
@@ -15,7 +16,6 @@ from services.trainer.advantages import (
     zero_variance_groups,
 )
 from services.trainer.losses import (
-    PolicyLossConfig,
     aggregate,
     kl_estimate,
     masked_mean,
@@ -93,7 +93,7 @@ def test_dynamic_sampling_and_overlong_penalty() -> None:
     np.testing.assert_allclose(np.asarray(pen), [0.0, 0.0, -0.5, -1.0, -1.0])
 
 
-def np_policy_loss(lp, prox, behav, adv, mask, cfg: PolicyLossConfig):
+def np_policy_loss(lp, prox, behav, adv, mask, cfg: AlgorithmConfig):
     """Straightforward loops: one row, one token at a time."""
     b, t = lp.shape
     log_ratio = (lp - prox) * mask
@@ -105,10 +105,10 @@ def np_policy_loss(lp, prox, behav, adv, mask, cfg: PolicyLossConfig):
         for j in range(t):
             ratio = np.exp(log_ratio[i, j])
             a = adv[i, j]
-            term = max(-a * ratio, -a * np.clip(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high))
-            if cfg.dual_clip is not None and a < 0:
+            term = max(-a * ratio, -a * np.clip(ratio, 1 - cfg.clip_eps, 1 + (cfg.clip_eps_high or cfg.clip_eps)))
+            if cfg.dual_clip and a < 0:
                 term = min(term, -cfg.dual_clip * a)
-            if cfg.is_cap is not None:
+            if cfg.is_cap:
                 term *= min(np.exp(prox[i, j] - behav[i, j]), cfg.is_cap)
             terms[i, j] = term
     if cfg.aggregation == "token_mean":
@@ -120,13 +120,13 @@ def np_policy_loss(lp, prox, behav, adv, mask, cfg: PolicyLossConfig):
 
 
 VARIANTS = {
-    "ppo": PolicyLossConfig(),
-    "clip_higher": PolicyLossConfig(eps_low=0.2, eps_high=0.28),
-    "dual_clip": PolicyLossConfig(dual_clip=3.0),
-    "gspo": PolicyLossConfig(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
-    "seq_mean_token_mean": PolicyLossConfig(aggregation="seq_mean_token_mean"),
-    "seq_sum_norm": PolicyLossConfig(aggregation="seq_sum_norm", norm_constant=16.0),
-    "truncated_is": PolicyLossConfig(is_cap=2.0),
+    "ppo": AlgorithmConfig(),
+    "clip_higher": AlgorithmConfig(clip_eps=0.2, clip_eps_high=0.28),
+    "dual_clip": AlgorithmConfig(dual_clip=3.0),
+    "gspo": AlgorithmConfig(ratio_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4),
+    "seq_mean_token_mean": AlgorithmConfig(aggregation="seq_mean_token_mean"),
+    "seq_sum_norm": AlgorithmConfig(aggregation="seq_sum_norm", norm_constant=16.0),
+    "truncated_is": AlgorithmConfig(is_cap=2.0),
 }
 
 
@@ -158,7 +158,7 @@ def test_on_policy_gradient_direction() -> None:
     """At ratio 1 the loss is -mean(adv) over tokens: positive advantage lowers the loss."""
     lp = jnp.zeros((2, 3))
     adv = jnp.asarray([[1.0] * 3, [-1.0] * 3])
-    loss, _ = policy_loss(lp, lp, lp, adv, jnp.asarray([[1, 1, 1], [1, 0, 0]]), PolicyLossConfig())
+    loss, _ = policy_loss(lp, lp, lp, adv, jnp.asarray([[1, 1, 1], [1, 0, 0]]), AlgorithmConfig())
     assert float(loss) == pytest.approx(-(3 * 1.0 + 1 * -1.0) / 4)
 
 
@@ -182,6 +182,7 @@ def test_entropy_of_uniform_and_peaked() -> None:
 
 
 def test_config_rejects_nonsense() -> None:
-    for kw in ({"eps_low": 1.5}, {"dual_clip": 0.5}, {"aggregation": "seq_sum_norm"}, {"is_cap": 0.0}):
+    # 0 switches is_cap off in the run config, so the nonsense cap is a negative one.
+    for kw in ({"clip_eps": 1.5}, {"dual_clip": 0.5}, {"aggregation": "seq_sum_norm"}, {"is_cap": -1.0}):
         with pytest.raises(ValueError):
-            PolicyLossConfig(**kw)
+            AlgorithmConfig(**kw).validate("trainer.algorithm")

@@ -15,17 +15,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
-    from arlo.distributed import MeshConfig, make_mesh
+    from arlo.config import MeshConfig
+    from arlo.distributed import make_mesh
     from arlo.model import ModelConfig
     from services.trainer.batching import build_batch
-    from services.trainer.learner import Learner, LearnerConfig
+    from arlo.config import TrainerConfig
+    from services.trainer.learner import Learner
     from tests.unit.test_trainer_learner import random_groups
 
     assert jax.device_count() == 8
     mesh = make_mesh(MeshConfig(axis_names=("data", "fsdp", "tensor"), axis_sizes=(2, 2, 2)))
     batch = build_batch(random_groups(2, 4), 256, 256)  # 8 rows: split over data x fsdp
-    plain = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig())
-    sharded = Learner(ModelConfig.named("tiny"), seed=0, cfg=LearnerConfig(), mesh=mesh)
+    plain = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig())
+    sharded = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(), mesh=mesh)
     q = sharded.state["layers"][0]["attn"]["q_dnh"][...]
     assert not q.sharding.is_fully_replicated, q.sharding
     a, b = plain.step(batch), sharded.step(batch)

@@ -1,0 +1,19 @@
+"""The allowed choices of each string setting, declared once.
+
+`arlo.config` types its fields with these; its loader checks them (the error names the field
+and lists the choices), and other modules read them with `typing.get_args`. No imports but
+`typing`: the sandbox trampoline, which runs under a bare `python3 -S`, reads `Isolation`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16"]
+Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+RatioLevel = Literal["token", "sequence"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"]
+KlKind = Literal["k1", "k2", "k3"]
+Remat = Literal["none", "full", "dots"]
+Isolation = Literal["auto", "bwrap", "unshare", "none"]
+"""Sandbox isolation; "auto" picks the best of the others that works here."""
