@@ -455,6 +455,58 @@ class EnvPluginConfig:
 
 
 @_frozen
+class McpServerConfig:
+    """An MCP tool server whose tools make the environment `mcp:<name>` (see docs/mcp.md). Set exactly
+    one of `command` (the gateway runs it and talks over its stdin/stdout) or `url` (streamable HTTP)."""
+
+    name: str
+    """The environment is `mcp:<name>`; letters, digits, '-', '_' and '.'."""
+    command: tuple[str, ...] = ()
+    """stdio: the program and its arguments, e.g. ["python", "-m", "my_tools"]; run by the gateway."""
+    env: dict[str, str] = field(default_factory=dict)
+    """stdio: environment variables for the server, over a minimal default set (HOME, PATH, ...)."""
+    cwd: str = ""
+    """stdio: the server's working directory; empty is the gateway's."""
+    url: str = ""
+    """streamable HTTP: the server's endpoint, e.g. "http://127.0.0.1:8000/mcp"."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """streamable HTTP: headers sent with every request (e.g. Authorization)."""
+    timeout_s: float = 30.0
+    """Deadline of one tool call (shortened to the caller's remaining deadline); past it the agent
+    gets an error observation."""
+    connect_timeout_s: float = 20.0
+    """Deadline of (re)connecting: starting the process or reaching the URL, and the MCP handshake."""
+    max_concurrency: int = 64
+    """Tool calls in flight on this server; more wait (within their deadline)."""
+    breaker_failures: int = 3
+    """Consecutive failures (crashes, timeouts, failed connects) that open the circuit breaker."""
+    breaker_reset_s: float = 5.0
+    """How long an open breaker fails fast before one reconnect is tried: the restart backoff."""
+    max_turns: int = 8
+    """Upper bound on an episode's turns (Reset's config may ask for fewer)."""
+    description: str = ""
+    """What ListEnvironments says about the environment; empty describes the server's tools."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.name", bool(self.name) and all(c.isascii() and (c.isalnum() or c in "-_.") for c in self.name),
+               f"must be non-empty and use only letters, digits, '-', '_' and '.', got {self.name!r}")
+        _check(path, bool(self.command) != bool(self.url),
+               "set exactly one of command (a stdio server) or url (a streamable HTTP server)")
+        if self.command:
+            _check(f"{path}.command", all(self.command), "must not hold empty strings")
+            _check(f"{path}.headers", not self.headers, "is for url servers; a stdio server takes env")
+        else:
+            _check(f"{path}.url", self.url.startswith(("http://", "https://")), f"must be http(s)://..., got {self.url!r}")
+            _check(f"{path}.env", not self.env and not self.cwd, "env and cwd are for command servers")
+        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
+        _check(f"{path}.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
+        _check(f"{path}.max_concurrency", self.max_concurrency >= 1, "must be >= 1")
+        _check(f"{path}.breaker_failures", self.breaker_failures >= 1, "must be >= 1")
+        _check(f"{path}.breaker_reset_s", self.breaker_reset_s > 0, "must be > 0")
+        _check(f"{path}.max_turns", 1 <= self.max_turns <= 64, "must be in [1, 64]")
+
+
+@_frozen
 class EnvGatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50053, metrics_port=9103))
     """Where the environment gateway listens."""
@@ -470,6 +522,8 @@ class EnvGatewayConfig:
     """Directory of .txt/.md documents for the retrieval env; empty uses the built-in set."""
     plugins: tuple[EnvPluginConfig, ...] = ()
     """Environments from your own package (see docs/environments.md); a broken one stops start-up."""
+    mcp_servers: tuple[McpServerConfig, ...] = ()
+    """MCP tool servers, each served as the environment `mcp:<name>` (see docs/mcp.md)."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
@@ -482,6 +536,11 @@ class EnvGatewayConfig:
             plugin.validate(f"{path}.plugins[{i}]")
             _check(f"{path}.plugins[{i}].name", plugin.name not in names, f"repeats {plugin.name!r}")
             names.add(plugin.name)
+        servers: set[str] = set()
+        for i, server in enumerate(self.mcp_servers):
+            server.validate(f"{path}.mcp_servers[{i}]")
+            _check(f"{path}.mcp_servers[{i}].name", server.name not in servers, f"repeats {server.name!r}")
+            servers.add(server.name)
 
 
 @_frozen
@@ -737,6 +796,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(key_type, k, f"{path} key"): _coerce(value_type, v, f"{path}.{k}") for k, v in value.items()}
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
@@ -754,6 +818,9 @@ def type_name(tp: Any) -> str:
         return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
     if origin in (tuple, list):
         return f"list of {type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        return f"map of {type_name(key_type)} to {type_name(value_type)}"
     return getattr(tp, "__name__", str(tp))
 
 

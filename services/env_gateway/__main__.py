@@ -8,6 +8,7 @@ from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal
 from arlo.sandbox.hardening import make_undumpable
 from arlo.service_args import parse_service_config
 from services.env_gateway.gateway import Gateway
+from services.env_gateway.mcp_envs import McpEnvs
 from services.env_gateway.plugins import load_env_plugin
 from services.env_gateway.registry import EnvContext, default_registry
 from services.env_gateway.remote import RemoteEnvs
@@ -34,17 +35,19 @@ def build_gateway(cfg: RunConfig, context: EnvContext | None = None) -> Gateway:
 
 
 async def build_servicer(cfg: RunConfig, gateway: Gateway | None = None) -> EnvironmentServicer:
-    """The servicer, with remote backends (if configured) connected and asked for their environments.
+    """The servicer, with MCP servers and remote backends (if configured) connected and asked for
+    their environments.
 
     Call inside the event loop that serves it; a backend that is down now is asked again later.
     """
     gateway = gateway if gateway is not None else build_gateway(cfg)
+    mcp = await McpEnvs.start(cfg.env_gateway.mcp_servers, gateway.registry) if cfg.env_gateway.mcp_servers else None
     remotes = None
     if cfg.env_gateway.remotes:
         remotes = RemoteEnvs.from_config(cfg.env_gateway.remotes, gateway_token=load_token(cfg.auth),
                                          local_names=gateway.registry.names())
         await remotes.discover()
-    return EnvironmentServicer(gateway, remotes)
+    return EnvironmentServicer(gateway, remotes, mcp)
 
 
 async def start_env_gateway(cfg: RunConfig, servicer: EnvironmentServicer | None = None) -> RunningServer:

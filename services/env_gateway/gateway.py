@@ -66,6 +66,8 @@ class Gateway:
 
     def reset(self, env_name: str, config_json: str, seed: int) -> Started:
         spec = self._spec(env_name)
+        if spec.asynchronous:
+            raise TypeError(f"environment {env_name!r} is asynchronous: use reset_async")
         env = self.registry.create(spec)
         result = _reset_env(env, seed, parse_config_json(config_json))
         session = self.sessions.create(env_name, env, blocking=spec.blocking)
@@ -73,13 +75,27 @@ class Gateway:
 
     def step(self, session_id: str, action: str) -> StepResult:
         """Raises SessionNotFoundError, EpisodeOverError, or whatever the environment raises."""
-        return self.sessions.get(session_id).env.step(action)
+        session = self.sessions.get(session_id)
+        if session.asynchronous:
+            raise TypeError(f"session {session_id!r} is of an asynchronous environment: use step_async")
+        return session.env.step(action)
 
     def close(self, session_id: str) -> bool:
         return self.sessions.close(session_id)
 
-    async def reset_async(self, env_name: str, config_json: str, seed: int) -> Started:
+    async def reset_async(self, env_name: str, config_json: str, seed: int,
+                          deadline_s: float | None = None) -> Started:
+        """`deadline_s`: what is left of the caller's deadline (asynchronous environments heed it)."""
         spec = self._spec(env_name)
+        if spec.asynchronous:
+            config = parse_config_json(config_json)
+            env: Any = self.registry.create(spec)
+            try:
+                result = await env.reset(seed, config, deadline_s)
+            except ValueError as e:
+                raise InvalidConfigError(str(e)) from e
+            session = self.sessions.create(env_name, env, asynchronous=True)
+            return Started(session_id=session.id, result=result)
         if not spec.blocking:
             return self.reset(env_name, config_json, seed)
         config = parse_config_json(config_json)
@@ -92,19 +108,34 @@ class Gateway:
         session = self.sessions.create(env_name, env, blocking=True)
         return Started(session_id=session.id, result=result)
 
-    async def step_async(self, session_id: str, action: str) -> StepResult:
-        result = self.begin_step(session_id, action)
+    async def step_async(self, session_id: str, action: str, deadline_s: float | None = None) -> StepResult:
+        result = self.begin_step(session_id, action, deadline_s)
         return result if isinstance(result, StepResult) else await result
 
-    def begin_step(self, session_id: str, action: str) -> StepResult | asyncio.Future[StepResult]:
-        """The result of a cheap step, or a future for a blocking one (already running in a worker).
+    def begin_step(self, session_id: str, action: str,
+                   deadline_s: float | None = None) -> StepResult | asyncio.Future[StepResult]:
+        """The result of a cheap step, or a future for a blocking one (already running in a worker)
+        or an asynchronous one (a task on this loop, given `deadline_s`).
 
-        StepBatch uses this to run a batch's cheap steps inline and its blocking ones concurrently.
+        StepBatch uses this to run a batch's cheap steps inline and the others concurrently.
         """
         session = self.sessions.get(session_id)
+        if session.asynchronous:
+            return self._start_async_step(session, action, deadline_s)
         if not session.blocking:
             return session.env.step(action)
         return asyncio.wrap_future(self._submit_step(session, action))
+
+    @staticmethod
+    def _start_async_step(session: Session, action: str, deadline_s: float | None) -> asyncio.Future[StepResult]:
+        if session.busy:
+            raise SessionBusyError(f"session {session.id!r} is still running its previous step; "
+                                   "send one step at a time per session")
+        session.busy = True
+        env: Any = session.env
+        task: asyncio.Future[StepResult] = asyncio.ensure_future(env.step(action, deadline_s))
+        task.add_done_callback(lambda _: setattr(session, "busy", False))
+        return task
 
     def _submit_step(self, session: Session, action: str) -> Future[StepResult]:
         if session.busy:

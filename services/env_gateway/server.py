@@ -14,6 +14,7 @@ from arlo.proto.v1 import common_pb2, env_pb2, env_pb2_grpc
 from arlo.rpc import utf8_too_long
 from services.env_gateway.envs.base import EnvUnavailableError, EpisodeOverError, Message, StepResult
 from services.env_gateway.gateway import Gateway, InvalidConfigError, UnknownEnvError
+from services.env_gateway.mcp_envs import McpEnvs
 from services.env_gateway.remote import RemoteBackend, RemoteEnvs, RemoteError
 from services.env_gateway.sessions import SessionBusyError, SessionLimitError, SessionNotFoundError
 
@@ -120,9 +121,10 @@ def _set_error(out: env_pb2.StepResult, error: BaseException, session_id: str) -
 
 
 class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
-    def __init__(self, gateway: Gateway, remotes: RemoteEnvs | None = None) -> None:
+    def __init__(self, gateway: Gateway, remotes: RemoteEnvs | None = None, mcp: McpEnvs | None = None) -> None:
         self._gateway = gateway
         self._remotes = remotes
+        self._mcp = mcp
         self._info_json = InfoJson()
 
     def _owner(self, session_id: str) -> tuple[RemoteBackend, str] | None:
@@ -130,8 +132,13 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
 
     async def ListEnvironments(self, request: env_pb2.ListEnvironmentsRequest,
                                context: grpc.aio.ServicerContext) -> env_pb2.ListEnvironmentsResponse:
+        specs = self._gateway.registry.specs()
+        mcp = self._mcp
         infos = [env_pb2.EnvironmentInfo(name=s.name, description=s.description, tools_json=s.tools_json,
-                                         max_turns=s.max_turns) for s in self._gateway.registry.specs()]
+                                         max_turns=s.max_turns) for s in specs if not (mcp and mcp.serves(s.name))]
+        if mcp is not None:  # described live: a server may have been reached (or lost) since start
+            infos += await asyncio.gather(*(mcp.info(s.name, context.time_remaining())
+                                            for s in specs if mcp.serves(s.name)))
         if self._remotes is not None:
             infos += await self._remotes.list_environments(context.time_remaining())
         return env_pb2.ListEnvironmentsResponse(environments=sorted(infos, key=lambda i: i.name))
@@ -150,7 +157,8 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
             except RemoteError as e:
                 await context.abort(e.code, str(e))
         try:
-            started = await self._gateway.reset_async(request.env_name, request.config_json, request.seed)
+            started = await self._gateway.reset_async(request.env_name, request.config_json, request.seed,
+                                                      context.time_remaining())
         except UnknownEnvError:
             known = sorted([*self._gateway.registry.names(), *(remotes.names() if remotes else [])])
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown environment {request.env_name!r}; known: {known}")
@@ -178,8 +186,8 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
             except RemoteError as e:
                 await context.abort(e.code, str(e))
         try:
-            return _fill(env_pb2.StepResponse(), await self._gateway.step_async(request.session_id, request.action),
-                         self._info_json)
+            result = await self._gateway.step_async(request.session_id, request.action, context.time_remaining())
+            return _fill(env_pb2.StepResponse(), result, self._info_json)
         except Exception as e:
             code = _code_of(e)
             if code is None:
@@ -228,7 +236,7 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
                 requests.append(env_pb2.StepRequest(session_id=owner[1], action=action))
                 continue
             try:
-                outcome = begin(session_id, action)
+                outcome = begin(session_id, action, deadline_s)
             except Exception as e:
                 _set_error(result, e, session_id)
                 continue
@@ -269,7 +277,10 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
         return env_pb2.CloseResponse()
 
     async def aclose(self) -> None:
-        """Closes the remote channels and the worker threads (after the server stopped)."""
+        """Closes the remote channels, the MCP sessions (their processes) and the worker threads
+        (after the server stopped)."""
         if self._remotes is not None:
             await self._remotes.aclose()
+        if self._mcp is not None:
+            await self._mcp.aclose()
         self._gateway.shutdown()

@@ -31,6 +31,8 @@ class Session:
     last_used: float
     blocking: bool = False
     """Its steps run in a worker thread (see Gateway.step_async)."""
+    asynchronous: bool = False
+    """Its env's reset/step are coroutines, awaited on the event loop (see EnvSpec.asynchronous)."""
     busy: bool = False
     """A step is running in a worker thread; a second one would race it."""
 
@@ -66,13 +68,14 @@ class SessionStore:
             dropped += 1
         return dropped
 
-    def create(self, env_name: str, env: Environment, *, blocking: bool = False) -> Session:
+    def create(self, env_name: str, env: Environment, *, blocking: bool = False,
+               asynchronous: bool = False) -> Session:
         self.expire()
         if len(self._sessions) >= self.max_sessions:
             raise SessionLimitError(f"{self.max_sessions} sessions are open (env_gateway.max_sessions); "
                                     "close finished sessions or retry later")
         session = Session(id=uuid.uuid4().hex, env_name=env_name, env=env, last_used=self._clock(),
-                          blocking=blocking)
+                          blocking=blocking, asynchronous=asynchronous)
         self._sessions[session.id] = session
         return session
 

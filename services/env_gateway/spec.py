@@ -52,6 +52,10 @@ class EnvSpec:
     blocking: bool = False
     """reset/step may block (run code, do I/O): the gateway calls them in a worker thread.
     Cheap environments stay inline, where a StepBatch of them costs about one Step."""
+    asynchronous: bool = False
+    """reset/step are coroutines `reset(seed, config, deadline_s)`, `step(action, deadline_s)` that
+    the gateway awaits on its event loop (environments that wait on a network service, like MCP);
+    `deadline_s` is what is left of the caller's RPC deadline, or None."""
     tools_json: str = field(init=False)
 
     def __post_init__(self) -> None:
