@@ -36,6 +36,10 @@ from services.env_gateway.tool_schema import tools_json
 
 PREFIX = "mcp:"
 MAX_TURNS = 64
+REPLY_MARGIN = 0.1
+"""A tool call gets the RPC's remaining time less this share (at most REPLY_MARGIN_S), so the
+error observation of a call that runs it out reaches the caller before its own deadline."""
+REPLY_MARGIN_S = 0.25
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,6 +103,8 @@ class McpEnv:
                 self._tool_errors += 1
                 continue
             left = None if end is None else end - loop.time()
+            if left is not None:
+                left -= min(REPLY_MARGIN_S, REPLY_MARGIN * left)
             if left is not None and left <= 0:
                 replies.append(Message(role="tool", name=call.name,
                                        content="error: not run: the step's deadline ran out"))
