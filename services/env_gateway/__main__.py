@@ -43,10 +43,15 @@ async def build_servicer(cfg: RunConfig, gateway: Gateway | None = None) -> Envi
     gateway = gateway if gateway is not None else build_gateway(cfg)
     mcp = await McpEnvs.start(cfg.env_gateway.mcp_servers, gateway.registry) if cfg.env_gateway.mcp_servers else None
     remotes = None
-    if cfg.env_gateway.remotes:
-        remotes = RemoteEnvs.from_config(cfg.env_gateway.remotes, gateway_token=load_token(cfg.auth),
-                                         local_names=gateway.registry.names())
-        await remotes.discover()
+    try:
+        if cfg.env_gateway.remotes:
+            remotes = RemoteEnvs.from_config(cfg.env_gateway.remotes, gateway_token=load_token(cfg.auth),
+                                             local_names=gateway.registry.names())
+            await remotes.discover()
+    except BaseException:
+        if mcp is not None:
+            await mcp.aclose()  # its stdio processes must not outlive a gateway that did not start
+        raise
     return EnvironmentServicer(gateway, remotes, mcp)
 
 

@@ -30,6 +30,10 @@ class McpEnvs:
         """Connects every server (concurrently) and registers its environment. A server that cannot
         be reached now is registered all the same (its Resets fail UNAVAILABLE until it answers);
         a name that clashes with another environment is a ConfigError."""
+        try:
+            import mcp as _  # noqa: F401
+        except ImportError:
+            raise ConfigError("env_gateway.mcp_servers needs the mcp package: pip install -e '.[mcp]'") from None
         mcp = cls([McpServer(c) for c in configs])
         try:
             await asyncio.gather(*(mcp._first_contact(s) for s in mcp.servers.values()))
