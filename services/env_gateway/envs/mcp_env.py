@@ -52,13 +52,13 @@ class McpTaskConfig:
     """What the reward function scores the final answer against."""
     task_id: str = ""
     """A stable id for the task (empty: the server name and the seed)."""
-    max_turns: int = 8
-    """Turns before the episode ends unanswered; at most the server's max_turns."""
+    max_turns: int = 0
+    """Turns before the episode ends unanswered; 0 is the server's max_turns, the most allowed."""
 
     def validate(self) -> None:
         if not self.prompt:
             raise ValueError('prompt is required (Reset config_json {"prompt": "...", "reference": "..."})')
-        check_range("max_turns", self.max_turns, 1, MAX_TURNS)
+        check_range("max_turns", self.max_turns, 0, MAX_TURNS)
 
 
 class McpEnv:
@@ -79,7 +79,7 @@ class McpEnv:
             raise ValueError(f"{self._name} config: max_turns {cfg.max_turns} is above the server's "
                              f"max_turns ({self._server.cfg.max_turns})")
         self._tools = await self._server.list_tools(deadline_s)  # EnvUnavailableError -> UNAVAILABLE
-        self._reference, self._max_turns = cfg.reference, cfg.max_turns
+        self._reference, self._max_turns = cfg.reference, cfg.max_turns or self._server.cfg.max_turns
         self._turns = self._tool_calls = self._tool_errors = 0
         self._done = False
         observation = ([Message(role="system", content=cfg.system_prompt)] if cfg.system_prompt else []) + \
