@@ -174,3 +174,28 @@ async def test_a_full_checkpoint_disk_is_reported_never_stalls_training_and_save
         assert resumed.checkpoint_error == "" and resumed.held_entries == 0
         await drained(io["stream"])
         assert (await io["pointer"].get()).checkpoint_version == loop.state.version
+
+
+def flip_bytes(directory: Path) -> None:
+    """Flips one byte in the middle of the largest data file under `directory` (a bad sector)."""
+    target = max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+async def test_damaged_optimizer_state_or_metadata_falls_back_to_an_older_checkpoint(
+        redis_url: str, run_id: str, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    section = {"checkpoint_dir": str(ckpt), "checkpoint_every": 1, "max_staleness": 1000}
+    async with trainer(redis_url, run_id, **section) as (loop, _, io):
+        for _ in range(3):
+            await add_group(io["stream"])
+        await wait_for(lambda: loop.state.checkpoint_version == 3)
+        flip_bytes(ckpt / "00000003" / "opt_state")  # params intact: only its checksum catches this
+        meta = ckpt / "00000002" / "meta" / "metadata"
+        meta.write_text(meta.read_text().replace('"step": 2', '"step": 9'))  # still valid JSON
+        async with trainer(redis_url, run_id, **section) as (again, _, _):
+            report = await status(again)
+            assert again.learner.step_count == 1 and report.checkpoint_version == 1
+            assert report.checkpoint_fallbacks == 2 and again.state.version == 4  # numbered above all
