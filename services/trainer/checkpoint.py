@@ -5,8 +5,9 @@ Saving is asynchronous (orbax's CheckpointManager): `start_save` returns once th
 are copied to host memory; the write and its finalize (an atomic rename of the temporary
 directory) run in a background thread, and `wait` blocks until the checkpoint is complete.
 A crash mid-write leaves only a `*.orbax-checkpoint-tmp` directory, which is never listed
-as a step; a listed step that does not restore, or whose params do not match the checksum
-recorded with them, is skipped with a warning.
+as a step; a listed step that does not restore, or whose params, optimizer state or record
+do not match the checksums recorded with them, is skipped (logged as an error, reported in
+`Restored.skipped`) and an older complete one is used.
 """
 
 from __future__ import annotations
