@@ -275,7 +275,9 @@ RATES = {"inference": {"generated_tokens": "tokens/s", "requests": "requests/s"}
          "trainer": {"consumed": "trajectories/s", "tokens_trained": "tokens/s", "step": "steps/s"},
          "rollout": {"episodes": "episodes/s"}}
 ERRORS = {"trainer": ("dropped_stale", "dropped_failed", "dropped_malformed", "dropped_duplicate",
-                      "dropped_zero_variance"),
+                      "dropped_zero_variance", "dropped_poisoned", "dropped_step_error", "failed_steps",
+                      "publish_failures", "pointer_conflicts", "checkpoint_failures", "acked_undurable",
+                      "loop_restarts"),
           "rollout": ("retries", "failed_groups"), "inference": ("aborted",)}
 
 

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import secrets
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,22 @@ def wipe_run(cfg: RunConfig) -> int:
     return asyncio.run(_wipe())
 
 
+DEFAULT_CHECKPOINT_EVERY = 10
+
+
+def default_checkpoints(cfg: RunConfig, home: Path) -> dict[str, object]:
+    """Local runs checkpoint by default, under $ARLO_HOME/checkpoints/<run_id>: without them a
+    restarted trainer would begin again from the initial weights while what it learned stays
+    acknowledged (docs/reliability.md). A configured directory or interval is kept."""
+    tc = cfg.trainer
+    out: dict[str, object] = {}
+    if not tc.checkpoint_dir:
+        out["checkpoint_dir"] = str(home / "checkpoints" / cfg.run_id)
+    if not tc.checkpoint_every:
+        out["checkpoint_every"] = DEFAULT_CHECKPOINT_EVERY
+    return out
+
+
 def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: bool = False) -> LocalCluster:
     """Starts Redis if none answers, settles ports and the token, writes the resolved config.
 
@@ -130,6 +147,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
             overrides[name] = {"server": {"port": free_port(), "metrics_port": free_port()}}
     # The driver (`arlo train`/`demo`) resumes the trainer phase by phase; until then it waits.
     overrides.setdefault("trainer", {})["start_paused"] = True
+    overrides["trainer"].update(default_checkpoints(cfg, home))
     token = None
     if not cfg.auth.disabled:
         token = resolve_token(cfg, home) or secrets.token_urlsafe(32)
@@ -139,6 +157,9 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     resolved = replace_config(cfg, overrides)
     if fresh_run:
         wipe_run(resolved)
+        if "checkpoint_dir" in overrides["trainer"]:
+            # A fresh run must not resume a previous demo's weights: its default checkpoints go too.
+            shutil.rmtree(overrides["trainer"]["checkpoint_dir"], ignore_errors=True)
     config_path = resolved_config_path(home)
     dump_config(resolved, config_path)
     return LocalCluster(cfg=resolved, config_path=config_path, home=home, token=token, redis=redis,

@@ -88,6 +88,10 @@ class TrajectoryStream:
     def keys(self) -> Keys:
         return self._keys
 
+    @property
+    def max_backlog(self) -> int:
+        return self._max_backlog
+
     @cancel_safe
     async def ensure_group(self) -> None:
         """Creates the stream and the group reading from the start; a no-op when they exist."""

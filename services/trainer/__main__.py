@@ -70,7 +70,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         "step": loop.learner.step_count, "consumed": loop.state.consumed,
         "busy_s": round(loop.state.busy_s, 3), "io_s": round(loop.state.io_s, 3),
         "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
-        "skipped_steps": loop.state.skipped_steps,
+        **loop.fault_counters(), "loop_restarts": sum(tasks.restarts.values()),
         **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}))
     return running, loop
 

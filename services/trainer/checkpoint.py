@@ -5,24 +5,27 @@ Saving is asynchronous (orbax's CheckpointManager): `start_save` returns once th
 are copied to host memory; the write and its finalize (an atomic rename of the temporary
 directory) run in a background thread, and `wait` blocks until the checkpoint is complete.
 A crash mid-write leaves only a `*.orbax-checkpoint-tmp` directory, which is never listed
-as a step; a listed step that does not restore, or whose params do not match the checksum
-recorded with them, is skipped with a warning.
+as a step; a listed step that does not restore, or whose params, optimizer state or record
+do not match the checksums recorded with them, is skipped (logged as an error, reported in
+`Restored.skipped`) and an older complete one is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from services.trainer.gather import state_bytes
+from services.trainer.gather import host_state, state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class CheckpointMeta:
     trajectory_ids: tuple[str, ...] = ()
     """Trained since the previous checkpoint; marked trained on resume (a crash may have come
     between this checkpoint completing and their de-duplication markers being written)."""
+    opt_state_sha256: str = ""
+    """sha256 of the optimizer state's leaves (`tree_sha256`), filled in by `start_save`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,11 +54,35 @@ class Restored:
     opt_state: Any
     meta: CheckpointMeta
     uri: str
+    skipped: tuple[str, ...] = ()
+    """Newer checkpoints passed over as damaged or unreadable ("uri: why"), newest first."""
 
 
 def params_sha256(params: nnx.State) -> str:
     """With several processes, a collective: every process restoring calls it."""
     return hashlib.sha256(state_bytes(params)).hexdigest()
+
+
+def tree_sha256(tree: Any) -> str:
+    """sha256 over every leaf's dtype, shape and bytes, in tree order (a collective with several processes)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(host_state(tree)):
+        arr = np.asarray(leaf)
+        digest.update(f"{arr.dtype}{arr.shape}".encode())
+        digest.update(np.ascontiguousarray(arr).tobytes())
+    return digest.hexdigest()
+
+
+def meta_sha256(record: dict[str, Any]) -> str:
+    """The checksum of a meta record, over every field but itself (canonical JSON)."""
+    body = {k: v for k, v in record.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _meta_from_record(raw: dict[str, Any]) -> CheckpointMeta:
+    return CheckpointMeta(version=int(raw["version"]), step=int(raw["step"]), params_sha256=str(raw["params_sha256"]),
+                          trajectory_ids=tuple(str(t) for t in raw.get("trajectory_ids", ())),
+                          opt_state_sha256=str(raw.get("opt_state_sha256", "")))
 
 
 def _abstract(tree: Any) -> Any:
@@ -72,6 +101,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, step_format_fixed_length=STEP_DIGITS, enable_async_checkpointing=True,
             cleanup_tmp_directories=True)
+        self._options = options
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def uri(self, version: int) -> str:
@@ -83,27 +113,49 @@ class Checkpointer:
         return self._manager.latest_step() or 0
 
     def start_save(self, params: nnx.State, opt_state: Any, meta: CheckpointMeta) -> None:
-        """Blocks only while the arrays are copied to host; then the caller may change them."""
+        """Blocks only while the arrays are copied to host; then the caller may change them.
+
+        Every piece restored is checksummed: params (the published sha), the optimizer state
+        (a flipped byte there restores silently and NaNs the model a step later) and the record."""
+        record = dataclasses.asdict(dataclasses.replace(meta, opt_state_sha256=tree_sha256(opt_state)))
+        record["trajectory_ids"] = list(record["trajectory_ids"])
+        record["meta_sha256"] = meta_sha256(record)
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(dataclasses.asdict(meta)))
+            meta=ocp.args.JsonSave(record))
         if not self._manager.save(meta.version, args=args):
             raise RuntimeError(f"orbax declined to save checkpoint {meta.version} (not newer than "
                                f"{self._manager.latest_step()})")
 
     def wait(self) -> None:
         """Blocks until the save in flight is complete; raises if it failed."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except BaseException:
+            self._reopen()
+            raise
+
+    def _reopen(self) -> None:
+        """A fresh manager after a failed save: the old one may keep the failure (and its partial
+        directory) and refuse every later save, so saves could not resume once space returns."""
+        try:
+            self._manager.close()
+        except Exception as e:  # the failed save's error again; it was already raised to the caller
+            log.debug("closing the checkpoint manager after a failed save: %s", e)
+        self._manager = ocp.CheckpointManager(self.directory, options=self._options)
 
     def restore_newest(self, params_like: nnx.State, opt_state_like: Any) -> Restored | None:
         """The newest complete, intact checkpoint; None when there is none."""
         self._manager.reload()
+        skipped: list[str] = []
         for version in sorted(self._manager.all_steps(), reverse=True):
             try:
-                return self._restore(version, params_like, opt_state_like)
+                restored = self._restore(version, params_like, opt_state_like)
+                return dataclasses.replace(restored, skipped=tuple(skipped))
             except Exception as e:  # orbax raises many types for damaged files; all mean "unusable"
-                log.warning("checkpoint %s is corrupt or unreadable (%s: %s); skipping it",
-                            self.uri(version), type(e).__name__, e)
+                log.error("checkpoint %s is corrupt or unreadable (%s: %s); falling back to an older one",
+                          self.uri(version), type(e).__name__, e)
+                skipped.append(f"{self.uri(version)}: {type(e).__name__}: {e}"[:500])
         return None
 
     def close(self) -> None:
@@ -115,14 +167,19 @@ class Checkpointer:
             opt_state=ocp.args.StandardRestore(_abstract(opt_state_like)), meta=ocp.args.JsonRestore())
         restored = self._manager.restore(version, args=args)
         raw = dict(restored.meta)
-        meta = CheckpointMeta(version=int(raw["version"]), step=int(raw["step"]),
-                              params_sha256=str(raw["params_sha256"]),
-                              trajectory_ids=tuple(str(t) for t in raw.get("trajectory_ids", ())))
+        if "meta_sha256" in raw and meta_sha256(raw) != raw["meta_sha256"]:
+            raise ValueError("the metadata record does not match its sha256")
+        meta = _meta_from_record(raw)
         if meta.version != version:
             raise ValueError(f"records version {meta.version}")
-        # Orbax reads damaged array chunks without complaint; the checksum catches them.
+        # Orbax reads damaged array chunks without complaint; the checksums catch them.
         if params_sha256(restored.params) != meta.params_sha256:
             raise ValueError("params do not match the recorded sha256")
+        if not meta.opt_state_sha256 or "meta_sha256" not in raw:
+            log.warning("checkpoint %s predates optimizer-state and metadata checksums; only params checked",
+                        self.uri(version))
+        elif tree_sha256(restored.opt_state) != meta.opt_state_sha256:
+            raise ValueError("optimizer state does not match the recorded sha256")
         return Restored(params=restored.params, opt_state=restored.opt_state, meta=meta, uri=self.uri(version))
 
 

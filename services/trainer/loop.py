@@ -1,11 +1,11 @@
 """The training loop: stream -> whole groups -> jitted step -> publish version v+1 -> ack.
 
-Order matters for durability. With periodic checkpoints, a trajectory is marked trained and
-acknowledged only after a COMPLETE checkpoint covers the step that used it; until then it
-is held here, so a crash re-delivers exactly what the resumed model has not learned from.
-Without them, it is acknowledged once the step's version is published. Checkpoints are
-written in the background: a step waits only for the arrays' copy to host, and for the
-previous checkpoint when the next one is due before it finished.
+What may be acknowledged when is services/trainer/durability.py's job (only what a durable
+state covers). A step that raises before its update applied puts its groups back (up to
+`STEP_ATTEMPTS` tries, then they are dead-lettered with the error): nothing is dropped or
+acknowledged untrained. A publish that fails after the update applied is retried before the
+next step; a publish refused because the pointer holds a version this trainer did not write
+(a hijacked or foreign pointer) is reported and re-numbered above it, as a restart does.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
@@ -27,10 +26,12 @@ from services.trainer.batching import (
     has_reward_spread,
     mean_staleness,
 )
-from services.trainer.checkpoint import Checkpointer, CheckpointMeta
+from services.trainer.checkpoint import Checkpointer
+from services.trainer.durability import Durability
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
+from services.trainer.state import TrainedStep, TrainerState
 from services.trainer.warmstart import WarmStart
 
 log = logging.getLogger(__name__)
@@ -39,39 +40,11 @@ CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
 READ_COUNT = 256
 CLOSE_WAIT_S = 60.0
+STEP_ATTEMPTS = 3
+"""Tries of a batch whose step raises before its groups are dead-lettered with the error."""
+POINTER_TRIES = 3
 
-
-@dataclass(kw_only=True)
-class TrainerState:
-    """What GetStatus reports; mutated only by the loop."""
-
-    version: int = 0
-    paused: bool = False
-    checkpoint_version: int = 0
-    checkpoint_uri: str = ""
-    consumed: int = 0
-    zero_variance: int = 0
-    last: StepMetrics | None = None
-    until_step: int = 0
-    """> 0: pause once the learner's step count reaches it."""
-    last_staleness: float = 0.0
-    tokens_trained: int = 0
-    skipped_steps: int = 0
-    """Steps refused for a non-finite loss, gradient norm or parameter (nothing applied or published)."""
-    busy_s: float = 0.0
-    """Wall time inside optimizer steps (SFT and RL)."""
-    io_s: float = 0.0
-    """Wall time in the platform around RL steps: stream reads that returned data, intake
-    (decode, de-duplication), acknowledgements and publishing (serialise, store, pointer)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainedStep:
-    """One step's data, unacknowledged until a complete checkpoint covers `version`."""
-
-    version: int
-    entry_ids: tuple[str, ...]
-    trajectory_ids: tuple[str, ...]
+__all__ = ["TrainedStep", "TrainerState", "TrainingLoop"]
 
 
 class TrainingLoop:
@@ -102,20 +75,22 @@ class TrainingLoop:
         self.assembler = GroupAssembler(max_staleness=max_staleness, vocab_size=learner.model_cfg.vocab_size)
         self.state = TrainerState(paused=start_paused)
         self._ready: list[ReadyGroup] = []
-        self._awaiting: list[TrainedStep] = []  # trained, published, not yet covered by a checkpoint
-        self._saving: list[TrainedStep] = []  # covered by the checkpoint being written
-        self._job: asyncio.Task[tuple[int, str]] | None = None
-        self._job_version = 0
         self._repeats = 0
         self._nonfinite = 0  # trajectories of refused steps
+        self._step_errors = 0  # trajectories dead-lettered after STEP_ATTEMPTS failed steps
+        self._attempts: dict[str, int] = {}  # first entry id of a group -> failed steps it was in
+        self._publish_due = False  # the newest version's publish failed: retry before the next step
         self._jax_lock = asyncio.Lock()
+        self.durable = Durability(replica=self.replica, checkpointer=self.checkpointer, stream=stream,
+                                  pointer=pointer, store=store, state=self.state, jax_lock=self._jax_lock,
+                                  every=checkpoint_every, max_held=max(stream.max_backlog // 2, 1))
         self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
 
     async def start(self) -> None:
         """Resumes from the newest complete checkpoint and numbers versions above the pointer,
         so a restarted trainer never repeats one (even though its checkpoint is older)."""
         await self.stream.ensure_group()
-        restored = await self._restore()
+        restored = await self.durable.restore()
         current = await self.pointer.get()
         newest_on_disk = self.checkpointer.newest_version() if self.checkpointer else 0
         base = max(current.version if current else 0, restored, newest_on_disk)
@@ -163,6 +138,7 @@ class TrainingLoop:
             if entries:
                 await self._admit(entries)
                 self.state.io_s += time.perf_counter() - started
+            await self._catch_up()
             await self._train_ready()
 
     async def pause(self) -> None:
@@ -208,13 +184,12 @@ class TrainingLoop:
     async def checkpoint(self) -> tuple[int, str]:
         """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
         async with self._step_lock:
-            job = await self._begin_checkpoint()
+            job = await self.durable.begin()
         return await asyncio.shield(job)  # a caller's deadline must not abandon the write
 
     async def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
         """Lets a checkpoint in flight complete (bounded), so a clean stop leaves no partial one."""
-        if self._job is not None:
-            await asyncio.wait([self._job], timeout=timeout_s)
+        await self.durable.close(timeout_s)
         async with self._jax_lock:
             self.replica.stop()  # other processes: finish your checkpoint writes and return
         if self.checkpointer is not None:
@@ -225,7 +200,16 @@ class TrainingLoop:
         drops = self.assembler.drops
         return {"stale": drops.stale, "failed": drops.failed, "malformed": drops.malformed + self.stream.malformed,
                 "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance,
-                "poisoned": drops.poisoned, "nonfinite_step": self._nonfinite}
+                "poisoned": drops.poisoned, "nonfinite_step": self._nonfinite, "step_error": self._step_errors}
+
+    def fault_counters(self) -> dict[str, int | str]:
+        """Faults survived, for the heartbeat (`arlo status`)."""
+        s = self.state
+        return {"skipped_steps": s.skipped_steps, "failed_steps": s.failed_steps,
+                "publish_failures": s.publish_failures, "pointer_conflicts": s.pointer_conflicts,
+                "checkpoint_failures": s.checkpoint_failures, "checkpoint_error": s.checkpoint_error,
+                "held_entries": s.held_entries, "acked_undurable": s.acked_undurable,
+                "checkpoint_fallbacks": s.checkpoint_fallbacks}
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -278,7 +262,7 @@ class TrainingLoop:
         for group in self._ready:
             entries.update(group.entry_ids)
             trajs.update(t.id for t in group.trajectories)
-        for step in (*self._awaiting, *self._saving):
+        for step in self.durable.held():
             entries.update(step.entry_ids)
             trajs.update(step.trajectory_ids)
         return entries, trajs
@@ -289,25 +273,50 @@ class TrainingLoop:
         while len(self._ready) >= self.groups_per_step and not self.state.paused:
             await self.train_once()
 
+    async def _catch_up(self) -> None:
+        """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
+        if not self._publish_due and not self.durable.retry_due():
+            return
+        async with self._step_lock:
+            if self._publish_due:
+                await self._publish_newest()
+            if self.durable.retry_due():
+                await self.durable.try_checkpoint()
+
     async def _train_once(self) -> StepMetrics:
+        if self._publish_due:
+            await self._publish_newest()  # raises while it keeps failing: no step past an unpublished one
         groups = self._take_batch_groups()
-        batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
-                            overlong=self.overlong)
-        started = time.perf_counter()
-        async with self._jax_lock:
-            metrics = await asyncio.to_thread(self.replica.step, batch)
-        self.state.busy_s += time.perf_counter() - started
+        try:
+            batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
+                                overlong=self.overlong)
+            started = time.perf_counter()
+            async with self._jax_lock:
+                metrics = await asyncio.to_thread(self.replica.step, batch)
+            self.state.busy_s += time.perf_counter() - started
+        except Exception as e:
+            await self._step_failed(groups, e)
+            raise
+        for g in groups:
+            self._attempts.pop(g.entry_ids[0], None)
         if metrics.skipped:
             await self._refuse_step(groups, f"step skipped: loss {metrics.loss}, grad norm {metrics.grad_norm}")
             return metrics
         self.state.version += 1
         started = time.perf_counter()
+        published = True
         try:
             await self._publish()
         except NonFiniteWeights as e:
             self.state.version -= 1  # nothing was published under it
             await self._refuse_step(groups, f"not published: {e}")
             return metrics
+        except Exception:
+            # The update applied: the step is trained (never retried); its acks wait for a publish.
+            published, self._publish_due = False, True
+            self.state.publish_failures += 1
+            log.exception("publishing version %d failed; retrying before the next step", self.state.version,
+                          extra={"publish_failures": self.state.publish_failures})
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         self.state.tokens_trained += batch.num_tokens
@@ -318,21 +327,29 @@ class TrainingLoop:
                  extra={"step": self.learner.step_count, "version": self.state.version,
                         "trajectory_ids": list(batch.trajectory_ids)})
         entry_ids = tuple(e for g in groups for e in g.entry_ids)
-        if not self.checkpoint_every:
-            await self.stream.mark_trained(batch.trajectory_ids)
-            await self.stream.ack(entry_ids)
-            self.state.io_s += time.perf_counter() - started
-            return metrics
+        await self.durable.trained(TrainedStep(version=self.state.version, entry_ids=entry_ids,
+                                               trajectory_ids=batch.trajectory_ids), published=published)
         self.state.io_s += time.perf_counter() - started
-        self._awaiting.append(TrainedStep(version=self.state.version, entry_ids=entry_ids,
-                                          trajectory_ids=batch.trajectory_ids))
-        if self.state.version % self.checkpoint_every == 0:
-            try:
-                await self._begin_checkpoint()
-            except Exception:
-                # The step itself is done; its data stays unacknowledged until a later checkpoint.
-                log.exception("could not start checkpoint %d", self.state.version)
         return metrics
+
+    async def _step_failed(self, groups: Sequence[ReadyGroup], error: Exception) -> None:
+        """A step that raised before its update applied: its groups go back to the front, or, after
+        STEP_ATTEMPTS tries, to the dead letters with the error (never dropped, never acked untrained)."""
+        self.state.failed_steps += 1
+        again, dead = [], []
+        for g in groups:
+            n = self._attempts[g.entry_ids[0]] = self._attempts.get(g.entry_ids[0], 0) + 1
+            (dead if n >= STEP_ATTEMPTS else again).append(g)
+        self._ready[:0] = again
+        log.error("step failed (%s: %s); %d groups put back, %d dead-lettered after %d tries", type(error).__name__,
+                  error, len(again), len(dead), STEP_ATTEMPTS, extra={"failed_steps": self.state.failed_steps})
+        if dead:
+            reason = f"step failed {STEP_ATTEMPTS} times: {type(error).__name__}: {error}"
+            items = [(e, t, reason) for g in dead for e, t in zip(g.entry_ids, g.trajectories, strict=True)]
+            self._step_errors += len(items)
+            for g in dead:
+                self._attempts.pop(g.entry_ids[0], None)
+            await self.stream.dead_letter(items)
 
     async def _refuse_step(self, groups: Sequence[ReadyGroup], reason: str) -> None:
         """A step that would corrupt the weights: nothing published, its groups dead-lettered."""
@@ -351,88 +368,31 @@ class TrainingLoop:
         self._ready = [g for g in self._ready if not any(g is s for s in same)]
         return same
 
+    async def _publish_newest(self) -> None:
+        await self._publish()
+        self._publish_due = False
+
     async def _publish(self) -> None:
-        async with self._jax_lock:
-            data = await asyncio.to_thread(self.replica.state_bytes)
-        published = self.store.put(self.state.version, data)
-        await self.pointer.publish(published.version, source=self.source, sha256=published.sha256)
-
-    # -- checkpoints ------------------------------------------------------------------------
-
-    async def _restore(self) -> int:
-        """Loads the newest complete checkpoint, if any; returns its version (0: none)."""
-        if self.checkpointer is None:
-            return 0
-        async with self._jax_lock:
-            restored = await asyncio.to_thread(self.replica.restore_newest)
-        if restored is None:
-            return 0
-        meta = restored.meta
-        self.state.checkpoint_version, self.state.checkpoint_uri = meta.version, restored.uri
-        # The process may have died between the checkpoint completing and these two writes.
-        await self.pointer.set_checkpoint(meta.version, restored.uri)
-        await self.stream.mark_trained(meta.trajectory_ids)
-        log.info("resumed from checkpoint %s: step %d, version %d", restored.uri, meta.step, meta.version,
-                 extra={"step": meta.step, "version": meta.version, "checkpoint_uri": restored.uri})
-        return meta.version
-
-    async def _begin_checkpoint(self) -> asyncio.Future[tuple[int, str]]:
-        """Starts a checkpoint of the current version (step lock held); the future completes with it."""
-        if self.checkpointer is None:
-            raise ValueError("trainer.checkpoint_dir is not set; checkpoints are disabled")
-        version = self.state.version
-        if self._job is not None and not self._job.done() and self._job_version == version:
-            return self._job
-        await self._settle()  # one save at a time: wait for the previous one to finish
-        if version < 1:
-            raise ValueError("nothing to checkpoint yet: no version has been published")
-        if version == self.state.checkpoint_version:
-            done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
-            done.set_result((version, self.state.checkpoint_uri))
-            return done
-        published = self.store.get(version)
-        assert published is not None, "the current version is always held"
-        covered, self._awaiting = self._awaiting, []
-        meta = CheckpointMeta(version=version, step=self.learner.step_count, params_sha256=published.sha256,
-                              trajectory_ids=tuple(t for s in covered for t in s.trajectory_ids))
-        self._saving = covered
-        try:
-            async with self._jax_lock:  # a step donates the arrays: none may run while they are copied
-                await asyncio.to_thread(self.replica.start_save, meta)
-        except BaseException:
-            self._awaiting[:0], self._saving = covered, []
-            raise
-        self._job_version = version
-        self._job = asyncio.create_task(self._finish_checkpoint(version, covered), name=f"checkpoint-{version}")
-        return self._job
-
-    async def _finish_checkpoint(self, version: int, covered: list[TrainedStep]) -> tuple[int, str]:
-        assert self.checkpointer is not None
-        uri = self.checkpointer.uri(version)
-        try:
-            await asyncio.to_thread(self.checkpointer.wait)
-            await self.pointer.set_checkpoint(version, uri)
-            await self.stream.mark_trained([t for s in covered for t in s.trajectory_ids])
-            await self.stream.ack([e for s in covered for e in s.entry_ids])
-        except BaseException:
-            # Still unacknowledged: the next checkpoint covers these steps too.
-            log.exception("checkpoint %d failed; its steps wait for the next one", version)
-            self._awaiting[:0] = covered
-            raise
-        finally:
-            self._saving = []
-        self.state.checkpoint_version, self.state.checkpoint_uri = version, uri
-        log.info("checkpoint %d complete: %s (%d trajectories acknowledged)", version, uri,
-                 sum(len(s.trajectory_ids) for s in covered),
-                 extra={"checkpoint_version": version, "checkpoint_uri": uri})
-        return version, uri
-
-    async def _settle(self) -> None:
-        """Waits for the checkpoint in flight; its failure was logged and its steps requeued."""
-        job = self._job
-        if job is None:
-            return
-        await asyncio.wait([job])
-        if not job.cancelled():
-            job.exception()  # retrieved, so asyncio does not report it again
-        self._job = None
+        """Publishes the current version; a pointer this trainer did not write is reported and
+        overtaken (the version re-numbered above it), so a foreign HSET cannot live-lock training."""
+        for _ in range(POINTER_TRIES):
+            published = self.store.get(self.state.version)
+            if published is None:
+                async with self._jax_lock:
+                    data = await asyncio.to_thread(self.replica.state_bytes)
+                published = self.store.put(self.state.version, data)
+            if await self.pointer.publish(published.version, source=self.source, sha256=published.sha256):
+                await self.durable.published(published.version)
+                return
+            current = await self.pointer.get()
+            if current is None or (current.version == published.version and current.sha256 == published.sha256):
+                await self.durable.published(published.version)  # ours already (a retried call that had landed)
+                return
+            self.state.pointer_conflicts += 1
+            log.error("weight pointer holds version %d (source %r, sha256 %.12s) that this trainer did not write "
+                      "(its version: %d); publishing above it as version %d", current.version, current.source,
+                      current.sha256, published.version, current.version + 1,
+                      extra={"pointer_conflicts": self.state.pointer_conflicts, "pointer_version": current.version})
+            self.state.version = max(self.state.version, current.version) + 1
+            self.store.put(self.state.version, published.data)
+        raise RuntimeError(f"the weight pointer kept moving ahead of version {self.state.version}")

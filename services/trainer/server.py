@@ -25,7 +25,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             trajectories_dropped=sum(self.loop.dropped().values()),
             last_loss=last.loss if last else 0.0, last_reward=last.reward_mean if last else 0.0,
             phase=self.loop.phase, sft_steps=self.loop.sft_steps, last_staleness=s.last_staleness,
-            tokens_trained=s.tokens_trained, until_step=s.until_step,
+            tokens_trained=s.tokens_trained, until_step=s.until_step, failed_steps=s.failed_steps,
+            publish_failures=s.publish_failures, pointer_conflicts=s.pointer_conflicts,
+            checkpoint_failures=s.checkpoint_failures, checkpoint_error=s.checkpoint_error,
+            held_entries=s.held_entries, acked_undurable=s.acked_undurable,
+            checkpoint_fallbacks=s.checkpoint_fallbacks,
         )
 
     async def PullWeights(  # noqa: N802

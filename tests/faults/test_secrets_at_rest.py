@@ -61,3 +61,21 @@ def test_prepare_cluster_makes_home_0700_and_its_secrets_0600(tmp_path: Path, re
     for path in (home / "token", cluster.config_path):
         assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600, path
     assert (home / "token").read_text() == cluster.token
+
+
+def test_local_runs_checkpoint_by_default_under_arlo_home(tmp_path: Path, redis_url: str) -> None:
+    """Without checkpoints a restarted trainer forgets what it learned (issue 16): `arlo up`/`demo`
+    set them under $ARLO_HOME unless configured, and a fresh (demo) run drops the old ones."""
+    from arlo.local import DEFAULT_CHECKPOINT_EVERY
+
+    home = tmp_path / "home"
+    cfg = load_config(overrides={"redis": {"url": redis_url}, "run_id": "ckpt-default"})
+    stale = home / "checkpoints" / "ckpt-default" / "00000007"
+    stale.mkdir(parents=True)
+    cluster = prepare_cluster(cfg, home=home, free_ports=False, fresh_run=True)
+    assert cluster.cfg.trainer.checkpoint_dir == str(home / "checkpoints" / "ckpt-default")
+    assert cluster.cfg.trainer.checkpoint_every == DEFAULT_CHECKPOINT_EVERY and not stale.exists()
+    mine = load_config(overrides={"redis": {"url": redis_url}, "run_id": "ckpt-default",
+                                  "trainer": {"checkpoint_dir": str(tmp_path / "mine"), "checkpoint_every": 3}})
+    kept = prepare_cluster(mine, home=home, free_ports=False).cfg.trainer
+    assert (kept.checkpoint_dir, kept.checkpoint_every) == (str(tmp_path / "mine"), 3)

@@ -49,6 +49,14 @@ class GetStatusResponse(_message.Message):
     LAST_STALENESS_FIELD_NUMBER: _builtins.int
     TOKENS_TRAINED_FIELD_NUMBER: _builtins.int
     UNTIL_STEP_FIELD_NUMBER: _builtins.int
+    FAILED_STEPS_FIELD_NUMBER: _builtins.int
+    PUBLISH_FAILURES_FIELD_NUMBER: _builtins.int
+    POINTER_CONFLICTS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FAILURES_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
+    HELD_ENTRIES_FIELD_NUMBER: _builtins.int
+    ACKED_UNDURABLE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FALLBACKS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Newest published version (0 before the first)."""
     step: _builtins.int
@@ -76,6 +84,24 @@ class GetStatusResponse(_message.Message):
     """Model (loss-masked) tokens trained on since the trainer started, SFT included."""
     until_step: _builtins.int
     """> 0: the step at which the trainer pauses itself (ResumeRequest.until_step)."""
+    failed_steps: _builtins.int
+    """Faults survived (docs/reliability.md). Steps that raised before their update applied
+    (their groups were put back, or dead-lettered after 3 tries).
+    """
+    publish_failures: _builtins.int
+    """Publishes that raised (retried before the next step)."""
+    pointer_conflicts: _builtins.int
+    """Publishes refused by a weight pointer this trainer did not write (re-numbered above it)."""
+    checkpoint_failures: _builtins.int
+    """Checkpoint saves that failed (disk full, I/O error); retried with backoff."""
+    checkpoint_error: _builtins.str
+    """The last save failure while saves keep failing; empty once one succeeds."""
+    held_entries: _builtins.int
+    """Entries trained but unacknowledged, waiting for a checkpoint to cover them."""
+    acked_undurable: _builtins.int
+    """Trajectories acknowledged with no checkpoint covering them (saves failing past the hold bound)."""
+    checkpoint_fallbacks: _builtins.int
+    """Damaged checkpoints passed over at restore."""
     def __init__(
         self,
         *,
@@ -92,10 +118,18 @@ class GetStatusResponse(_message.Message):
         last_staleness: _builtins.float = ...,
         tokens_trained: _builtins.int = ...,
         until_step: _builtins.int = ...,
+        failed_steps: _builtins.int = ...,
+        publish_failures: _builtins.int = ...,
+        pointer_conflicts: _builtins.int = ...,
+        checkpoint_failures: _builtins.int = ...,
+        checkpoint_error: _builtins.str = ...,
+        held_entries: _builtins.int = ...,
+        acked_undurable: _builtins.int = ...,
+        checkpoint_fallbacks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_version", b"checkpoint_version", "last_loss", b"last_loss", "last_reward", b"last_reward", "last_staleness", b"last_staleness", "paused", b"paused", "phase", b"phase", "sft_steps", b"sft_steps", "step", b"step", "tokens_trained", b"tokens_trained", "trajectories_consumed", b"trajectories_consumed", "trajectories_dropped", b"trajectories_dropped", "until_step", b"until_step", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_undurable", b"acked_undurable", "checkpoint_error", b"checkpoint_error", "checkpoint_failures", b"checkpoint_failures", "checkpoint_fallbacks", b"checkpoint_fallbacks", "checkpoint_version", b"checkpoint_version", "failed_steps", b"failed_steps", "held_entries", b"held_entries", "last_loss", b"last_loss", "last_reward", b"last_reward", "last_staleness", b"last_staleness", "paused", b"paused", "phase", b"phase", "pointer_conflicts", b"pointer_conflicts", "publish_failures", b"publish_failures", "sft_steps", b"sft_steps", "step", b"step", "tokens_trained", b"tokens_trained", "trajectories_consumed", b"trajectories_consumed", "trajectories_dropped", b"trajectories_dropped", "until_step", b"until_step", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,232 @@
+"""What the trainer may acknowledge, and the checkpoints that make it durable.
+
+The rule: a trajectory is marked trained (`seen:`) and acknowledged only once a durable
+state covers it. With checkpoints (`trainer.checkpoint_dir`) that is a COMPLETE checkpoint
+whose step used it: until then its step is held here, so a kill -9 at any moment re-delivers
+exactly what the restored model has not learned from, and `seen:` never hides an entry the
+restored weights lack. Without checkpoints nothing is durable (a restart begins again from
+the initial weights): a step is acknowledged once its version is published, and the trainer
+warns at start.
+
+Saves are written in the background: a step waits only for the arrays' copy to host, and for
+the previous save when the next one is due before it finished. A save that fails (disk full,
+I/O error) is logged, counted, reported in the status and retried with backoff on the loop's
+clock, not only when the next due version comes (with producers stalled, none would come);
+training goes on meanwhile. Held steps pin their entries in the stream's pending list, which
+producers count as backlog: while saves fail and more than `max_held` entries are held, the
+oldest published steps are acknowledged without a checkpoint (`acked_undurable`, logged as an
+error), so a storage outage cannot stall the run, and the status says what a crash would lose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from services.trainer.checkpoint import Checkpointer, CheckpointMeta
+from services.trainer.state import TrainedStep, TrainerState
+
+if TYPE_CHECKING:
+    from arlo.coord import TrajectoryStream, WeightPointer
+    from services.trainer.lockstep import Replica
+    from services.trainer.publish import VersionStore
+
+log = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
+
+
+class Durability:
+    def __init__(self, *, replica: Replica, checkpointer: Checkpointer | None, stream: TrajectoryStream,
+                 pointer: WeightPointer, store: VersionStore, state: TrainerState, jax_lock: asyncio.Lock,
+                 every: int, max_held: int) -> None:
+        self.replica, self.checkpointer, self.stream, self.pointer = replica, checkpointer, stream, pointer
+        self.store, self.state, self.jax_lock = store, state, jax_lock
+        self.every = every
+        self.max_held = max_held
+        self._awaiting: list[TrainedStep] = []  # trained, not yet covered by a checkpoint (or published)
+        self._saving: list[TrainedStep] = []  # covered by the checkpoint being written
+        self._job: asyncio.Task[tuple[int, str]] | None = None
+        self._job_version = 0
+        self._failing = 0  # consecutive failed saves
+        self._retry_at = 0.0
+
+    def held(self) -> tuple[TrainedStep, ...]:
+        return (*self._awaiting, *self._saving)
+
+    def _count_held(self) -> None:
+        self.state.held_entries = sum(len(s.entry_ids) for s in self.held())
+
+    # -- restore ----------------------------------------------------------------------------
+
+    async def restore(self) -> int:
+        """Loads the newest complete, intact checkpoint, if any; returns its version (0: none)."""
+        if self.checkpointer is None:
+            log.warning("CHECKPOINTS ARE OFF (trainer.checkpoint_dir is empty): nothing the trainer learns is "
+                        "durable; a restart begins again from the initial weights while every trajectory "
+                        "trained before stays acknowledged", extra={"checkpoints": False})
+            return 0
+        async with self.jax_lock:
+            restored = await asyncio.to_thread(self.replica.restore_newest)
+        if restored is None:
+            return 0
+        meta = restored.meta
+        if restored.skipped:
+            self.state.checkpoint_fallbacks += len(restored.skipped)
+            log.error("fell back to checkpoint %s past %d damaged newer one(s): %s; trajectories acknowledged "
+                      "after it are not in the restored weights", restored.uri, len(restored.skipped),
+                      "; ".join(restored.skipped), extra={"checkpoint_fallbacks": len(restored.skipped)})
+        self.state.checkpoint_version, self.state.checkpoint_uri = meta.version, restored.uri
+        # The process may have died between the checkpoint completing and these two writes.
+        await self.pointer.set_checkpoint(meta.version, restored.uri)
+        await self.stream.mark_trained(meta.trajectory_ids)
+        log.info("resumed from checkpoint %s: step %d, version %d", restored.uri, meta.step, meta.version,
+                 extra={"step": meta.step, "version": meta.version, "checkpoint_uri": restored.uri})
+        return meta.version
+
+    # -- acknowledgement --------------------------------------------------------------------
+
+    async def trained(self, step: TrainedStep, *, published: bool) -> None:
+        """Records a step whose update applied (step lock held); acknowledges what the rule allows."""
+        self._awaiting.append(step)
+        self._count_held()
+        if self.checkpointer is None:
+            if published:
+                await self.published(step.version)
+            return
+        if step.version % self.every == 0 and time.monotonic() >= self._retry_at:
+            await self.try_checkpoint()
+        elif self._failing and self.state.held_entries > self.max_held and published:
+            await self._ack_undurable(step.version)
+
+    async def published(self, version: int) -> None:
+        """Without checkpoints, a published version is as durable as it gets: acknowledge up to it."""
+        if self.checkpointer is None:
+            done = [s for s in self._awaiting if s.version <= version]
+            self._awaiting = [s for s in self._awaiting if s.version > version]
+            await self._ack(done)
+        elif self._failing and self.state.held_entries > self.max_held:
+            await self._ack_undurable(version)
+
+    async def _ack(self, steps: list[TrainedStep]) -> None:
+        try:
+            await self.stream.mark_trained([t for s in steps for t in s.trajectory_ids])
+            await self.stream.ack([e for s in steps for e in s.entry_ids])
+        except BaseException:
+            self._awaiting[:0] = steps  # still unacknowledged: the next call tries again
+            raise
+        finally:
+            self._count_held()
+
+    async def _ack_undurable(self, version: int) -> None:
+        excess = self.state.held_entries - self.max_held
+        done: list[TrainedStep] = []
+        while self._awaiting and excess > 0 and self._awaiting[0].version <= version:
+            done.append(self._awaiting.pop(0))
+            excess -= len(done[-1].entry_ids)
+        if not done:
+            return
+        n = sum(len(s.trajectory_ids) for s in done)
+        self.state.acked_undurable += n
+        log.error("checkpoint saves keep failing (%s); %d trajectories acknowledged WITHOUT a checkpoint so "
+                  "producers are not stalled by the held backlog (bound %d entries); a crash now loses them",
+                  self.state.checkpoint_error, n, self.max_held, extra={"acked_undurable": self.state.acked_undurable})
+        await self._ack(done)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def retry_due(self) -> bool:
+        """A failed save is due again (the loop calls `try_checkpoint` then, data or not)."""
+        return bool(self._failing and self._awaiting and time.monotonic() >= self._retry_at
+                    and (self._job is None or self._job.done()))
+
+    async def try_checkpoint(self) -> None:
+        """Starts a save of the current version; a failure to start is logged and retried later."""
+        try:
+            await self.begin()
+        except Exception as e:
+            self._failed(e)
+            log.exception("could not start checkpoint %d; its steps stay held", self.state.version)
+
+    async def begin(self) -> asyncio.Future[tuple[int, str]]:
+        """Starts a checkpoint of the current version (step lock held); the future completes with it."""
+        if self.checkpointer is None:
+            raise ValueError("trainer.checkpoint_dir is not set; checkpoints are disabled")
+        version = self.state.version
+        if self._job is not None and not self._job.done() and self._job_version == version:
+            return self._job
+        await self.settle()  # one save at a time: wait for the previous one to finish
+        if version < 1:
+            raise ValueError("nothing to checkpoint yet: no version has been published")
+        if version == self.state.checkpoint_version:
+            done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+            done.set_result((version, self.state.checkpoint_uri))
+            return done
+        published = self.store.get(version)
+        if published is None:
+            raise RuntimeError(f"version {version} is not held (its publish failed); the next one is saved")
+        covered, self._awaiting = self._awaiting, []
+        meta = CheckpointMeta(version=version, step=self.replica.learner.step_count, params_sha256=published.sha256,
+                              trajectory_ids=tuple(t for s in covered for t in s.trajectory_ids))
+        self._saving = covered
+        try:
+            async with self.jax_lock:  # a step donates the arrays: none may run while they are copied
+                await asyncio.to_thread(self.replica.start_save, meta)
+        except BaseException:
+            self._awaiting[:0], self._saving = covered, []
+            raise
+        self._job_version = version
+        self._job = asyncio.create_task(self._finish(version, covered), name=f"checkpoint-{version}")
+        return self._job
+
+    async def _finish(self, version: int, covered: list[TrainedStep]) -> tuple[int, str]:
+        assert self.checkpointer is not None
+        uri = self.checkpointer.uri(version)
+        try:
+            await asyncio.to_thread(self.checkpointer.wait)
+        except BaseException as e:
+            self._awaiting[:0], self._saving = covered, []
+            self._failed(e)
+            log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
+                      type(e).__name__, e, len(covered), self._retry_at - time.monotonic(), exc_info=e,
+                      extra={"checkpoint_failures": self.state.checkpoint_failures})
+            raise
+        self._saving = []
+        self.state.checkpoint_version, self.state.checkpoint_uri = version, uri
+        if self._failing:
+            log.warning("checkpoint saves resumed after %d failures", self._failing)
+        self._failing, self._retry_at, self.state.checkpoint_error = 0, 0.0, ""
+        try:
+            await self.pointer.set_checkpoint(version, uri)
+            await self._ack(covered)  # durable now; a failed ack is retried by the next checkpoint
+        except BaseException:
+            log.exception("checkpoint %d is complete but acknowledging its steps failed; the next one does", version)
+            raise
+        log.info("checkpoint %d complete: %s (%d trajectories acknowledged)", version, uri,
+                 sum(len(s.trajectory_ids) for s in covered),
+                 extra={"checkpoint_version": version, "checkpoint_uri": uri})
+        return version, uri
+
+    def _failed(self, e: BaseException) -> None:
+        self._failing += 1
+        self.state.checkpoint_failures += 1
+        self.state.checkpoint_error = f"{type(e).__name__}: {e}"[:300]
+        self._retry_at = time.monotonic() + min(RETRY_FIRST_S * 2 ** (self._failing - 1), RETRY_MAX_S)
+        self._count_held()
+
+    async def settle(self) -> None:
+        """Waits for the checkpoint in flight; its failure was logged and its steps requeued."""
+        job = self._job
+        if job is None:
+            return
+        await asyncio.wait([job])
+        if not job.cancelled():
+            job.exception()  # retrieved, so asyncio does not report it again
+        self._job = None
+
+    async def close(self, timeout_s: float) -> None:
+        if self._job is not None:
+            await asyncio.wait([self._job], timeout=timeout_s)

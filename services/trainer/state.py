@@ -1,0 +1,56 @@
+"""What the trainer reports (GetStatus, heartbeat) and the record of one trained step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.trainer.learner import StepMetrics
+
+
+@dataclass(kw_only=True)
+class TrainerState:
+    """What GetStatus reports; mutated only by the loop."""
+
+    version: int = 0
+    paused: bool = False
+    checkpoint_version: int = 0
+    checkpoint_uri: str = ""
+    consumed: int = 0
+    zero_variance: int = 0
+    last: StepMetrics | None = None
+    until_step: int = 0
+    """> 0: pause once the learner's step count reaches it."""
+    last_staleness: float = 0.0
+    tokens_trained: int = 0
+    skipped_steps: int = 0
+    """Steps refused for a non-finite loss, gradient norm or parameter (nothing applied or published)."""
+    failed_steps: int = 0
+    """Steps that raised before their update applied; their groups were put back (see StepRetries)."""
+    publish_failures: int = 0
+    """Publishes that raised (Redis down, ...): retried before the next step; acks wait for one."""
+    pointer_conflicts: int = 0
+    """Publishes refused because the pointer held a version this trainer did not write."""
+    checkpoint_failures: int = 0
+    """Checkpoint saves that failed (ENOSPC, EIO, ...); retried with backoff."""
+    checkpoint_error: str = ""
+    """The last save failure while saves keep failing; "" once one succeeds."""
+    checkpoint_fallbacks: int = 0
+    """Damaged checkpoints passed over at restore (an older complete one was used)."""
+    held_entries: int = 0
+    """Entries trained but unacknowledged, waiting for a checkpoint to cover them."""
+    acked_undurable: int = 0
+    """Trajectories acknowledged with no checkpoint covering them (saves failing past the hold bound)."""
+    busy_s: float = 0.0
+    """Wall time inside optimizer steps (SFT and RL)."""
+    io_s: float = 0.0
+    """Wall time in the platform around RL steps: stream reads that returned data, intake
+    (decode, de-duplication), acknowledgements and publishing (serialise, store, pointer)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainedStep:
+    """One step's data, unacknowledged until a durable state covers `version`."""
+
+    version: int
+    entry_ids: tuple[str, ...]
+    trajectory_ids: tuple[str, ...]

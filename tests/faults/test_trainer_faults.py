@@ -1,0 +1,201 @@
+"""Faults inside a running trainer (real gRPC server, real Redis, real Orbax on a real filesystem):
+a step that raises, a weight pointer the trainer did not write, a checkpoint disk that fills up
+(a size-limited tmpfs) and then frees, and damaged checkpoint pieces at restore."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from arlo.background import TaskGroup
+from arlo.config import load_config
+from arlo.coord import TrajectoryStream, WeightPointer, connect, delete_run
+from arlo.proto.v1 import common_pb2, trainer_pb2
+from services.trainer.__main__ import start_trainer
+from services.trainer.loop import STEP_ATTEMPTS, TrainingLoop
+from services.trainer.server import TrainerServicer
+
+pytestmark = pytest.mark.timeout(300)
+PROMPT = [257, 260, 51, 43, 52, 61, 258, 261]
+
+
+def traj(group: str, reward: float, version: int = 0) -> common_pb2.Trajectory:
+    return common_pb2.Trajectory(
+        id=uuid.uuid4().hex, group_id=group, group_size=2, token_ids=PROMPT + [55, 258],
+        logprobs=[0.0] * 8 + [-5.5, -5.5], loss_mask=[0] * 8 + [1, 1], policy_versions=[-1] * 8 + [version] * 2,
+        reward=reward, status=common_pb2.TRAJECTORY_STATUS_OK)
+
+
+async def add_group(stream: TrajectoryStream, version: int = 0) -> list[str]:
+    group = uuid.uuid4().hex
+    trajs = [traj(group, 1.0, version), traj(group, 0.0, version)]
+    await stream.add_group(trajs)
+    return [t.id for t in trajs]
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 90.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def trainer(redis_url: str, run_id: str, **section) -> AsyncIterator[tuple[TrainingLoop, TaskGroup, dict]]:
+    os.environ["ARLO_TOKEN"] = "faults-token"
+    cfg = load_config(overrides={"run_id": run_id, "redis": {"url": redis_url, "max_backlog": 64}, "trainer": {
+        "server": {"port": 0, "metrics_port": -1, "grace_s": 0.2}, "groups_per_step": 1, "read_block_ms": 100,
+        **section}})
+    tasks = TaskGroup()
+    server, loop = await start_trainer(cfg, tasks)
+    redis = await connect(cfg.redis)
+    try:
+        yield loop, tasks, {"redis": redis, "stream": TrajectoryStream(redis, run_id, consumer="test-producer"),
+                            "pointer": WeightPointer(redis, run_id)}
+    finally:
+        await tasks.cancel_all()
+        await loop.close(10)
+        await server.stop(0.1)
+        await delete_run(redis, run_id)
+        await redis.aclose()
+        os.environ.pop("ARLO_TOKEN", None)
+
+
+async def drained(stream: TrajectoryStream, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while await stream.backlog():
+        assert asyncio.get_running_loop().time() < deadline, f"backlog {await stream.backlog()}"
+        await asyncio.sleep(0.05)
+
+
+async def status(loop: TrainingLoop) -> trainer_pb2.GetStatusResponse:
+    return await TrainerServicer(loop).GetStatus(trainer_pb2.GetStatusRequest(), None)
+
+
+async def test_a_step_that_raises_puts_its_groups_back_then_dead_letters_them(redis_url: str, run_id: str) -> None:
+    async with trainer(redis_url, run_id) as (loop, tasks, io):
+        real_step, calls = loop.replica.step, []
+
+        def failing(batch):  # an XLA or host error inside the step, before its update applies
+            calls.append(batch.trajectory_ids)
+            if len(calls) in (1, 3, 4, 5):
+                raise RuntimeError(f"injected step failure {len(calls)}")
+            return real_step(batch)
+
+        loop.replica.step = failing
+        first = await add_group(io["stream"])
+        await wait_for(lambda: loop.state.version >= 1)
+        # Trained on the retry, not dropped: nothing counted failed, nothing acked untrained.
+        assert loop.state.failed_steps == 1 and loop.dropped()["failed"] == 0
+        assert set(calls[1]) == set(first) and tasks.restarts["training-loop"] == 1
+        await drained(io["stream"])
+        second = await add_group(io["stream"])
+        await wait_for(lambda: loop.dropped()["step_error"] == 2)  # 3 failures: dead-lettered with the error
+        dead = await io["redis"].xrange(io["stream"].keys.traj_dead)
+        assert len(dead) == 2 and all(f"failed {STEP_ATTEMPTS} times" in f[b"dead:reason"].decode() for _, f in dead)
+        assert loop.state.version == 1
+        await drained(io["stream"])
+        assert await io["redis"].exists(*(io["stream"].keys.seen(t) for t in second)) == 0
+        assert (await status(loop)).failed_steps == 4
+
+
+async def test_a_foreign_pointer_is_reported_and_overtaken(redis_url: str, run_id: str) -> None:
+    async with trainer(redis_url, run_id) as (loop, _, io):
+        await add_group(io["stream"])
+        await wait_for(lambda: loop.state.version >= 1)
+        # Nobody the trainer knows writes this: a hijack, or a stray trainer's far-ahead version.
+        await io["redis"].hset(io["stream"].keys.weights, "version", 1_000_000)
+        await add_group(io["stream"])
+        await wait_for(lambda: loop.state.version > 1_000_000)
+        pointer = await io["pointer"].get()
+        assert pointer.version == loop.state.version == 1_000_001
+        assert pointer.sha256 == loop.store.get(0).sha256 and pointer.source == loop.source
+        assert (await status(loop)).pointer_conflicts == 1
+        await add_group(io["stream"], version=1_000_001)  # sampled from the new version: trains on
+        await wait_for(lambda: loop.state.version == 1_000_002)
+        assert (await io["pointer"].get()).version == 1_000_002 and loop.state.pointer_conflicts == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with filler.open("wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+async def test_a_full_checkpoint_disk_is_reported_never_stalls_training_and_saves_resume(
+        redis_url: str, run_id: str, small_disk: Path) -> None:
+    ckpt = small_disk / "ckpt"
+    async with trainer(redis_url, run_id, checkpoint_dir=str(ckpt), checkpoint_every=1,
+                       max_staleness=1000) as (loop, _, io):
+        loop.durable.max_held = 4  # a small hold bound, so the test sees it act
+        await add_group(io["stream"])
+        await wait_for(lambda: loop.state.checkpoint_version >= 1)
+        filler = fill(small_disk)
+        for _ in range(4):
+            await add_group(io["stream"])
+        await wait_for(lambda: loop.state.version >= 5)  # steps go on with the disk full
+        await wait_for(lambda: loop.state.checkpoint_failures >= 2)
+        failing = await status(loop)
+        assert failing.checkpoint_version == 1 and failing.checkpoint_error
+        assert "No space" in failing.checkpoint_error or "ENOSPC" in failing.checkpoint_error.upper() or \
+            "28" in failing.checkpoint_error, failing.checkpoint_error
+        # Held for a checkpoint, but never more than the bound: the rest acknowledged and counted.
+        assert failing.held_entries <= 4 and failing.acked_undurable >= 2
+        filler.unlink()  # space returns: saves resume by themselves, no restart, no new data
+        await wait_for(lambda: loop.state.checkpoint_version == loop.state.version and not loop.state.held_entries,
+                       timeout_s=60)
+        resumed = await status(loop)
+        assert resumed.checkpoint_error == "" and resumed.held_entries == 0
+        await drained(io["stream"])
+        assert (await io["pointer"].get()).checkpoint_version == loop.state.version
+
+
+def flip_bytes(directory: Path) -> None:
+    """Flips one byte in the middle of the largest data file under `directory` (a bad sector)."""
+    target = max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+async def test_damaged_optimizer_state_or_metadata_falls_back_to_an_older_checkpoint(
+        redis_url: str, run_id: str, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    section = {"checkpoint_dir": str(ckpt), "checkpoint_every": 1, "max_staleness": 1000}
+    async with trainer(redis_url, run_id, **section) as (loop, _, io):
+        for _ in range(3):
+            await add_group(io["stream"])
+        await wait_for(lambda: loop.state.checkpoint_version == 3)
+        flip_bytes(ckpt / "00000003" / "opt_state")  # params intact: only its checksum catches this
+        meta = ckpt / "00000002" / "meta" / "metadata"
+        meta.write_text(meta.read_text().replace('"step": 2', '"step": 9'))  # still valid JSON
+        async with trainer(redis_url, run_id, **section) as (again, _, _):
+            report = await status(again)
+            assert again.learner.step_count == 1 and report.checkpoint_version == 1
+            assert report.checkpoint_fallbacks == 2 and again.state.version == 4  # numbered above all
