@@ -108,6 +108,7 @@ def _validate(path: Path) -> subprocess.CompletedProcess[str]:
 
 @needs_kubectl
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.timeout(360)
 def test_kubernetes_validate_strict(target: str, tmp_path: Path) -> None:
     """Every object against the current Kubernetes schemas, unknown fields rejected; only the
     JobSet (a CRD: checked in test_gke_tpu_trainer_is_a_jobset_across_the_slice) has no schema."""
@@ -120,6 +121,7 @@ def test_kubernetes_validate_strict(target: str, tmp_path: Path) -> None:
     assert all("kind JobSet" in w for w in warnings), warnings
 
 
+@pytest.mark.timeout(360)
 def test_the_validator_rejects_unknown_fields(tmp_path: Path) -> None:
     """Guards the test above: strict mode must fail a misspelt field."""
     bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
@@ -357,6 +359,7 @@ TPU_CHIPS = {"tpu-v5-lite-podslice": 4}
 
 
 @needs_kubectl
+@pytest.mark.timeout(360)
 def test_gke_tpu_trainer_is_a_jobset_across_the_slice(tmp_path: Path) -> None:
     docs = render("gke-tpu")
     assert not [s for s in of_kind(docs, "StatefulSet") if s["metadata"]["name"] == "trainer"]

@@ -38,6 +38,7 @@ def arlo(*args: str, home: Path, **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "arlo.app.cli", *args], env=env, capture_output=True, text=True, **kw)
 
 
+@pytest.mark.timeout(1600)
 def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str, run_id: str) -> None:
     """The built-in demo's config (SFT warm start, then RL), shortened to 30 RL steps: every
     service a subprocess, and held-out reward must rise over the warm start by RL alone."""
@@ -71,6 +72,7 @@ def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.timeout(900)
 def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_id: str) -> None:
     config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=True)
     home = tmp_path / "home"

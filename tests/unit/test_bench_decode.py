@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(360)
 def test_decode_bench_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}

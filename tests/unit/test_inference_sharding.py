@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
@@ -63,6 +65,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(660)
 def test_sharded_engine_matches_single_device() -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, "-m", "tests.support.multihost_trainer"]
@@ -60,6 +61,7 @@ def _params(path: Path) -> dict[str, np.ndarray]:
         return {k: npz[k] for k in npz.files}
 
 
+@pytest.mark.timeout(360)
 def test_two_processes_train_in_lockstep_and_match_one_process(tmp_path: Path) -> None:
     leader, follower = _run(tmp_path / "multi", processes=2, devices=2)
     (single,) = _run(tmp_path / "single", processes=1, devices=4)

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
@@ -37,6 +39,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(660)
 def test_sharded_learner_matches_single_device() -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
