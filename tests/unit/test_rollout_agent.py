@@ -56,7 +56,7 @@ def test_turn_and_token_limits_end_the_episode_with_a_reason(engine: Engine) -> 
 
 def test_wall_time_limit_ends_the_episode_between_turns_with_a_reason() -> None:
     class SlowWrongPolicy:
-        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
             await asyncio.sleep(0.2)
             ids = TOK.encode("-1") + [TOK.eos_id]
             return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids),
@@ -70,7 +70,7 @@ def test_wall_time_limit_ends_the_episode_between_turns_with_a_reason() -> None:
 
 def test_correct_answer_scores_one() -> None:
     class Oracle:
-        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
             text = TOK.decode(prompt).rsplit("=", 1)[0]
             a, b = text[-3], text[-1]  # "a+b" of single digits
             ids = TOK.encode(str(int(a) + int(b))) + [TOK.eos_id]
