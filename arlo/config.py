@@ -299,8 +299,9 @@ class SFTConfig:
     assistant tokens. It runs first when the trainer is resumed, then RL takes over."""
 
     data: str = ""
-    """Demonstrations: a JSONL path (one {"messages": [{role, content}, ...]} per line) or a
-    built-in set ("builtin:arith", "builtin:arith_tool")."""
+    """Demonstrations: a JSONL path (one {"messages": [{role, content, ...}, ...], "tools": [...]}
+    per line; messages may carry tool_calls and tool results with their name, `tools` is optional)
+    or a built-in set ("builtin:arith", "builtin:arith_tool"). Rendered with the model's chat template."""
     steps: int = 0
     """SFT optimizer steps before RL; 0 disables the warm start."""
     batch_size: int = 64

@@ -120,6 +120,26 @@ class HFTokenizer:
                              f"turn-by-turn encoding needs that")
         return full[after + len(turn_end[1]):]
 
+    def assistant_ids(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The template's rendering of an assistant turn between its generation prompt and its
+        end-of-turn token (structured tool_calls become the family's call text), encoded."""
+        return self.encode(self.render_assistant(message, tools=tools))
+
+    def render_assistant(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The text `assistant_ids` encodes."""
+        turn = message_dict(message)
+        if turn.get("role") != "assistant":
+            raise ValueError(f"render_assistant: expected an assistant message, got role {turn.get('role')!r}")
+        if self._turn_end is None:
+            raise ValueError(f"{self.name}: the chat template puts no special token after an assistant turn")
+        head = self._render(_PROBE[:1], True, tools)
+        full = self._render([*_PROBE[:1], turn], False, tools)
+        end = full.rfind(self._turn_end[1])
+        if not full.startswith(head) or end < len(head):
+            raise ValueError(f"{self.name}: the chat template does not render an assistant turn after its "
+                             f"generation prompt; its tokens cannot be told apart")
+        return full[len(head):end]
+
     def _render(self, chat: list[dict[str, Any]], add_generation_prompt: bool,
                 tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         if self.template is None:

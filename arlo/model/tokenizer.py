@@ -47,6 +47,11 @@ class Tokenizer(Protocol):
         schemas for the template to list."""
         ...
 
+    def assistant_ids(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """An assistant turn's tokens as the model writes them: what follows the generation prompt
+        (its text, or its structured tool_calls in the template's format), without the end token."""
+        ...
+
 
 class ByteTokenizer:
     name = "byte"
@@ -68,6 +73,12 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text; special and out-of-range ids are skipped, bad UTF-8 replaced."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def assistant_ids(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        m = message_dict(message)
+        if m.get("tool_calls"):
+            raise ValueError("tool_calls: the byte tokenizer has no tool-call format; write the call as content")
+        return self.encode(m.get("content") or "")
 
     def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool,
                         tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
