@@ -299,8 +299,9 @@ class SFTConfig:
     assistant tokens. It runs first when the trainer is resumed, then RL takes over."""
 
     data: str = ""
-    """Demonstrations: a JSONL path (one {"messages": [{role, content}, ...]} per line) or a
-    built-in set ("builtin:arith", "builtin:arith_tool")."""
+    """Demonstrations: a JSONL path (one {"messages": [{role, content, ...}, ...], "tools": [...]}
+    per line; messages may carry tool_calls and tool results with their name, `tools` is optional)
+    or a built-in set ("builtin:arith", "builtin:arith_tool"). Rendered with the model's chat template."""
     steps: int = 0
     """SFT optimizer steps before RL; 0 disables the warm start."""
     batch_size: int = 64
@@ -592,6 +593,16 @@ class SamplingConfig:
     """Sample among the k most likely tokens; 0 disables."""
     max_tokens: int = 8
     """New tokens per model turn."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's; 0 disables."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a model turn (kept in the output), e.g. "</tool_call>"; at most 16, each at
+    most 64 bytes. A turn ended so is closed with the tokenizer's end-of-turn token as context."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a turn, besides the tokenizer's own stop ids (every eos id of the model)."""
+    seed: int | None = None
+    """Set: each turn's sampling seed is derived from it, the task, the episode's place in its group
+    and the turn, so a run with the same config and tasks samples the same tokens. null: fresh seeds."""
 
 
 @_frozen
@@ -716,6 +727,13 @@ class RolloutConfig:
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")
         _check(f"{path}.sampling.temperature", 0 <= self.sampling.temperature <= 10, "must be in [0, 10]")
         _check(f"{path}.sampling.max_tokens", self.sampling.max_tokens >= 1, "must be >= 1")
+        _check(f"{path}.sampling.min_p", 0 <= self.sampling.min_p <= 1, "must be in [0, 1]")
+        _check(f"{path}.sampling.stop", len(self.sampling.stop) <= 16 and all(
+            0 < len(s.encode()) <= 64 for s in self.sampling.stop), "at most 16 non-empty strings of <= 64 bytes")
+        _check(f"{path}.sampling.stop_token_ids", len(self.sampling.stop_token_ids) <= 32 and all(
+            i >= 0 for i in self.sampling.stop_token_ids), "at most 32 ids, each >= 0")
+        _check(f"{path}.sampling.seed", self.sampling.seed is None or 0 <= self.sampling.seed < 2**63,
+               "must be null or in [0, 2**63)")
 
 
 @_frozen

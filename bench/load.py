@@ -65,9 +65,10 @@ class TimedGenerator:
     def __init__(self, inner: InferenceClient, timings: Timings) -> None:
         self.inner, self.timings = inner, timings
 
-    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
         return await self.timings.time("Inference.Generate",
-                                       self.inner.generate(prompt, max_tokens=max_tokens, session_id=session_id))
+                                       self.inner.generate(prompt, max_tokens=max_tokens, session_id=session_id,
+                                                                          seed=seed))
 
 
 class TimedEnv:
@@ -128,8 +129,8 @@ async def drive(cfg: RunConfig, token: str | None, seconds: float, warmup_s: flo
     await stream.ensure_group()
     worker = RolloutWorker(
         rc, run_id=cfg.run_id, tokenizer=tok, stream=stream, seed=0,
-        gen=TimedGenerator(InferenceClient(channels[0], rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
-                           timings),
+        gen=TimedGenerator(InferenceClient(channels[0], rc.sampling, stop_token_ids=tok.stop_token_ids,
+                                           timeout_s=rc.rpc_timeout_s), timings),
         env=TimedEnv(EnvironmentClient(channels[1], timeout_s=rc.rpc_timeout_s), timings),
         scorer=TimedScorer(RewardClient(channels[2], timeout_s=rc.rpc_timeout_s), timings))
     samples: list[dict[str, float]] = []

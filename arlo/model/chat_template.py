@@ -9,9 +9,15 @@ families are rendered natively, recognised by their special tokens:
   `<tool_response>` inside one user turn when the template does that (Qwen2.5/3).
 - Llama 3: `{bos}<|start_header_id|>{role}<|end_header_id|>\\n\\n{content|trim}<|eot_id|>`, and
   for Llama 3.1+ templates their dated system turn and `ipython` role for tool results.
-Not rendered natively: tool definitions and tool calls, Qwen3's thinking tags
-(`enable_thinking`, stripping of past reasoning). Any other template without jinja2 is an
-error, on use, that says to install it.
+Not rendered natively: tool definitions (`tools=`) and structured tool calls (an assistant
+message's `tool_calls`), Qwen3's thinking tags (`enable_thinking`, stripping of past
+reasoning): asking the native engine for them, or for any other template, is an error on use
+that says to install jinja2.
+
+Messages are dicts and keep every field the caller gives (role, content, name, tool_calls,
+tool_call_id, ...): a template reads what it knows. `tools` is a list of OpenAI function
+schemas (`{"type": "function", "function": {"name", "description", "parameters"}}`), passed to
+the template as its `tools` variable exactly as transformers' `apply_chat_template(tools=)` does.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from datetime import datetime
 from typing import Any
 
 ENGINES = ("auto", "jinja2", "native")
-Renderer = Callable[[Sequence[Mapping[str, str]], bool, Mapping[str, str]], str]
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
+Renderer = Callable[[Messages, bool, Mapping[str, str], Tools], str]
 
 
 def jinja2_available() -> bool:
@@ -32,7 +40,7 @@ def jinja2_available() -> bool:
 
 
 class ChatTemplate:
-    """A compiled template: `render(messages, add_generation_prompt=..., tokens=...)`."""
+    """A compiled template: `render(messages, add_generation_prompt=..., tokens=..., tools=...)`."""
 
     def __init__(self, source: str, *, engine: str = "auto"):
         if engine not in ENGINES:
@@ -43,10 +51,11 @@ class ChatTemplate:
         self.engine = engine
         self._render = _compile_jinja(source) if engine == "jinja2" else _native(source)
 
-    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
-               tokens: Mapping[str, str]) -> str:
-        """`tokens` are the special-token strings templates read (bos_token, eos_token, ...)."""
-        return self._render(messages, add_generation_prompt, tokens)
+    def render(self, messages: Messages, *, add_generation_prompt: bool, tokens: Mapping[str, str],
+               tools: Tools = None) -> str:
+        """`tokens` are the special-token strings templates read (bos_token, eos_token, ...);
+        `tools` the OpenAI function schemas the template lists (None or empty: no tools)."""
+        return self._render(messages, add_generation_prompt, tokens, list(tools) if tools else None)
 
 
 def _compile_jinja(source: str) -> Renderer:
@@ -86,24 +95,32 @@ def _compile_jinja(source: str) -> Renderer:
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template: does not compile ({e})") from e
 
-    def render(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
-               tokens: Mapping[str, str]) -> str:
+    def render(messages: Messages, add_generation_prompt: bool, tokens: Mapping[str, str], tools: Tools) -> str:
+        # As transformers: tools=None when there are none (templates test `tools is not none`).
         return template.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                               tools=None, documents=None, **tokens)
+                               tools=[dict(t) for t in tools] if tools else None, documents=None, **tokens)
 
     return render
 
 
 def _native(source: str) -> Renderer:
     if "<|im_start|>" in source:
-        return _chatml(_default_system(source), wrap_tool="<tool_response>" in source)
-    if "<|start_header_id|>" in source:
-        return _llama3(_date_string(source) if "Cutting Knowledge Date" in source else None)
-    return _unsupported
+        inner = _chatml(_default_system(source), wrap_tool="<tool_response>" in source)
+    elif "<|start_header_id|>" in source:
+        inner = _llama3(_date_string(source) if "Cutting Knowledge Date" in source else None)
+    else:
+        return _unsupported
+
+    def render(messages: Messages, add_generation_prompt: bool, tokens: Mapping[str, str], tools: Tools) -> str:
+        if tools or any(m.get("tool_calls") for m in messages):
+            raise ValueError("chat template: tool definitions and structured tool calls need the jinja2 engine "
+                             "(pip install jinja2); the native renderer writes only role and content")
+        return inner(messages, add_generation_prompt, tokens)
+
+    return render
 
 
-def _unsupported(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
-                 tokens: Mapping[str, str]) -> str:
+def _unsupported(messages: Messages, add_generation_prompt: bool, tokens: Mapping[str, str], tools: Tools) -> str:
     # Raised on use, not on load: a tokenizer with such a template still encodes and decodes.
     raise ValueError("chat template: rendering this template needs jinja2 (pip install jinja2); without it "
                      "only Llama 3 and ChatML (Qwen) templates are rendered natively")
@@ -124,9 +141,8 @@ def _date_string(source: str) -> Callable[[], str]:
     return lambda: fixed
 
 
-def _chatml(default_system: str | None, *, wrap_tool: bool) -> Renderer:
-    def render(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
-               tokens: Mapping[str, str]) -> str:
+def _chatml(default_system: str | None, *, wrap_tool: bool) -> Callable[[Messages, bool, Mapping[str, str]], str]:
+    def render(messages: Messages, add_generation_prompt: bool, tokens: Mapping[str, str]) -> str:
         del tokens  # ChatML has no BOS
         parts = []
         if default_system is not None and (not messages or messages[0]["role"] != "system"):
@@ -148,12 +164,11 @@ def _chatml(default_system: str | None, *, wrap_tool: bool) -> Renderer:
     return render
 
 
-def _llama3(date_string: Callable[[], str] | None) -> Renderer:
+def _llama3(date_string: Callable[[], str] | None) -> Callable[[Messages, bool, Mapping[str, str]], str]:
     """Llama 3.0, or with `date_string` the Llama 3.1+ layout: a dated system turn always
     first, tool results under the ipython role."""
 
-    def render(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
-               tokens: Mapping[str, str]) -> str:
+    def render(messages: Messages, add_generation_prompt: bool, tokens: Mapping[str, str]) -> str:
         parts = [tokens.get("bos_token", "")]
         if date_string is not None:
             system = ""

@@ -12,6 +12,12 @@ for the next messages. A continuation is the text a full rendering puts after an
 assistant turn's end-of-turn token (for ChatML, the newline after `<|im_end|>`), so the
 concatenation matches what the template gives for the whole conversation wherever the
 template renders past turns verbatim.
+
+`tools` (OpenAI function schemas) go to the template on both calls: the first renders the
+tool listing where the template puts it (Qwen2.5's system turn, Llama 3.1's first user
+turn); a continuation is cut after the probe's answer, so the listing never repeats but any
+template logic that depends on tools being defined still sees them. Messages keep every field
+(name, tool_calls, tool_call_id): a tool result is `{"role": "tool", "name": ..., "content": ...}`.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from arlo.model.chat_template import ChatTemplate
-from arlo.model.tokenizer import _role_and_content
+from arlo.model.tokenizer import message_dict
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -88,23 +94,25 @@ class HFTokenizer:
         """Ids to text; special and out-of-range ids are skipped."""
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
 
-    def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool) -> list[int]:
+    def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """add_bos=True: a conversation from its start (the template decides on BOS and any
         default system prompt). add_bos=False: messages continuing a conversation whose last
         model turn ended with eos_id (see the module docstring)."""
         return self.encode(self.render_messages(messages, add_generation_prompt=add_generation_prompt,
-                                                add_bos=add_bos))
+                                                add_bos=add_bos, tools=tools))
 
-    def render_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool) -> str:
+    def render_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The text `encode_messages` encodes."""
-        chat = [{"role": r, "content": c} for r, c in map(_role_and_content, messages)]
+        chat = [message_dict(m) for m in messages]
         if add_bos:
-            return self._render(chat, add_generation_prompt)
+            return self._render(chat, add_generation_prompt, tools)
         turn_end = self._turn_end
         if turn_end is None:
             raise ValueError(f"{self.name}: the chat template puts no special token after an assistant turn, "
                              f"so a conversation cannot be encoded turn by turn")
-        full = self._render([*_PROBE, *chat], add_generation_prompt)
+        full = self._render([*_PROBE, *chat], add_generation_prompt, tools)
         answer = full.find(_PROBE[1]["content"])
         after = answer + len(_PROBE[1]["content"])
         if answer < 0 or not full.startswith(turn_end[1], after):
@@ -112,10 +120,32 @@ class HFTokenizer:
                              f"turn-by-turn encoding needs that")
         return full[after + len(turn_end[1]):]
 
-    def _render(self, chat: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def assistant_ids(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The template's rendering of an assistant turn between its generation prompt and its
+        end-of-turn token (structured tool_calls become the family's call text), encoded."""
+        return self.encode(self.render_assistant(message, tools=tools))
+
+    def render_assistant(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The text `assistant_ids` encodes."""
+        turn = message_dict(message)
+        if turn.get("role") != "assistant":
+            raise ValueError(f"render_assistant: expected an assistant message, got role {turn.get('role')!r}")
+        if self._turn_end is None:
+            raise ValueError(f"{self.name}: the chat template puts no special token after an assistant turn")
+        head = self._render(_PROBE[:1], True, tools)
+        full = self._render([*_PROBE[:1], turn], False, tools)
+        end = full.rfind(self._turn_end[1])
+        if not full.startswith(head) or end < len(head):
+            raise ValueError(f"{self.name}: the chat template does not render an assistant turn after its "
+                             f"generation prompt; its tokens cannot be told apart")
+        return full[len(head):end]
+
+    def _render(self, chat: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         if self.template is None:
             raise ValueError(f"{self.name}: no chat template ({TEMPLATE_FILE} or chat_template in {CONFIG_FILE})")
-        return self.template.render(chat, add_generation_prompt=add_generation_prompt, tokens=self.special_tokens)
+        return self.template.render(chat, add_generation_prompt=add_generation_prompt, tokens=self.special_tokens,
+                                    tools=tools)
 
     def _find_turn_end(self) -> tuple[int, str] | None:
         """(id, text) of the special token the template puts right after an assistant turn."""

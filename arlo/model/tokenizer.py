@@ -6,6 +6,13 @@ prompt is a bare ASSISTANT token, so a model turn is exactly `content EOS`. That
 template prefix-stable: encoding a conversation turn by turn (first call with add_bos,
 later ones without, model tokens appended verbatim in between) gives the same ids as
 encoding it whole, which token-in/token-out rollouts rely on.
+
+Tools (`encode_messages(..., tools=)`) are ignored by the byte template: its presets are the
+demo's tiny models, whose context is a few hundred bytes, and they learn an environment's
+action syntax from demonstrations rather than from a schema listing. Structured tool calls
+(an assistant message's `tool_calls`) have no byte rendering either and are refused: write the
+call as the assistant's content. Hugging Face tokenizers (hf_tokenizer.py) render both with
+the model's own template.
 """
 
 from __future__ import annotations
@@ -33,8 +40,17 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool,
-                        add_bos: bool) -> list[int]: ...
+    def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Messages are (role, content) pairs, dicts (every field kept: name, tool_calls, ...)
+        or objects with .role, .content and optionally .name; `tools` are OpenAI function
+        schemas for the template to list."""
+        ...
+
+    def assistant_ids(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """An assistant turn's tokens as the model writes them: what follows the generation prompt
+        (its text, or its structured tool_calls in the template's format), without the end token."""
+        ...
 
 
 class ByteTokenizer:
@@ -58,14 +74,23 @@ class ByteTokenizer:
         """Bytes back to text; special and out-of-range ids are skipped, bad UTF-8 replaced."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def encode_messages(
-        self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool
-    ) -> list[int]:
-        """Messages are (role, content) pairs or objects with .role and .content (e.g. the
-        proto `Message`)."""
+    def assistant_ids(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        m = message_dict(message)
+        if m.get("tool_calls"):
+            raise ValueError("tool_calls: the byte tokenizer has no tool-call format; write the call as content")
+        return self.encode(m.get("content") or "")
+
+    def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Messages as in the Protocol; `tools` are ignored (see the module docstring)."""
+        del tools
         ids = [BOS] if add_bos else []
         for i, message in enumerate(messages):
-            role, content = _role_and_content(message)
+            m = message_dict(message)
+            if m.get("tool_calls"):
+                raise ValueError(f"messages[{i}].tool_calls: the byte tokenizer has no tool-call format; "
+                                 f"write the call as the message's content")
+            role, content = m.get("role"), m.get("content") or ""
             role_id = self.role_ids.get(role)
             if role_id is None:
                 raise ValueError(f"messages[{i}].role: unknown role {role!r}; known: {sorted(self.role_ids)}")
@@ -77,11 +102,20 @@ class ByteTokenizer:
         return ids
 
 
-def _role_and_content(message: Any) -> tuple[str, str]:
+def message_dict(message: Any) -> dict[str, Any]:
+    """A chat message as the dict templates read: (role, content) pairs, dicts (copied, every
+    field kept) and objects with .role/.content/.name (the proto and rollout `Message`s; an
+    empty name is left out, as a template tests whether `name` is defined)."""
+    if isinstance(message, Mapping):
+        return dict(message)
     if isinstance(message, tuple | list):
         role, content = message
-        return role, content
-    return message.role, message.content
+        return {"role": role, "content": content}
+    out = {"role": message.role, "content": message.content}
+    name = getattr(message, "name", "")
+    if name:
+        out["name"] = name
+    return out
 
 
 def get_tokenizer(name: str) -> Tokenizer:

@@ -43,7 +43,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     worker = RolloutWorker(
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
         filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance,
-        gen=InferenceClient(inference, rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
+        gen=InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s),
         # One gateway replica per episode: sessions live in the memory of the replica that made them.
         env=AffinityEnvironmentClient(cfg.env_gateway.server.address,
                                       lambda address: make_channel(address, token=token, tls=cfg.auth.tls),
@@ -52,7 +52,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
-                             eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s)
+                             stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [])

@@ -2,7 +2,12 @@
 
 The trajectory is the exact tokens the engine produced plus the exact tokens of each
 observation, concatenated; the conversation is never re-tokenized (re-tokenization drift
-breaks PPO in peers). The loop depends on three small Protocols over the rollout's own
+breaks PPO in peers). The first prompt is the model's chat template applied to the reset
+observation with the environment's tools (`tools=`, from ResetResult.tools_json); each
+observation after a model turn is the template's continuation for it (tool results are
+`role: tool` messages with their `name`), so the tokens equal what the template gives for the
+whole conversation (tests/unit/test_chat_prefix.py checks this against transformers). The loop
+depends on three small Protocols over the rollout's own
 records (`types.py`), so it runs against the in-process adapters (`inprocess.py`) in tests and
 the gRPC clients (`clients.py`) in production alike. The Trajectory it returns is a protobuf:
 it is the trajectory stream's contract, written to Redis as is.
@@ -10,15 +15,17 @@ it is the trajectory stream's contract, written to Redis as is.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from arlo.model.tokenizer import ByteTokenizer
+from arlo.model.tokenizer import Tokenizer
 from arlo.proto.v1 import common_pb2
-from services.rollout.types import ResetResult, ScoreResult, StepResult
+from services.rollout.types import BackendError, ResetResult, ScoreResult, StepResult
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,8 +37,10 @@ class Turn:
 
 
 class Generator(Protocol):
-    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
-        """`session_id` lets the engine keep the episode's KV prefix between turns."""
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "",
+                       seed: int | None = None) -> Turn:
+        """`session_id` lets the engine keep the episode's KV prefix between turns; `seed` fixes
+        the turn's random stream (None: the generator's own choice)."""
         ...
 
 
@@ -64,6 +73,27 @@ class EpisodeSpec:
     group_size: int
     max_wall_s: float = 0.0
     """> 0: no new turn starts after this long; the episode ends with finish_reason "max_wall_time"."""
+    sampling_seed: int | None = None
+    """Set: turn k samples with seed derive_seed(sampling_seed, k), so the episode is reproducible."""
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from `parts` (stable across processes and Python versions, unlike hash())."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def parse_tools(tools_json: str) -> list[dict[str, Any]] | None:
+    """The environment's tool schemas for the chat template; None when it has none."""
+    if not tools_json.strip():
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as e:
+        raise BackendError("env_gateway", "INVALID_ARGUMENT", f"tools_json is not JSON: {e}") from e
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BackendError("env_gateway", "INVALID_ARGUMENT", "tools_json must be a JSON list of function schemas")
+    return tools or None
 
 
 @dataclass(kw_only=True)
@@ -88,18 +118,19 @@ class _Builder:
         self.versions += turn.policy_versions
 
 
-async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env: EnvClient,
+async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: EnvClient,
                       scorer: Scorer) -> common_pb2.Trajectory:
     """Runs one episode to a Trajectory; backend errors propagate (the worker decides retry or mask)."""
     started = time.monotonic()
     episode_id = uuid.uuid4().hex  # the trajectory id, and the engine session that keeps its KV prefix
     timings = common_pb2.Timings()
     reset = await env.reset(spec.env_name, spec.env_config_json, spec.seed)
-    b = _Builder()
-    b.add_context(tok.encode_messages(reset.observation, add_generation_prompt=True, add_bos=True))
-    prompt_length = len(b.tokens)
     finish, answer, reference, turns = "max_turns", "", "", 0
+    b = _Builder()
     try:
+        tools = parse_tools(reset.tools_json)
+        b.add_context(tok.encode_messages(reset.observation, add_generation_prompt=True, add_bos=True, tools=tools))
+        prompt_length = len(b.tokens)
         for _ in range(spec.max_turns):
             budget = min(spec.max_tokens_per_turn, spec.max_episode_tokens - len(b.tokens))
             if budget <= 0:
@@ -110,11 +141,14 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
                 break
             turns += 1
             t0 = time.monotonic()
-            turn = await gen.generate(b.tokens, max_tokens=budget, session_id=episode_id)
+            seed = None if spec.sampling_seed is None else derive_seed(spec.sampling_seed, turns)
+            turn = await gen.generate(b.tokens, max_tokens=budget, session_id=episode_id, seed=seed)
             timings.generate_s += time.monotonic() - t0
             b.add_model(turn)
-            if not turn.finished_by_stop:
-                # Close the turn the way the template would, but as context: the model did not say it.
+            if not turn.token_ids or turn.token_ids[-1] not in tok.stop_token_ids:
+                # Cut by the budget, a stop string or an extra stop id: close the turn the way the
+                # template would, but as context (the model did not say it), so the next observation
+                # continues the conversation the template expects.
                 b.add_context([tok.eos_id])
             t0 = time.monotonic()
             step = await env.step(reset.session_id, tok.decode(turn.token_ids))
@@ -122,7 +156,8 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
             if step.done:
                 finish, answer, reference = "done", step.answer, step.reference
                 break
-            b.add_context(tok.encode_messages(step.observation, add_generation_prompt=True, add_bos=False))
+            b.add_context(tok.encode_messages(step.observation, add_generation_prompt=True, add_bos=False,
+                                              tools=tools))
     finally:
         await env.close(reset.session_id)
     t0 = time.monotonic()

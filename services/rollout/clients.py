@@ -82,12 +82,14 @@ def score_result(reply: reward_pb2.ScoreResponse) -> ScoreResult:
 class InferenceClient:
     """Generation over one channel, or over a ReplicaSet (each session on its own replica)."""
 
-    def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *, eos_id: int,
-                 timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *,
+                 stop_token_ids: Sequence[int], timeout_s: float) -> None:
+        """`stop_token_ids`: the tokenizer's (every eos id of the model); sampling.stop_token_ids
+        are added to them."""
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
         self.sampling = sampling
-        self.eos_id = eos_id
+        self.stop_token_ids = list(dict.fromkeys([*stop_token_ids, *sampling.stop_token_ids]))
         self.timeout_s = timeout_s
 
     async def _stub(self, session_id: str = "") -> inference_pb2_grpc.InferenceStub:
@@ -106,13 +108,17 @@ class InferenceClient:
         return min(info.policy_version for info in infos)
 
     @translated("inference")
-    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "") -> Turn:
+    async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "",
+                       seed: int | None = None) -> Turn:
         s = self.sampling
         stub = await self._stub(session_id)
+        params = common_pb2.SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=max_tokens,
+            stop_token_ids=self.stop_token_ids, stop=s.stop)
+        if seed is not None:  # unset, the engine draws a fresh seed per request
+            params.seed = seed
         resp = await stub.Generate(inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=common_pb2.SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
-                stop_token_ids=[self.eos_id])), timeout=self.timeout_s)
+            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params), timeout=self.timeout_s)
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                     policy_versions=list(c.policy_versions),

@@ -20,7 +20,7 @@ from arlo.config import RolloutConfig
 from arlo.coord.evals import EvalQueue, EvalRequest
 from arlo.jsonfields import parse_json_object
 from arlo.proto.v1 import common_pb2
-from services.rollout.agent import EpisodeSpec, Generator
+from services.rollout.agent import EpisodeSpec, Generator, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -54,29 +54,31 @@ class Evaluator:
         self.run_episode = run_episode
         self.env_config_json = eval_env_config(cfg)  # a bad config fails at start, not at the first eval
 
-    def _spec(self, seed: int) -> EpisodeSpec:
+    def _spec(self, seed: int, sample: int = 0) -> EpisodeSpec:
         c, env = self.cfg, self.cfg.mixture[0]
+        # With sampling.seed, each (task, sample) has its own stream: k samples of a task must differ.
+        sampling_seed = None if c.sampling.seed is None else derive_seed(c.sampling.seed, "eval", seed, sample)
         return EpisodeSpec(env_name=env.name, env_config_json=self.env_config_json, reward_fn=env.reward_fn,
                            seed=seed, max_turns=c.max_turns, max_tokens_per_turn=c.sampling.max_tokens,
                            max_episode_tokens=c.max_episode_tokens, run_id=self.run_id,
-                           group_id=f"eval-{uuid.uuid4().hex}", group_size=1)
+                           group_id=f"eval-{uuid.uuid4().hex}", group_size=1, sampling_seed=sampling_seed)
 
     async def run(self) -> dict[str, Any]:
         started = time.monotonic()
         e = self.cfg.eval
         sem = asyncio.Semaphore(max(self.cfg.concurrent_groups * self.cfg.group_size, 1))
 
-        async def one(seed: int, gen: Generator) -> common_pb2.Trajectory | None:
+        async def one(seed: int, gen: Generator, sample: int = 0) -> common_pb2.Trajectory | None:
             async with sem:
                 try:
-                    return await self.run_episode(self._spec(seed), gen)
+                    return await self.run_episode(self._spec(seed, sample), gen)
                 except Exception as exc:  # counted, and scored as unsolved: an eval never hangs a run
                     log.warning("evaluation episode (seed %d) failed: %s", seed, exc)
                     return None
 
         seeds = range(e.num_tasks)
         greedy = asyncio.gather(*(one(s, self.greedy) for s in seeds))
-        sampled = asyncio.gather(*(one(s, self.sampled) for s in seeds for _ in range(e.samples)))
+        sampled = asyncio.gather(*(one(s, self.sampled, k) for s in seeds for k in range(e.samples)))
         greedy_trajs, sampled_trajs = await asyncio.gather(greedy, sampled)
         rewards = [[_reward(t) for t in sampled_trajs[i * e.samples:(i + 1) * e.samples]] for i in seeds]
         done = [t for t in (*greedy_trajs, *sampled_trajs) if t is not None]

@@ -8,6 +8,7 @@ is written with status ERROR, so the trainer drops the group, never half of it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import uuid
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 from arlo.config import RolloutConfig, RolloutEnvConfig
 from arlo.coord import BacklogFull, TrajectoryStream
 from arlo.groups import trainable_count
-from arlo.model.tokenizer import ByteTokenizer
+from arlo.model.tokenizer import Tokenizer
 from arlo.proto.v1 import common_pb2
 from services.rollout.admission import AdmissionGate
-from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, run_episode
+from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, derive_seed, run_episode
 from services.rollout.mixture import TaskPicker
 from services.rollout.types import RetryableError
 
@@ -39,7 +40,7 @@ class WorkerStats:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RolloutConfig, *, run_id: str, tokenizer: ByteTokenizer, gen: Generator,
+    def __init__(self, cfg: RolloutConfig, *, run_id: str, tokenizer: Tokenizer, gen: Generator,
                  env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None,
                  gate: AdmissionGate | None = None, filter_zero_variance: bool = False,
                  tasks: TaskPicker | None = None) -> None:
@@ -108,8 +109,8 @@ class RolloutWorker:
             max_episode_tokens=self.cfg.max_episode_tokens, run_id=self.run_id, group_id=group_id,
             group_size=self.cfg.group_size, max_wall_s=self.cfg.episode_timeout_s,
         )
-        results = await asyncio.gather(*(self._episode_with_retries(spec) for _ in range(self.cfg.group_size)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self._episode_with_retries(self._member(spec, env, i))
+                                         for i in range(self.cfg.group_size)), return_exceptions=True)
         trajs = self._mask_if_failed(spec, results)
         for t in trajs:
             t.env_name = env.key  # per-environment metrics in a mixture
@@ -124,6 +125,13 @@ class RolloutWorker:
             # the stream with masked groups.
             await asyncio.sleep(min(0.5 * 2 ** (self._consecutive_failures - 1), 30.0))
         return trajs
+
+    def _member(self, spec: EpisodeSpec, env: RolloutEnvConfig, index: int) -> EpisodeSpec:
+        """The group's `index`th episode: with sampling.seed, its own seed from the task and place."""
+        base = self.cfg.sampling.seed
+        if base is None:
+            return spec
+        return dataclasses.replace(spec, sampling_seed=derive_seed(base, env.key, spec.seed, index))
 
     async def _episode_with_retries(self, spec: EpisodeSpec) -> common_pb2.Trajectory:
         return await self.episode(spec, self.gen)

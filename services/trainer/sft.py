@@ -1,8 +1,15 @@
 """Demonstrations for SFT: JSONL of chat messages -> token batches with the assistant's tokens masked in.
 
-A line is {"messages": [{"role": ..., "content": ...}, ...]}; every assistant message is a
-target (loss mask 1), everything else is context. Tokens come from the same chat template
-the rollout uses, so SFT and RL see identical formats. A batch holds what the SFT step reads
+A line is {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}: messages keep
+every field the model's chat template reads (an assistant's `tool_calls`, a tool result's
+`name` / `tool_call_id`), and the optional `tools` are the OpenAI function schemas the
+template lists, as the rollout passes an environment's. Every assistant message is a target
+(loss mask 1 on its tokens and its end-of-turn token, not on the role header); everything
+else is context. The tokens are built the way the rollout builds a trajectory: the first
+prompt, each assistant turn's tokens (tokenizer.assistant_ids) and end token, then the
+template's continuation for what follows. So SFT and RL see identical formats, with any
+tokenizer (the byte one or a Hugging Face model's template; tests/unit/test_trainer_sft.py
+checks the mask against transformers' renderings). A batch holds what the SFT step reads
 (tokens and loss mask), nothing of RL's (no sampler logprobs, rewards or groups).
 """
 
@@ -14,18 +21,26 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from arlo.data import resource
-from arlo.model.tokenizer import ByteTokenizer
+from arlo.model.tokenizer import Tokenizer, message_dict
 from services.trainer.batching import bucket_length
 
 BUILTIN = {"builtin:arith": "arith_sft.jsonl",
            # The demo's: made by the arith env's own (imperfect) demonstrator, scripts/gen_demos.py.
            "builtin:arith_tool": "arith_tool_sft.jsonl"}
 
-Messages = list[tuple[str, str]]
+Messages = Sequence[Any]
+"""(role, content) pairs or message dicts."""
+
+
+@dataclass(frozen=True, slots=True)
+class Demonstration:
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,7 +60,7 @@ class Example:
     loss_mask: list[int]
 
 
-def load_demonstrations(source: str) -> list[Messages]:
+def load_demonstrations(source: str) -> list[Demonstration]:
     path: Traversable = resource(BUILTIN[source]) if source in BUILTIN else Path(source)
     if not path.is_file():
         raise ValueError(f"SFT data not found: {source!r} (a JSONL path or one of {sorted(BUILTIN)})")
@@ -54,31 +69,65 @@ def load_demonstrations(source: str) -> list[Messages]:
         if not line.strip():
             continue
         try:
-            messages = [(m["role"], m["content"]) for m in json.loads(line)["messages"]]
+            demos.append(_demonstration(json.loads(line)))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{lineno}: expected {{\"messages\": [{{role, content}}, ...]}}: {e}") from e
-        if not any(role == "assistant" for role, _ in messages):
-            raise ValueError(f"{path}:{lineno}: no assistant message to learn from")
-        demos.append(messages)
+            raise ValueError(f"{path}:{lineno}: expected {{\"messages\": [{{role, content}}, ...], "
+                             f"\"tools\": [...] (optional)}}: {e}") from e
     if not demos:
         raise ValueError(f"{path}: no demonstrations")
     return demos
 
 
-def tokenize_demonstration(messages: Messages, tok: ByteTokenizer) -> Example:
-    """Token-aligned like a rollout trajectory: assistant turns (and their end token) are targets."""
-    ids: list[int] = tok.encode_messages([], add_generation_prompt=False, add_bos=True)
-    mask: list[int] = [0] * len(ids)
-    for role, content in messages:
-        if role == "assistant":
-            head = tok.encode_messages([], add_generation_prompt=True, add_bos=False)
-            body = tok.encode(content) + [tok.eos_id]
-            ids += head + body
-            mask += [0] * len(head) + [1] * len(body)
-        else:
-            piece = tok.encode_messages([(role, content)], add_generation_prompt=False, add_bos=False)
-            ids += piece
-            mask += [0] * len(piece)
+def _demonstration(line: Any) -> Demonstration:
+    if not isinstance(line, dict) or not isinstance(line.get("messages"), list):
+        raise ValueError("a line is a JSON object with a \"messages\" list")
+    messages = []
+    for i, m in enumerate(line["messages"]):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]: an object with a string \"role\"")
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and m.get("tool_calls"))):
+            raise ValueError(f"messages[{i}].content: a string (null only beside tool_calls)")
+        if not isinstance(m.get("tool_calls", []), list):
+            raise ValueError(f"messages[{i}].tool_calls: a list")
+        messages.append(dict(m))
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant message to learn from")
+    tools = line.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError("tools: a list of function schemas")
+    return Demonstration(messages=tuple(messages), tools=tuple(tools) if tools else None)
+
+
+def tokenize_demonstration(demo: Demonstration | Messages, tok: Tokenizer) -> Example:
+    """Token-aligned like a rollout trajectory: assistant turns (and their end token) are targets,
+    the rest is the template's context around them."""
+    if isinstance(demo, Demonstration):
+        messages, tools = [message_dict(m) for m in demo.messages], demo.tools
+    else:
+        messages, tools = [message_dict(m) for m in demo], None
+    ids: list[int] = []
+    mask: list[int] = []
+    context: list[dict[str, Any]] = []
+    first = True
+
+    def add_context(next_is_assistant: bool) -> None:
+        nonlocal first
+        piece = tok.encode_messages(context, add_generation_prompt=next_is_assistant, add_bos=first, tools=tools)
+        ids.extend(piece)
+        mask.extend([0] * len(piece))
+        context.clear()
+        first = False
+
+    for m in messages:
+        if m["role"] != "assistant":
+            context.append(m)
+            continue
+        add_context(True)
+        body = tok.assistant_ids(m, tools=tools) + [tok.eos_id]
+        ids.extend(body)
+        mask.extend([1] * len(body))
+    add_context(False)
     return Example(token_ids=ids, loss_mask=mask)
 
 
@@ -96,8 +145,8 @@ def sft_batch(examples: Sequence[Example], max_seq_len: int, pad_id: int) -> SFT
     return SFTBatch(tokens_bt=tokens, mask_bt=mask, num_tokens=int(mask.sum()))
 
 
-def demonstration_batches(demos: list[Messages], tok: ByteTokenizer, batch_size: int, *, max_seq_len: int,
-                          seed: int = 0) -> Iterator[SFTBatch]:
+def demonstration_batches(demos: Sequence[Demonstration | Messages], tok: Tokenizer, batch_size: int, *,
+                          max_seq_len: int, seed: int = 0) -> Iterator[SFTBatch]:
     """Endless shuffled batches; each demonstration is tokenized once."""
     examples = [tokenize_demonstration(d, tok) for d in demos]
     rng = random.Random(seed)

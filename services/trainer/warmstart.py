@@ -7,14 +7,13 @@ can start RL from a policy that already follows the task's format.
 from __future__ import annotations
 
 from arlo.config import SFTConfig
-from arlo.model.tokenizer import ByteTokenizer
+from arlo.model.tokenizer import Tokenizer
 from services.trainer.sft import SFTBatch, demonstration_batches, load_demonstrations
 
 
 class WarmStart:
-    def __init__(self, cfg: SFTConfig, tokenizer: ByteTokenizer, *, max_seq_len: int, seed: int = 0) -> None:
-        if not isinstance(tokenizer, ByteTokenizer):
-            raise ValueError("trainer.sft needs the byte tokenizer (demonstrations use its chat template)")
+    def __init__(self, cfg: SFTConfig, tokenizer: Tokenizer, *, max_seq_len: int, seed: int = 0) -> None:
+        """Any tokenizer: demonstrations are rendered with its chat template (the model's own)."""
         demos = load_demonstrations(cfg.data)  # a clear error at start for a missing or bad file
         if len(demos) < cfg.batch_size:
             raise ValueError(f"trainer.sft.data has {len(demos)} demonstrations; batch_size is {cfg.batch_size}")

@@ -122,7 +122,7 @@ async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tupl
                        servicer=InferenceServicer(second, "byte"))])
     replicas = ReplicaSet(f"ipv4:{address},127.0.0.1:{running.port}", lambda a: make_channel(a, token=TOKEN),
                           service="inference")
-    client = InferenceClient(replicas, SamplingConfig(), eos_id=first.tokenizer.eos_id, timeout_s=10.0)
+    client = InferenceClient(replicas, SamplingConfig(), stop_token_ids=first.tokenizer.stop_token_ids, timeout_s=10.0)
     try:
         first.swap(first.state, 5)
         second.swap(second.state, 3)

@@ -92,7 +92,7 @@ async def test_worker_runs_a_dataset_mixture_through_the_cursor(redis: Redis, ru
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     class Oracle:
-        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
             n = re.findall(r"(\d+)\*2=", TOK.decode(prompt))[-1]  # the row's prompt
             ids = TOK.encode(str(2 * int(n))) + [TOK.eos_id]
             return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids),

@@ -66,10 +66,7 @@ def write_checkpoint(path: Path, family: str, *, layers: int = 2, hidden: int = 
     import transformers
 
     spec = FAMILIES[family]
-    path.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(spec["specials"], spec["added"])
-    tok.save(str(path / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in [*spec["specials"], *spec["added"]]}
+    tok, ids = write_tokenizer(path, family)
     vocab = -(-tok.get_vocab_size() // 8) * 8
     eos_ids = [ids[spec["eos"]], *(ids[t] for t in spec["extra_eos"])]
     torch.manual_seed(seed)
@@ -82,6 +79,18 @@ def write_checkpoint(path: Path, family: str, *, layers: int = 2, hidden: int = 
     model.generation_config.eos_token_id = eos_ids
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def write_tokenizer(path: Path, family: str) -> tuple[Tokenizer, dict[str, int]]:
+    """The family's tokenizer files alone (tokenizer.json, tokenizer_config.json with its chat
+    template) at `path`: what tests of chat formats need, without a model. Returns the
+    tokenizer and the ids of its special and added tokens."""
+    spec = FAMILIES[family]
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(spec["specials"], spec["added"])
+    tok.save(str(path / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in [*spec["specials"], *spec["added"]]}
     tokenizer_config = {
         "tokenizer_class": spec["tokenizer_class"], "chat_template": spec["template"],
         "eos_token": spec["eos"], "pad_token": spec["pad"], "bos_token": spec["bos"],
@@ -91,4 +100,4 @@ def write_checkpoint(path: Path, family: str, *, layers: int = 2, hidden: int = 
                      "rstrip": False, "single_word": False} for t, i in ids.items()},
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    return path
+    return tok, ids

@@ -19,9 +19,10 @@ class EngineGenerator:
         self.temperature = temperature
         self.prompts: list[list[int]] = []
 
-    async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
         self.prompts.append(list(prompt))
         (s,) = self.engine.generate(SamplingRequest(prompt=tuple(prompt), max_tokens=max_tokens,
-                                                    temperature=self.temperature, stop_token_ids=(TOK.eos_id,)))
+                                                    temperature=self.temperature, stop_token_ids=(TOK.eos_id,),
+                                                    seed=seed))
         return Turn(token_ids=s.token_ids, logprobs=s.logprobs, policy_versions=s.policy_versions,
                     finished_by_stop=s.finish_reason == "stop")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -82,3 +83,35 @@ def test_demonstrations_follow_the_env_and_are_imperfect() -> None:
         else:
             correct_guesses += steps[-1].reward == 1.0
     assert correct_guesses < 0.5 * (len(demos) - len(with_tool))  # estimates are mostly wrong
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{{"name": "calc", "arguments": {{"expression": "{e}"}}}}\n</tool_call>',  # Qwen2.5 (Hermes)
+    '{{"name": "calc", "parameters": {{"expression": "{e}"}}}}',  # Llama 3.1 JSON
+    '<|python_tag|>{{"name": "calc", "parameters": {{"expression": "{e}"}}}}<|eom_id|>',
+])
+def test_structured_tool_calls_in_both_families_formats_are_answered(text: str) -> None:
+    env = ArithEnv()
+    reset = env.reset(5, TOOL)
+    (tool,) = json.loads(reset.tools_json)
+    assert tool["function"]["name"] == "calc"  # advertised for the model's chat template
+    a, b = operands(reset.observation[0].content)
+    call = env.step(text.format(e=f"{a}*{b}"))
+    assert not call.done and call.observation == [Message(role="tool", name="calc", content=str(a * b))]
+    assert env.step(str(a * b)).reward == 1.0
+
+
+def test_a_malformed_tool_call_is_answered_with_what_was_wrong() -> None:
+    env = ArithEnv()
+    env.reset(5, {**TOOL, "max_turns": 3})
+    (reply,) = env.step('<tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call>').observation
+    assert reply.role == "tool" and reply.name == "calc" and "expression" in reply.content
+    (reply,) = env.step('<tool_call>{"name": "sqrt", "arguments": {}}</tool_call>').observation
+    assert "unknown tool 'sqrt'" in reply.content
+
+
+def test_without_tool_no_tools_are_advertised_and_calls_are_answers() -> None:
+    env = ArithEnv()
+    assert env.reset(5, {**TOOL, "tool": False}).tools_json == "[]"
+    step = env.step('{"name": "calc", "parameters": {"expression": "1+1"}}')
+    assert step.observation == [Message(role="user", content="answer with a number")]

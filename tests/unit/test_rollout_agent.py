@@ -56,7 +56,7 @@ def test_turn_and_token_limits_end_the_episode_with_a_reason(engine: Engine) -> 
 
 def test_wall_time_limit_ends_the_episode_between_turns_with_a_reason() -> None:
     class SlowWrongPolicy:
-        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
             await asyncio.sleep(0.2)
             ids = TOK.encode("-1") + [TOK.eos_id]
             return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids),
@@ -70,7 +70,7 @@ def test_wall_time_limit_ends_the_episode_between_turns_with_a_reason() -> None:
 
 def test_correct_answer_scores_one() -> None:
     class Oracle:
-        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
             text = TOK.decode(prompt).rsplit("=", 1)[0]
             a, b = text[-3], text[-1]  # "a+b" of single digits
             ids = TOK.encode(str(int(a) + int(b))) + [TOK.eos_id]
@@ -80,3 +80,55 @@ def test_correct_answer_scores_one() -> None:
     traj = asyncio.run(run_episode(spec(), TOK, Oracle(), GatewayEnv(), CoreScorer()))
     assert traj.status == common_pb2.TRAJECTORY_STATUS_OK and traj.reward == 1.0 and traj.num_turns == 1
     assert traj.reward_components["exact_match"] == 1.0
+
+
+def test_turn_cut_by_a_stop_string_is_closed_with_the_end_token_as_context() -> None:
+    class StopsAtString:  # the engine stopped on a stop string: the turn has no end-of-turn token
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
+            ids = TOK.encode("calc 3+4")
+            return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids),
+                        finished_by_stop=True)
+
+    traj = asyncio.run(run_episode(spec(max_turns=1, env_config_json='{"tool": true}'), TOK, StopsAtString(),
+                                   GatewayEnv(), CoreScorer()))
+    n = len(TOK.encode("calc 3+4"))
+    start = traj.prompt_length
+    assert list(traj.token_ids[start:start + n + 1]) == TOK.encode("calc 3+4") + [TOK.eos_id]
+    assert list(traj.loss_mask[start:start + n + 1]) == [1] * n + [0]
+
+
+def test_sampling_seed_makes_an_episode_repeat(engine: Engine) -> None:
+    class Recording(EngineGenerator):
+        def __init__(self) -> None:
+            super().__init__(engine, temperature=1.0)
+            self.seeds: list[int | None] = []
+
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
+            self.seeds.append(seed)
+            return await super().generate(prompt, max_tokens=max_tokens, session_id=session_id, seed=seed)
+
+    def run(sampling_seed: int | None) -> tuple[list[int], list[int | None]]:
+        gen = Recording()
+        traj = asyncio.run(run_episode(spec(sampling_seed=sampling_seed, env_config_json='{"max_turns": 3}'), TOK,
+                                       gen, GatewayEnv(), CoreScorer()))
+        return list(traj.token_ids), gen.seeds
+
+    first, seeds = run(3)
+    assert run(3) == (first, seeds)
+    assert all(s is not None for s in seeds) and len(set(seeds)) == len(seeds)  # a seed per turn
+    assert run(4)[0] != first
+    assert set(run(None)[1]) == {None}  # unset: the engine draws fresh seeds
+
+
+def test_group_members_get_their_own_seeds() -> None:
+    from arlo.config import RolloutConfig, SamplingConfig
+    from services.rollout.worker import RolloutWorker
+
+    def members(seed: int | None) -> list[int | None]:
+        cfg = RolloutConfig(group_size=4, sampling=SamplingConfig(seed=seed))
+        worker = RolloutWorker(cfg, run_id="r", tokenizer=TOK, gen=None, env=None, scorer=None, stream=None)
+        return [worker._member(spec(), cfg.mixture[0], i).sampling_seed for i in range(4)]
+
+    assert members(None) == [None] * 4
+    seeds = members(1)
+    assert len(set(seeds)) == 4 and members(1) == seeds and members(2) != seeds

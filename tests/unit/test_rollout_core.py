@@ -35,7 +35,7 @@ def test_the_core_imports_no_transport() -> None:
 
 
 class Solver:
-    async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
         a, b = map(int, re.findall(r"(\d+)\+(\d+)=", TOK.decode(prompt))[-1])
         ids = TOK.encode(str(a + b)) + [TOK.eos_id]
         return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids), finished_by_stop=True)

@@ -29,7 +29,7 @@ class ScriptedPolicy:
         self.solves = solves
         self.calls = 0
 
-    async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
         text = TOK.decode(prompt)
         a, b = map(int, re.search(r"(\d+)\*(\d+)=", text).groups())
         answer = str(a * b) if self.solves(self.calls, a, b) else str(a * b + 1)
@@ -93,7 +93,7 @@ def test_held_out_tasks_are_the_eval_split_and_failures_count_as_errors() -> Non
         return False
 
     class Broken:
-        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
             raise RuntimeError("backend down")
 
     result = asyncio.run(evaluator(rollout_cfg(num_tasks=5, samples=2), ScriptedPolicy(record), Broken()).run())

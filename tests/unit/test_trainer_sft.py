@@ -17,7 +17,7 @@ TOK = get_tokenizer("byte")
 @pytest.mark.parametrize("source", sorted(BUILTIN))
 def test_builtin_data_loads_from_the_package(source: str) -> None:
     demos = load_demonstrations(source)
-    assert len(demos) >= 8 and all(any(role == "assistant" for role, _ in d) for d in demos)
+    assert len(demos) >= 8 and all(any(m["role"] == "assistant" for m in d.messages) for d in demos)
 
 
 def test_the_mask_is_the_assistant_text_and_its_end_token() -> None:
@@ -48,3 +48,83 @@ def test_batches_are_padded_to_a_bucket_and_cut_at_the_context() -> None:
 def test_missing_data_names_the_source() -> None:
     with pytest.raises(ValueError, match="SFT data not found: 'nope.jsonl'"):
         load_demonstrations("nope.jsonl")
+
+
+def _tool_demo() -> dict:
+    from services.env_gateway.envs.calculator import TOOLS
+
+    def call(expression: str) -> dict:
+        return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+
+    return {"tools": [dict(t) for t in TOOLS], "messages": [
+        {"role": "system", "content": "Use the calculator for arithmetic."},
+        {"role": "user", "content": "What is 12*7 + 3*5?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("12*7")]},
+        {"role": "tool", "name": "calculator", "content": "84"},
+        {"role": "assistant", "content": "", "tool_calls": [call("3*5")]},
+        {"role": "tool", "name": "calculator", "content": "15"},
+        {"role": "assistant", "content": "The answer is 99."},
+        {"role": "user", "content": "And 84 alone?"},
+        {"role": "assistant", "content": "84"},
+    ]}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_hf_template_demonstrations_mask_exactly_the_assistant_tokens(tmp_path, family: str) -> None:
+    """Against transformers: the tokens are apply_chat_template(whole conversation, tools=), and
+    the mask is each assistant turn's span, the tokens between the rendering of the conversation
+    up to it (with the generation prompt) and the rendering including it, up to its end token."""
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    import json
+
+    from arlo.config import SFTConfig
+    from arlo.model.hf_tokenizer import HFTokenizer
+    from services.trainer.warmstart import WarmStart
+    from tests.support.hf_checkpoints import write_tokenizer
+
+    write_tokenizer(tmp_path / "tok", family)
+    line = _tool_demo()
+    data = tmp_path / "demos.jsonl"
+    data.write_text(json.dumps(line) + "\n\n" + json.dumps({"messages": line["messages"][1:4] + [
+        {"role": "assistant", "content": "84"}]}) + "\n")
+    (demo, plain) = load_demonstrations(str(data))
+    assert demo.tools is not None and plain.tools is None
+    tok = HFTokenizer.from_dir(tmp_path / "tok")
+    ex = tokenize_demonstration(demo, tok)
+
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+
+    def render(messages: list, gp: bool = False) -> list[int]:
+        return list(ref.apply_chat_template(messages, tools=line["tools"], add_generation_prompt=gp,
+                                            tokenize=True, return_dict=False))
+
+    chat = line["messages"]
+    assert ex.token_ids == render(chat)
+    expected = [0] * len(ex.token_ids)
+    for k, m in enumerate(chat):
+        if m["role"] != "assistant":
+            continue
+        before, upto = render(chat[:k], gp=True), render(chat[:k + 1])
+        assert upto[:len(before)] == before  # the template is prefix-stable here
+        span = upto[len(before):]
+        span = span[:len(span) - span[::-1].index(tok.eos_id)]  # through the end-of-turn token
+        expected[len(before):len(before) + len(span)] = [1] * len(span)
+    assert ex.loss_mask == expected
+    targets = tok.decode([t for t, m in zip(ex.token_ids, ex.loss_mask, strict=True) if m])
+    assert '"expression": "12*7"' in targets and "The answer is 99." in targets and "calculator" in targets
+    assert "system" not in targets and "user" not in targets and "assistant" not in targets  # no role headers
+    # The trainer's warm start takes the model's tokenizer (it refused every one but "byte" before).
+    batch = WarmStart(SFTConfig(data=str(data), steps=1, batch_size=2), tok, max_seq_len=512).next_batch()
+    assert batch.tokens_bt.shape[0] == 2 and batch.num_tokens > 0
+
+
+def test_bad_demonstration_lines_name_the_line(tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1:.*messages\[1\].content"):
+        load_demonstrations(str(bad))
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}], "tools": {}}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1:.*no assistant message"):
+        load_demonstrations(str(bad))
+    with pytest.raises(ValueError, match="tool_calls: the byte tokenizer has no tool-call format"):
+        tokenize_demonstration(_tool_demo()["messages"], TOK)

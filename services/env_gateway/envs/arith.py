@@ -2,7 +2,11 @@
 byte-level model: the first observation is just "3+4=".
 
 With `tool: true` the agent also has a calculator: an action `calc <expression>` is answered
-by a "tool" message holding the value (a turn of its own). Two-digit products are hard to
+by a "tool" message named "calc" holding the value (a turn of its own). The calculator is also
+advertised as a `calc(expression)` function schema (ResetResult.tools_json, which the rollout
+passes to the model's chat template), and a structured call to it in either open-model format
+(Hermes `<tool_call>{"name": "calc", "arguments": {...}}</tool_call>`, Llama 3.1
+`{"name": "calc", "parameters": {...}}`) is answered the same way. Two-digit products are hard to
 guess and easy with the tool, so this is the demo's agentic task: the policy must learn to
 call the tool, copy the operands into the call and the result into its answer. `split`
 partitions the operand pairs so a held-out evaluation never sees a pair trained on, and
@@ -19,17 +23,21 @@ from typing import Any
 
 from services.env_gateway.envs.base import EpisodeOverError, Message, ResetResult, StepResult, parse_config
 from services.env_gateway.envs.safe_eval import EvalError, evaluate, format_number
+from services.env_gateway.tool_calls import BadToolCall, error_message, parse_tool_calls
+from services.env_gateway.tool_schema import function_tool, tools_json
 
 NAME = "arith"
 DESCRIPTION = "Answer 'a<op>b=' with an integer; 'no' after a wrong answer until max_turns. Config: " \
               "max_operand (int, default 9), max_turns (int, default 3), op ('+', '-' or '*'), " \
-              "tool (bool: 'calc <expression>' calls a calculator), split ('all', 'train' or 'eval')."
+              "tool (bool: 'calc <expression>' or a calc(expression) tool call calls a calculator), split ('all', 'train' or 'eval')."
 MAX_OPERAND = 1_000_000
 MAX_TURNS = 16
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 WRONG = "no"
 NOT_A_NUMBER = "answer with a number"
 TOOL_PREFIX = "calc"
+TOOLS = (function_tool(TOOL_PREFIX, "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
+                       {"expression": {"type": "string", "maxLength": 200, "description": "e.g. \"12*7\""}}),)
 SPLITS = ("all", "train", "eval")
 EVAL_SHARE = 8
 """One operand pair in EVAL_SHARE belongs to the "eval" split."""
@@ -60,7 +68,8 @@ class ArithConfig:
     op: str = "+"
     """"+", "-" or "*"."""
     tool: bool = False
-    """An action `calc <expression>` is evaluated and answered as a "tool" message (using a turn)."""
+    """An action `calc <expression>`, or a structured calc(expression) tool call, is evaluated and
+    answered as a "tool" message (using a turn)."""
     split: str = "all"
     """"train" or "eval": draw only operand pairs of that part of a fixed partition."""
 
@@ -128,7 +137,8 @@ class ArithEnv:
         self._max_turns = cfg.max_turns
         self._turns = 0
         self._done = False
-        return ResetResult(observation=[Message(role="user", content=f"{a}{op}{b}=")], task_id=f"{NAME}-{a}{op}{b}")
+        return ResetResult(observation=[Message(role="user", content=f"{a}{op}{b}=")], task_id=f"{NAME}-{a}{op}{b}",
+                           tools_json=tools_json(TOOLS) if cfg.tool else "[]")
 
     def step(self, action: str) -> StepResult:
         if self._done:
@@ -136,7 +146,11 @@ class ArithEnv:
         self._turns += 1
         out_of_turns = self._turns >= self._max_turns
         if self._tool and action.lstrip().startswith(TOOL_PREFIX):
-            return self._calculate(action.lstrip()[len(TOOL_PREFIX):], out_of_turns)
+            return self._calculate([action.lstrip()[len(TOOL_PREFIX):]], out_of_turns)
+        calls = parse_tool_calls(action, TOOLS).calls if self._tool else ()
+        if calls:
+            return self._calculate([c if isinstance(c, BadToolCall) else c.arguments["expression"] for c in calls],
+                                   out_of_turns)
         answer = parse_answer(action)
         correct = answer == self._result
         info = {"turns": self._turns, "correct": correct}
@@ -148,14 +162,21 @@ class ArithEnv:
         reply = WRONG if answer is not None else NOT_A_NUMBER
         return StepResult(observation=[Message(role="user", content=reply)], done=False, info=info)
 
-    def _calculate(self, expression: str, out_of_turns: bool) -> StepResult:
+    def _calculate(self, calls: list[str | BadToolCall], out_of_turns: bool) -> StepResult:
+        """One "tool" message per call: an expression's value, or what was wrong with the call."""
         info = {"turns": self._turns, "tool_call": True}
         if out_of_turns:  # the last turn went to the tool: no answer given
             self._done = True
             return StepResult(observation=[], done=True, reward=0.0, answer="", reference=self._result,
                               info={**info, "correct": False})
-        try:
-            value = format_number(evaluate(expression))
-        except EvalError as e:
-            value = f"error: {e}"
-        return StepResult(observation=[Message(role="tool", name="calc", content=value)], done=False, info=info)
+        replies = []
+        for call in calls:
+            if isinstance(call, BadToolCall):
+                replies.append(error_message(call))
+                continue
+            try:
+                value = format_number(evaluate(call))
+            except EvalError as e:
+                value = f"error: {e}"
+            replies.append(Message(role="tool", name=TOOL_PREFIX, content=value))
+        return StepResult(observation=replies, done=False, info=info)
