@@ -111,7 +111,7 @@ class InferenceClient:
         stub = await self._stub(session_id)
         resp = await stub.Generate(inference_pb2.GenerateRequest(
             prompt_token_ids=prompt, n=1, session_id=session_id, sampling=common_pb2.SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=max_tokens,
                 stop_token_ids=[self.eos_id])), timeout=self.timeout_s)
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
