@@ -260,9 +260,13 @@ class AlgorithmConfig:
     norm_constant: float = 0.0
     """Divisor of "seq_sum_norm" per sequence (Dr. GRPO: a fixed token budget, so length does not bias the loss)."""
     decoupled: bool = False
-    """Decoupled PPO objective: clip against the trainer's own logprobs, weight by trainer/sampler."""
+    """Clip the ratio against the trainer's own logprobs at the batch's start (the proximal
+    policy) instead of the sampler's; the sampler's logprobs then only enter through is_cap.
+    Implied by is_cap > 0."""
     is_cap: float = 0.0
-    """Truncated importance weight cap between trainer and sampler logprobs; 0 disables."""
+    """Truncated importance sampling (TIS, as verl and TRL ship it): the ratio is against the
+    proximal policy and each token's loss is weighted by min(pi_proximal / pi_sampler, is_cap),
+    correcting for a stale or numerically different sampler; 0 disables."""
     kl_coef: float = 0.0
     """KL to the initial policy; 0 disables (and holds no reference copy)."""
     kl_kind: KlKind = "k3"
@@ -285,7 +289,6 @@ class AlgorithmConfig:
         _check(f"{path}.norm_constant", self.aggregation != "seq_sum_norm" or self.norm_constant > 0,
                "must be > 0 with aggregation seq_sum_norm")
         _check(f"{path}.is_cap", self.is_cap >= 0, "must be >= 0")
-        _check(f"{path}.decoupled", not self.decoupled or self.is_cap > 0, "needs is_cap > 0")
         _check(f"{path}.kl_coef", self.kl_coef >= 0, "must be >= 0")
         _check(f"{path}.entropy_coef", self.entropy_coef >= 0, "must be >= 0")
         _check(f"{path}.overlong_buffer_tokens",
@@ -332,9 +335,15 @@ class TrainerConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
-    """Linear learning-rate warmup from 0, in optimizer steps."""
+    """Linear learning-rate warmup from 0, in optimizer steps (ppo_epochs x mini_batches per batch)."""
     total_steps: int = 0
-    """> 0: cosine decay over this many steps."""
+    """> 0: cosine decay over this many optimizer steps."""
+    ppo_epochs: int = 1
+    """Passes over each batch. With several updates per batch the proximal policy is the
+    trainer's own logprobs at the batch's start, computed once (one forward pass, no gradient)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch: each epoch shuffles the batch's rows into this many
+    mini-batches (never more than its rows). One published version per batch either way."""
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global norm."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -366,6 +375,8 @@ class TrainerConfig:
         _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
         self.mesh.validate(f"{path}.mesh")
         _check(f"{path}.micro_batch_size", self.micro_batch_size >= 0, "must be >= 0")
+        _check(f"{path}.ppo_epochs", 1 <= self.ppo_epochs <= 64, "must be in [1, 64]")
+        _check(f"{path}.mini_batches", 1 <= self.mini_batches <= 1024, "must be in [1, 1024]")
         _check(f"{path}.learning_rate", 0 < self.learning_rate < 1, "must be in (0, 1)")
         _check(f"{path}.weight_decay", self.weight_decay >= 0, "must be >= 0")
         _check(f"{path}.warmup_steps", self.warmup_steps >= 0, "must be >= 0")
@@ -585,10 +596,15 @@ class RewardConfig:
 
 @_frozen
 class SamplingConfig:
+    """How the policy samples. The trainer computes its logprobs under the same temperature and
+    filters (arlo.model.logprobs.sampled_token_logprobs), so its importance ratios compare the
+    policy it trains with the one that sampled."""
+
     temperature: float = 1.0
     """Sampling temperature; 0 is greedy."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1 disables."""
+    """Nucleus sampling mass; 1 disables. Without top_k it costs the trainer a full vocabulary
+    sort per token (top_k caps that to a top-k)."""
     top_k: int = 0
     """Sample among the k most likely tokens; 0 disables."""
     max_tokens: int = 8
@@ -727,7 +743,9 @@ class RolloutConfig:
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")
         _check(f"{path}.sampling.temperature", 0 <= self.sampling.temperature <= 10, "must be in [0, 10]")
         _check(f"{path}.sampling.max_tokens", self.sampling.max_tokens >= 1, "must be >= 1")
-        _check(f"{path}.sampling.min_p", 0 <= self.sampling.min_p <= 1, "must be in [0, 1]")
+        _check(f"{path}.sampling.top_p", 0 < self.sampling.top_p <= 1, "must be in (0, 1]")
+        _check(f"{path}.sampling.top_k", self.sampling.top_k >= 0, "must be >= 0")
+        _check(f"{path}.sampling.min_p", 0 <= self.sampling.min_p < 1, "must be in [0, 1)")
         _check(f"{path}.sampling.stop", len(self.sampling.stop) <= 16 and all(
             0 < len(s.encode()) <= 64 for s in self.sampling.stop), "at most 16 non-empty strings of <= 64 bytes")
         _check(f"{path}.sampling.stop_token_ids", len(self.sampling.stop_token_ids) <= 32 and all(

@@ -45,7 +45,8 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=mesh)
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=mesh,
+                      sampling=cfg.rollout.sampling)
     warm_start = (WarmStart(tc.sft, get_tokenizer(cfg.model.tokenizer), max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
     loop = TrainingLoop(
@@ -80,7 +81,8 @@ async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyn
     it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
     tc = cfg.trainer
     # Built in the same order as start_trainer builds them: their creation is collective work too.
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=make_mesh(tc.mesh))
+    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=make_mesh(tc.mesh),
+                      sampling=cfg.rollout.sampling)
     checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
     running = await start_server("trainer", tc.server, cfg.auth, [])
     replica = Replica(learner, checkpointer, channel_for_this_process())

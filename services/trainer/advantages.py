@@ -16,13 +16,16 @@ from arlo.groups import REWARD_ATOL
 def grpo_advantages(rewards_gk: Array, *, scale_by_std: bool = True, eps: float = 1e-6) -> Array:
     """GRPO group normalisation: (r - mean_group) / (std_group + eps).
 
+    The std is the sample std (Bessel-corrected, K - 1), as TRL's and verl's GRPO compute it
+    (tests/unit/test_trl_reference.py holds arlo to TRL's); a group of one has advantage 0.
     `scale_by_std=False` is Dr. GRPO's unbiased variant (centre only). A group whose rewards
     are all equal gets advantage 0 everywhere: it carries no learning signal.
     """
     centred = rewards_gk - rewards_gk.mean(axis=1, keepdims=True)
     if not scale_by_std:
         return centred
-    return centred / (rewards_gk.std(axis=1, keepdims=True) + eps)
+    ddof = 1 if rewards_gk.shape[1] > 1 else 0
+    return centred / (rewards_gk.std(axis=1, keepdims=True, ddof=ddof) + eps)
 
 
 def rloo_advantages(rewards_gk: Array) -> Array:

@@ -8,7 +8,14 @@ gradient equals the full-batch gradient whatever the micro-batch size, a partial
 micro-batch included (it is padded with rows whose mask is 0).
 
 The learner takes the run's `trainer` section (`TrainerConfig`) as it is: the optimizer,
-micro-batching, memory options and `algorithm` are read from there, never copied.
+micro-batching, memory options and `algorithm` are read from there, never copied; and the
+run's `rollout.sampling`, the distribution the trainer's logprobs are taken under.
+
+An RL step is `ppo_epochs` x `mini_batches` optimizer updates on one batch (one published
+version): each epoch deals the batch's rows, shuffled, round-robin into mini-batches, each
+mini-batch's loss normalised by its own denominator and its gradient summed over its
+micro-batches. With more than one update the trainer's batch-start logprobs (the proximal
+policy) are computed once first.
 """
 
 from __future__ import annotations
@@ -26,13 +33,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from arlo.config import TrainerConfig
+from arlo.config import SamplingConfig, TrainerConfig
 from arlo.model import ModelConfig, create_model
 from arlo.model.sharding import batch_sharding, shard_state
 from services.trainer.batching import Batch
 from services.trainer.losses import aggregate_denominator
 from services.trainer.objectives import (
     advantages_b,
+    old_logprobs,
     rl_objective,
     sequence_kl,
     sft_objective,
@@ -82,9 +90,13 @@ def sft_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
 class Learner:
     """Holds the policy and optimizer state; `step` applies one RL update, `sft_step` one SFT update."""
 
-    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: TrainerConfig, mesh: Mesh | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: TrainerConfig, mesh: Mesh | None = None,
+                 sampling: SamplingConfig | None = None) -> None:
+        """`sampling`: the run's `rollout.sampling`, so the trainer's logprobs are the sampler's
+        (None: temperature 1, nothing filtered)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.sampling = sampling = sampling or SamplingConfig()
         self.mesh = mesh
         self.graphdef, self.state = nnx.split(create_model(model_cfg, seed))
         if mesh is not None:
@@ -95,19 +107,22 @@ class Learner:
         self._tx = rl_optimizer(cfg)
         self.opt_state = self._tx.init(self.state)
         self.step_count = 0
-        rl = functools.partial(_rl_step, self.graphdef, self._tx, cfg)
+        rl = functools.partial(_rl_step, self.graphdef, self._tx, cfg, sampling)
         # SFT keeps its own optimizer (its own learning rate and warmup) and state, made on the
         # first SFT step, so a warm start leaves RL a fresh AdamW and RL-only runs pay nothing.
         self._sft_tx = sft_optimizer(cfg)
         self.sft_opt_state: Any = None
         sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, cfg)
-        self._rl_step = jax.jit(rl, donate_argnums=(0, 1))
+        self._rl_step = jax.jit(rl, donate_argnums=(0, 1), static_argnums=(6,))
         self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
 
     def step(self, batch: Batch) -> StepMetrics:
-        rows = self._device_rows(batch)
+        """One batch: ppo_epochs x mini_batches optimizer updates, one version."""
+        mini = min(self.cfg.mini_batches, len(batch.tokens_bt))
+        rows = self._device_rows(batch, mini_batches=mini)
+        key = self._replicated(jax.random.key_data(jax.random.key(self.step_count)))
         self.state, self.opt_state, metrics = self._rl_step(
-            self.state, self.opt_state, self.ref_state, rows, self._replicated(batch.rewards_gk))
+            self.state, self.opt_state, self.ref_state, rows, self._replicated(batch.rewards_gk), key, mini)
         return self._finish(metrics, batch, reward_mean=float(np.mean(batch.rewards_gk)))
 
     def restore(self, state: nnx.State, opt_state: Any, step: int) -> None:
@@ -121,13 +136,15 @@ class Learner:
         self.state, self.sft_opt_state, metrics = self._sft_step(self.state, self.sft_opt_state, rows)
         return self._finish(metrics, batch, reward_mean=0.0)
 
-    def _device_rows(self, batch: Batch) -> dict[str, jax.Array]:
+    def _device_rows(self, batch: Batch, *, mini_batches: int) -> dict[str, jax.Array]:
         return self._on_device({"tokens_bt": batch.tokens_bt, "behaviour_logprobs_bt": batch.behaviour_logprobs_bt,
-                                "mask_bt": batch.mask_bt})
+                                "mask_bt": batch.mask_bt}, mini_batches=mini_batches)
 
-    def _on_device(self, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        size = self.cfg.micro_batch_size or len(rows["tokens_bt"])
-        padded = pad_rows(rows, multiple=size)
+    def _on_device(self, rows: dict[str, np.ndarray], *, mini_batches: int = 1) -> dict[str, jax.Array]:
+        mini_rows = -(-len(rows["tokens_bt"]) // mini_batches)
+        size = self.cfg.micro_batch_size or mini_rows
+        # Whole micro-batches per mini-batch: rows padded to mini_batches x ceil(mini_rows / size) x size.
+        padded = pad_rows(rows, multiple=mini_batches * size * -(-mini_rows // size))
         # [micro_batches, rows, ...]: static shapes, so one compiled step per bucket.
         shaped = {k: v.reshape(-1, size, *v.shape[1:]) for k, v in padded.items()}
         if self.mesh is None:
@@ -142,7 +159,8 @@ class Learner:
 
     def _finish(self, metrics: dict[str, jax.Array], batch: Batch | SFTBatch, *, reward_mean: float) -> StepMetrics:
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one deliberate sync per step
-        skipped = host.pop("skipped", 0.0) > 0
+        # Several updates per batch: the step counts as skipped (weights unchanged) only when all were.
+        skipped = host.pop("skipped", 0.0) >= 1.0
         self.step_count += 0 if skipped else 1
         return StepMetrics(
             skipped=skipped,
@@ -206,8 +224,9 @@ def _apply_if_finite(tx: optax.GradientTransformation, state: nnx.State, opt_sta
     return state, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - ok.astype(jnp.float32)}
 
 
-def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, state: nnx.State,
-             opt_state: Any, ref_state: nnx.State | None, mbs: dict[str, jax.Array], rewards_gk: jax.Array):
+def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, sampling: SamplingConfig,
+             state: nnx.State, opt_state: Any, ref_state: nnx.State | None, mbs: dict[str, jax.Array],
+             rewards_gk: jax.Array, key_data: jax.Array, mini_batches: int):
     obj = tc.algorithm
     ref_model = nnx.merge(graphdef, ref_state) if ref_state is not None else None
     if obj.kl_coef and obj.kl_in_reward:
@@ -215,15 +234,44 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
         kl_b = jax.lax.map(lambda mb: sequence_kl(model, ref_model, mb, obj.kl_kind), mbs).reshape(-1)
         rewards_gk = rewards_gk - obj.kl_coef * jax.lax.stop_gradient(kl_b[: rewards_gk.size]).reshape(rewards_gk.shape)
     adv = advantages_b(obj, rewards_gk)
-    total_rows = mbs["mask_bt"].shape[0] * mbs["mask_bt"].shape[1]
-    mbs = {**mbs, "advantages_b": jnp.pad(adv, (0, total_rows - adv.size)).reshape(mbs["mask_bt"].shape[:2])}
-    full_mask = mbs["mask_bt"][:, :, 1:].reshape(total_rows, -1)
-    denominator = aggregate_denominator(full_mask, obj.aggregation, obj.norm_constant or None,
-                                        num_rows=rewards_gk.size)
-    loss, grads, metrics = _accumulate(
-        graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model), state, mbs)
-    state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
-    return state, opt_state, {**metrics, **outcome}
+    num_mb, size = mbs["mask_bt"].shape[:2]
+    total_rows, real_rows = num_mb * size, rewards_gk.size
+    mbs = {**mbs, "advantages_b": jnp.pad(adv, (0, total_rows - adv.size)).reshape(num_mb, size)}
+    updates = tc.ppo_epochs * mini_batches
+    if updates > 1:
+        # The proximal policy: the trainer's logprobs before this batch's first update, once.
+        model = nnx.merge(graphdef, state)
+        mbs["old_logprobs_bt"] = jax.lax.map(lambda mb: old_logprobs(model, mb, tc, sampling), mbs)
+    flat = {k: v.reshape(total_rows, *v.shape[2:]) for k, v in mbs.items()} if mini_batches > 1 else {}
+    keys = jax.random.split(jax.random.wrap_key_data(key_data), tc.ppo_epochs)
+
+    def update(carry, rows: dict[str, jax.Array]):
+        state, opt_state = carry
+        real = rows.pop("real_b")
+        mask = rows["mask_bt"][:, :, 1:].reshape(-1, rows["mask_bt"].shape[-1] - 1)
+        denominator = aggregate_denominator(mask, obj.aggregation, obj.norm_constant or None, num_rows=real.sum())
+        loss, grads, metrics = _accumulate(
+            graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model, sampling), state, rows)
+        state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
+        return (state, opt_state), {**metrics, **outcome}
+
+    def epoch(carry, key: jax.Array):
+        if mini_batches == 1:  # the batch as it is: no gather
+            rows = {k: v[None] for k, v in mbs.items()}
+            rows["real_b"] = (jnp.arange(total_rows) < real_rows).astype(jnp.float32).reshape(1, num_mb, size)
+            return jax.lax.scan(update, carry, rows)
+        # Real rows shuffled, padding last, dealt round-robin: every mini-batch gets floor or
+        # ceil of real_rows / mini_batches real rows, never only padding.
+        order = jnp.concatenate([jax.random.permutation(key, real_rows), jnp.arange(real_rows, total_rows)])
+        index = order.reshape(-1, mini_batches).T.reshape(mini_batches, -1, size)
+        rows = {k: v[index] for k, v in flat.items()}
+        rows["real_b"] = (index < real_rows).astype(jnp.float32)
+        return jax.lax.scan(update, carry, rows)
+
+    (state, opt_state), per_update = jax.lax.scan(epoch, (state, opt_state), keys)
+    # Every update's diagnostics averaged; "skipped" is then the fraction of updates skipped.
+    metrics = jax.tree.map(jnp.mean, per_update)
+    return state, opt_state, metrics
 
 
 def _sft_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, state: nnx.State,

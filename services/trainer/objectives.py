@@ -3,18 +3,22 @@
 Pure functions of (model, micro-batch, whole-batch denominators); the learner sums their
 gradients over micro-batches, so a batch trains the same whatever the micro-batch size.
 They read the run's `trainer` section directly: `algorithm` for the objective, `remat` and
-`logprob_chunk` for the memory of the forward pass.
+`logprob_chunk` for the memory of the forward pass, and the run's `rollout.sampling`: the
+policy's logprobs are taken under the distribution the rollout sampled from (the same
+temperature, top-k, top-p, min-p), so a ratio of 1 means "the same policy" (docs/algorithms.md).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-from arlo.config import AlgorithmConfig, KlKind, Remat, TrainerConfig
+from arlo.config import AlgorithmConfig, KlKind, Remat, SamplingConfig, TrainerConfig
 from arlo.model import token_logprobs
-from arlo.model.logprobs import chunked_token_logprobs
+from arlo.model.logprobs import LogprobFn, chunked_token_logprobs, sampled_token_logprobs
 from services.trainer.advantages import (
     batch_normalized_advantages,
     grpo_advantages,
@@ -29,16 +33,34 @@ from services.trainer.losses import (
     token_entropy,
 )
 
+_UNFILTERED = SamplingConfig()
+
+
+def behaviour_logprob_fn(sampling: SamplingConfig) -> LogprobFn:
+    """The logprobs of the distribution `sampling` draws from (static settings: one program)."""
+    return functools.partial(sampled_token_logprobs, temperature=sampling.temperature, top_k=sampling.top_k,
+                             top_p=sampling.top_p, min_p=sampling.min_p)
+
 
 def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "none", logprob_chunk: int = 0,
-                     need_logits: bool = False) -> tuple[Array, Array | None]:
-    """(logprobs_bt, logits_btv or None when chunked): `logprob_chunk` > 0 never holds
-    [batch, length, vocab] logits whole (unless the caller needs the logits)."""
+                     need_logits: bool = False, logprob_fn: LogprobFn = token_logprobs
+                     ) -> tuple[Array, Array | None, Array]:
+    """(logprobs_bt, logits_btv or None when chunked, hidden_btd): `logprob_chunk` > 0 never
+    holds [batch, length, vocab] logits whole (unless the caller needs the logits)."""
     h = model.hidden(inputs, remat=remat)
     if logprob_chunk and not need_logits:
-        return chunked_token_logprobs(model, h, targets, logprob_chunk), None
+        return chunked_token_logprobs(model, h, targets, logprob_chunk, logprob_fn), None, h
     logits = model.logits_from_hidden(h)
-    return token_logprobs(logits, targets), logits
+    return logprob_fn(logits, targets), logits, h
+
+
+def old_logprobs(model, mb: dict[str, Array], tc: TrainerConfig, sampling: SamplingConfig) -> Array:
+    """The trainer's logprobs of a micro-batch's targets before any update of this batch (the
+    proximal policy of several updates per batch), under the behaviour distribution; no gradient."""
+    inputs, targets, _, _ = shifted(mb)
+    lp, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk,
+                                logprob_fn=behaviour_logprob_fn(sampling))
+    return jax.lax.stop_gradient(lp)
 
 
 def advantages_b(cfg: AlgorithmConfig, rewards_gk: Array) -> Array:
@@ -64,20 +86,34 @@ def shifted(mb: dict[str, Array]) -> tuple[Array, Array, Array, Array]:
 
 
 def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerConfig,
-                 ref_model=None) -> tuple[Array, dict[str, Array]]:
-    """`tc.algorithm`: decoupled PPO clips against the trainer's own (proximal) logprobs and
-    re-weights by proximal/behaviour; else it clips directly against the behaviour policy."""
+                 ref_model=None, sampling: SamplingConfig = _UNFILTERED) -> tuple[Array, dict[str, Array]]:
+    """`tc.algorithm`: with `decoupled` or `is_cap` the ratio is against the trainer's own
+    logprobs at the batch's start (the proximal policy), weighted by min(proximal/behaviour,
+    is_cap) when is_cap > 0 (truncated importance sampling); else against the behaviour policy.
+
+    `mb["old_logprobs_bt"]`, when present, holds the trainer's batch-start logprobs (several
+    updates per batch); without it this is the batch's only update, so the current logprobs
+    without gradient are exactly the batch-start ones (no second forward pass needed).
+    """
     cfg = tc.algorithm
     norm = cfg.norm_constant or None
     inputs, targets, behaviour, mask = shifted(mb)
-    logprobs, logits = forward_logprobs(model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk,
-                                        need_logits=cfg.entropy_coef > 0)
-    proximal = jax.lax.stop_gradient(logprobs) if cfg.decoupled else behaviour
+    logprobs, logits, hidden = forward_logprobs(
+        model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk, need_logits=cfg.entropy_coef > 0,
+        logprob_fn=behaviour_logprob_fn(sampling))
+    old = mb["old_logprobs_bt"] if "old_logprobs_bt" in mb else jax.lax.stop_gradient(logprobs)
+    proximal = old if cfg.decoupled or cfg.is_cap else behaviour
     adv_bt = jnp.broadcast_to(mb["advantages_b"][:, None], logprobs.shape)
     loss, metrics = policy_loss(logprobs, proximal, behaviour, adv_bt, mask, cfg, denominator)
+    # Sampler vs trainer on the same weights, whatever the ratio's denominator is.
+    metrics["logprob_mismatch"] = masked_mean(jnp.abs(old - behaviour), mask)
     if cfg.kl_coef and not cfg.kl_in_reward:
+        # KL between the models themselves (temperature 1, unfiltered): a filtered reference
+        # would put -inf (the floor) on tokens it filters out and blow the estimate up.
         ref_lp = jax.lax.stop_gradient(token_logprobs(ref_model(inputs), targets))
-        kl = kl_estimate(logprobs, ref_lp, cfg.kl_kind)
+        model_lp = token_logprobs(logits, targets) if logits is not None else chunked_token_logprobs(
+            model, hidden, targets, tc.logprob_chunk)
+        kl = kl_estimate(model_lp, ref_lp, cfg.kl_kind)
         loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.aggregation, norm, denominator)
         metrics["kl_ref"] = masked_mean(kl, mask)
     if cfg.entropy_coef:
@@ -100,7 +136,8 @@ def sft_objective(model, mb: dict[str, Array], denominator: Array,
                   tc: TrainerConfig) -> tuple[Array, dict[str, Array]]:
     """`mb` holds tokens_bt and mask_bt only (an SFT batch has no sampler logprobs)."""
     tokens = mb["tokens_bt"]
-    logprobs, _ = forward_logprobs(model, tokens[:, :-1], tokens[:, 1:], remat=tc.remat, logprob_chunk=tc.logprob_chunk)
+    logprobs, _, _ = forward_logprobs(model, tokens[:, :-1], tokens[:, 1:], remat=tc.remat,
+                                      logprob_chunk=tc.logprob_chunk)
     mask = mb["mask_bt"][:, 1:]
     loss, metrics = sft_loss(logprobs, mask)
     # sft_loss is a token mean over this micro-batch; rescale to the whole batch's token count.

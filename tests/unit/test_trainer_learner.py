@@ -94,9 +94,10 @@ def sgd_update(micro_batch_size: int, algorithm: AlgorithmConfig | None = None, 
     batch = build_batch(random_groups(3, 2), 256, 256)  # 6 rows
     tx = optax.sgd(1.0)
     before = jax.tree.leaves(jax.device_get(nnx.to_pure_dict(learner.state)))
-    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc))
-    after, _, _ = step(learner.state, tx.init(learner.state), None, learner._device_rows(batch),
-                       jax.numpy.asarray(batch.rewards_gk))
+    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc, learner.sampling), static_argnums=(6,))
+    key = jax.random.key_data(jax.random.key(0))
+    after, _, _ = step(learner.state, tx.init(learner.state), None, learner._device_rows(batch, mini_batches=1),
+                       jax.numpy.asarray(batch.rewards_gk), key, 1)
     return [b - a for a, b in zip(before, jax.tree.leaves(jax.device_get(nnx.to_pure_dict(after))), strict=True)]
 
 

@@ -30,7 +30,7 @@ def np_grpo(rewards: np.ndarray, scale: bool, eps: float = 1e-6) -> np.ndarray:
     out = np.zeros_like(rewards)
     for g in range(rewards.shape[0]):
         r = rewards[g]
-        out[g] = (r - r.mean()) / ((r.std() + eps) if scale else 1.0)
+        out[g] = (r - r.mean()) / ((r.std(ddof=1) + eps) if scale else 1.0)
     return out
 
 
