@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 from arlo.app.local import INFRA_SERVICES, prepare_cluster, wipe_run
 from arlo.config import RunConfig, load_config
 from arlo.coord import TrajectoryStream, connect
-from arlo.model import get_tokenizer
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from bench.common import percentile, print_table, write_json
@@ -122,13 +121,13 @@ async def drive(cfg: RunConfig, token: str | None, seconds: float, warmup_s: flo
     rc = cfg.rollout
     timings = Timings()
     channels = [make_channel(s.server.address, token=token) for s in (cfg.inference, cfg.env_gateway, cfg.reward)]
-    tok = get_tokenizer(cfg.model.tokenizer)
+    tok = cfg.model.source().tokenizer()
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="load-rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()
     worker = RolloutWorker(
         rc, run_id=cfg.run_id, tokenizer=tok, stream=stream, seed=0,
-        gen=TimedGenerator(InferenceClient(channels[0], rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
+        gen=TimedGenerator(InferenceClient(channels[0], rc.sampling, stop_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s),
                            timings),
         env=TimedEnv(EnvironmentClient(channels[1], timeout_s=rc.rpc_timeout_s), timings),
         scorer=TimedScorer(RewardClient(channels[2], timeout_s=rc.rpc_timeout_s), timings))

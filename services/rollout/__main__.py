@@ -14,7 +14,6 @@ from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
-from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.rpc.replicas import ReplicaSet
 from arlo.service_args import parse_service_config
@@ -33,7 +32,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     # One inference replica per episode, so its KV prefix is reused across turns.
     inference = ReplicaSet(cfg.inference.server.address,
                            lambda address: make_channel(address, token=token, tls=cfg.auth.tls), service="inference")
-    tok = get_tokenizer(cfg.model.tokenizer)
+    tok = cfg.model.source().tokenizer()
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()
@@ -43,7 +42,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     worker = RolloutWorker(
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
         filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance,
-        gen=InferenceClient(inference, rc.sampling, eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s),
+        gen=InferenceClient(inference, rc.sampling, stop_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s),
         # One gateway replica per episode: sessions live in the memory of the replica that made them.
         env=AffinityEnvironmentClient(cfg.env_gateway.server.address,
                                       lambda address: make_channel(address, token=token, tls=cfg.auth.tls),
@@ -52,7 +51,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
-                             eos_id=tok.eos_id, timeout_s=rc.rpc_timeout_s)
+                             stop_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [])

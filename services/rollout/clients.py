@@ -82,12 +82,14 @@ def score_result(reply: reward_pb2.ScoreResponse) -> ScoreResult:
 class InferenceClient:
     """Generation over one channel, or over a ReplicaSet (each session on its own replica)."""
 
-    def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *, eos_id: int,
-                 timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *,
+                 stop_ids: Sequence[int], timeout_s: float) -> None:
+        """`stop_ids`: every id that ends a model turn (the tokenizer's stop_token_ids: a
+        checkpoint may have several eos ids, e.g. Llama 3's <|eot_id|> and <|end_of_text|>)."""
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
         self.sampling = sampling
-        self.eos_id = eos_id
+        self.stop_ids = list(stop_ids)
         self.timeout_s = timeout_s
 
     async def _stub(self, session_id: str = "") -> inference_pb2_grpc.InferenceStub:
@@ -112,7 +114,7 @@ class InferenceClient:
         resp = await stub.Generate(inference_pb2.GenerateRequest(
             prompt_token_ids=prompt, n=1, session_id=session_id, sampling=common_pb2.SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
-                stop_token_ids=[self.eos_id])), timeout=self.timeout_s)
+                stop_token_ids=self.stop_ids)), timeout=self.timeout_s)
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                     policy_versions=list(c.policy_versions),

@@ -37,7 +37,8 @@ class CheckpointMeta:
     version: int
     step: int
     params_sha256: str
-    """sha256 of `state_to_bytes(params)`: the published version's checksum, checked on restore."""
+    """sha256 of `state_to_bytes(params)` (the float32 master copy; with param_dtype float32 the
+    published version's checksum), checked on restore. Empty: `start_save` computes it."""
     trajectory_ids: tuple[str, ...] = ()
     """Trained since the previous checkpoint; marked trained on resume (a crash may have come
     between this checkpoint completing and their de-duplication markers being written)."""
@@ -83,7 +84,10 @@ class Checkpointer:
         return self._manager.latest_step() or 0
 
     def start_save(self, params: nnx.State, opt_state: Any, meta: CheckpointMeta) -> None:
-        """Blocks only while the arrays are copied to host; then the caller may change them."""
+        """Blocks only while the arrays are copied to host; then the caller may change them.
+        With several processes every one calls it (the checksum of an empty params_sha256 is a collective)."""
+        if not meta.params_sha256:
+            meta = dataclasses.replace(meta, params_sha256=params_sha256(params))
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(dataclasses.asdict(meta)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
-from arlo.model import get_tokenizer
+from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights
 from services.trainer.batching import (
     GroupAssembler,
@@ -78,7 +78,7 @@ class TrainingLoop:
     def __init__(
         self, *, learner: Learner, stream: TrajectoryStream, pointer: WeightPointer, store: VersionStore,
         source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
-        checkpoint_dir: str = "", checkpoint_every: int = 0, tokenizer: str = "byte",
+        checkpoint_dir: str = "", checkpoint_every: int = 0, pad_id: int = ByteTokenizer.pad_id,
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, start_paused: bool = False,
     ) -> None:
@@ -98,7 +98,7 @@ class TrainingLoop:
         self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
         # Every JAX call goes through the replica: with several processes it tells the others first.
         self.replica = Replica(learner, self.checkpointer, channel)
-        self.pad_id = get_tokenizer(tokenizer).pad_id
+        self.pad_id = pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness, vocab_size=learner.model_cfg.vocab_size)
         self.state = TrainerState(paused=start_paused)
         self._ready: list[ReadyGroup] = []
@@ -194,6 +194,9 @@ class TrainingLoop:
             self.state.last = metrics
             self.state.tokens_trained += batch.num_tokens
             if self.phase == "rl":
+                if self.learner.cfg.algorithm.reference == "after_sft":
+                    async with self._jax_lock:  # the KL reference is the warm-started policy
+                        await asyncio.to_thread(self.replica.set_reference)
                 self.state.version += 1
                 await self._publish()
                 log.info("warm start done: %d SFT steps -> version %d, loss %.4f", self.learner.step_count,
@@ -393,7 +396,11 @@ class TrainingLoop:
         published = self.store.get(version)
         assert published is not None, "the current version is always held"
         covered, self._awaiting = self._awaiting, []
-        meta = CheckpointMeta(version=version, step=self.learner.step_count, params_sha256=published.sha256,
+        # The checkpoint keeps the float32 master copy: its checksum is the publish's only when
+        # the published bytes are that copy (param_dtype float32); otherwise start_save computes it.
+        served_is_master = self.learner.param_dtype == "float32"
+        meta = CheckpointMeta(version=version, step=self.learner.step_count,
+                              params_sha256=published.sha256 if served_is_master else "",
                               trajectory_ids=tuple(t for s in covered for t in s.trajectory_ids))
         self._saving = covered
         try:

@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 8
     mesh = make_mesh(MeshConfig(axis_names=("data", "fsdp", "tensor"), axis_sizes=(2, 2, 2)))
     batch = build_batch(random_groups(2, 4), 256, 256)  # 8 rows: split over data x fsdp
-    plain = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig())
-    sharded = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(), mesh=mesh)
+    plain = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig())
+    sharded = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig(), mesh=mesh)
     q = sharded.state["layers"][0]["attn"]["q_dnh"][...]
     assert not q.sharding.is_fully_replicated, q.sharding
     a, b = plain.step(batch), sharded.step(batch)
