@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent("""
     from arlo.distributed import make_mesh
     from arlo.model import create_model, state_from_bytes, state_to_bytes
     from arlo.config import InferenceConfig
+    from arlo.model.source import preset_source
     from services.inference.engine import Engine, SamplingRequest
 
     assert jax.device_count() == 8

@@ -95,7 +95,7 @@ def sgd_update(micro_batch_size: int, algorithm: AlgorithmConfig | None = None, 
     batch = build_batch(random_groups(3, 2), 256, 256)  # 6 rows
     tx = optax.sgd(1.0)
     before = jax.tree.leaves(jax.device_get(nnx.to_pure_dict(learner.state)))
-    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc))
+    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc, "float32"))
     after, _, _ = step(learner.state, tx.init(learner.state), None, learner._device_rows(batch),
                        jax.numpy.asarray(batch.rewards_gk))
     return [b - a for a, b in zip(before, jax.tree.leaves(jax.device_get(nnx.to_pure_dict(after))), strict=True)]

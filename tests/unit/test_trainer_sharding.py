@@ -18,6 +18,7 @@ SCRIPT = textwrap.dedent("""
     from arlo.config import MeshConfig
     from arlo.distributed import make_mesh
     from arlo.model import ModelConfig
+    from arlo.model.source import ModelSource
     from services.trainer.batching import build_batch
     from arlo.config import TrainerConfig
     from services.trainer.learner import Learner
