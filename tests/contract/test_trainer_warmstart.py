@@ -96,9 +96,8 @@ async def test_the_kl_reference_is_the_initial_or_the_warm_started_policy(redis_
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """kl_ref at the first RL step: ~0 against the policy after SFT (reference after_sft); clearly
     above 0 against the initial policy, which SFT moved away from."""
-    from tests.unit.test_trainer_learner import random_groups
-
     from services.trainer.batching import build_batch
+    from tests.unit.test_trainer_learner import random_groups
 
     monkeypatch.setenv("ARLO_TOKEN", TOKEN)
     cfg = load_config(overrides={
