@@ -14,6 +14,8 @@ Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 RatioLevel = Literal["token", "sequence"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"]
 KlKind = Literal["k1", "k2", "k3"]
+Reference = Literal["initial", "after_sft"]
+"""The KL reference: the loaded (initial) policy, or the policy after the SFT warm start."""
 Remat = Literal["none", "full", "dots"]
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
 """Sandbox isolation; "auto" picks the best of the others that works here."""

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from arlo.choices import Advantage, Aggregation, Dtype, Isolation, KlKind, RatioLevel, Remat
+from arlo.choices import Advantage, Aggregation, Dtype, Isolation, KlKind, RatioLevel, Reference, Remat
 from arlo.jsonfields import parse_json_object
 from arlo.private_files import write_private
 
@@ -136,20 +136,53 @@ class ServerConfig:
 
 @_frozen
 class ModelSpec:
+    """The policy: a named preset (random init from `seed`) or a local Hugging Face checkpoint."""
+
     name: str = "tiny"
-    """Model config name (see arlo.model.config)."""
+    """Preset name (tiny, demo, small; see arlo.model.config), used when `path` is empty."""
+    path: str = ""
+    """A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
+    tokenizer_config.json with a chat_template); wins over `name`, and its weights are version 0."""
     tokenizer: str = "byte"
-    """Tokenizer name ("byte") or a Hugging Face model directory holding tokenizer.json."""
+    """Tokenizer of a preset ("byte") or a Hugging Face directory holding tokenizer.json; with
+    `path` set, "byte" (the default) means the checkpoint's own tokenizer."""
     seed: int = 0
-    """Seed of the initial weights (trainer and a cold inference server agree on it)."""
+    """Seed of a preset's initial weights (trainer and a cold inference server agree on it)."""
     dtype: Dtype = "float32"
-    """Compute dtype of the forward pass; parameters stay float32."""
+    """Compute dtype of the forward pass (matmuls); norms and softmax run in float32."""
+    param_dtype: Dtype = "float32"
+    """Dtype of the stored parameters that inference serves and every publish carries
+    (bfloat16 halves the bytes); the trainer keeps a float32 master copy either way."""
+    max_seq_len: int = 0
+    """Longest sequence (prompt + generated); 0 = the preset's or the checkpoint's
+    max_position_embeddings (often far more than a run needs: cap it)."""
 
-    def model_config(self) -> Any:
-        """The arlo.model ModelConfig this spec names, with its compute dtype."""
-        from arlo.model import ModelConfig
+    def validate(self, path: str) -> None:
+        _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's own)")
+        if self.path:
+            from arlo.model.source import check_model_dir
 
-        return dataclasses.replace(ModelConfig.named(self.name), dtype=self.dtype)
+            try:
+                check_model_dir(Path(self.path))
+            except ValueError as e:
+                raise ConfigError(f"{path}.path: {e}") from None
+        else:
+            from arlo.model import ModelConfig
+
+            try:
+                ModelConfig.named(self.name)
+            except ValueError as e:
+                raise ConfigError(f"{path}.name: {e}") from None
+            if self.tokenizer != "byte" and not Path(self.tokenizer).is_dir():
+                raise ConfigError(f"{path}.tokenizer: must be 'byte' or a Hugging Face directory, "
+                                  f"got {self.tokenizer!r}")
+
+    def source(self) -> Any:
+        """The arlo.model.source ModelSource every service builds its model and tokenizer from."""
+        from arlo.model.source import resolve_model
+
+        return resolve_model(name=self.name, path=self.path, tokenizer=self.tokenizer, seed=self.seed,
+                             dtype=self.dtype, param_dtype=self.param_dtype, max_seq_len=self.max_seq_len)
 
 
 @_frozen
@@ -268,7 +301,10 @@ class AlgorithmConfig:
     proximal policy and each token's loss is weighted by min(pi_proximal / pi_sampler, is_cap),
     correcting for a stale or numerically different sampler; 0 disables."""
     kl_coef: float = 0.0
-    """KL to the initial policy; 0 disables (and holds no reference copy)."""
+    """KL to the reference policy; 0 disables (and holds no reference copy)."""
+    reference: Reference = "initial"
+    """The KL reference: "initial" (the loaded checkpoint or the preset's init) or "after_sft"
+    (the policy once the SFT warm start is done; "initial" when there is none)."""
     kl_kind: KlKind = "k3"
     """KL estimator (Schulman's k1, k2 or k3) of the KL term."""
     kl_in_reward: bool = False

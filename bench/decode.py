@@ -98,6 +98,7 @@ from flax import nnx
 from arlo.config import InferenceConfig
 from arlo.hostmem import reexec_with_tunables
 from arlo.model import ModelConfig, create_model, state_from_bytes, state_to_bytes
+from arlo.model.source import preset_source
 from bench.common import print_table, write_json
 from bench.roofline import Ceilings, best_time, measure_ceilings
 from services.inference.engine import ChunkRecord, Engine, SamplingRequest
@@ -123,7 +124,7 @@ def make_engine(args: argparse.Namespace, batch: int) -> Engine:
     config = InferenceConfig(max_n=1, max_tokens=args.new_tokens, max_prompt_tokens=args.prompt, max_batch=batch,
                              max_seq_len=args.prompt + args.new_tokens, decode_steps=args.steps,
                              prefill_tokens=max(2048, batch * args.prompt), max_prefill_rows=min(batch, 64))
-    return Engine(args.model, seed=0, tokenizer="byte", dtype=args.dtype, config=config)
+    return Engine(preset_source(args.model, dtype=args.dtype), config=config)
 
 
 def requests(args: argparse.Namespace, batch: int, seed: int) -> list[SamplingRequest]:

@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 from arlo.app.local import INFRA_SERVICES, prepare_cluster, wipe_run
 from arlo.config import RunConfig, load_config
 from arlo.coord import TrajectoryStream, connect
-from arlo.model import get_tokenizer
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from bench.common import percentile, print_table, write_json
@@ -123,7 +122,7 @@ async def drive(cfg: RunConfig, token: str | None, seconds: float, warmup_s: flo
     rc = cfg.rollout
     timings = Timings()
     channels = [make_channel(s.server.address, token=token) for s in (cfg.inference, cfg.env_gateway, cfg.reward)]
-    tok = get_tokenizer(cfg.model.tokenizer)
+    tok = cfg.model.source().tokenizer()
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="load-rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()

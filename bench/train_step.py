@@ -23,6 +23,7 @@ import numpy as np
 from arlo.config import TrainerConfig
 from arlo.hostmem import reexec_with_tunables
 from arlo.model import ModelConfig
+from arlo.model.source import ModelSource
 from arlo.proto.v1 import common_pb2
 from bench.common import print_table, write_json
 from bench.roofline import best_time, measure_ceilings
@@ -55,7 +56,7 @@ def step_flops(cfg: ModelConfig, rows: int, length: int) -> float:
 
 
 def measure_step(cfg: ModelConfig, groups: int, size: int, seq: int) -> dict[str, float]:
-    learner = Learner(cfg, seed=0, cfg=TrainerConfig(learning_rate=1e-4))
+    learner = Learner(ModelSource.from_config(cfg, seed=0), cfg=TrainerConfig(learning_rate=1e-4))
     batch = build_batch(synthetic_groups(groups, size, seq), cfg.max_seq_len + 1, 256)
     seconds = best_time(lambda: learner.step(batch).loss, repeats=3)
     rows, length = batch.tokens_bt.shape
@@ -66,7 +67,7 @@ def measure_step(cfg: ModelConfig, groups: int, size: int, seq: int) -> dict[str
 def step_memory_bytes(cfg: ModelConfig, seq: int, fwd: TrainerConfig) -> int:
     """Peak bytes XLA plans for one train step on one sequence (compiled, not run)."""
     long_cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq + 1))
-    learner = Learner(long_cfg, seed=0, cfg=fwd)
+    learner = Learner(ModelSource.from_config(long_cfg, seed=0), cfg=fwd)
     batch = build_batch(synthetic_groups(1, 1, seq), long_cfg.max_seq_len + 1, 256)
     rows = learner._device_rows(batch)
     compiled = learner._rl_step.lower(learner.state, learner.opt_state, None, rows,

@@ -1,8 +1,9 @@
-"""`arlo up | train | demo | status`: the local front door.
+"""`arlo up | train | demo | status | export`: the local front door.
 
 `up` starts Redis (if none answers) and the services, and stays in the foreground until
 SIGINT/SIGTERM; `train` drives a run against running services; `demo` does both on the
-built-in config and exits; `status` shows versions, queue depth and health.
+built-in config and exits; `status` shows versions, queue depth and health; `export` writes
+the policy as a Hugging Face model directory (`train`/`demo --export DIR` do it at the end).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from arlo.app.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
+from arlo.app.export import ExportError, export_run
 from arlo.app.live import LiveRun
 from arlo.app.local import (
     INFRA_SERVICES,
@@ -133,6 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cluster.start(("rollout",))
         report, recorder = _train_with_progress(cluster, cfg, token, args.steps, evaluate=not args.no_eval)
+        _export_at_end(cfg, token, args.export)
     except KeyboardInterrupt:
         console.print("interrupted; pausing the trainer")
         return 130
@@ -148,6 +151,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         steps = args.steps if args.steps is not None else DEMO_RL_STEPS
         report, recorder = _train_with_progress(cluster, cluster.cfg, cluster.token, steps, evaluate=not args.no_eval)
+        _export_at_end(cluster.cfg, cluster.token, args.export)  # while the trainer still serves its weights
     except (KeyboardInterrupt, _Stop):
         console.print("interrupted")
         return 130
@@ -157,6 +161,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if bad:
             console.print(f"[yellow]services exited uncleanly: {bad}")
     _print_report(report, recorder, args.json)
+    return 0
+
+
+def _export_at_end(cfg, token, out: str | None) -> None:
+    if out:
+        with console.status(f"exporting the policy to {out}..."):
+            result = export_run(cfg, out, token=token)
+        console.print(f"exported the policy to {result.out}")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if args.version and args.checkpoint:
+        console.print("arlo export: give --version or --checkpoint, not both")
+        return 2
+    cfg = load_cli_config(args.config)
+    token = None if args.checkpoint else resolve_token(cfg)
+    try:
+        result = export_run(cfg, args.out, token=token, version=args.version or 0, checkpoint=args.checkpoint or "")
+    except ExportError as e:
+        console.print(f"[red]arlo export: {e}")
+        return 1
+    console.print(f"exported to {result.out}")
     return 0
 
 
@@ -192,19 +218,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="stop after N RL steps, after any SFT warm start (default: until Ctrl-C)")
     train.add_argument("--json", help="write the run's figures to this file")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
+    train.add_argument("--export", metavar="DIR", help="after the last step, write the policy to DIR (Hugging Face format)")
     demo = sub.add_parser("demo", help="start everything on the built-in config, train, stop")
     demo.add_argument("-c", "--config", help="run config YAML (default: built-in)")
     demo.add_argument("--steps", type=int, help=f"RL steps after the SFT warm start (default {DEMO_RL_STEPS})")
     demo.add_argument("--json", help="write the run's figures (reward_start, reward_after_sft, reward_end, wall_s, "
                                      "...) to this file")
     demo.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
+    demo.add_argument("--export", metavar="DIR", help="after the last step, write the policy to DIR (Hugging Face format)")
+    export = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
+    export.add_argument("--out", required=True, help="directory to create (must be empty if it exists)")
+    export.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
+    export.add_argument("--version", type=int, help="a version the running trainer still holds (default: newest)")
+    export.add_argument("--checkpoint", help="an Orbax checkpoint directory (<trainer.checkpoint_dir>/<version>)")
     status = sub.add_parser("status", help="versions, queue depth and health of a run")
     status.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
     status.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
-COMMANDS = {"up": cmd_up, "train": cmd_train, "demo": cmd_demo, "status": cmd_status}
+COMMANDS = {"up": cmd_up, "train": cmd_train, "demo": cmd_demo, "status": cmd_status, "export": cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

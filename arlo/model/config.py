@@ -50,7 +50,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share the embedding table with the output projection."""
     dtype: str = "float32"
-    """Compute dtype ("float32" or "bfloat16"); parameters always stay float32."""
+    """Compute dtype ("float32" or "bfloat16"); parameters are stored in model.param_dtype (ModelSource)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",

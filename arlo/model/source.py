@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from arlo.model.config import ModelConfig
@@ -39,6 +40,15 @@ class ModelSource:
     tokenizer_name: str
     """"byte" or the HF directory holding tokenizer.json (see arlo.model.tokenizer.get_tokenizer)."""
     seed: int
+    name: str = ""
+    """What GetModelInfo reports: the preset's name or the checkpoint's directory."""
+    param_dtype: str = "float32"
+    """Dtype of the stored (served and published) parameters; the trainer's master copy is float32."""
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, *, seed: int = 0, param_dtype: str = "float32") -> ModelSource:
+        """A random init of `cfg` from `seed` with the byte tokenizer (tests and benches)."""
+        return cls(cfg=cfg, checkpoint=None, tokenizer_name="byte", seed=seed, param_dtype=param_dtype)
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -51,21 +61,49 @@ class ModelSource:
         """The checkpoint's own config.json (export keeps its token ids and names)."""
         return read_hf_config(self.checkpoint) if self.checkpoint is not None else None
 
-    def initial_state(self, shardings: Any = None) -> nnx.State:
-        """Version 0's parameters, placed by `shardings` (a state-shaped tree of shardings, or
-        a device) if given. A checkpoint is read tensor by tensor straight into that placement,
-        so a process never holds a second full copy and each device receives only its shard."""
+    def abstract_state(self, dtype: str | None = None) -> nnx.State:
+        """Shapes and dtypes of the parameters, floats in `dtype` (default: param_dtype)."""
+        return cast_state(nnx.split(abstract_model(self.cfg))[1], dtype or self.param_dtype)
+
+    def initial_state(self, shardings: Any = None, *, dtype: str | None = None) -> nnx.State:
+        """Version 0's parameters in `dtype` (default: param_dtype), placed by `shardings` (a
+        state-shaped tree of shardings, or a device) if given. A checkpoint is read tensor by
+        tensor straight into that placement, so a process never holds a second full copy and
+        each device receives only its shard."""
+        dtype = dtype or self.param_dtype
         if self.checkpoint is None:
-            state = nnx.split(create_model(self.cfg, self.seed))[1]
+            state = cast_state(nnx.split(create_model(self.cfg, self.seed))[1], dtype)
             return state if shardings is None else jax.device_put(state, shardings)
-        like = nnx.split(abstract_model(self.cfg))[1]
+        like = self.abstract_state(dtype)
         if shardings is not None:
             like = _with_shardings(like, shardings)
         return load_hf_state(self.checkpoint, self.cfg, like)
 
 
+def cast_state(state: nnx.State, dtype: str) -> nnx.State:
+    """`state` with its floating arrays (or ShapeDtypeStructs) in `dtype`; others unchanged.
+    float32 -> bfloat16 rounds to nearest even, on the device as on the host (ml_dtypes), so
+    the trainer's cast of its master copy and inference's load of the checkpoint agree bit for bit."""
+    target = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, target, sharding=x.sharding)
+        return x.astype(target)
+
+    return jax.tree.map(cast, state)
+
+
+def preset_source(name: str = "tiny", *, seed: int = 0, dtype: str = "float32",
+                  param_dtype: str = "float32", tokenizer: str = "byte") -> ModelSource:
+    """A preset's source (tests and benches): `resolve_model` without a checkpoint."""
+    return resolve_model(name=name, path="", tokenizer=tokenizer, seed=seed, dtype=dtype, param_dtype=param_dtype)
+
+
 def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str = "float32",
-                  max_seq_len: int = 0) -> ModelSource:
+                  param_dtype: str = "float32", max_seq_len: int = 0) -> ModelSource:
     """`path` (an HF directory) wins over the preset `name`; its tokenizer is the directory's
     own unless `tokenizer` names another. `max_seq_len` > 0 caps the sequence length (an HF
     config's max_position_embeddings is often far longer than a run needs)."""
@@ -79,7 +117,8 @@ def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str
         tok, root = tokenizer or "byte", None
     if max_seq_len:
         cfg = dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, max_seq_len))
-    return ModelSource(cfg=cfg, checkpoint=root, tokenizer_name=tok, seed=seed)
+    return ModelSource(cfg=cfg, checkpoint=root, tokenizer_name=tok, seed=seed, param_dtype=param_dtype,
+                       name=str(root) if root is not None else name)
 
 
 def check_model_dir(root: Path) -> None:

@@ -39,15 +39,15 @@ from services.inference.weights import WeightSync
 
 async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, Engine]:
     ic = cfg.inference
-    engine = Engine(cfg.model.name, seed=cfg.model.seed, tokenizer=cfg.model.tokenizer, dtype=cfg.model.dtype,
-                    config=ic, mesh=inference_mesh(ic.mesh))
+    source = cfg.model.source()
+    engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh))
     redis = await connect(cfg.redis)
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     running = await start_server("inference", ic.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
-                       servicer=InferenceServicer(engine, cfg.model.tokenizer))])
+                       servicer=InferenceServicer(engine, source.tokenizer_name))])
     host = advertise_host(ic.server.host)
     heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=f"{socket.gethostname()}-{os.getpid()}")
     tasks.spawn("engine", lambda: run_engine(engine))

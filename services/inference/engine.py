@@ -29,8 +29,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arlo.config import InferenceConfig
-from arlo.model import ModelConfig, create_model, get_tokenizer
+from arlo.model import ModelConfig, abstract_model
 from arlo.model.sharding import fitted_state_shardings
+from arlo.model.source import ModelSource
 from services.inference.requests import (
     MAX_STOP_IDS,
     MAX_STOP_STRING_BYTES,
@@ -122,25 +123,28 @@ class RequestHandle:
 class Engine:
     """One model, one swappable policy, many concurrent requests batched on one device loop."""
 
-    def __init__(self, model_name: str, *, seed: int, tokenizer: str, dtype: str = "float32",
-                 config: InferenceConfig | None = None, mesh: Mesh | None = None) -> None:
-        """`config`: the run's inference section (slots, limits, KV budget; its `server` and
-        `mesh` are the service's business). `mesh`: shard the weights by their logical axes and
-        the KV cache (slots over the data axes, kv heads over `tensor`) across its devices; None
-        serves from the default device."""
+    def __init__(self, source: ModelSource, *, config: InferenceConfig | None = None,
+                 mesh: Mesh | None = None) -> None:
+        """`source`: the decoder, tokenizer and version-0 weights (a checkpoint or a preset's
+        seed), in the source's param_dtype. `config`: the run's inference section (slots,
+        limits, KV budget; its `server` and `mesh` are the service's business). `mesh`: shard
+        the weights by their logical axes and the KV cache (slots over the data axes, kv heads
+        over `tensor`) across its devices; None serves from the default device."""
         self.config = config or InferenceConfig()
         self.config.validate("inference")
-        self.model_name = model_name
-        base = dataclasses.replace(ModelConfig.named(model_name), dtype=dtype)
+        self.model_name = source.name
+        base = source.cfg
         slot_len = min(base.max_seq_len, self.config.max_seq_len or base.max_seq_len)
         self.model_cfg = dataclasses.replace(base, max_seq_len=slot_len)
-        self.tokenizer = get_tokenizer(tokenizer)
-        self.graphdef, state = nnx.split(create_model(base, seed))
+        self.tokenizer = source.tokenizer()
+        abstract = source.abstract_state()
+        self.graphdef = nnx.split(abstract_model(base))[0]
         # Committed to the device(s), as every swapped-in state will be (see swap): jit keys its
         # programs on placement, and a mismatch would recompile everything on the first swap.
-        placement = jax.devices()[0] if mesh is None else fitted_state_shardings(state, mesh)
+        # The placement comes from the abstract state, so a checkpoint streams straight into it.
+        placement = jax.devices()[0] if mesh is None else fitted_state_shardings(abstract, mesh)
         self.mesh = mesh
-        self._policy = _Policy(state=jax.device_put(state, placement), version=0)
+        self._policy = _Policy(state=source.initial_state(placement), version=0)
         self.num_slots = _num_slots(self.config, self.model_cfg)
         self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
                              decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows,

@@ -14,7 +14,6 @@ from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
-from arlo.model import get_tokenizer
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.rpc.replicas import ReplicaSet
 from arlo.service_args import parse_service_config
@@ -33,7 +32,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     # One inference replica per episode, so its KV prefix is reused across turns.
     inference = ReplicaSet(cfg.inference.server.address,
                            lambda address: make_channel(address, token=token, tls=cfg.auth.tls), service="inference")
-    tok = get_tokenizer(cfg.model.tokenizer)
+    tok = cfg.model.source().tokenizer()
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()

@@ -17,7 +17,6 @@ from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
-from arlo.model import get_tokenizer
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import (
     RunningServer,
@@ -45,15 +44,16 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=mesh,
-                      sampling=cfg.rollout.sampling)
-    warm_start = (WarmStart(tc.sft, get_tokenizer(cfg.model.tokenizer), max_seq_len=learner.model_cfg.max_seq_len,
+    source = cfg.model.source()
+    learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
+    tok = source.tokenizer()
+    warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
         source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,
         read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir, checkpoint_every=tc.checkpoint_every,
-        tokenizer=cfg.model.tokenizer, filter_zero_variance=tc.algorithm.filter_zero_variance,
+        pad_id=tok.pad_id, filter_zero_variance=tc.algorithm.filter_zero_variance,
         overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                   if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
         warm_start=warm_start, start_paused=tc.start_paused,
@@ -81,8 +81,7 @@ async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyn
     it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
     tc = cfg.trainer
     # Built in the same order as start_trainer builds them: their creation is collective work too.
-    learner = Learner(cfg.model.model_config(), seed=cfg.model.seed, cfg=tc, mesh=make_mesh(tc.mesh),
-                      sampling=cfg.rollout.sampling)
+    learner = Learner(cfg.model.source(), cfg=tc, mesh=make_mesh(tc.mesh), sampling=cfg.rollout.sampling)
     checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
     running = await start_server("trainer", tc.server, cfg.auth, [])
     replica = Replica(learner, checkpointer, channel_for_this_process())

@@ -40,7 +40,8 @@ class CheckpointMeta:
     version: int
     step: int
     params_sha256: str
-    """sha256 of `state_to_bytes(params)`: the published version's checksum, checked on restore."""
+    """sha256 of `state_to_bytes(params)` (the float32 master copy; with param_dtype float32 the
+    published version's checksum), checked on restore. Empty: `start_save` computes it."""
     trajectory_ids: tuple[str, ...] = ()
     """Trained since the previous checkpoint; marked trained on resume (a crash may have come
     between this checkpoint completing and their de-duplication markers being written)."""
@@ -116,7 +117,10 @@ class Checkpointer:
         """Blocks only while the arrays are copied to host; then the caller may change them.
 
         Every piece restored is checksummed: params (the published sha), the optimizer state
-        (a flipped byte there restores silently and NaNs the model a step later) and the record."""
+        (a flipped byte there restores silently and NaNs the model a step later) and the record.
+        With several processes every one calls it (the checksum of an empty params_sha256 is a collective)."""
+        if not meta.params_sha256:
+            meta = dataclasses.replace(meta, params_sha256=params_sha256(params))
         record = dataclasses.asdict(dataclasses.replace(meta, opt_state_sha256=tree_sha256(opt_state)))
         record["trajectory_ids"] = list(record["trajectory_ids"])
         record["meta_sha256"] = meta_sha256(record)

@@ -169,7 +169,11 @@ class Durability:
         if published is None:
             raise RuntimeError(f"version {version} is not held (its publish failed); the next one is saved")
         covered, self._awaiting = self._awaiting, []
-        meta = CheckpointMeta(version=version, step=self.replica.learner.step_count, params_sha256=published.sha256,
+        # The checkpoint keeps the float32 master copy: its checksum is the publish's only when
+        # the published bytes are that copy (param_dtype float32); otherwise start_save computes it.
+        served_is_master = self.replica.learner.param_dtype == "float32"
+        meta = CheckpointMeta(version=version, step=self.replica.learner.step_count,
+                              params_sha256=published.sha256 if served_is_master else "",
                               trajectory_ids=tuple(t for s in covered for t in s.trajectory_ids))
         self._saving = covered
         try:

@@ -34,8 +34,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arlo.config import SamplingConfig, TrainerConfig
-from arlo.model import ModelConfig, create_model
-from arlo.model.sharding import batch_sharding, shard_state
+from arlo.model import abstract_model
+from arlo.model.sharding import batch_sharding, state_shardings
+from arlo.model.source import ModelSource, cast_state
 from services.trainer.batching import Batch
 from services.trainer.losses import aggregate_denominator
 from services.trainer.objectives import (
@@ -90,29 +91,35 @@ def sft_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
 class Learner:
     """Holds the policy and optimizer state; `step` applies one RL update, `sft_step` one SFT update."""
 
-    def __init__(self, model_cfg: ModelConfig, *, seed: int, cfg: TrainerConfig, mesh: Mesh | None = None,
+    def __init__(self, source: ModelSource, *, cfg: TrainerConfig, mesh: Mesh | None = None,
                  sampling: SamplingConfig | None = None) -> None:
-        """`sampling`: the run's `rollout.sampling`, so the trainer's logprobs are the sampler's
+        """`source`: the decoder and its initial weights (the checkpoint, or a preset's seed).
+        The learner holds them as a float32 master copy (what AdamW updates and checkpoints
+        keep); the forward pass and every publish see them in `source.param_dtype`.
+        `sampling`: the run's `rollout.sampling`, so the trainer's logprobs are the sampler's
         (None: temperature 1, nothing filtered)."""
-        self.model_cfg = model_cfg
+        self.model_cfg = source.cfg
+        self.param_dtype = source.param_dtype
         self.cfg = cfg
         self.sampling = sampling = sampling or SamplingConfig()
         self.mesh = mesh
-        self.graphdef, self.state = nnx.split(create_model(model_cfg, seed))
-        if mesh is not None:
-            # Parameters sharded by their logical axes; the optimizer state follows (zeros_like).
-            self.state = shard_state(self.state, mesh)
-        # The KL reference is the initial policy, held apart (never donated, never updated).
-        self.ref_state = jax.tree.map(jnp.copy, self.state) if cfg.algorithm.kl_coef else None
+        self.graphdef = nnx.split(abstract_model(source.cfg))[0]
+        # Parameters sharded by their logical axes (placed as they load); the optimizer state follows.
+        shardings = None if mesh is None else state_shardings(source.abstract_state("float32"), mesh)
+        self.state = source.initial_state(shardings, dtype="float32")
+        # The KL reference is the initial policy (trainer.algorithm.reference "after_sft": the
+        # policy once the warm start is done, see `set_reference`), held apart in the serving
+        # dtype: never donated, never updated.
+        self.ref_state = self._reference() if cfg.algorithm.kl_coef else None
         self._tx = rl_optimizer(cfg)
         self.opt_state = self._tx.init(self.state)
         self.step_count = 0
-        rl = functools.partial(_rl_step, self.graphdef, self._tx, cfg, sampling)
+        rl = functools.partial(_rl_step, self.graphdef, self._tx, cfg, self.param_dtype, sampling)
         # SFT keeps its own optimizer (its own learning rate and warmup) and state, made on the
         # first SFT step, so a warm start leaves RL a fresh AdamW and RL-only runs pay nothing.
         self._sft_tx = sft_optimizer(cfg)
         self.sft_opt_state: Any = None
-        sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, cfg)
+        sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, cfg, self.param_dtype)
         self._rl_step = jax.jit(rl, donate_argnums=(0, 1), static_argnums=(6,))
         self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
 
@@ -126,8 +133,22 @@ class Learner:
         return self._finish(metrics, batch, reward_mean=float(np.mean(batch.rewards_gk)))
 
     def restore(self, state: nnx.State, opt_state: Any, step: int) -> None:
-        """Continues from a checkpoint; the KL reference stays the seed's initial policy."""
+        """Continues from a checkpoint; the KL reference stays the initial policy."""
         self.state, self.opt_state, self.step_count = state, opt_state, step
+
+    def serving_state(self) -> nnx.State:
+        """The policy as inference serves it and every publish carries it: the master copy in
+        param_dtype (the same arrays when that is float32)."""
+        return cast_state(self.state, self.param_dtype)
+
+    def set_reference(self) -> None:
+        """Makes the current policy the KL reference (after the SFT warm start, reference "after_sft")."""
+        if self.ref_state is not None:
+            self.ref_state = self._reference()
+
+    def _reference(self) -> nnx.State:
+        # A copy: with param_dtype float32 the cast returns the very arrays a step donates.
+        return jax.tree.map(jnp.copy, self.serving_state())
 
     def sft_step(self, batch: SFTBatch) -> StepMetrics:
         if self.sft_opt_state is None:
@@ -181,12 +202,14 @@ def pad_rows(arrays: dict[str, np.ndarray], *, multiple: int) -> dict[str, np.nd
 
 def _accumulate(
     graphdef: Any, objective: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
-    state: nnx.State, mbs: dict[str, jax.Array],
+    state: nnx.State, mbs: dict[str, jax.Array], param_dtype: str = "float32",
 ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
-    """Sums loss and gradients over the leading (micro-batch) axis."""
+    """Sums loss and gradients over the leading (micro-batch) axis. The forward runs on the
+    master copy cast to param_dtype (exactly the weights inference serves); the cast's
+    gradient brings the gradients back to float32 for the master update."""
 
     def loss_fn(state: nnx.State, mb: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return objective(nnx.merge(graphdef, state), mb)
+        return objective(nnx.merge(graphdef, cast_state(state, param_dtype)), mb)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     num_mb = next(iter(mbs.values())).shape[0]
@@ -224,13 +247,13 @@ def _apply_if_finite(tx: optax.GradientTransformation, state: nnx.State, opt_sta
     return state, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - ok.astype(jnp.float32)}
 
 
-def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, sampling: SamplingConfig,
-             state: nnx.State, opt_state: Any, ref_state: nnx.State | None, mbs: dict[str, jax.Array],
-             rewards_gk: jax.Array, key_data: jax.Array, mini_batches: int):
+def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, param_dtype: str,
+             sampling: SamplingConfig, state: nnx.State, opt_state: Any, ref_state: nnx.State | None,
+             mbs: dict[str, jax.Array], rewards_gk: jax.Array, key_data: jax.Array, mini_batches: int):
     obj = tc.algorithm
     ref_model = nnx.merge(graphdef, ref_state) if ref_state is not None else None
     if obj.kl_coef and obj.kl_in_reward:
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, cast_state(state, param_dtype))
         kl_b = jax.lax.map(lambda mb: sequence_kl(model, ref_model, mb, obj.kl_kind), mbs).reshape(-1)
         rewards_gk = rewards_gk - obj.kl_coef * jax.lax.stop_gradient(kl_b[: rewards_gk.size]).reshape(rewards_gk.shape)
     adv = advantages_b(obj, rewards_gk)
@@ -240,7 +263,7 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
     updates = tc.ppo_epochs * mini_batches
     if updates > 1:
         # The proximal policy: the trainer's logprobs before this batch's first update, once.
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, cast_state(state, param_dtype))
         mbs["old_logprobs_bt"] = jax.lax.map(lambda mb: old_logprobs(model, mb, tc, sampling), mbs)
     flat = {k: v.reshape(total_rows, *v.shape[2:]) for k, v in mbs.items()} if mini_batches > 1 else {}
     keys = jax.random.split(jax.random.wrap_key_data(key_data), tc.ppo_epochs)
@@ -251,7 +274,8 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
         mask = rows["mask_bt"][:, :, 1:].reshape(-1, rows["mask_bt"].shape[-1] - 1)
         denominator = aggregate_denominator(mask, obj.aggregation, obj.norm_constant or None, num_rows=real.sum())
         loss, grads, metrics = _accumulate(
-            graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model, sampling), state, rows)
+            graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model, sampling), state, rows,
+            param_dtype)
         state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
         return (state, opt_state), {**metrics, **outcome}
 
@@ -274,10 +298,10 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
     return state, opt_state, metrics
 
 
-def _sft_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, state: nnx.State,
-              opt_state: Any, mbs: dict[str, jax.Array]):
+def _sft_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, param_dtype: str,
+              state: nnx.State, opt_state: Any, mbs: dict[str, jax.Array]):
     denominator = jnp.maximum(mbs["mask_bt"][:, :, 1:].sum(), 1.0)
     loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator, tc),
-                                       state, mbs)
+                                       state, mbs, param_dtype)
     state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
     return state, opt_state, {**metrics, **outcome}

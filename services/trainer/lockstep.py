@@ -152,7 +152,11 @@ class Replica:
 
     def state_bytes(self) -> bytes:
         self.channel.announce("publish", {})
-        return state_bytes(self.learner.state)
+        return state_bytes(self.learner.serving_state())
+
+    def set_reference(self) -> None:
+        self.channel.announce("set_reference", {})
+        self.learner.set_reference()
 
     def start_save(self, meta: CheckpointMeta) -> None:
         self.channel.announce("save", dataclasses.asdict(meta))
@@ -219,9 +223,11 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
             learner.sft_step(_broadcast_batch(_sft_placeholder(op.header), SFT_BATCH_FIELDS))
         elif op.name == "publish":
             try:
-                state_bytes(learner.state)
+                state_bytes(learner.serving_state())
             except NonFiniteWeights:
                 pass  # the leader refuses that publish too (same global check) and goes on
+        elif op.name == "set_reference":
+            learner.set_reference()
         elif op.name == "save":
             assert ckpt is not None, "the leader checkpoints, so every process needs trainer.checkpoint_dir"
             meta = CheckpointMeta(**{**op.header, "trajectory_ids": tuple(op.header["trajectory_ids"])})

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
-from arlo.model import get_tokenizer
+from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights
 from services.trainer.batching import (
     GroupAssembler,
@@ -51,7 +51,7 @@ class TrainingLoop:
     def __init__(
         self, *, learner: Learner, stream: TrajectoryStream, pointer: WeightPointer, store: VersionStore,
         source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
-        checkpoint_dir: str = "", checkpoint_every: int = 0, tokenizer: str = "byte",
+        checkpoint_dir: str = "", checkpoint_every: int = 0, pad_id: int = ByteTokenizer.pad_id,
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, start_paused: bool = False,
     ) -> None:
@@ -71,7 +71,7 @@ class TrainingLoop:
         self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
         # Every JAX call goes through the replica: with several processes it tells the others first.
         self.replica = Replica(learner, self.checkpointer, channel)
-        self.pad_id = get_tokenizer(tokenizer).pad_id
+        self.pad_id = pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness, vocab_size=learner.model_cfg.vocab_size)
         self.state = TrainerState(paused=start_paused)
         self._ready: list[ReadyGroup] = []
@@ -170,6 +170,9 @@ class TrainingLoop:
             self.state.last = metrics
             self.state.tokens_trained += batch.num_tokens
             if self.phase == "rl":
+                if self.learner.cfg.algorithm.reference == "after_sft":
+                    async with self._jax_lock:  # the KL reference is the warm-started policy
+                        await asyncio.to_thread(self.replica.set_reference)
                 self.state.version += 1
                 await self._publish()
                 log.info("warm start done: %d SFT steps -> version %d, loss %.4f", self.learner.step_count,

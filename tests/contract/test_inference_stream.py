@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from arlo.config import InferenceConfig, load_config
+from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from arlo.rpc import ServiceBinding, make_channel, start_server
 from services.inference.engine import Engine
@@ -24,7 +25,7 @@ async def served(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, En
     monkeypatch.setenv("ARLO_TOKEN", TOKEN)
     cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
     # Two steps per chunk and up to 200 tokens: a long request stays in flight for many chunks.
-    engine = Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=4, max_tokens=200, max_prompt_tokens=32, max_batch=8, decode_steps=2))
+    engine = Engine(preset_source("tiny"), config=InferenceConfig(max_n=4, max_tokens=200, max_prompt_tokens=32, max_batch=8, decode_steps=2))
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     running = await start_server("inference", cfg.inference.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
@@ -115,7 +116,7 @@ async def test_rollout_counts_the_oldest_version_any_replica_serves(served: tupl
 
     address, first = served
     cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
-    second = Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=1, max_tokens=8, max_prompt_tokens=32, max_batch=2))
+    second = Engine(preset_source("tiny"), config=InferenceConfig(max_n=1, max_tokens=8, max_prompt_tokens=32, max_batch=2))
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     running = await start_server("inference", cfg.inference.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,

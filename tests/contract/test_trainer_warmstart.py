@@ -89,3 +89,38 @@ async def test_missing_demonstrations_fail_at_start_naming_the_file(redis_url: s
     with pytest.raises(ValueError, match="SFT data not found: '/nonexistent.jsonl'"):
         async with trainer(run_config(redis_url, run_id, data="/nonexistent.jsonl")):
             pass
+
+
+@pytest.mark.parametrize("reference", ["initial", "after_sft"])
+async def test_the_kl_reference_is_the_initial_or_the_warm_started_policy(redis_url: str, run_id: str, reference: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """kl_ref at the first RL step: ~0 against the policy after SFT (reference after_sft); clearly
+    above 0 against the initial policy, which SFT moved away from."""
+    from services.trainer.batching import build_batch
+    from tests.unit.test_trainer_learner import random_groups
+
+    monkeypatch.setenv("ARLO_TOKEN", TOKEN)
+    cfg = load_config(overrides={
+        "run_id": run_id, "redis": {"url": redis_url},
+        "trainer": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.2}, "read_block_ms": 50,
+                    "sft": {"data": "builtin:arith_tool", "steps": 4, "batch_size": 8, "learning_rate": 0.02},
+                    "algorithm": {"kl_coef": 0.1, "reference": reference}}})
+    tasks = TaskGroup()
+    running, loop = await start_trainer(cfg, tasks)
+    try:
+        for _ in range(600):
+            if loop.phase == "rl" and loop.state.version == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert loop.phase == "rl"
+        await loop.pause()
+        batch = build_batch(random_groups(2, 3, seed=1), loop.learner.model_cfg.max_seq_len, loop.pad_id)
+        kl = (await asyncio.to_thread(loop.learner.step, batch)).extra["kl_ref"]
+        assert kl < 1e-6 if reference == "after_sft" else kl > 1e-3
+    finally:
+        await tasks.cancel_all()
+        await loop.close()
+        await running.stop(0.1)
+        redis = await connect(cfg.redis)
+        await delete_run(redis, run_id)
+        await redis.aclose()

@@ -21,6 +21,7 @@ from flax import nnx
 from arlo.config import MeshConfig, TrainerConfig
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.model import ModelConfig
+from arlo.model.source import ModelSource
 from services.trainer.batching import build_batch
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta
 from services.trainer.gather import host_state, state_bytes
@@ -55,7 +56,7 @@ def _flat(state: nnx.State) -> dict[str, np.ndarray]:
 def main() -> None:
     out, ckpt_dir = Path(sys.argv[1]), sys.argv[2]
     initialize_from_env(timeout_s=60)
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(learning_rate=1e-2),
+    learner = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig(learning_rate=1e-2),
                       mesh=make_mesh(MESH))
     initial = _flat(host_state(learner.state))  # a collective: every process gathers here
     if jax.process_count() == 1:

@@ -18,6 +18,7 @@ from flax import nnx
 
 from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, create_model, state_from_bytes, state_to_bytes
+from arlo.model.source import preset_source
 from services.inference.engine import Engine, SamplingRequest, TokenDelta
 
 CONFIG = InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64, max_batch=8, decode_steps=4)
@@ -25,7 +26,7 @@ NO_STOP = (263,)  # an id the byte tokenizer never makes: completions run to max
 
 
 def new_engine(**config: object) -> Engine:
-    return Engine("tiny", seed=0, tokenizer="byte", config=dataclasses.replace(CONFIG, **config))
+    return Engine(preset_source("tiny"), config=dataclasses.replace(CONFIG, **config))
 
 
 @pytest.fixture(scope="module")

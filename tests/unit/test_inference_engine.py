@@ -9,12 +9,13 @@ from flax import nnx
 
 from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, create_model, token_logprobs
+from arlo.model.source import preset_source
 from services.inference.engine import Engine, SamplingRequest
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64))
+    return Engine(preset_source("tiny"), config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64))
 
 
 PROMPT = (257, 260, 51, 43, 52, 61, 258, 261)
@@ -47,7 +48,7 @@ def test_unseeded_requests_differ_and_seeded_repeat(engine: Engine) -> None:
 
 
 def test_swap_changes_outputs_and_versions() -> None:
-    engine = Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=2, max_tokens=8, max_prompt_tokens=32))
+    engine = Engine(preset_source("tiny"), config=InferenceConfig(max_n=2, max_tokens=8, max_prompt_tokens=32))
     req = SamplingRequest(prompt=PROMPT, max_tokens=8, temperature=0.0)
     before = engine.generate(req)[0]
     assert set(before.policy_versions) == {0}

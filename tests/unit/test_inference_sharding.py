@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     from arlo.distributed import make_mesh
     from arlo.model import create_model, state_from_bytes, state_to_bytes
     from arlo.config import InferenceConfig
+    from arlo.model.source import preset_source
     from services.inference.engine import Engine, SamplingRequest
 
     assert jax.device_count() == 8
@@ -32,7 +33,7 @@ SCRIPT = textwrap.dedent("""
             SamplingRequest(prompt=(1, 2, 3), n=2, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)]
 
     def serve(mesh):
-        engine = Engine("tiny", seed=0, tokenizer="byte", config=config, mesh=mesh)
+        engine = Engine(preset_source("tiny"), config=config, mesh=mesh)
         try:
             first = [[s.token_ids for s in h.result(300)] for h in engine.submit_many(reqs)]
             # A swap on the mesh keeps every parameter's placement (no recompile, no gather).

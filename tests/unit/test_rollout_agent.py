@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from arlo.config import InferenceConfig
+from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.inference.engine import Engine
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
@@ -16,7 +17,7 @@ from tests.support.inprocess import TOK, CoreScorer, EngineGenerator, GatewayEnv
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=200))
+    return Engine(preset_source("tiny"), config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=200))
 
 
 def spec(**kw) -> EpisodeSpec:

@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 from arlo.config import AlgorithmConfig, InferenceConfig, SamplingConfig, TrainerConfig
-from arlo.model import ModelConfig, sampling_logprobs
+from arlo.model import sampling_logprobs
 from arlo.model.logprobs import sampled_token_logprobs
 from arlo.model.sampling import finite_logprobs
+from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.inference.engine import Engine, SamplingRequest
 from services.trainer.batching import build_batch
@@ -42,7 +43,7 @@ def test_every_token_gets_the_samplers_logprob(t: float, k: int, p: float, m: fl
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine("tiny", seed=0, tokenizer="byte", config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64))
+    return Engine(preset_source("tiny"), config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64))
 
 
 def samples(engine: Engine, s: SamplingConfig):
@@ -80,10 +81,10 @@ def test_the_learner_reports_the_sampler_trainer_mismatch(engine: Engine, traine
     """`logprob_mismatch` is behaviour vs trainer on the same weights (the batch's start)."""
     batch = build_batch([group_from(samples(engine, BAR), lambda i: float(i % 2))], 256, 256)
     tc = TrainerConfig(learning_rate=1e-2, **trainer)
-    matched = Learner(ModelConfig.named("tiny"), seed=0, cfg=tc, sampling=BAR).step(batch)
+    matched = Learner(preset_source("tiny"), cfg=tc, sampling=BAR).step(batch)
     assert matched.extra["logprob_mismatch"] < 1e-5
     assert not matched.skipped and np.isfinite(matched.loss)
-    unfiltered = Learner(ModelConfig.named("tiny"), seed=0, cfg=tc).step(batch)
+    unfiltered = Learner(preset_source("tiny"), cfg=tc).step(batch)
     assert unfiltered.extra["logprob_mismatch"] > 1e-2
 
 
@@ -96,7 +97,7 @@ def test_several_updates_per_batch_keep_the_proximal_policy_and_move_further() -
     batch = build_batch(random_groups(2, 4), 256, 256)
     kls = []
     for epochs, minis in ((1, 1), (2, 2), (4, 2)):
-        learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(
+        learner = Learner(preset_source("tiny"), cfg=TrainerConfig(
             learning_rate=1e-2, ppo_epochs=epochs, mini_batches=minis, algorithm=AlgorithmConfig(decoupled=True)))
         first = jax.device_get(jax.tree.leaves(learner.state)[0]).copy()
         m = learner.step(batch)

@@ -14,7 +14,7 @@ import numpy as np
 
 from arlo.config import RewardConfig, TrainerConfig
 from arlo.groups import group_failed, trainable_count
-from arlo.model import ModelConfig
+from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.reward.registry import build_registry
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
@@ -61,6 +61,6 @@ def test_a_composite_reward_run_trains(tmp_path) -> None:
     assert not group_failed(group) and trainable_count(group, filter_zero_variance=True) == 4
     assert rewards[0] == rewards[3] > rewards[1] > rewards[2] >= 0.0, rewards  # 1.0, 0.3 (format only), 0
     assert all(len(t.reward_components) >= 2 for t in group), [dict(t.reward_components) for t in group]
-    metrics = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig()).step(
+    metrics = Learner(preset_source("tiny"), cfg=TrainerConfig()).step(
         build_batch([group], 256, TOK.pad_id))
     assert not metrics.skipped and np.isfinite(metrics.loss) and metrics.grad_norm > 0

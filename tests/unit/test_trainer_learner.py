@@ -11,6 +11,7 @@ from flax import nnx
 
 from arlo.config import AlgorithmConfig, SFTConfig, TrainerConfig
 from arlo.model import ModelConfig, get_tokenizer, token_logprobs
+from arlo.model.source import ModelSource
 from arlo.proto.v1 import common_pb2
 from services.trainer.batching import build_batch
 from services.trainer.learner import Learner
@@ -41,7 +42,7 @@ def _logits(learner: Learner, ids: list[int]) -> np.ndarray:
 
 
 def test_grpo_steps_raise_the_rewarded_token_probability() -> None:
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(learning_rate=1e-2))
+    learner = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig(learning_rate=1e-2))
     prompt_logits = _logits(learner, [257, 260, 51, 43, 52, 61, 258, 261])[-1]
     before = jax.nn.log_softmax(prompt_logits)
     for _ in range(5):
@@ -54,7 +55,7 @@ def test_grpo_steps_raise_the_rewarded_token_probability() -> None:
 
 
 def test_on_policy_ratio_is_one_at_the_first_step() -> None:
-    learner = Learner(ModelConfig.named("tiny"), seed=1, cfg=TrainerConfig())
+    learner = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=1), cfg=TrainerConfig())
     metrics = learner.step(build_batch([group(learner, 55, 56)], 256, 256))
     # Behaviour logprobs were computed from the same weights: nothing is clipped, KL is ~0.
     assert metrics.clip_fraction == 0.0 and abs(metrics.approx_kl) < 1e-5
@@ -90,11 +91,11 @@ def sgd_update(micro_batch_size: int, algorithm: AlgorithmConfig | None = None, 
     from services.trainer.learner import _rl_step
 
     tc = TrainerConfig(micro_batch_size=micro_batch_size, algorithm=algorithm or AlgorithmConfig(), **trainer)
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=tc)
+    learner = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=tc)
     batch = build_batch(random_groups(3, 2), 256, 256)  # 6 rows
     tx = optax.sgd(1.0)
     before = jax.tree.leaves(jax.device_get(nnx.to_pure_dict(learner.state)))
-    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc, learner.sampling), static_argnums=(6,))
+    step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc, "float32", learner.sampling), static_argnums=(6,))
     key = jax.random.key_data(jax.random.key(0))
     after, _, _ = step(learner.state, tx.init(learner.state), None, learner._device_rows(batch, mini_batches=1),
                        jax.numpy.asarray(batch.rewards_gk), key, 1)
@@ -117,7 +118,7 @@ def test_micro_batches_give_the_full_batch_gradient_including_a_partial_last_one
 ])
 def test_objective_variants_take_finite_steps(objective: dict) -> None:
     algorithm = AlgorithmConfig(**objective)
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(micro_batch_size=4, algorithm=algorithm))
+    learner = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig(micro_batch_size=4, algorithm=algorithm))
     metrics = learner.step(build_batch(random_groups(2, 4), 256, 256))
     assert np.isfinite(metrics.loss) and np.isfinite(metrics.grad_norm) and metrics.grad_norm > 0
     if objective.get("kl_coef") and not objective.get("kl_in_reward"):
@@ -127,7 +128,7 @@ def test_objective_variants_take_finite_steps(objective: dict) -> None:
 
 
 def test_sft_steps_lower_the_demonstration_loss() -> None:
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(learning_rate=1e-2, micro_batch_size=2,
+    learner = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig(learning_rate=1e-2, micro_batch_size=2,
                                                                       sft=SFTConfig(warmup_steps=0)))
     (demos,) = random_groups(1, 3, seed=5)
     batch = sft_batch([Example(list(t.token_ids), list(t.loss_mask)) for t in demos], 256, 256)
@@ -155,7 +156,7 @@ def test_sft_has_its_own_optimizer_and_leaves_rl_state_fresh() -> None:
     from services.trainer.sft import tokenize_demonstration
 
     cfg = ModelConfig.named("tiny")
-    learner = Learner(cfg, seed=0, cfg=TrainerConfig(learning_rate=1e-3,
+    learner = Learner(ModelSource.from_config(cfg, seed=0), cfg=TrainerConfig(learning_rate=1e-3,
                                                      sft=SFTConfig(learning_rate=1e-2, warmup_steps=0)))
     rl_state_before = jax.tree.map(np.asarray, learner.opt_state)
     rng = random.Random(0)
@@ -174,7 +175,7 @@ def test_a_non_finite_step_is_skipped_leaving_weights_and_optimizer_state_unchan
     """The skip is decided inside the jitted step (its inputs are donated): nothing of it lands."""
     from arlo.model.weights import state_to_bytes
 
-    learner = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(learning_rate=1e-2))
+    learner = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig(learning_rate=1e-2))
     learner.step(build_batch([group(learner, 55, 56)], 256, 256))  # Adam's moments are non-zero now
     weights, moments = state_to_bytes(learner.state), [np.asarray(x) for x in jax.tree.leaves(learner.opt_state)]
     bad = group(learner, 55, 56)

@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent("""
     from arlo.config import MeshConfig
     from arlo.distributed import make_mesh
     from arlo.model import ModelConfig
+    from arlo.model.source import ModelSource
     from services.trainer.batching import build_batch
     from arlo.config import TrainerConfig
     from services.trainer.learner import Learner
@@ -28,8 +29,8 @@ SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 8
     mesh = make_mesh(MeshConfig(axis_names=("data", "fsdp", "tensor"), axis_sizes=(2, 2, 2)))
     batch = build_batch(random_groups(2, 4), 256, 256)  # 8 rows: split over data x fsdp
-    plain = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig())
-    sharded = Learner(ModelConfig.named("tiny"), seed=0, cfg=TrainerConfig(), mesh=mesh)
+    plain = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig())
+    sharded = Learner(ModelSource.from_config(ModelConfig.named("tiny"), seed=0), cfg=TrainerConfig(), mesh=mesh)
     q = sharded.state["layers"][0]["attn"]["q_dnh"][...]
     assert not q.sharding.is_fully_replicated, q.sharding
     a, b = plain.step(batch), sharded.step(batch)

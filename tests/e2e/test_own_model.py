@@ -1,0 +1,92 @@
+"""Bring your own model, end to end: a tiny checkpoint written by `transformers` (its real config
+class, safetensors, a BPE tokenizer trained by `tokenizers`, the family's real chat template) as
+`model.path`; `arlo demo` runs RL steps through every service as subprocesses on a real Redis
+and exports the policy; transformers loads the export with logits equal to arlo's within 1e-4.
+Config errors for a bad model section come at load, naming the field and the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from arlo.config import ConfigError, load_config
+from tests.e2e.test_cli import arlo
+from tests.support.hf_checkpoints import write_checkpoint
+
+_SKIP = "needs the hf extra: pip install -e '.[hf]'"
+torch = pytest.importorskip("torch", reason=_SKIP)
+transformers = pytest.importorskip("transformers", reason=_SKIP)
+
+DEMO_TIMEOUT_S = 420
+
+
+def own_model_config(path: Path, run_id: str, redis_url: str, model_dir: Path, **model) -> Path:
+    cfg = {
+        "run_id": run_id, "redis": {"url": redis_url},
+        "model": {"path": str(model_dir), "max_seq_len": 128, **model},
+        "inference": {"max_n": 4, "max_tokens": 8, "max_prompt_tokens": 112, "max_batch": 16, "decode_steps": 4},
+        # The entropy bonus moves the weights even when every reward of a group is equal (a random
+        # model rarely adds right), so the export is provably the trained policy.
+        "trainer": {"groups_per_step": 2, "learning_rate": 0.001, "algorithm": {"entropy_coef": 0.01}},
+        "rollout": {"env_name": "arith", "env_config_json": '{"op": "+", "max_operand": 9, "tool": false}',
+                    "group_size": 4, "max_turns": 1, "max_episode_tokens": 120, "concurrent_groups": 2,
+                    "sampling": {"temperature": 1.0, "max_tokens": 8}, "rpc_timeout_s": 120.0},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 120)
+def test_a_checkpoint_trains_through_every_service_and_exports(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    """One run (each costs five services' start and JAX compiles): Qwen2 with two eos ids, bfloat16
+    stored weights (published, served and exported in bf16, float32 master in the trainer).
+    Llama 3 and Qwen3 load, serve and export through the same code (tests/unit/test_model_source.py,
+    test_hf_export.py)."""
+    model_dir = write_checkpoint(tmp_path / "qwen2", "qwen2")
+    config = own_model_config(tmp_path / "run.yaml", run_id, redis_url, model_dir, param_dtype="bfloat16")
+    out, report = tmp_path / "exported", tmp_path / "report.json"
+    result = arlo("demo", "-c", str(config), "--steps", "2", "--no-eval", "--json", str(report),
+                  "--export", str(out), home=tmp_path / "home", timeout=DEMO_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    summary = json.loads(report.read_text())
+    assert summary["steps"] >= 2, summary
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["architectures"] == json.loads((model_dir / "config.json").read_text())["architectures"]
+    assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    assert (out / "generation_config.json").is_file() and hf_cfg["dtype"] == "bfloat16"
+
+    from arlo.model.hf import load_hf_model
+
+    ours_model = load_hf_model(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, hf_cfg["vocab_size"], (2, 17))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.numpy()
+    ours = np.asarray(ours_model(jnp.asarray(tokens)))
+    assert np.abs(ours - theirs).max() < 1e-4
+    # The export is the trained policy, not the checkpoint it started from.
+    start = np.asarray(load_hf_model(model_dir)(jnp.asarray(tokens)))
+    assert np.abs(ours - start).max() > 0
+
+
+def test_model_errors_come_at_config_load_naming_field_and_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model\.name: unknown model config 'qwen2\.5-0\.5b'"):
+        load_config(overrides={"model": {"name": "qwen2.5-0.5b"}})
+    model_dir = write_checkpoint(tmp_path / "qwen2", "qwen2")
+    (model_dir / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"model\.path: .*tokenizer\.json: missing"):
+        load_config(overrides={"model": {"path": str(model_dir)}})
+    other = write_checkpoint(tmp_path / "llama", "llama3")
+    hf = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**hf, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"model\.path: .*config\.json architectures: 'MistralForCausalLM'"):
+        load_config(overrides={"model": {"path": str(other)}})
+    with pytest.raises(ConfigError, match=r"model\.path: .*not a directory"):
+        load_config(overrides={"model": {"path": str(tmp_path / "nowhere")}})
