@@ -25,11 +25,10 @@ from arlo.model.tokenizer import Tokenizer
 from services.env_gateway.tool_calls import ToolCall, parse_tool_calls
 from services.inference.episodes import Branch
 
-TOOLS_PREAMBLE = ("You may call one or more functions to assist with the user query. The functions are "
-                  "described in JSON within <tools></tools>:\n<tools>\n{tools}\n</tools>\nFor each function "
-                  "call, return a JSON object with the function name and arguments within "
-                  '<tool_call></tool_call> tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
-                  "<args-json-object>}}\n</tool_call>")
+TOOLS_PREAMBLE = ("Tools:\n<tools>\n{tools}\n</tools>\n"
+                  'Call: <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>')
+"""Kept short, with each tool as its compact `function` object: it is in every prompt of a
+tool-using episode, and the byte model's whole context is 256 tokens."""
 
 
 def content_text(content: Any) -> str:
@@ -85,7 +84,7 @@ def encode_conversation(tok: Tokenizer, messages: Sequence[Mapping[str, Any]],
     if tools and _accepts_tools(tok):
         return tok.encode_messages(chat, add_generation_prompt=True, add_bos=True, tools=list(tools))  # type: ignore[call-arg]
     if tools:
-        preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t) for t in tools))
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools))
         if chat and chat[0][0] == "system":
             chat[0] = ("system", f"{chat[0][1]}\n\n{preamble}")
         else:
