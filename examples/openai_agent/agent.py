@@ -21,9 +21,9 @@ from typing import Any
 
 MODEL = "policy"  # any name: the endpoint serves one model
 # The agent's own tool, run here: the environment only asks the question and judges the answer.
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "integer math",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"expression": {"type": "string"}}}}}]
+# Terse, because the demo's byte-level model has a 256-token context for the whole episode.
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}}}}]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
 
 
@@ -58,7 +58,7 @@ def run_tool(name: str, arguments: str) -> str:
 async def run(task, client) -> str:
     messages: list[dict[str, Any]] = list(task.messages)
     first = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                                 max_tokens=16, logprobs=True)
+                                                 max_tokens=12, logprobs=True)
     reply = first.choices[0].message
     messages.append(reply.model_dump(exclude_none=True))
     if reply.tool_calls:
@@ -68,5 +68,5 @@ async def run(task, client) -> str:
     else:  # an untrained policy rarely calls a tool: the agent tells it what it did instead
         messages.append({"role": "user", "content": "Answer with a number."})
     second = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                                  max_tokens=16, logprobs=True)
+                                                  max_tokens=12, logprobs=True)
     return second.choices[0].message.content or ""
