@@ -105,7 +105,11 @@ def build_prompt(tok: Tokenizer, messages: Sequence[Mapping[str, Any]], tools: S
     if best is None:
         return encode_conversation(tok, messages, tools), False, keys
     tail = [_chat_pair(m) for m in messages[len(best.key) - 1:]]
-    return list(best.tokens) + tok.encode_messages(tail, add_generation_prompt=True, add_bos=False), True, keys
+    try:
+        added = tok.encode_messages(tail, add_generation_prompt=True, add_bos=False)
+    except ValueError:  # a template that cannot be encoded turn by turn: render it whole
+        return encode_conversation(tok, messages, tools), False, keys
+    return list(best.tokens) + added, True, keys
 
 
 def branch(keys: tuple[str, ...], tools: Sequence[Mapping[str, Any]], reply: Mapping[str, Any],
