@@ -5,10 +5,8 @@ trajectory must be exactly the tokens the engine recorded for the agent's calls.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 
 from arlo.config import RolloutConfig, SamplingConfig
@@ -21,19 +19,17 @@ from services.rollout.blackbox import AgentTask, BlackBoxRunner, Call, load_agen
 from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.rollout.recorded import GrpcRecordings
 from services.rollout.worker import RolloutWorker
-from tests.support.openai_server import TOKEN, Served, inference_service
+from tests.support.openai_server import TOKEN, Served
 
 TOK = ByteTokenizer()
-pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="session")]
 SEEN: dict[str, list] = {}
 """Replies each test agent got, by episode id."""
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(redis_url: str) -> AsyncIterator[Served]:
-    with pytest.MonkeyPatch.context() as mp:
-        async with inference_service(mp, redis_url, f"agent-{uuid.uuid4().hex[:8]}") as s:
-            yield s
+@pytest.fixture
+def served(openai_served: Served) -> Served:
+    return openai_served
 
 
 class KeptRecordings(GrpcRecordings):

@@ -4,28 +4,22 @@ input, and the per-episode token records that black-box training is built on."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
-
 import httpx2 as httpx
 import openai
 import pytest
-import pytest_asyncio
 
 from arlo.model.tokenizer import ASSISTANT, BOS, EOS, TOOL, USER, ByteTokenizer
 from arlo.proto.v1 import inference_pb2
-from tests.support.openai_server import TOKEN, Served, inference_service
+from tests.support.openai_server import TOKEN, Served
 
 TOK = ByteTokenizer()
-# One server for the module (its first requests compile the engine's programs).
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+# One server for both OpenAI modules (tests/contract/conftest.py).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="session")]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(redis_url: str) -> AsyncIterator[Served]:
-    with pytest.MonkeyPatch.context() as mp:
-        async with inference_service(mp, redis_url, f"openai-{uuid.uuid4().hex[:8]}") as s:
-            yield s
+@pytest.fixture
+def served(openai_served: Served) -> Served:
+    return openai_served
 
 
 def client(served: Served, episode: str = "", api_key: str = TOKEN) -> openai.AsyncOpenAI:
