@@ -258,9 +258,22 @@ class InferenceConfig:
     """Prompts prefilled together in one call (at least one request is admitted per step)."""
     max_seq_len: int = 0
     """Prompt + completion tokens one slot holds (KV cache length); 0 = the model's max_seq_len."""
+    openai_port: int = 0
+    """Port of the OpenAI-compatible HTTP endpoint (/v1/chat/completions, /v1/completions, /v1/models)
+    on server.host: 0 picks a free one (its URL is in the heartbeat and GetModelInfo), -1 turns it off."""
+    openai_max_episodes: int = 4096
+    """Episodes whose OpenAI calls are recorded at once (X-Arlo-Episode); the least recently used is dropped."""
+    openai_max_calls: int = 256
+    """Calls recorded per episode at most; later ones are served but counted as dropped."""
+    openai_episode_ttl_s: float = 1800.0
+    """An episode record nobody fetched (GetEpisode) or extended for this long is dropped."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
+        _check(f"{path}.openai_port", -1 <= self.openai_port < 65536, "must be in [-1, 65535] (0 = free, -1 = off)")
+        _check(f"{path}.openai_max_episodes", self.openai_max_episodes >= 1, "must be >= 1")
+        _check(f"{path}.openai_max_calls", self.openai_max_calls >= 1, "must be >= 1")
+        _check(f"{path}.openai_episode_ttl_s", self.openai_episode_ttl_s > 0, "must be > 0")
         _check(f"{path}.max_n", 1 <= self.max_n <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_batch", self.max_batch >= self.max_n, "must be >= max_n (a request's samples run together)")
         _check(f"{path}.kv_cache_mib", self.kv_cache_mib >= 0, "must be >= 0")
@@ -756,6 +769,9 @@ class RolloutConfig:
     task_lease_s: float = 900.0
     """A cursor-drawn task not finished this long after it was handed out (its worker died) is
     handed out again: at-least-once. Keep it above the longest a group can take."""
+    agent: str = ""
+    """A black-box agent, "module:function" naming `async def run(task, client) -> str | float`: it
+    drives the policy through the OpenAI endpoint instead of the built-in turn loop (docs/openai.md)."""
 
     @property
     def mixture(self) -> tuple[RolloutEnvConfig, ...]:
@@ -774,6 +790,8 @@ class RolloutConfig:
                    f"two entries are both called {entry.key!r}: give one a label")
             keys.add(entry.key)
         _check(f"{path}.task_lease_s", self.task_lease_s > 0, "must be > 0")
+        _check(f"{path}.agent", not self.agent or self.agent.count(":") == 1 and all(self.agent.split(":")),
+               'must be "module:function" (or empty for the built-in loop)')
         _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")

@@ -310,6 +310,12 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
     activity = service_activity(first, second)
     for s in services:
         s.update(activity.get(s["name"], {}))
+    inference = next(s for s in services if s["name"] == "inference")
+    # Each replica's OpenAI endpoint (one URL per instance; the first is the one to show).
+    urls = sorted(x["openai_url"] for x in second if x.get("service") == "inference" and x.get("openai_url"))
+    inference["openai_url"] = urls[0] if urls else None
+    if len(urls) > 1:
+        inference["openai_urls"] = urls
     trainer = next((x for x in second if x.get("service") == "trainer"), {})
     return {"run_id": cfg.run_id, "services": services,
             "trainer_version": trainer_version if trainer_version is not None else (pointer.version if pointer else 0),

@@ -44,6 +44,9 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 class HFTokenizer:
     """encode / decode / encode_messages, eos_id, pad_id, bos_id, vocab_size, stop_token_ids."""
 
+    renders_tools = True
+    """Tool schemas given to encode_messages reach the model (through its chat template)."""
+
     def __init__(self, tokenizer: Tokenizer, *, name: str, special_tokens: Mapping[str, str],
                  chat_template: str | None, extra_eos_ids: Sequence[int] = (), template_engine: str = "auto"):
         self.name = name

@@ -55,6 +55,8 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
     name = "byte"
+    renders_tools = False
+    """encode_messages ignores tools= (see its docstring)."""
     pad_id = PAD
     bos_id = BOS
     eos_id = EOS

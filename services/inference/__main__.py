@@ -33,6 +33,8 @@ from arlo.rpc import (
 )
 from arlo.service_args import parse_service_config
 from services.inference.engine import Engine
+from services.inference.episodes import EpisodeRecorder
+from services.inference.openai_http import OpenAIEndpoint, bind, serve_openai
 from services.inference.server import InferenceServicer
 from services.inference.weights import WeightSync
 
@@ -45,16 +47,33 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    recorder = EpisodeRecorder(max_episodes=ic.openai_max_episodes, max_calls=ic.openai_max_calls,
+                               ttl_s=ic.openai_episode_ttl_s)
+    servicer = InferenceServicer(engine, source.tokenizer_name, recorder=recorder)
     running = await start_server("inference", ic.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
-                       servicer=InferenceServicer(engine, source.tokenizer_name))])
+                       servicer=servicer)])
     host = advertise_host(ic.server.host)
+    if ic.openai_port >= 0:
+        servicer.openai_url = start_openai(cfg, engine, recorder, tasks, host)
     heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=f"{socket.gethostname()}-{os.getpid()}")
     tasks.spawn("engine", lambda: run_engine(engine))
     tasks.spawn("weight-sync", sync.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "address": f"{host}:{running.port}", **engine.metrics()}))
+        "address": f"{host}:{running.port}", "openai_url": servicer.openai_url, **engine.metrics()}))
     return running, engine
+
+
+def start_openai(cfg: RunConfig, engine: Engine, recorder: EpisodeRecorder, tasks: TaskGroup, host: str) -> str:
+    """Binds the OpenAI-compatible endpoint beside gRPC; returns its base URL."""
+    ic, tls = cfg.inference, cfg.auth.tls
+    sock = bind(ic.server.host, ic.openai_port)
+    endpoint = OpenAIEndpoint(engine, recorder, token=load_token(cfg.auth))
+    tasks.spawn("openai-http", lambda: serve_openai(endpoint, sock, cert_file=tls.cert_file if tls.enabled else "",
+                                                    key_file=tls.key_file if tls.enabled else "",
+                                                    grace_s=ic.server.grace_s))
+    scheme = "https" if tls.enabled else "http"
+    return f"{scheme}://{host}:{sock.getsockname()[1]}/v1"
 
 
 def inference_mesh(cfg: MeshConfig) -> Mesh | None:

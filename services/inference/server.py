@@ -16,6 +16,7 @@ import grpc
 
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelta
+from services.inference.episodes import EpisodeRecorder
 
 FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
           "abort": inference_pb2.FINISH_REASON_ABORT}
@@ -58,9 +59,12 @@ class _Bridge:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, engine: Engine, tokenizer_name: str) -> None:
+    def __init__(self, engine: Engine, tokenizer_name: str, *, recorder: EpisodeRecorder | None = None) -> None:
         self.engine = engine
         self.tokenizer_name = tokenizer_name
+        self.recorder = recorder
+        self.openai_url = ""
+        """Set once the OpenAI endpoint listens (services.inference.openai_http)."""
 
     async def _submit(self, req: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext, *,
                       stream: bool) -> tuple[int, _Bridge]:
@@ -119,5 +123,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             model_name=e.model_name, tokenizer=self.tokenizer_name, vocab_size=e.model_cfg.vocab_size,
             max_seq_len=e.max_seq_len, max_prompt_tokens=e.config.max_prompt_tokens,
             max_tokens=e.config.max_tokens, max_n=e.config.max_n, policy_version=e.version,
-            eos_token_id=e.tokenizer.eos_id,
+            eos_token_id=e.tokenizer.eos_id, openai_url=self.openai_url,
         )
+
+    async def GetEpisode(self, request, context):  # noqa: N802
+        if len(request.episode_id.encode()) > MAX_ID_BYTES or not request.episode_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"episode_id must be 1 to {MAX_ID_BYTES} bytes")
+        log = self.recorder.take(request.episode_id, keep=request.keep) if self.recorder else None
+        if log is None:
+            return inference_pb2.GetEpisodeResponse()
+        return inference_pb2.GetEpisodeResponse(dropped_calls=log.dropped, calls=[inference_pb2.RecordedCall(
+            prompt_token_ids=c.prompt_token_ids, kind=c.kind, continued=c.continued, created_at=c.created_at,
+            choices=[inference_pb2.RecordedChoice(token_ids=ch.token_ids, logprobs=ch.logprobs,
+                                                  policy_versions=ch.policy_versions,
+                                                  finish_reason=FINISH[ch.finish_reason]) for ch in c.choices])
+            for c in log.calls])

@@ -18,10 +18,12 @@ from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, 
 from arlo.rpc.replicas import ReplicaSet
 from arlo.service_args import parse_service_config
 from services.rollout.admission import AdmissionGate
+from services.rollout.blackbox import BlackBoxRunner, load_agent
 from services.rollout.clients import InferenceClient, RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.evaluation import Evaluator, serve_evaluations
 from services.rollout.mixture import durable_picker
+from services.rollout.recorded import GrpcRecordings
 from services.rollout.worker import RolloutWorker
 
 
@@ -49,6 +51,10 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
                                       timeout_s=rc.rpc_timeout_s),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
         tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
+        **({"episode_fn": BlackBoxRunner(agent=load_agent(rc.agent), token=token, timeout_s=rc.episode_timeout_s,
+                                         client_timeout_s=rc.rpc_timeout_s,
+                                         recordings=GrpcRecordings(inference, timeout_s=rc.rpc_timeout_s))}
+           if rc.agent else {}),
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)

@@ -12,7 +12,9 @@ import dataclasses
 import logging
 import random
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from arlo.config import RolloutConfig, RolloutEnvConfig
 from arlo.coord import BacklogFull, TrajectoryStream
@@ -27,6 +29,7 @@ from services.rollout.types import RetryableError
 log = logging.getLogger(__name__)
 
 MAX_EPISODE_ATTEMPTS = 4
+EpisodeFn = Callable[[EpisodeSpec, Any, Generator, EnvClient, Scorer], Awaitable[common_pb2.Trajectory]]
 
 
 @dataclass
@@ -43,7 +46,10 @@ class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, *, run_id: str, tokenizer: Tokenizer, gen: Generator,
                  env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None,
                  gate: AdmissionGate | None = None, filter_zero_variance: bool = False,
-                 tasks: TaskPicker | None = None) -> None:
+                 tasks: TaskPicker | None = None, episode_fn: EpisodeFn = run_episode) -> None:
+        """`episode_fn`: how one episode runs (the built-in turn loop, or a black-box agent's
+        runner, services.rollout.blackbox)."""
+        self.episode_fn = episode_fn
         self.gate = gate
         self.filter_zero_variance = filter_zero_variance
         self.cfg = cfg
@@ -142,7 +148,7 @@ class RolloutWorker:
             try:
                 # The wall-time limit ends an episode between turns (a recorded finish reason, still
                 # trainable); this hard cap only catches a turn that itself hangs past it.
-                return await asyncio.wait_for(run_episode(spec, self.tok, gen, self.env, self.scorer),
+                return await asyncio.wait_for(self.episode_fn(spec, self.tok, gen, self.env, self.scorer),
                                               2 * self.cfg.episode_timeout_s)
             except RetryableError:
                 if attempt == MAX_EPISODE_ATTEMPTS - 1:

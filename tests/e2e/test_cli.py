@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,12 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
         after = json.loads(arlo("status", "--json", home=home, timeout=60).stdout)
         inference = next(s for s in after["services"] if s["name"] == "inference")
         assert inference["weight_version"] == after["pointer_version"] >= 2
+        # The OpenAI endpoint is on by default in `arlo up`, and `status --json` gives its URL.
+        token = (home / "token").read_text().strip()
+        request = urllib.request.Request(f"{inference['openai_url']}/models", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            models = json.loads(reply.read())
+        assert models["data"][0]["policy_version"] >= 2
     finally:
         up.send_signal(signal.SIGINT)
         try:

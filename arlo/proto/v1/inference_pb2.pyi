@@ -235,6 +235,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_N_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    OPENAI_URL_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Model config name, e.g. "tiny"."""
     tokenizer: _builtins.str
@@ -249,6 +250,8 @@ class GetModelInfoResponse(_message.Message):
     """Version currently served."""
     eos_token_id: _builtins.int
     """End-of-sequence token id."""
+    openai_url: _builtins.str
+    """Base URL of this replica's OpenAI-compatible endpoint ("http://host:port/v1"); empty when off."""
     def __init__(
         self,
         *,
@@ -261,11 +264,139 @@ class GetModelInfoResponse(_message.Message):
         max_n: _builtins.int = ...,
         policy_version: _builtins.int = ...,
         eos_token_id: _builtins.int = ...,
+        openai_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_id", b"eos_token_id", "max_n", b"max_n", "max_prompt_tokens", b"max_prompt_tokens", "max_seq_len", b"max_seq_len", "max_tokens", b"max_tokens", "model_name", b"model_name", "policy_version", b"policy_version", "tokenizer", b"tokenizer", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_id", b"eos_token_id", "max_n", b"max_n", "max_prompt_tokens", b"max_prompt_tokens", "max_seq_len", b"max_seq_len", "max_tokens", b"max_tokens", "model_name", b"model_name", "openai_url", b"openai_url", "policy_version", b"policy_version", "tokenizer", b"tokenizer", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class GetEpisodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPISODE_ID_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
+    episode_id: _builtins.str
+    """The episode id the calls were tied to (at most 128 bytes)."""
+    keep: _builtins.bool
+    """Keep the record after returning it (default: it is deleted, the caller owns it now)."""
+    def __init__(
+        self,
+        *,
+        episode_id: _builtins.str = ...,
+        keep: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id", "keep", b"keep"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEpisodeRequest: _TypeAlias = GetEpisodeRequest  # noqa: Y015
+
+@_typing.final
+class RecordedChoice(_message.Message):
+    """One sampled choice of a recorded call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSIONS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    finish_reason: Global___FinishReason.ValueType
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Exactly the tokens the engine produced (stop strings included; nothing re-tokenized)."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def policy_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        policy_versions: _abc.Iterable[_builtins.int] | None = ...,
+        finish_reason: Global___FinishReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordedChoice: _TypeAlias = RecordedChoice  # noqa: Y015
+
+@_typing.final
+class RecordedCall(_message.Message):
+    """One OpenAI call of an episode, in arrival order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    CONTINUED_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"chat" or "completion"."""
+    continued: _builtins.bool
+    """True when the prompt was built by appending to an earlier call's tokens (the agent sent
+    back that call's reply verbatim): it extends that call's prompt + sampled tokens.
+    """
+    created_at: _builtins.float
+    """Unix time the call arrived."""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The exact prompt the engine saw."""
+
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecordedChoice]: ...
+    def __init__(
+        self,
+        *,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        choices: _abc.Iterable[Global___RecordedChoice] | None = ...,
+        kind: _builtins.str = ...,
+        continued: _builtins.bool = ...,
+        created_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "continued", b"continued", "created_at", b"created_at", "kind", b"kind", "prompt_token_ids", b"prompt_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordedCall: _TypeAlias = RecordedCall  # noqa: Y015
+
+@_typing.final
+class GetEpisodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    DROPPED_CALLS_FIELD_NUMBER: _builtins.int
+    dropped_calls: _builtins.int
+    """Calls not recorded because the episode hit the per-episode cap."""
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecordedCall]:
+        """Empty when nothing was recorded under that id (never called, expired or already fetched)."""
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___RecordedCall] | None = ...,
+        dropped_calls: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "dropped_calls", b"dropped_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEpisodeResponse: _TypeAlias = GetEpisodeResponse  # noqa: Y015

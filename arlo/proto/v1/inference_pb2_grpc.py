@@ -50,6 +50,11 @@ class InferenceStub:
                 request_serializer=arlo_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=arlo_dot_v1_dot_inference__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetEpisode = channel.unary_unary(
+                '/arlo.v1.Inference/GetEpisode',
+                request_serializer=arlo_dot_v1_dot_inference__pb2.GetEpisodeRequest.SerializeToString,
+                response_deserializer=arlo_dot_v1_dot_inference__pb2.GetEpisodeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -77,6 +82,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEpisode(self, request, context):
+        """Returns, and forgets, what the OpenAI-compatible endpoint recorded for one episode
+        (calls tied to it by the X-Arlo-Episode header or the `user` field).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=arlo_dot_v1_dot_inference__pb2.GetModelInfoRequest.FromString,
                     response_serializer=arlo_dot_v1_dot_inference__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetEpisode': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEpisode,
+                    request_deserializer=arlo_dot_v1_dot_inference__pb2.GetEpisodeRequest.FromString,
+                    response_serializer=arlo_dot_v1_dot_inference__pb2.GetEpisodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Inference:
             '/arlo.v1.Inference/GetModelInfo',
             arlo_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
             arlo_dot_v1_dot_inference__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEpisode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arlo.v1.Inference/GetEpisode',
+            arlo_dot_v1_dot_inference__pb2.GetEpisodeRequest.SerializeToString,
+            arlo_dot_v1_dot_inference__pb2.GetEpisodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

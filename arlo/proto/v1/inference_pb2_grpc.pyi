@@ -39,6 +39,10 @@ class InferenceStub:
     """Streams the tokens of one completion (n must be 1) as they are produced."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelInfoRequest, _inference_pb2.GetModelInfoResponse]
     """Describes the served model and its limits."""
+    GetEpisode: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetEpisodeRequest, _inference_pb2.GetEpisodeResponse]
+    """Returns, and forgets, what the OpenAI-compatible endpoint recorded for one episode
+    (calls tied to it by the X-Arlo-Episode header or the `user` field).
+    """
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -51,6 +55,10 @@ class InferenceAsyncStub(InferenceStub):
     """Streams the tokens of one completion (n must be 1) as they are produced."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelInfoRequest, _inference_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """Describes the served model and its limits."""
+    GetEpisode: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetEpisodeRequest, _inference_pb2.GetEpisodeResponse]  # type: ignore[assignment]
+    """Returns, and forgets, what the OpenAI-compatible endpoint recorded for one episode
+    (calls tied to it by the X-Arlo-Episode header or the `user` field).
+    """
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
     """Generates completions with the current policy."""
@@ -78,5 +86,15 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.GetModelInfoResponse, _abc.Awaitable[_inference_pb2.GetModelInfoResponse]]:
         """Describes the served model and its limits."""
+
+    @_abc_1.abstractmethod
+    def GetEpisode(
+        self,
+        request: _inference_pb2.GetEpisodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.GetEpisodeResponse, _abc.Awaitable[_inference_pb2.GetEpisodeResponse]]:
+        """Returns, and forgets, what the OpenAI-compatible endpoint recorded for one episode
+        (calls tied to it by the X-Arlo-Episode header or the `user` field).
+        """
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

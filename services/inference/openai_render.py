@@ -1,0 +1,163 @@
+"""OpenAI chat messages <-> the served model's tokens and replies. Pure.
+
+Prompts: a conversation is rendered with the served tokenizer's chat template. Tools go to
+the template when `encode_messages` takes `tools=`; otherwise they become a system
+message in the Hermes format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`),
+the format `tool_calls.py` parses back. An assistant message's tool calls are rendered
+as that same markup.
+
+Token-exact continuation: when a call's messages are an earlier reply's conversation plus
+that reply as it was returned plus new messages, the prompt is that earlier sequence's
+exact tokens followed by only the new messages, encoded turn by turn (what the rollout's
+own agent loop does). The model's own tokens are never re-tokenized, so the trajectory the
+rollout assembles equals what was sampled. Any other call is rendered from its start.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from arlo.model.tokenizer import Tokenizer
+from services.env_gateway.tool_calls import ToolCall, parse_tool_calls
+from services.inference.episodes import Branch
+
+TOOLS_PREAMBLE = ("Tools:\n<tools>\n{tools}\n</tools>\n"
+                  'Call: <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>')
+"""Kept short, with each tool as its compact `function` object: it is in every prompt of a
+tool-using episode, and the byte model's whole context is 256 tokens."""
+
+
+def content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def _calls(message: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    out = []
+    for c in message.get("tool_calls") or ():
+        fn = c["function"]
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except json.JSONDecodeError:
+            args = fn.get("arguments")
+        out.append((str(c.get("id", "")), fn["name"], args))
+    return out
+
+
+def canonical(message: Mapping[str, Any]) -> str:
+    """One message as a string two equal messages share, whatever the SDK added (None fields,
+    refusal, annotations) or how it ordered keys."""
+    return json.dumps([message["role"], content_text(message.get("content")), _calls(message),
+                       str(message.get("tool_call_id") or ""), str(message.get("name") or "")],
+                      sort_keys=True, separators=(",", ":"))
+
+
+def tools_key(tools: Sequence[Mapping[str, Any]]) -> str:
+    return json.dumps(list(tools), sort_keys=True, separators=(",", ":"))
+
+
+def _chat_pair(message: Mapping[str, Any]) -> tuple[str, str]:
+    role = "system" if message["role"] == "developer" else message["role"]
+    text = content_text(message.get("content"))
+    calls = "".join(f'<tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call>'
+                    for _, name, args in _calls(message))
+    return role, f"{text}\n{calls}" if text and calls else text + calls
+
+
+def _accepts_tools(tok: Tokenizer) -> bool:
+    # The byte tokenizer takes tools= but ignores them (its presets learn a tool's syntax from
+    # demonstrations); tools then go into the prompt as the preamble, so a client's schemas are seen.
+    return bool(getattr(tok, "renders_tools", False))
+
+
+def encode_conversation(tok: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                        tools: Sequence[Mapping[str, Any]]) -> list[int]:
+    chat = [_chat_pair(m) for m in messages]
+    if tools and _accepts_tools(tok):
+        return tok.encode_messages(chat, add_generation_prompt=True, add_bos=True, tools=list(tools))  # type: ignore[call-arg]
+    if tools:
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools))
+        if chat and chat[0][0] == "system":
+            chat[0] = ("system", f"{chat[0][1]}\n\n{preamble}")
+        else:
+            chat.insert(0, ("system", preamble))
+    return tok.encode_messages(chat, add_generation_prompt=True, add_bos=True)
+
+
+def build_prompt(tok: Tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]],
+                 branches: Sequence[Branch]) -> tuple[list[int], bool, tuple[str, ...]]:
+    """(prompt ids, continued, the conversation's key); see the module docstring."""
+    keys = tuple(canonical(m) for m in messages)
+    tkey = tools_key(tools)
+    best: Branch | None = None
+    for b in branches:
+        n = len(b.key) - 1
+        if b.key[-1] == tkey and n < len(keys) and keys[:n] == b.key[:-1] and (best is None or n > len(best.key) - 1):
+            best = b
+    if best is None:
+        return encode_conversation(tok, messages, tools), False, keys
+    tail = [_chat_pair(m) for m in messages[len(best.key) - 1:]]
+    try:
+        added = tok.encode_messages(tail, add_generation_prompt=True, add_bos=False)
+    except ValueError:  # a template that cannot be encoded turn by turn: render it whole
+        return encode_conversation(tok, messages, tools), False, keys
+    return list(best.tokens) + added, True, keys
+
+
+def branch(keys: tuple[str, ...], tools: Sequence[Mapping[str, Any]], reply: Mapping[str, Any],
+           tokens: Sequence[int]) -> Branch:
+    return Branch(key=(*keys, canonical(reply), tools_key(tools)), tokens=tuple(tokens))
+
+
+def closed_turn(prompt: Sequence[int], sampled: Sequence[int], stop_ids: Sequence[int], eos_id: int) -> list[int]:
+    """The sequence after a reply: a turn the model did not end itself (length, stop string)
+    is closed with the end-of-turn token, as context, the way the template would."""
+    tail = [] if sampled and sampled[-1] in stop_ids else [eos_id]
+    return [*prompt, *sampled, *tail]
+
+
+def reply_text(tok: Tokenizer, sampled: Sequence[int], stop: Sequence[str], finish: str) -> str:
+    """What the client sees: special tokens dropped, and (as OpenAI does) the stop string and
+    anything after it cut."""
+    text = tok.decode(sampled)
+    if stop and finish == "stop":
+        cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if cuts:
+            text = text[:min(cuts)]
+    return text
+
+
+def chat_message(text: str, tools: Sequence[Mapping[str, Any]], parse: bool) -> tuple[dict[str, Any], bool]:
+    """The assistant message for `text` and whether it holds tool calls. A call that does not
+    parse or fails its schema stays in the text: the agent sees what the model wrote."""
+    if parse:
+        turn = parse_tool_calls(text, tools)
+        good = [c for c in turn.calls if isinstance(c, ToolCall)]
+        if good:
+            return {"role": "assistant", "content": turn.text or None, "tool_calls": [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in good]}, True
+    return {"role": "assistant", "content": text}, False
+
+
+def chat_logprobs(tok: Tokenizer, ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
+    entries = []
+    for i, lp in zip(ids, logprobs, strict=True):
+        piece = tok.decode([i])
+        entries.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+    return {"content": entries}
+
+
+def completion_logprobs(tok: Tokenizer, ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
+    pieces = [tok.decode([i]) for i in ids]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}

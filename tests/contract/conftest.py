@@ -1,0 +1,20 @@
+"""Fixtures shared by contract modules."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from tests.support.openai_server import Served, inference_service
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def openai_served(redis_url: str) -> AsyncIterator[Served]:
+    """One real inference service for every OpenAI endpoint and black-box agent test: its first
+    requests compile the engine's programs, which the later tests then reuse."""
+    with pytest.MonkeyPatch.context() as mp:
+        async with inference_service(mp, redis_url, f"openai-{uuid.uuid4().hex[:8]}") as s:
+            yield s
