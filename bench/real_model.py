@@ -1,0 +1,267 @@
+"""A checkpoint of a real model's size through arlo: load, decode against transformers, one GRPO step.
+
+The checkpoint has Qwen2.5-0.5B's published shape (24 layers, hidden 896, 14 heads, 2 kv heads,
+intermediate 4864, vocab 151936, tied embeddings, rope theta 1e6), random weights written by
+transformers itself in bfloat16 (no hub here), plus a small BPE tokenizer with Qwen's ChatML
+template (the model's vocabulary is wider than the tokenizer's, as real checkpoints pad theirs).
+
+Measured, each in a fresh subprocess where memory matters:
+- load: seconds and peak RSS above the process baseline for what inference loads (the serving
+  dtype) and what the trainer loads (its float32 master copy), against the checkpoint's bytes;
+- decode tokens/s at each --batches size, arlo's engine (float32 compute) against transformers
+  `generate` (greedy, fixed length, the same prompts) in its faster dtype on this CPU, measured
+  at batch 1 with a short run: `decode_over_hf_b16`, `decode_over_hf_b64`;
+- one GRPO step of --groups x --group-size samples x --step-tokens new tokens, in process, split
+  into generation, intake (batch building), train step, publish (serialise + sha256) and swap
+  (deserialise + engine swap), with bytes per publish in the serving dtype.
+
+`python -m bench.real_model [--json PATH] [--dir DIR] [--batches 1,16,64] [--new-tokens 64]`.
+Expect several minutes on 2 CPU cores (the GRPO step alone trains a 0.5B model on 32 sequences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import print_table, write_json
+
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# The same code path at a size a test runs in seconds.
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B,
+          "tiny": {**QWEN25_05B, "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}}
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_checkpoint(path: Path, shape: str = "qwen2.5-0.5b") -> Path:
+    """The random-weight 0.5B checkpoint at `path` (kept: a second run reuses it)."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator([f"What is {a}*{b}? The answer is {a * b}." for a in range(40) for b in range(40)],
+                            trainers.BpeTrainer(vocab_size=2000, special_tokens=specials, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None}))
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**SHAPES[shape], eos_token_id=tok.token_to_id("<|im_end|>"),
+                                      pad_token_id=tok.token_to_id("<|endoftext|>"))
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="500MB")
+    return path
+
+
+_LOAD = """
+import json, sys, time
+from arlo.model.source import resolve_model
+def hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith(('VmHWM', 'VmRSS')):
+            yield line.split(':')[0], int(line.split()[1]) * 1024
+base = dict(hwm())['VmRSS']
+t0 = time.perf_counter()
+source = resolve_model(name='', path=sys.argv[1], tokenizer='', seed=0, max_seq_len=512, param_dtype=sys.argv[2])
+state = source.initial_state(dtype=sys.argv[2])
+import jax; jax.block_until_ready(state)
+print(json.dumps({'load_s': time.perf_counter() - t0, 'peak_over_base_bytes': dict(hwm())['VmHWM'] - base}))
+"""
+
+
+def measure_load(path: Path, dtype: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", _LOAD, str(path), dtype], capture_output=True, text=True,
+                         check=True, timeout=900)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(10, vocab, length)] for _ in range(batch)]
+
+
+def arlo_decode(engine: Any, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    from services.inference.engine import SamplingRequest
+
+    reqs = [SamplingRequest(prompt=tuple(p), max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            for p in batch_prompts]
+    t0 = time.perf_counter()
+    for handle in engine.submit_many(reqs):
+        handle.result(3600)
+    return len(reqs) * new_tokens / (time.perf_counter() - t0)
+
+
+def hf_decode(model: Any, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    import torch
+
+    ids = torch.tensor(batch_prompts)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return ids.shape[0] * new_tokens / (time.perf_counter() - t0)
+
+
+def decode_figures(path: Path, args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from arlo.config import InferenceConfig
+    from arlo.model.source import resolve_model
+    from services.inference.engine import Engine
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    dtypes = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        hf_decode(model, prompts(1, args.prompt, 2000, 0), 4)  # warm up
+        dtypes[name] = hf_decode(model, prompts(1, args.prompt, 2000, 0), 16)
+        del model
+    hf_dtype = max(dtypes, key=dtypes.__getitem__)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, hf_dtype)).eval()
+    source = resolve_model(name="", path=str(path), tokenizer="", seed=0, max_seq_len=args.prompt + args.new_tokens)
+    engine = Engine(source, config=InferenceConfig(
+        max_n=1, max_batch=max(batches), max_tokens=args.new_tokens, max_prompt_tokens=args.prompt,
+        max_seq_len=args.prompt + args.new_tokens, decode_steps=8, prefill_tokens=max(batches) * args.prompt,
+        max_prefill_rows=min(max(batches), 64)))
+    rows = {}
+    try:
+        for b in batches:
+            batch_prompts = prompts(b, args.prompt, 2000, b)
+            arlo_decode(engine, batch_prompts, 8)  # compile this batch's programs
+            ours = arlo_decode(engine, batch_prompts, args.new_tokens)
+            theirs = hf_decode(hf, batch_prompts, args.new_tokens)
+            rows[b] = {"arlo_tokens_per_s": ours, "hf_tokens_per_s": theirs, "over_hf": ours / theirs}
+    finally:
+        engine.close()
+    return {"hf_dtype": hf_dtype, "hf_b1_tokens_per_s_by_dtype": dtypes, "decode": rows}
+
+
+def grpo_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One GRPO step in process, timed phase by phase (the services run these same calls)."""
+    import numpy as np
+
+    from arlo.config import InferenceConfig, TrainerConfig
+    from arlo.model import state_from_bytes, state_to_bytes
+    from arlo.model.source import resolve_model
+    from arlo.proto.v1 import common_pb2
+    from services.inference.engine import Engine, SamplingRequest
+    from services.trainer.batching import build_batch
+    from services.trainer.learner import Learner
+
+    seq = args.prompt + args.step_tokens
+    source = resolve_model(name="", path=str(path), tokenizer="", seed=0, max_seq_len=seq,
+                           param_dtype=args.param_dtype)
+    rows = args.groups * args.group_size
+    engine = Engine(source, config=InferenceConfig(max_n=args.group_size, max_batch=rows, max_tokens=args.step_tokens,
+                                                   max_prompt_tokens=args.prompt, max_seq_len=seq, decode_steps=8,
+                                                   prefill_tokens=rows * args.prompt))
+    learner = Learner(source, cfg=TrainerConfig(groups_per_step=args.groups, remat="full", micro_batch_size=8))
+    figures: dict[str, float] = {}
+    try:
+        group_prompts = prompts(args.groups, args.prompt, 2000, 7)
+        t0 = time.perf_counter()
+        handles = engine.submit_many([SamplingRequest(prompt=tuple(p), n=args.group_size, max_tokens=args.step_tokens,
+                                                      temperature=1.0, ignore_eos=True) for p in group_prompts])
+        samples = [h.result(3600) for h in handles]
+        figures["generation_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(0)
+        groups = [[common_pb2.Trajectory(
+            id=f"{g}-{i}", group_id=str(g), group_size=args.group_size, token_ids=[*p, *s.token_ids],
+            logprobs=[0.0] * len(p) + list(s.logprobs), loss_mask=[0] * len(p) + [1] * len(s.token_ids),
+            policy_versions=[-1] * len(p) + list(s.policy_versions), prompt_length=len(p), reward=float(rng.random()),
+            status=common_pb2.TRAJECTORY_STATUS_OK) for i, s in enumerate(group)]
+            for g, (p, group) in enumerate(zip(group_prompts, samples, strict=True))]
+        batch = build_batch(groups, seq, source.tokenizer().pad_id)
+        figures["intake_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        metrics = learner.step(batch)  # includes its first compile; a second step shows the steady state
+        figures["train_step_first_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        learner.step(batch)
+        figures["train_step_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        data = state_to_bytes(learner.serving_state())
+        import hashlib
+
+        hashlib.sha256(data).hexdigest()
+        figures["publish_s"] = time.perf_counter() - t0
+        figures["bytes_per_publish"] = len(data)
+        t0 = time.perf_counter()
+        engine.swap(state_from_bytes(data, engine.state), 1)
+        figures["swap_s"] = time.perf_counter() - t0
+        figures["loss_finite"] = float(np.isfinite(metrics.loss))
+    finally:
+        engine.close()
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default=".arlo/bench/qwen2.5-0.5b-shape", help="where the checkpoint is written")
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--step-tokens", type=int, default=128)
+    parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--skip-step", action="store_true", help="no GRPO step (load and decode only)")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    path = write_checkpoint(Path(args.dir), args.shape)
+    on_disk = checkpoint_bytes(path)
+    figures: dict[str, Any] = {"checkpoint_bytes": on_disk}
+    for role, dtype in (("inference_bf16", "bfloat16"), ("trainer_f32_master", "float32")):
+        load = measure_load(path, dtype)
+        model_bytes = on_disk * (2 if dtype == "float32" else 1)  # the checkpoint is bf16 on disk
+        figures[f"load_{role}"] = {**load, "model_bytes": model_bytes,
+                                   "peak_over_model": load["peak_over_base_bytes"] / model_bytes}
+    figures.update(decode_figures(path, args, batches))
+    for b in (16, 64):
+        if b in figures["decode"]:
+            figures[f"decode_over_hf_b{b}"] = figures["decode"][b]["over_hf"]
+    if not args.skip_step:
+        figures["grpo_step"] = grpo_step(path, args)
+    print_table("load", ["role", "seconds", "peak RSS over base (MB)", "model (MB)", "ratio"],
+                [[r, figures[f"load_{r}"]["load_s"], figures[f"load_{r}"]["peak_over_base_bytes"] / 1e6,
+                  figures[f"load_{r}"]["model_bytes"] / 1e6, figures[f"load_{r}"]["peak_over_model"]]
+                 for r in ("inference_bf16", "trainer_f32_master")])
+    print_table(f"decode, {args.new_tokens} new tokens (transformers in {figures['hf_dtype']})",
+                ["batch", "arlo tok/s", "transformers tok/s", "arlo / transformers"],
+                [[b, r["arlo_tokens_per_s"], r["hf_tokens_per_s"], r["over_hf"]] for b, r in figures["decode"].items()])
+    if "grpo_step" in figures:
+        print_table(f"one GRPO step ({args.groups}x{args.group_size}x{args.step_tokens}, params {args.param_dtype})",
+                    ["phase", "value"], [[k, v] for k, v in figures["grpo_step"].items()])
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
