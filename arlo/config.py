@@ -634,6 +634,9 @@ class RolloutConfig:
     task_lease_s: float = 900.0
     """A cursor-drawn task not finished this long after it was handed out (its worker died) is
     handed out again: at-least-once. Keep it above the longest a group can take."""
+    admission_poll_s: float = 2.0
+    """The staleness gate wakes on Redis pub/sub events (a new version, a version served, a stale
+    drop, a finished group); it also re-checks this often in case an event was lost."""
 
     @property
     def mixture(self) -> tuple[RolloutEnvConfig, ...]:
@@ -652,6 +655,7 @@ class RolloutConfig:
                    f"two entries are both called {entry.key!r}: give one a label")
             keys.add(entry.key)
         _check(f"{path}.task_lease_s", self.task_lease_s > 0, "must be > 0")
+        _check(f"{path}.admission_poll_s", self.admission_poll_s > 0, "must be > 0")
         _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")
