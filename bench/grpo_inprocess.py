@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 import jax
@@ -91,11 +92,14 @@ def main() -> None:
     rows = args.prompts * args.samples
     generate = make_generate(cfg, learner.graphdef, rows=rows, tokens=args.tokens)
     arith, rng, key = ArithConfig(op="*", max_operand=30), random.Random(0), jax.random.key(0)
-    generated = 0
-    started = time.perf_counter()
+    generated, intervals = 0, []
+    started = last = time.perf_counter()
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             started, generated = time.perf_counter(), 0
+        if i > args.warmup:
+            intervals.append(time.perf_counter() - last)
+        last = time.perf_counter()
         tasks = [draw_task(rng.randrange(1 << 30), arith) for _ in range(args.prompts)]
         prompt_bt = np.zeros((rows, PROMPT_LEN), np.int32)
         lengths = np.zeros(rows, np.int32)
@@ -110,7 +114,9 @@ def main() -> None:
     wall = time.perf_counter() - started
     print(json.dumps({"steps_timed": args.steps, "wall_s": wall, "steps_per_s": args.steps / wall,
                       "completions_per_s": args.steps * rows / wall, "generated_tokens_per_s": generated / wall,
-                      "dropped_stale": 0, "params": cfg.num_params()}))
+                      "median_step_s": statistics.median(intervals), "max_step_s": max(intervals),
+                      "dropped_stale": 0, "shared_prefill_fraction": 1 - 1 / args.samples,
+                      "params": cfg.num_params()}))
 
 
 

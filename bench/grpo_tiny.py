@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import statistics
 import subprocess
 import sys
 import time
@@ -118,10 +119,13 @@ def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str,
                                            cluster.supervisor.check))
     finally:
         cluster.stop()
-    versions = sorted(v for v in stamps if v > args.warmup)
+    versions = sorted(v for v in stamps if v >= args.warmup)
     first, last = args.warmup, versions[-1]
     wall = stamps[last] - stamps[first]
     steps_per_s = (last - first) / wall
+    # A step that compiles a new shape mid-run (a new length bucket) stalls for seconds; the
+    # median step shows the steady state beside the mean that includes them.
+    intervals = [stamps[v] - stamps[v - 1] for v in versions if v - 1 in stamps and v > first]
     inference = status.get("inference", {})
     generated, requests = float(inference.get("generated_tokens", 0)), float(inference.get("requests", 1))
     trainer = status.get("trainer", {})
@@ -130,6 +134,8 @@ def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str,
             "completions_per_s": steps_per_s * w.completions,
             # tokens per completion over the whole run (single turn: one request per completion)
             "generated_tokens_per_s": steps_per_s * w.completions * generated / max(requests, 1.0),
+            "median_step_s": statistics.median(intervals), "max_step_s": max(intervals),
+            "shared_prefill_fraction": float(inference.get("shared_prefills", 0)) / max(requests, 1.0),
             "dropped_stale": int(float(trainer.get("dropped_stale", 0))),
             "consumed": int(float(trainer.get("consumed", 0)))}
 
@@ -150,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="76k", help=f"comma-separated, of {sorted(WORKLOADS)}")
     parser.add_argument("--modes", default="0,1", help="arlo max_staleness values; 0 is synchronous")
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (compilation)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compilation)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
     parser.add_argument("--cpus", default=DEFAULT_CPUS, help="service=cpus[+cpus] shares (one XLA thread per cpu)")
     parser.add_argument("--inprocess-cpus", default="0,1", help="taskset CPUs of the baseline ('' = no pinning)")
@@ -176,9 +182,11 @@ def main() -> None:
             figures[f"arlo_over_inprocess_{name}"] = best["steps_per_s"] / base["steps_per_s"]
         if sync and best:
             figures[f"async_over_sync_{name}"] = best["steps_per_s"] / sync["steps_per_s"]
-    keys = ["workload", "side", "steps_per_s", "completions_per_s", "generated_tokens_per_s", "dropped_stale"]
+    keys = ["workload", "side", "steps_per_s", "completions_per_s", "generated_tokens_per_s", "median_step_s",
+            "max_step_s", "dropped_stale", "shared_prefill_fraction"]
     print_table(f"GRPO tiny: {args.steps} timed steps after {args.warmup}; cpus {args.cpus}",
-                ["workload", "side", "steps/s", "completions/s", "gen tokens/s", "dropped stale"],
+                ["workload", "side", "steps/s", "completions/s", "gen tokens/s", "median step s", "max step s",
+                 "dropped stale", "shared prefill"],
                 [[r.get(k, "") for k in keys] for r in rows])
     for key, value in figures.items():
         if key.startswith(("arlo_over", "async_over")):
