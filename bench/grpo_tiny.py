@@ -136,6 +136,7 @@ def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str,
             "generated_tokens_per_s": steps_per_s * w.completions * generated / max(requests, 1.0),
             "median_step_s": statistics.median(intervals), "max_step_s": max(intervals),
             "shared_prefill_fraction": float(inference.get("shared_prefills", 0)) / max(requests, 1.0),
+            "inference_programs": int(float(inference.get("programs", 0))),
             "dropped_stale": int(float(trainer.get("dropped_stale", 0))),
             "consumed": int(float(trainer.get("consumed", 0)))}
 
