@@ -772,6 +772,9 @@ class RolloutConfig:
     agent: str = ""
     """A black-box agent, "module:function" naming `async def run(task, client) -> str | float`: it
     drives the policy through the OpenAI endpoint instead of the built-in turn loop (docs/openai.md)."""
+    admission_poll_s: float = 2.0
+    """The staleness gate wakes on Redis pub/sub events (a new version, a version served, a stale
+    drop, a finished group); it also re-checks this often in case an event was lost."""
 
     @property
     def mixture(self) -> tuple[RolloutEnvConfig, ...]:
@@ -792,6 +795,7 @@ class RolloutConfig:
         _check(f"{path}.task_lease_s", self.task_lease_s > 0, "must be > 0")
         _check(f"{path}.agent", not self.agent or self.agent.count(":") == 1 and all(self.agent.split(":")),
                'must be "module:function" (or empty for the built-in loop)')
+        _check(f"{path}.admission_poll_s", self.admission_poll_s > 0, "must be > 0")
         _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from arlo.app.redis_server import LocalRedis, free_port, redis_answers, start_local_redis
 from arlo.app.supervisor import Supervisor, service_spec
+from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
 from arlo.config import RunConfig, dump_config, load_config, replace_config
 from arlo.hostmem import merged_tunables
 from arlo.private_files import private_dir, write_private
@@ -75,6 +76,8 @@ class LocalCluster:
                "GLIBC_TUNABLES": merged_tunables(os.environ.get("GLIBC_TUNABLES"))}
         if self.token:
             env[self.cfg.auth.token_env] = self.token
+        # Compiled programs persist under the home, so a second start reads them back (arlo.compile_cache).
+        env[COMPILE_CACHE_ENV] = os.environ.get(COMPILE_CACHE_ENV) or str(self.home / "jax-cache")
         cpus = (self.cpu_shares or {}).get(name)
         if cpus:
             threads = len(cpus.split(","))

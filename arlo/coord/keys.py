@@ -48,6 +48,12 @@ class Keys:
         return self.prefix + "weights:events"
 
     @property
+    def admission_events(self) -> str:
+        """Pub/sub channel: something the admission rule reads changed (a stale drop, a finished
+        group, a version an inference replica now serves). Wakes the gates; carries no state."""
+        return self.prefix + "admission:events"
+
+    @property
     def rollout_accepted(self) -> str:
         """Counter of trajectories the rollout wrote for training (the admission gate's)."""
         return self.prefix + "rollout:accepted"

@@ -46,14 +46,24 @@ def _count(raw: bytes | str | None, key: str) -> int:
 
 @cancel_safe
 async def count_accepted(redis: Redis, run_id: str, n: int) -> None:
-    """The rollout wrote `n` more trajectories that the trainer will train on."""
-    await redis.incrby(Keys(run_id).rollout_accepted, n)
+    """The rollout wrote `n` more trajectories that the trainer will train on (0: a group ended
+    with nothing written, which frees its budget all the same: the other gates are told)."""
+    keys = Keys(run_id)
+    pipe = redis.pipeline(transaction=False)
+    if n:
+        pipe.incrby(keys.rollout_accepted, n)
+    pipe.publish(keys.admission_events, "finished")
+    await pipe.execute()
 
 
 @cancel_safe
 async def count_dropped_stale(redis: Redis, run_id: str, n: int) -> None:
     """The trainer dropped `n` accepted trajectories as stale: given back to the rollout's budget."""
-    await redis.incrby(Keys(run_id).traj_dropped_stale, n)
+    keys = Keys(run_id)
+    pipe = redis.pipeline(transaction=False)
+    pipe.incrby(keys.traj_dropped_stale, n)
+    pipe.publish(keys.admission_events, "stale")
+    await pipe.execute()
 
 
 S = TypeVar("S", bound="ServiceStatus")

@@ -88,6 +88,11 @@ class WeightPointer:
         return bool(moved)
 
     @cancel_safe
+    async def announce_served(self, version: int) -> None:
+        """An inference replica now serves `version`: admission gates waiting for it re-check."""
+        await self._redis.publish(self._keys.admission_events, f"served:{version}")
+
+    @cancel_safe
     async def set_checkpoint(self, version: int, uri: str) -> bool:
         """Records a complete checkpoint if it is newer than the recorded one."""
         if version < 1:

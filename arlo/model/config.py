@@ -116,6 +116,11 @@ _PRESETS: dict[str, ModelConfig] = {
     # services learns the demo task within minutes on 2 CPU cores (docs/quickstart.md).
     "demo": ModelConfig(vocab_size=264, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                         mlp_dim=256, max_seq_len=128),
+    # Qwen3-shaped (qk_norm, grouped KV) benchmark policies of bench/grpo_tiny.py (issue 17's workloads).
+    "qwen3-76k": ModelConfig(vocab_size=264, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                             mlp_dim=88, max_seq_len=128, qk_norm=True),
+    "qwen3-596k": ModelConfig(vocab_size=264, dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                              mlp_dim=236, max_seq_len=128, qk_norm=True),
     # ~25M parameters: big enough to learn toy tasks, small enough for one CPU host.
     "small": ModelConfig(vocab_size=264, dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
                          mlp_dim=1536, max_seq_len=1024),

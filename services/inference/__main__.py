@@ -18,6 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from arlo.background import TaskGroup
+from arlo.compile_cache import enable_compile_cache
 from arlo.config import MeshConfig, RunConfig
 from arlo.coord import Heartbeat, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
@@ -94,6 +95,7 @@ async def run_engine(engine: Engine) -> None:
 def main() -> None:
     cfg = parse_service_config("inference")
     setup_logging("inference")
+    enable_compile_cache()  # before the first compile: a restart reads the programs back
     initialize_from_env()  # multi-host (JobSet/TPU slice) before any JAX work; a no-op on one host
     tasks = TaskGroup()
 

@@ -241,6 +241,7 @@ class Engine:
             "mean_batch": s.decode_rows / max(s.decode_chunks, 1), "largest_batch": s.largest_batch, "swaps": s.swaps,
             "aborted": s.aborted, "busy_s": round(s.busy_s, 3), "session_hits": sessions.hits, "session_misses": sessions.misses,
             "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
+            "prefill_rows": self.runner.prefill_rows, "shared_prefills": self.runner.shared_prefills,
         }
 
     # ----- the loop -----

@@ -8,7 +8,9 @@ write is an in-place update; on a mesh every program hands it back sharded as it
 - prefill(rows m, tokens t, window w, samples j): gathers the window [slots, :w] of the
   requests being admitted, runs the model's prefill from each request's start (past a
   session's reused prefix), copies each prompt's window into the slots of its n samples
-  (one prefill per prompt) and samples every first token.
+  (one prefill per prompt) and samples every first token. Requests admitted together with
+  the same prompt from the same start (the G episodes of a GRPO group, each its own n=1
+  request) share one row too: same tokens on the same weights give the same keys/values.
 - decode chunk(rows b, window w): gathers [slots, :w], where w covers the furthest row's
   cached length, so attention reads only the valid region rounded up to a bucket; runs
   `steps` tokens as one lax.scan over that read-only window plus a [b, steps] buffer of the
@@ -131,6 +133,8 @@ class Runner:
         self.cache = self._new_cache()
         self.prefill_rows = 0
         """Prompts prefilled so far (n samples of one prompt count once)."""
+        self.shared_prefills = 0
+        """Requests whose prompt rode on another request's prefill row (same prompt, same step)."""
         self.shapes: set[tuple[str | int, ...]] = set()
         """Bucketed shapes run so far: one compiled program each."""
 
@@ -151,12 +155,17 @@ class Runner:
 
     def prefill(self, state: nnx.State, requests: Sequence[Request]) -> list[Emitted]:
         """Prefills the admitted requests (grouped by shape) and samples each sample's first token."""
-        groups: dict[tuple[int, int], list[tuple[Request, int]]] = {}
+        groups: dict[tuple[int, int], dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]]] = {}
         for req in requests:
             start, t = self._prefill_shape(req)
-            groups.setdefault((t, self.window(start + t)), []).append((req, start))
+            # A reused prefix is exact (the session rule: one version, the same tokens), so two
+            # requests with the same prompt and start hold the same KV below it as well.
+            rows = groups.setdefault((t, self.window(start + t)), {})
+            rows.setdefault((start, tuple(req.params.prompt)), []).append((req, start))
         out = []
-        for (t, w), members in sorted(groups.items()):
+        for (t, w), by_prompt in sorted(groups.items()):
+            members = list(by_prompt.values())
+            self.shared_prefills += sum(len(same) - 1 for same in members)
             for i in range(0, len(members), self.max_prefill_rows):
                 out += self._prefill_call(state, members[i: i + self.max_prefill_rows], t, w)
         return out
@@ -183,16 +192,18 @@ class Runner:
             t = min(pow2(length, MIN_TOKEN_BUCKET), self.cache_len)
         return start, t
 
-    def _prefill_call(self, state: nnx.State, members: list[tuple[Request, int]], t: int, w: int) -> list[Emitted]:
+    def _prefill_call(self, state: nnx.State, members: list[list[tuple[Request, int]]], t: int,
+                      w: int) -> list[Emitted]:
+        """One prefill program: a row per distinct prompt, every sample of every request on it."""
         m = pow2(len(members))
         self.prefill_rows += len(members)
-        seqs = [(row, seq) for row, (req, _) in enumerate(members) for seq in req.seqs]
+        seqs = [(row, seq) for row, same in enumerate(members) for req, _ in same for seq in req.seqs]
         j = pow2(len(seqs), m)
         self.shapes.add(("prefill", m, t, w, j))
         tokens = np.zeros((m, t), np.int32)
         lengths, starts = np.ones((m,), np.int32), np.zeros((m,), np.int32)
         src_slot = np.full((m,), self.scratch, np.int32)
-        for row, (req, start) in enumerate(members):
+        for row, ((req, start), *_) in enumerate(members):
             chunk = req.params.prompt[start:]
             tokens[row, : len(chunk)] = chunk
             lengths[row], starts[row], src_slot[row] = len(chunk), start, req.seqs[0].slot

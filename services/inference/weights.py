@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from redis.exceptions import RedisError
 
 from arlo.config import TlsConfig
 from arlo.coord import WeightPointer, WeightPointerState
@@ -128,3 +129,7 @@ class WeightSync:
             self.stats.pulls += 1
             self.stats.last_swap_s = loop.time() - started
             log.info("serving version %d (%d bytes, %.3fs)", pointer.version, len(data), self.stats.last_swap_s)
+            try:
+                await self.pointer.announce_served(pointer.version)
+            except (RedisError, OSError) as e:  # the gates re-check on their own poll
+                log.warning("could not announce version %d: %s", pointer.version, e)

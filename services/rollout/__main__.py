@@ -39,12 +39,14 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()
     instance = f"{socket.gethostname()}-{os.getpid()}"
+    gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)
+    # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
-                         batch_size=cfg.trainer.groups_per_step * rc.group_size)
+                         batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,
+                         served_version=gen.served_version)
     worker = RolloutWorker(
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
-        filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance,
-        gen=InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s),
+        filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance, gen=gen,
         # One gateway replica per episode: sessions live in the memory of the replica that made them.
         env=AffinityEnvironmentClient(cfg.env_gateway.server.address,
                                       lambda address: make_channel(address, token=token, tls=cfg.auth.tls),

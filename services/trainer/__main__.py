@@ -14,6 +14,7 @@ import threading
 import jax
 
 from arlo.background import TaskGroup
+from arlo.compile_cache import enable_compile_cache
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
@@ -117,6 +118,7 @@ def main() -> None:
     cfg = parse_service_config("trainer")
     initialize_from_env()  # multi-host (JobSet/TPU slice) before any JAX work; a no-op on one host
     setup_logging("trainer")
+    enable_compile_cache()  # before the first compile: a restart reads the programs back
     if jax.process_index() > 0:
         run_follower(cfg)
         return

@@ -132,6 +132,22 @@ def test_samples_of_one_prompt_share_one_prefill_and_have_their_own_streams(engi
     assert [s.token_ids for s in first.result(120)] == [s.token_ids for s in again]
 
 
+def test_requests_with_one_prompt_share_one_prefill_row_and_keep_their_streams(engine: Engine) -> None:
+    # A GRPO group's episodes each send their first turn as its own n=1 request: arriving
+    # together, they are prefilled as one row, and each still samples what it would alone.
+    reqs = [SamplingRequest(prompt=PROMPTS[4], max_tokens=6, temperature=1.0, seed=100 + i, session_id=f"g-{i}",
+                            stop_token_ids=NO_STOP) for i in range(4)]
+    rows, shared = engine.runner.prefill_rows, engine.runner.shared_prefills
+    together = [h.result(120)[0] for h in engine.submit_many(reqs)]
+    assert engine.runner.prefill_rows == rows + 1 and engine.runner.shared_prefills == shared + 3
+    alone = [engine.generate(dataclasses.replace(r, session_id=""), 120)[0] for r in reqs]
+    assert [s.token_ids for s in together] == [s.token_ids for s in alone]
+    np.testing.assert_allclose([s.logprobs for s in together], [s.logprobs for s in alone], atol=1e-5)
+    reference, _ = reference_greedy(engine, list(PROMPTS[4]), 6)
+    g1, g2 = (h.result(120)[0] for h in engine.submit_many([greedy(PROMPTS[4], 6), greedy(PROMPTS[4], 6)]))
+    assert g1.token_ids == g2.token_ids == reference  # the shared row is the exact prefill
+
+
 def test_stop_ids_and_max_tokens_end_a_sample(engine: Engine) -> None:
     (full,) = engine.generate(greedy(PROMPTS[0], 10), 120)
     stop = full.token_ids[4]

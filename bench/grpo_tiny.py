@@ -1,0 +1,200 @@
+"""GRPO on tiny Qwen3-shaped policies: arlo's services (sync and async) against an in-process loop.
+
+Issue 17's single-turn workloads, same shapes on both sides:
+
+- `76k`: `qwen3-76k` (qk_norm, grouped KV), 4 prompts x 4 samples x 16 tokens per step;
+- `596k`: `qwen3-596k`, 8 prompts x 4 samples x 32 tokens per step.
+
+arlo runs the demo's services as local processes (the arith task, one turn, no tool, no warm
+start, no evaluation) and is timed between the trainer's pointer moves: the bench subscribes to
+the weights channel and stamps each new version, so the first `--warmup` steps (compilation)
+are left out and no polling blurs the figures. The in-process baseline (bench/grpo_inprocess.py)
+is one process: jitted KV-cache generation of the whole batch, the reward, the Learner's jitted
+GRPO step. Reported: steps/s, completions/s, generated tokens/s, trajectories dropped as stale,
+and `arlo_over_inprocess` (arlo async steps/s over the baseline's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arlo.app.driver import run_training
+from arlo.app.local import INFRA_SERVICES, prepare_cluster
+from arlo.config import RunConfig, load_config
+from arlo.coord import Keys, connect, read_statuses
+from arlo.data import resource_path
+from bench.common import machine, print_table, write_json
+from bench.pipeline import parse_cpus
+
+DEMO_CONFIG = resource_path("demo.yaml")
+DEFAULT_CPUS = "inference=0,trainer=1,rollout=0,env_gateway=1,reward=1"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str
+    prompts: int
+    samples: int
+    tokens: int
+
+    @property
+    def completions(self) -> int:
+        return self.prompts * self.samples
+
+
+WORKLOADS = {w.name: w for w in (Workload("76k", "qwen3-76k", 4, 4, 16), Workload("596k", "qwen3-596k", 8, 4, 32))}
+# One turn of "a*b=": the model answers at once; exact match scores it. The completion budget is
+# the workload's (no stop token is forced: a random policy rarely emits EOS, so most run to it).
+ENV_CONFIG = '{"op": "*", "max_operand": 30, "tool": false, "max_turns": 1}'
+LEARNING_RATE = 0.002
+
+
+def service_config(w: Workload, staleness: int, run_id: str) -> RunConfig:
+    return load_config(DEMO_CONFIG, {
+        "run_id": run_id, "model": {"name": w.model},
+        "inference": {"max_tokens": w.tokens, "max_n": w.samples, "max_batch": max(64, 2 * w.completions)},
+        "trainer": {"max_staleness": staleness, "groups_per_step": w.prompts, "learning_rate": LEARNING_RATE,
+                    "sft": {"steps": 0}},
+        "rollout": {"env_config_json": ENV_CONFIG, "group_size": w.samples, "max_turns": 1,
+                    "max_episode_tokens": w.tokens, "concurrent_groups": 2 * w.prompts,
+                    "sampling": {"temperature": 1.0, "max_tokens": w.tokens}, "eval": {"every_versions": 0}}})
+
+
+async def stamp_versions(cfg: RunConfig, stamps: dict[int, float], ready: asyncio.Event) -> None:
+    """Records when each version is published (the trainer's step end), from the pointer's channel."""
+    redis = await connect(cfg.redis)
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    try:
+        await pubsub.subscribe(Keys(cfg.run_id).weights_events)
+        ready.set()
+        async for message in pubsub.listen():
+            stamps.setdefault(int(message["data"]), time.monotonic())
+    finally:
+        await pubsub.aclose()
+        await redis.aclose()
+
+
+async def counters(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    redis = await connect(cfg.redis)
+    try:
+        return {s["service"]: s for s in await read_statuses(redis, cfg.run_id)}
+    finally:
+        await redis.aclose()
+
+
+async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any) -> tuple[dict[int, float], dict]:
+    stamps: dict[int, float] = {}
+    ready = asyncio.Event()
+    stamper = asyncio.create_task(stamp_versions(cfg, stamps, ready))
+    await ready.wait()
+    try:
+        await run_training(cfg, token, steps=steps, on_progress=lambda row: None, check_children=check,
+                           evaluate=False, eval_tags=())
+        await asyncio.sleep(2.5)  # one heartbeat period: the counters are fresh
+        return stamps, await counters(cfg)
+    finally:
+        stamper.cancel()
+
+
+def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = service_config(w, staleness, f"bench-grpo-{w.name}-s{staleness}")
+    cluster = prepare_cluster(cfg, home=Path(args.home).resolve() / f"{w.name}-s{staleness}", free_ports=True,
+                              fresh_run=True)
+    cluster.cpu_shares = parse_cpus(args.cpus)
+    try:
+        cluster.start(INFRA_SERVICES)
+        cluster.start(("rollout",))
+        stamps, status = asyncio.run(drive(cluster.cfg, cluster.token, args.warmup + args.steps,
+                                           cluster.supervisor.check))
+    finally:
+        cluster.stop()
+    versions = sorted(v for v in stamps if v >= args.warmup)
+    first, last = args.warmup, versions[-1]
+    wall = stamps[last] - stamps[first]
+    steps_per_s = (last - first) / wall
+    # A step that compiles a new shape mid-run (a new length bucket) stalls for seconds; the
+    # median step shows the steady state beside the mean that includes them.
+    intervals = [stamps[v] - stamps[v - 1] for v in versions if v - 1 in stamps and v > first]
+    inference = status.get("inference", {})
+    generated, requests = float(inference.get("generated_tokens", 0)), float(inference.get("requests", 1))
+    trainer = status.get("trainer", {})
+    return {"workload": w.name, "side": "arlo sync" if staleness == 0 else f"arlo async (staleness {staleness})",
+            "staleness": staleness, "steps_timed": last - first, "wall_s": wall, "steps_per_s": steps_per_s,
+            "completions_per_s": steps_per_s * w.completions,
+            # tokens per completion over the whole run (single turn: one request per completion)
+            "generated_tokens_per_s": steps_per_s * w.completions * generated / max(requests, 1.0),
+            "median_step_s": statistics.median(intervals), "max_step_s": max(intervals),
+            "shared_prefill_fraction": float(inference.get("shared_prefills", 0)) / max(requests, 1.0),
+            "inference_programs": int(float(inference.get("programs", 0))),
+            "dropped_stale": int(float(trainer.get("dropped_stale", 0))),
+            "consumed": int(float(trainer.get("consumed", 0)))}
+
+
+def run_inprocess(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """The baseline in its own process (its own JAX, pinned like the trainer), JSON on stdout."""
+    cmd = [sys.executable, "-m", "bench.grpo_inprocess", "--model", w.model, "--prompts", str(w.prompts),
+           "--samples", str(w.samples), "--tokens", str(w.tokens), "--warmup", str(args.warmup),
+           "--steps", str(args.steps), "--learning-rate", str(LEARNING_RATE)]
+    if args.inprocess_cpus:
+        cmd = ["taskset", "-c", args.inprocess_cpus, *cmd]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    return {"workload": w.name, "side": "in-process", "staleness": 0, **r}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="76k", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    parser.add_argument("--modes", default="0,1", help="arlo max_staleness values; 0 is synchronous")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compilation)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
+    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="service=cpus[+cpus] shares (one XLA thread per cpu)")
+    parser.add_argument("--inprocess-cpus", default="0,1", help="taskset CPUs of the baseline ('' = no pinning)")
+    parser.add_argument("--no-inprocess", action="store_true", help="arlo only")
+    parser.add_argument("--home", default=".arlo/bench-grpo", help="logs and state of the runs")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows: list[dict[str, Any]] = []
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        if not args.no_inprocess:
+            rows.append(run_inprocess(w, args))
+        rows += [run_arlo(w, int(m), args) for m in args.modes.split(",")]
+    figures: dict[str, Any] = {"rows": rows, "cpus": args.cpus, "warmup": args.warmup, "steps": args.steps}
+    for name in args.workloads.split(","):
+        base = next((r for r in rows if r["workload"] == name and r["side"] == "in-process"), None)
+        sync = next((r for r in rows if r["workload"] == name and r["staleness"] == 0 and r["side"] != "in-process"),
+                    None)
+        asyncs = [r for r in rows if r["workload"] == name and r["staleness"] > 0]
+        best = max(asyncs, key=lambda r: r["steps_per_s"]) if asyncs else None
+        if base and best:
+            figures[f"arlo_over_inprocess_{name}"] = best["steps_per_s"] / base["steps_per_s"]
+        if sync and best:
+            figures[f"async_over_sync_{name}"] = best["steps_per_s"] / sync["steps_per_s"]
+    keys = ["workload", "side", "steps_per_s", "completions_per_s", "generated_tokens_per_s", "median_step_s",
+            "max_step_s", "dropped_stale", "shared_prefill_fraction"]
+    print_table(f"GRPO tiny: {args.steps} timed steps after {args.warmup}; cpus {args.cpus}",
+                ["workload", "side", "steps/s", "completions/s", "gen tokens/s", "median step s", "max step s",
+                 "dropped stale", "shared prefill"],
+                [[r.get(k, "") for k in keys] for r in rows])
+    for key, value in figures.items():
+        if key.startswith(("arlo_over", "async_over")):
+            print(f"{key} {value:.2f}")
+    figures["machine"] = machine()
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
