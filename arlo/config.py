@@ -121,6 +121,10 @@ class ServerConfig:
     """RPCs in flight on the whole server (health included); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
     max_rpcs_per_client: int = 1024
     """RPCs in flight from one client connection (health exempt); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
+    max_health_watches: int = 256
+    """Open grpc.health.v1 Watch streams on the server (unauthenticated, long-lived); the excess gets RESOURCE_EXHAUSTED."""
+    max_health_watches_per_client: int = 16
+    """Open health Watch streams from one client host (all its connections); the excess gets RESOURCE_EXHAUSTED."""
 
     @property
     def address(self) -> str:
@@ -132,6 +136,8 @@ class ServerConfig:
         _check(f"{path}.max_message_bytes", 1024 <= self.max_message_bytes < 2**31, "must be in [1 KiB, 2 GiB)")
         _check(f"{path}.max_concurrent_rpcs", self.max_concurrent_rpcs >= 0, "must be >= 0 (0 = no cap)")
         _check(f"{path}.max_rpcs_per_client", self.max_rpcs_per_client >= 0, "must be >= 0 (0 = no cap)")
+        _check(f"{path}.max_health_watches", self.max_health_watches >= 1, "must be >= 1")
+        _check(f"{path}.max_health_watches_per_client", self.max_health_watches_per_client >= 1, "must be >= 1")
 
 
 @_frozen

@@ -129,7 +129,8 @@ def test_stop_all_never_raises_on_dead_or_stopped_children(tmp_path: Path) -> No
 
 def write_config(path: Path, home: Path, redis_url: str) -> dict:
     cfg: dict = {"run_id": "drive", "redis": {"url": redis_url},
-                 "trainer": {"groups_per_step": 2, "checkpoint_every": 2, "max_staleness": 1000},
+                 "trainer": {"groups_per_step": 2, "checkpoint_every": 2, "checkpoint_dir": str(home / "ckpt"),
+                             "max_staleness": 1000},
                  "rollout": {"group_size": 4, "concurrent_groups": 2}}
     for name in (*INFRA, "rollout"):
         cfg.setdefault(name, {})["server"] = {"port": free_port(), "metrics_port": free_port(), "grace_s": 0.5}
@@ -152,8 +153,11 @@ def test_train_rides_out_trainer_kill_hang_and_redis_kill(tmp_path: Path) -> Non
     train = None
     try:
         address = {n: f"127.0.0.1:{cfg[n]['server']['port']}" for n in INFRA}
-        wait_for(lambda: up.poll() is None and all(is_serving(a) for a in address.values()), 400,
-                 "arlo up to serve")
+        def serving() -> bool:
+            assert up.poll() is None, (tmp_path / "up.err").read_text()[-3000:]
+            return all(is_serving(a) for a in address.values())
+
+        wait_for(serving, 400, "arlo up to serve")
         # Item 12: the Redis that `arlo up -c X` started answers at X's redis.url.
         assert redis_answers(cfg["redis"]["url"])
         client = redis.Redis.from_url(cfg["redis"]["url"], socket_timeout=5)
