@@ -25,6 +25,9 @@ logger = logging.getLogger("arlo.sandbox")
 ROOT = Path("/sys/fs/cgroup")
 PARENT = "arlo-sandbox"
 _MIB = 1 << 20
+CHAIN_TASKS = 4
+"""Tasks of the chain itself in the group (unshare or setpriv/bwrap and their pid 1, the trampoline):
+the program's allowance comes on top, as RLIMIT_NPROC's does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +94,7 @@ class CallGroup:
             memsw = self.memory / "memory.memsw.limit_in_bytes"
             if memsw.exists():
                 memsw.write_text(str(limit))  # no swap beyond the limit
-        # +1: the trampoline itself is a process of the group.
-        (self.pids / "pids.max").write_text(str(max_processes + 1))
+        (self.pids / "pids.max").write_text(str(max_processes + CHAIN_TASKS))
 
     def adopt(self, root_pid: int) -> None:
         """Moves `root_pid` and every descendant in; later forks of any of them are born inside.
