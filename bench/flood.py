@@ -28,6 +28,7 @@ LIGHT_EVERY_S = 0.2
 async def flood(cfg: RunConfig, token: str | None, *, calls: int, seconds: float) -> dict[str, Any]:
     address = cfg.inference.server.address
     outcomes: Counter[str] = Counter()
+    details: dict[str, str] = {}  # one example per status code
     light_s: list[float] = []
     light_errors: Counter[str] = Counter()
     request = inference_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], n=1,
@@ -39,14 +40,18 @@ async def flood(cfg: RunConfig, token: str | None, *, calls: int, seconds: float
             outcomes["OK"] += 1
         except grpc.aio.AioRpcError as e:
             outcomes[e.code().name] += 1
+            details.setdefault(e.code().name, e.details() or "")
 
     async def light(stop: asyncio.Event) -> None:
-        async with make_channel(address, token=token) as channel:  # its own connection: another client
+        # Its own connection, as another process's would be (channels of one process to one target
+        # share a connection, i.e. one peer, unless told not to).
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             while not stop.is_set():
                 start = time.perf_counter()
                 try:
-                    await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=60)
+                    await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=60, metadata=metadata)
                     light_s.append(time.perf_counter() - start)
                 except grpc.aio.AioRpcError as e:
                     light_errors[e.code().name] += 1
@@ -65,7 +70,7 @@ async def flood(cfg: RunConfig, token: str | None, *, calls: int, seconds: float
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     outcomes["unfinished"] += len(pending)
-    return {"flood_calls": calls, "flood_outcomes": dict(outcomes), "flood_wall_s": time.monotonic() - started,
+    return {"flood_calls": calls, "flood_outcomes": dict(outcomes), "flood_details": details, "flood_wall_s": time.monotonic() - started,
             "light_calls": len(light_s), "light_errors": dict(light_errors),
             "light_p50_ms": 1000 * percentile(light_s, 50) if light_s else None,
             "light_p99_ms": 1000 * percentile(light_s, 99) if light_s else None,
