@@ -40,6 +40,8 @@ class RetryPolicy:
 def retryable(exc: BaseException) -> bool:
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code() in RETRYABLE_CODES
+    if isinstance(exc, redis.exceptions.AuthenticationError):  # a ConnectionError in redis-py; never heals
+        return False
     return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                             asyncio.TimeoutError))
 

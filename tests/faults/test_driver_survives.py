@@ -230,3 +230,44 @@ def test_train_rides_out_trainer_kill_hang_and_redis_kill(tmp_path: Path) -> Non
         for pid in find(str(home), under=str(home)):
             os.kill(pid, signal.SIGKILL)
 
+
+
+async def test_resilient_stub_waits_out_a_server_that_comes_late_and_gives_up_after_the_outage() -> None:
+    """The driver's calls (arlo/app/resilient.py) against a real server that is not there yet,
+    then is: the call succeeds once it is; with nothing ever there it fails after `outage_s`."""
+    import asyncio
+
+    import grpc
+
+    from arlo.app.resilient import ResilientStub, RetryPolicy
+    from arlo.config import AuthConfig, ServerConfig
+    from arlo.proto.v1 import reward_pb2, reward_pb2_grpc
+    from arlo.rpc import ServiceBinding, start_server
+    from services.reward.registry import default_registry
+    from services.reward.scoring import Scorer
+    from services.reward.server import RewardServicer
+
+    port = free_port()
+    request = reward_pb2.ScoreRequest(reward_fn="exact_match", response="1", reference="1")
+    policy = RetryPolicy(outage_s=30.0, call_timeout_s=2.0)
+
+    async def start_late():
+        await asyncio.sleep(1.5)
+        name = reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name
+        return await start_server("test", ServerConfig(port=port, metrics_port=-1), AuthConfig(disabled=True),
+                                  [ServiceBinding(name, reward_pb2_grpc.add_RewardServicer_to_server,
+                                                  RewardServicer(default_registry(), Scorer(timeout_s=5.0)))])
+
+    late = asyncio.create_task(start_late())
+    async with ResilientStub(reward_pb2_grpc.RewardStub, f"127.0.0.1:{port}", token=None, tls=None,
+                             policy=policy) as stub:
+        reply = await stub.Score(request, timeout=5)
+    running = await late
+    await running.stop(None)
+    assert reply.reward == 1.0
+    started = time.monotonic()
+    async with ResilientStub(reward_pb2_grpc.RewardStub, f"127.0.0.1:{free_port()}", token=None, tls=None,
+                             policy=RetryPolicy(outage_s=1.0, call_timeout_s=0.5)) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Score(request)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and 1.0 <= time.monotonic() - started < 10
