@@ -49,7 +49,7 @@ def _check(path: str, ok: bool, message: str) -> None:
 @_frozen
 class RedisConfig:
     url: str = "redis://127.0.0.1:6379/0"
-    """Redis URL; `arlo up` starts a local redis-server when nothing answers here."""
+    """Redis URL; `arlo up` starts a local, persistent redis-server at this port when nothing answers here."""
     socket_timeout_s: float = 10.0
     """Socket timeout; blocking reads always block for less than this (redis-py raises otherwise)."""
     max_backlog: int = 4096
@@ -121,6 +121,10 @@ class ServerConfig:
     """RPCs in flight on the whole server (health included); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
     max_rpcs_per_client: int = 1024
     """RPCs in flight from one client connection (health exempt); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
+    max_health_watches: int = 256
+    """Open grpc.health.v1 Watch streams on the server (unauthenticated, long-lived); the excess gets RESOURCE_EXHAUSTED."""
+    max_health_watches_per_client: int = 16
+    """Open health Watch streams from one client host (all its connections); the excess gets RESOURCE_EXHAUSTED."""
 
     @property
     def address(self) -> str:
@@ -132,6 +136,8 @@ class ServerConfig:
         _check(f"{path}.max_message_bytes", 1024 <= self.max_message_bytes < 2**31, "must be in [1 KiB, 2 GiB)")
         _check(f"{path}.max_concurrent_rpcs", self.max_concurrent_rpcs >= 0, "must be >= 0 (0 = no cap)")
         _check(f"{path}.max_rpcs_per_client", self.max_rpcs_per_client >= 0, "must be >= 0 (0 = no cap)")
+        _check(f"{path}.max_health_watches", self.max_health_watches >= 1, "must be >= 1")
+        _check(f"{path}.max_health_watches_per_client", self.max_health_watches_per_client >= 1, "must be >= 1")
 
 
 @_frozen
@@ -444,11 +450,12 @@ class SandboxConfig:
     cpu_seconds: int = 5
     """CPU time limit (RLIMIT_CPU) of the sandboxed process."""
     memory_mb: int = 512
-    """Address-space limit of the sandboxed process."""
+    """Memory of the whole tool call (all its processes together, one cgroup) and address-space limit of each
+    process; where no cgroup can be created, only the per-process limit holds (docs/reliability.md)."""
     file_size_mb: int = 16
     """Largest file the sandboxed process may write (RLIMIT_FSIZE)."""
     max_processes: int = 32
-    """Processes the sandboxed code may run at once (RLIMIT_NPROC)."""
+    """Processes (threads included) the tool call may run at once: its cgroup's pids.max, and RLIMIT_NPROC."""
     wall_timeout_s: float = 10.0
     """Wall-clock limit; past it the whole process group is killed."""
     isolation: Isolation = "auto"

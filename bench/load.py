@@ -10,6 +10,9 @@ gRPC clients time every call, writes to the stream while the trainer consumes it
 admission is off (it would cap concurrency at a few batches: here the point is load), and the
 trainer's max_staleness is high so nothing is dropped for age.
 
+`--flood-only` runs the flood phase instead (bench/flood.py): one client with `--flood-calls`
+concurrent Generate calls, another making a light authenticated call meanwhile (its p50/p99).
+
 Reported: p50/p99 latency and errors per RPC, episodes/s, trainer steps, the stream backlog
 (max and final) and Redis memory (peak). The bar: zero errors, and a backlog that stays under
 max_backlog + groups in flight (producers back off instead of piling data up).
@@ -211,7 +214,12 @@ def main() -> None:
     parser.add_argument("--max-backlog", type=int, default=256, help="redis.max_backlog for the run")
     parser.add_argument("--rpc-timeout-s", type=float, default=60.0)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--flood-only", action="store_true", help="the flood phase alone (bench/flood.py)")
+    parser.add_argument("--flood-calls", type=int, default=2200)
+    parser.add_argument("--flood-seconds", type=float, default=30.0)
     args = parser.parse_args()
+    if args.flood_only:
+        return flood_main(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     cfg = bench_config(args)
     with tempfile.TemporaryDirectory(prefix="arlo-load-") as home:
@@ -229,6 +237,22 @@ def main() -> None:
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json" and v is not None), **out})
     if not out["passed"]:
         raise SystemExit(1)
+
+
+def flood_main(args: argparse.Namespace) -> None:
+    from bench.flood import flood
+
+    cfg = bench_config(args)
+    with tempfile.TemporaryDirectory(prefix="arlo-flood-") as home:
+        cluster = prepare_cluster(cfg, home=Path(home), free_ports=True, fresh_run=True)
+        try:
+            cluster.start(("inference",))
+            out = asyncio.run(flood(cluster.cfg, cluster.token, calls=args.flood_calls, seconds=args.flood_seconds))
+        finally:
+            cluster.stop()
+    print_table("flood", ["figure", "value"], [[k, v] for k, v in out.items()])
+    write_json(args.json, {"bench": "flood", "command": f"python -m bench.load --flood-only --flood-calls "
+                                                        f"{args.flood_calls} --flood-seconds {args.flood_seconds}", **out})
 
 
 if __name__ == "__main__":

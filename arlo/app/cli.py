@@ -33,6 +33,7 @@ from arlo.app.local import (
     prepare_cluster,
     resolve_token,
 )
+from arlo.app.resilient import DEFAULT_RETRY, RetryPolicy
 from arlo.app.run_record import RunRecorder
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
@@ -98,14 +99,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *,
-                         evaluate: bool) -> tuple[TrainReport, RunRecorder]:
+                         evaluate: bool, retry: RetryPolicy = DEFAULT_RETRY) -> tuple[TrainReport, RunRecorder]:
     recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}")
     display = LiveRun(console, rl_steps=steps)
     check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
     try:
         with display:
             report = asyncio.run(run_training(cfg, token, steps=steps, on_progress=display.update,
-                                              check_children=check, recorder=recorder, evaluate=evaluate))
+                                              check_children=check, recorder=recorder, evaluate=evaluate,
+                                              retry_policy=retry))
     finally:
         recorder.close()
     return report, recorder
@@ -128,15 +130,18 @@ def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | N
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    # SIGTERM stops like Ctrl-C: the trainer is paused and the rollout worker stopped.
+    signal.signal(signal.SIGTERM, _raise_stop)
     cfg = load_cli_config(args.config)
     token = resolve_token(cfg)
     require_serving(cfg, INFRA_SERVICES)
     cluster = attach_cluster(cfg, token, config_path=args.config)
     try:
         cluster.start(("rollout",))
-        report, recorder = _train_with_progress(cluster, cfg, token, args.steps, evaluate=not args.no_eval)
+        report, recorder = _train_with_progress(cluster, cfg, token, args.steps, evaluate=not args.no_eval,
+                                                retry=RetryPolicy(outage_s=args.outage_s))
         _export_at_end(cfg, token, args.export)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         console.print("interrupted; pausing the trainer")
         return 130
     finally:
@@ -219,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--json", help="write the run's figures to this file")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
     train.add_argument("--export", metavar="DIR", help="after the last step, write the policy to DIR (Hugging Face format)")
+    train.add_argument("--outage-s", type=float, default=DEFAULT_RETRY.outage_s,
+                       help="how long a service (trainer, inference, Redis) may stay down or hung before the run "
+                            f"gives up; every call retries meanwhile (default {DEFAULT_RETRY.outage_s:.0f})")
     demo = sub.add_parser("demo", help="start everything on the built-in config, train, stop")
     demo.add_argument("-c", "--config", help="run config YAML (default: built-in)")
     demo.add_argument("--steps", type=int, help=f"RL steps after the SFT warm start (default {DEMO_RL_STEPS})")

@@ -7,6 +7,7 @@ only through arlo.coord, so it works the same against local processes and a clus
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from arlo.app.resilient import DEFAULT_RETRY, ResilientCalls, ResilientStub, RetryPolicy, retry
 from arlo.app.run_record import RunRecorder
 from arlo.app.supervisor import is_serving
 from arlo.config import RunConfig, TlsConfig
@@ -21,6 +23,8 @@ from arlo.coord import TrajectoryStream, WeightPointer, connect, read_statuses
 from arlo.coord.evals import EvalQueue
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
+
+log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[dict[str, Any]], None]
 """Called with each step row (see `StepRow`) as the driver sees it."""
@@ -94,7 +98,8 @@ class RunDriver:
                  evaluate: bool = True, rl_seconds: float | None = None,
                  on_phase: Callable[[str], Awaitable[None]] | None = None,
                  eval_tags: tuple[str, ...] = ("start", "after_sft", "end"), poll_s: float = 0.2,
-                 stall_s: float = 300.0) -> None:
+                 stall_s: float = 300.0, retry_policy: RetryPolicy = DEFAULT_RETRY) -> None:
+        self.retry = retry_policy
         self.eval_tags = eval_tags
         self.rl_seconds = rl_seconds
         self.on_phase = on_phase
@@ -111,11 +116,12 @@ class RunDriver:
 
     async def run(self, steps: int | None) -> TrainReport:
         """`steps` RL steps after the warm start (forever when None); then pauses the trainer."""
-        redis = await connect(self.cfg.redis)
-        self.evals = EvalQueue(redis, self.cfg.run_id)
+        # Every trainer RPC and Redis call below retries through a restart or hang (resilient.py).
+        redis = await retry(lambda: connect(self.cfg.redis), policy=self.retry, what="redis connect")
+        self.evals = ResilientCalls(EvalQueue(redis, self.cfg.run_id), self.retry, "evals")
         try:
-            async with make_channel(self.cfg.trainer.server.address, token=self.token, tls=self.cfg.auth.tls) as ch:
-                trainer = trainer_pb2_grpc.TrainerStub(ch)
+            async with ResilientStub(trainer_pb2_grpc.TrainerStub, self.cfg.trainer.server.address,
+                                     token=self.token, tls=self.cfg.auth.tls, policy=self.retry) as trainer:
                 await self._run_phases(trainer, steps)
         finally:
             await redis.aclose()
@@ -129,7 +135,7 @@ class RunDriver:
         sft_left = max(status.sft_steps - status.step, 0)
         if sft_left:
             status = await self._drive(trainer, until=status.step + sft_left)
-            pointer, _ = await wait_fleet_on_pointer(self.cfg, self.token)
+            pointer, _ = await wait_fleet_on_pointer(self.cfg, self.token, policy=self.retry)
             await self._evaluate_now("after_sft", pointer)
         until = status.step + steps if steps is not None else None
         if self.on_phase:
@@ -144,7 +150,7 @@ class RunDriver:
         self.report.sft_steps = status.sft_steps
         self.report.trainer_version = status.version
         self.report.pointer_version, self.report.inference_versions = await wait_fleet_on_pointer(
-            self.cfg, self.token)
+            self.cfg, self.token, policy=self.retry)
         await self._evaluate_now("end", self.report.pointer_version)
         await self._collect_pending(wait=True)
 
@@ -161,14 +167,16 @@ class RunDriver:
                 self.check_children()
                 await asyncio.sleep(self.poll_s)
                 status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+                if status.paused and (until is None or status.step < until):
+                    # Paused short of the target: the trainer restarted (it starts paused under
+                    # `arlo up`, maybe at an older checkpoint's step), or someone paused it.
+                    # Driving the run means resuming it.
+                    log.warning("trainer paused at step %d short of %s; resuming it", status.step, until)
+                    await trainer.Resume(trainer_pb2.ResumeRequest(until_step=until or 0), timeout=10)
                 if status.step == last_step:
                     if time.monotonic() - last_progress > self.stall_s:
                         raise Stalled(f"no trainer step for {self.stall_s:.0f}s ({status.trajectories_dropped} "
                                       f"trajectories dropped so far); the service logs say why")
-                    if status.paused:
-                        # Paused short of the target: the trainer restarted (it starts paused under
-                        # `arlo up`), or someone paused it. Driving the run means resuming it.
-                        await trainer.Resume(trainer_pb2.ResumeRequest(until_step=until or 0), timeout=10)
                     continue
                 last_progress, last_step = time.monotonic(), status.step
                 self._record_step(status)
@@ -176,8 +184,17 @@ class RunDriver:
                     await self._request_eval(f"v{status.version}", status.version)
                 await self._collect_pending(wait=False)
         finally:
-            await trainer.Pause(trainer_pb2.PauseRequest(), timeout=60)
+            await self._pause(trainer)
         return await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)  # final, after the pause
+
+    async def _pause(self, trainer: ResilientStub) -> None:
+        """The stop path: never raises on a dead or hung trainer (a restarted one comes up paused)."""
+        try:
+            await trainer.Pause(trainer_pb2.PauseRequest(), timeout=60,
+                                policy=RetryPolicy(outage_s=min(self.retry.outage_s, 30.0),
+                                                   call_timeout_s=self.retry.call_timeout_s))
+        except (grpc.aio.AioRpcError, OSError) as e:
+            log.warning("could not pause the trainer (%s); a restarted trainer starts paused", e)
 
     def _record_step(self, status: trainer_pb2.GetStatusResponse) -> None:
         now = time.monotonic()
@@ -239,25 +256,35 @@ async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, 
                        check_children: Callable[[], object] = lambda: None, recorder: RunRecorder | None = None,
                        evaluate: bool = True, rl_seconds: float | None = None,
                        on_phase: Callable[[str], Awaitable[None]] | None = None,
-                       eval_tags: tuple[str, ...] = ("start", "after_sft", "end")) -> TrainReport:
+                       eval_tags: tuple[str, ...] = ("start", "after_sft", "end"),
+                       retry_policy: RetryPolicy = DEFAULT_RETRY) -> TrainReport:
     """Warm start (if configured), then `steps` RL steps (forever when None; at most `rl_seconds`
     of RL when given), evaluating on the way."""
     driver = RunDriver(cfg, token, on_progress=on_progress, check_children=check_children, recorder=recorder,
-                       evaluate=evaluate, rl_seconds=rl_seconds, on_phase=on_phase, eval_tags=eval_tags)
+                       evaluate=evaluate, rl_seconds=rl_seconds, on_phase=on_phase, eval_tags=eval_tags,
+                       retry_policy=retry_policy)
     return await driver.run(steps)
 
 
-async def wait_fleet_on_pointer(cfg: RunConfig, token: str | None, timeout_s: float = 60.0) -> tuple[int, dict[str, int]]:
-    """Waits until every inference replica serves the pointer's version; returns what each serves."""
-    redis = await connect(cfg.redis)
-    try:
-        pointer = await WeightPointer(redis, cfg.run_id).get()
-    finally:
-        await redis.aclose()
-    target = pointer.version if pointer else 0
+async def wait_fleet_on_pointer(cfg: RunConfig, token: str | None, timeout_s: float = 60.0,
+                                policy: RetryPolicy | None = None) -> tuple[int, dict[str, int]]:
+    """Waits until every inference replica serves the pointer's version; returns what each serves.
+    With `policy`, Redis and inference outages are retried under it."""
+    async def pointer_version() -> int:
+        redis = await connect(cfg.redis)
+        try:
+            pointer = await WeightPointer(redis, cfg.run_id).get()
+        finally:
+            await redis.aclose()
+        return pointer.version if pointer else 0
+
+    def retried(fn: Callable[[], Awaitable[Any]], what: str) -> Awaitable[Any]:
+        return fn() if policy is None else retry(fn, policy=policy, what=what, attempt_timeout_s=policy.call_timeout_s * 3)
+
+    target = await retried(pointer_version, "weight pointer")
     deadline = time.monotonic() + timeout_s
     while True:
-        versions = await inference_versions(cfg, token)
+        versions = await retried(lambda: inference_versions(cfg, token), "inference GetModelInfo")
         if all(v >= target for v in versions.values()) or time.monotonic() > deadline:
             return target, versions
         await asyncio.sleep(0.2)

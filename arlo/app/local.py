@@ -15,8 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from arlo.app.redis_server import LocalRedis, free_port, redis_answers, start_local_redis
-from arlo.app.supervisor import Supervisor, service_spec
+from arlo.app.redis_server import free_port, local_redis_url, redis_answers, redis_spec
+from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
 from arlo.config import RunConfig, dump_config, load_config, replace_config
 from arlo.hostmem import merged_tunables
@@ -64,7 +64,8 @@ class LocalCluster:
     config_path: Path
     home: Path
     token: str | None
-    redis: LocalRedis | None
+    redis: ProcessSpec | None
+    """The redis-server this cluster started (a supervised child, stopped last), else None."""
     supervisor: Supervisor
     cpu_shares: dict[str, str] | None = None
     """Service name -> the CPUs it may use ("0", "1", "0,1"), applied by the service at start
@@ -97,10 +98,7 @@ class LocalCluster:
             self.supervisor.start(spec, timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
-        codes = self.supervisor.stop_all(grace_s)
-        if self.redis is not None:
-            self.redis.stop()
-        return codes
+        return self.supervisor.stop_all(grace_s)
 
 
 def wipe_run(cfg: RunConfig) -> int:
@@ -141,10 +139,12 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     private_dir(home)  # holds the token and a config that may carry a Redis password
     overrides: dict = {}
     redis = None
+    supervisor = Supervisor([])
     if not redis_answers(cfg.redis.url):
-        log.info("no Redis answers at %s; starting a local redis-server", cfg.redis.url)
-        redis = start_local_redis()
-        overrides["redis"] = {"url": redis.url}
+        url = local_redis_url(cfg.redis.url, free_ports=free_ports)
+        log.info("no Redis answers at %s; starting a local redis-server at %s", cfg.redis.url, url)
+        redis = redis_spec(url, home / "redis", home / "logs")
+        overrides["redis"] = {"url": url}
     if free_ports:
         for name in SERVICE_SECTIONS:
             overrides[name] = {"server": {"port": free_port(), "metrics_port": free_port()}}
@@ -158,15 +158,22 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
         write_private(token_path, token)
         overrides["auth"] = {"token_file": str(token_path)}
     resolved = replace_config(cfg, overrides)
-    if fresh_run:
-        wipe_run(resolved)
-        if "checkpoint_dir" in overrides["trainer"]:
-            # A fresh run must not resume a previous demo's weights: its default checkpoints go too.
-            shutil.rmtree(overrides["trainer"]["checkpoint_dir"], ignore_errors=True)
     config_path = resolved_config_path(home)
-    dump_config(resolved, config_path)
+    if redis is not None:  # supervised like the services (restarted after a crash), stopped last
+        supervisor.specs.append(redis)
+        supervisor.start(redis, timeout_s=30.0)
+    try:
+        if fresh_run:
+            wipe_run(resolved)
+            if "checkpoint_dir" in overrides["trainer"]:
+                # A fresh run must not resume a previous demo's weights: its default checkpoints go too.
+                shutil.rmtree(overrides["trainer"]["checkpoint_dir"], ignore_errors=True)
+        dump_config(resolved, config_path)
+    except BaseException:
+        supervisor.stop_all()
+        raise
     return LocalCluster(cfg=resolved, config_path=config_path, home=home, token=token, redis=redis,
-                        supervisor=Supervisor([]))
+                        supervisor=supervisor)
 
 
 def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None) -> LocalCluster:

@@ -7,13 +7,15 @@ because gRPC does not survive fork() without exec.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,36 @@ class ProcessSpec:
     """host:port answering grpc.health.v1."""
     log_path: Path
     env: Mapping[str, str] = field(default_factory=dict)
+    ready: Callable[[str, float], bool] | None = None
+    """Readiness probe (address, timeout_s); None: grpc.health.v1 SERVING."""
+    stop_last: bool = False
+    """Stopped after every other child (Redis: services flush to it while they stop)."""
+
+
+# A child must not outlive the process that started it: a kill -9 of `arlo up`, `arlo demo` or
+# `arlo train` (or pytest-timeout killing one) left every service running as an orphan. Linux
+# delivers PR_SET_PDEATHSIG when the parent dies, whatever the way; it survives execve.
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGKILL when this process dies (Linux; None elsewhere).
+
+    The signal follows the *thread* that forked, so only the main thread (which lives as long as
+    the process) arms it. SIGKILL, not SIGTERM: a parent that died without stopping its children
+    left no one to wait for a graceful exit, and every service is built to survive a kill -9.
+    """
+    if _LIBC is None or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl, parent = _LIBC.prctl, os.getpid()
+
+    def arm() -> None:  # runs in the child between fork and exec: no locks, no imports
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal us
+            os._exit(1)
+
+    return arm
 
 
 def service_spec(name: str, config_path: Path, address: str, log_dir: Path, env: Mapping[str, str]) -> ProcessSpec:
@@ -84,7 +116,8 @@ class Supervisor:
         logf = open(spec.log_path, "ab")  # noqa: SIM115 (owned by the child for its lifetime)
         try:
             return subprocess.Popen(spec.argv, stdout=logf, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **spec.env}, start_new_session=True)
+                                    env={**os.environ, **spec.env}, start_new_session=True,
+                                    preexec_fn=die_with_parent())  # noqa: PLW1509 (async-signal-safe calls only)
         finally:
             logf.close()
 
@@ -105,7 +138,7 @@ class Supervisor:
             if child.process.poll() is not None:
                 raise ServiceFailed(f"{name} exited with {child.process.returncode} while starting; "
                                     f"log {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
-            if is_serving(child.spec.address, 0.5):
+            if (child.spec.ready or is_serving)(child.spec.address, 0.5):
                 log.info("%s is serving on %s", name, child.spec.address)
                 return
             time.sleep(0.2)
@@ -130,15 +163,32 @@ class Supervisor:
 
     def stop_all(self, grace_s: float = 10.0) -> dict[str, int | None]:
         """SIGTERM in reverse start order, SIGKILL what is left after `grace_s`; returns exit codes."""
-        for child in reversed(list(self.children.values())):
+        # Never raises: it runs on every way out (a child may be gone, stopped or a zombie).
+        children = list(reversed(self.children.values()))
+        for batch in ([c for c in children if not c.spec.stop_last], [c for c in children if c.spec.stop_last]):
+            self._stop_batch(batch, grace_s)
+        return {name: c.process.returncode for name, c in self.children.items()}
+
+    def _stop_batch(self, children: list[_Child], grace_s: float) -> None:
+        for child in children:
             if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+                _signal(child.process, signal.SIGCONT)  # a stopped child would never see SIGTERM
+                _signal(child.process, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for child in self.children.values():
+        for child in children:
             try:
                 child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s ignored SIGTERM for %.0fs; killing", child.spec.name, grace_s)
-                os.killpg(child.process.pid, signal.SIGKILL)
+                try:
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                except OSError:
+                    pass
                 child.process.wait()
-        return {name: c.process.returncode for name, c in self.children.items()}
+
+
+def _signal(process: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except OSError:
+        pass

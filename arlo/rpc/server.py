@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from arlo.config import AuthConfig, ConfigError, ServerConfig
 from arlo.rpc.auth import AuthInterceptor, load_token
-from arlo.rpc.concurrency import ClientLimitInterceptor
+from arlo.rpc.concurrency import ClientLimitInterceptor, WatchLimitInterceptor
 from arlo.rpc.interceptors import ErrorInterceptor, MetricsInterceptor, RequestIdInterceptor
 from arlo.rpc.metrics import MetricsHttpServer, RpcMetrics
 from arlo.rpc.tls import server_credentials
@@ -122,6 +122,8 @@ async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
         interceptors.append(AuthInterceptor(token))
     if server_cfg.max_rpcs_per_client:
         interceptors.append(ClientLimitInterceptor(server_cfg.max_rpcs_per_client))
+    interceptors.append(WatchLimitInterceptor(total=server_cfg.max_health_watches,
+                                              per_client=server_cfg.max_health_watches_per_client))
     interceptors.append(ErrorInterceptor())
     credentials = server_credentials(auth.tls) if auth.tls.enabled else None  # a bad file fails before binding
     server = grpc.aio.server(interceptors=interceptors, options=_server_options(server_cfg),

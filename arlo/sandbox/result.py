@@ -51,6 +51,8 @@ class RunFacts:
     """The parent's own deadline (wall timeout plus a grace) fired: the trampoline did not end it."""
     cpu_seconds: int
     stderr: str
+    group_oom: bool = False
+    """The call's cgroup hit its memory limit (all its processes together; cgroup.py)."""
 
 
 def _memory_failure(stderr: str) -> bool:
@@ -73,11 +75,11 @@ def classify(facts: RunFacts) -> tuple[str, int | None, int | None]:
     if sig is not None:
         if sig == _SIGXCPU or (sig == _SIGKILL and report.get("cpu_s", 0.0) >= facts.cpu_seconds):
             return "cpu_limit", None, sig
-        if _memory_failure(facts.stderr):  # e.g. an abort() after a failed allocation
+        if facts.group_oom or _memory_failure(facts.stderr):  # OOM-killed, or an abort() after a failed allocation
             return "memory_limit", None, sig
         return "killed", None, sig
     if code == 0:
         return "ok", 0, None
     if code is None:
         return "sandbox_error", None, None
-    return ("memory_limit" if _memory_failure(facts.stderr) else "error"), code, None
+    return ("memory_limit" if facts.group_oom or _memory_failure(facts.stderr) else "error"), code, None

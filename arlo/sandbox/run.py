@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from arlo.sandbox import cgroup
 from arlo.sandbox import isolation as iso_mod
 from arlo.sandbox.isolation import Isolation
 from arlo.sandbox.pipes import Captured, pump
@@ -209,6 +210,11 @@ def _run(iso: Isolation, lim: Limits, *, python: str, workdir: str, code: str, s
         return _failed(f"could not start the sandbox ({argv[0]}): {exc}", time.monotonic() - start)
     for fd in (in_r, out_w, err_w, status_w):  # the child's ends: EOF reaches us only once these are closed
         os.close(fd)
+    # Before the spec goes in (the chain runs nothing until then): the call's processes together
+    # are bounded by memory_mb and max_processes, not each one (cgroup.py).
+    group = cgroup.open_group(lim.memory_mb, lim.max_processes)
+    if group is not None:
+        group.adopt(proc.pid)
     try:
         captured = pump(stdin_fd=in_w, stdout_fd=out_r, stderr_fd=err_r,
                         payload=b"%010d" % len(spec_bytes) + spec_bytes + stdin.encode(),
@@ -221,16 +227,22 @@ def _run(iso: Isolation, lim: Limits, *, python: str, workdir: str, code: str, s
             _kill_chain(proc)
         report = _read_report(status_r)
         os.close(status_r)
-    return _result(captured, report, lim, wall_s=time.monotonic() - start, returncode=proc.returncode)
+        oom = group is not None and group.oom_killed()
+        if group is not None:
+            group.close()
+    return _result(captured, report, lim, wall_s=time.monotonic() - start, returncode=proc.returncode, oom=oom)
 
 
 def _result(captured: Captured, report: dict[str, Any] | None, lim: Limits, *, wall_s: float,
-            returncode: int) -> SandboxResult:
+            returncode: int, oom: bool = False) -> SandboxResult:
     stdout = captured.stdout.decode("utf-8", "replace")
     stderr = captured.stderr.decode("utf-8", "replace")
     status, exit_code, sig = classify(RunFacts(report=report, flooded=captured.flooded,
                                                backstop=captured.backstop, cpu_seconds=lim.cpu_seconds,
-                                               stderr=stderr))
+                                               stderr=stderr, group_oom=oom))
+    if oom:
+        stderr = (f"{stderr}\n[sandbox] the call's processes together reached memory_mb "
+                  f"({lim.memory_mb} MiB)").lstrip("\n")
     if status == "sandbox_error":
         why = (report or {}).get("error") or f"the sandbox chain exited with {returncode}"
         stderr = f"{stderr}\n[sandbox] {why}".lstrip("\n")

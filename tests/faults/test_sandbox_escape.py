@@ -240,3 +240,37 @@ def test_output_flood_is_cut_and_stopped(sandbox: Sandbox, stream: str) -> None:
 def test_results_are_typed(sandbox: Sandbox) -> None:
     result = sandbox.run_python("print('hi')")
     assert isinstance(result, SandboxResult) and result.ok and result.wall_s > 0
+
+
+FORKING_HOG = """
+import os, sys, time
+kids = []
+for _ in range(8):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(100 << 20)
+        block[::4096] = b"x" * len(block[::4096])  # touch every page: resident, not just reserved
+        time.sleep(3)
+        os._exit(0)
+    kids.append(pid)
+held = sum(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) == 0 for p in kids)
+print("held", held)
+sys.exit(0 if held == len(kids) else 1)
+"""
+
+
+def test_forked_processes_share_one_memory_limit(sandbox: Sandbox) -> None:
+    """Issue 16: 8 forked processes held 1.6 GiB under a 256 MiB per-process limit. Each child
+    here stays under the per-process limit (100 MiB); together they would hold 800 MiB."""
+    from arlo.sandbox import cgroup
+
+    if cgroup.layout() is None:
+        pytest.skip("no writable cgroup hierarchy here: the per-process rlimits are the (weaker) bound")
+    patient = _sandbox(sandbox.isolation, wall_timeout_s=20.0, cpu_seconds=10)
+    result = patient.run_python(FORKING_HOG)
+    assert result.status == "memory_limit", result
+    held = int(result.stdout.split()[-1])
+    assert held <= 2, result  # 256 MiB in all: at most two 100 MiB children at once
+    assert "together reached memory_mb (256 MiB)" in result.stderr
+    assert processes_of(UID) == []
+    assert_healthy(patient)

@@ -66,7 +66,7 @@ def test_prepare_cluster_makes_home_0700_and_its_secrets_0600(tmp_path: Path, re
 def test_local_runs_checkpoint_by_default_under_arlo_home(tmp_path: Path, redis_url: str) -> None:
     """Without checkpoints a restarted trainer forgets what it learned (issue 16): `arlo up`/`demo`
     set them under $ARLO_HOME unless configured, and a fresh (demo) run drops the old ones."""
-    from arlo.local import DEFAULT_CHECKPOINT_EVERY
+    from arlo.app.local import DEFAULT_CHECKPOINT_EVERY
 
     home = tmp_path / "home"
     cfg = load_config(overrides={"redis": {"url": redis_url}, "run_id": "ckpt-default"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ from arlo.proto.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = 30
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(900)
 
 
 def free_port() -> int:
@@ -164,3 +165,124 @@ async def test_kill9_resumes_from_the_last_complete_checkpoint_and_trains_each_t
     counts = Counter(t for s in lineage for t in s["trajectory_ids"])
     assert set(counts) == set(fed)
     assert [t for t, n in counts.items() if n != 1] == []
+
+
+KILL_POINTS = ("mid-step", "just-published", "mid-save")
+
+
+async def kill_at(point: str, proc: subprocess.Popen, log: Path, pointer: WeightPointer,
+                  feed: Callable[[], Any], rng: random.Random) -> dict:
+    """Feeds one group at a time to an idle trainer and kills it at `point` of that group's step.
+
+    mid-step: a random delay after the feed, while the pointer still names the previous version
+    (the batch is being read or trained; a kill that came late is retried with the next group).
+    just-published: the pointer has just moved to the new version (published, not durable, nothing
+    of it acked). mid-save: the step's log line is out but its "checkpoint V complete" line is not."""
+    def checkpointed() -> set[int]:
+        return {r["checkpoint_version"] for r in records(log) if "complete:" in r.get("msg", "")}
+
+    async def idle() -> bool:  # the newest step is checkpointed and nothing is queued
+        stepped = {s["version"] for s in steps(log)}
+        state = await pointer.get()
+        return bool(stepped) and max(stepped) in checkpointed() and state.version == max(stepped)
+
+    await feed()  # the first step of this process (compiles)
+    await wait_until(idle, proc, log, timeout_s=240)
+    delay = 0.3
+    while True:
+        before = (await pointer.get()).version
+        await feed()
+        if point == "mid-step":
+            await asyncio.sleep(rng.uniform(0.0, delay))
+            if (await pointer.get()).version == before:
+                break
+            delay /= 2  # too late: the step was already published
+            await wait_until(idle, proc, log, timeout_s=120)
+            continue
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            state = await pointer.get()
+            if point == "just-published" and state.version > before:
+                break
+            if point == "mid-save" and any(s["version"] > before for s in steps(log)) and not any(
+                    v > before for v in checkpointed()):
+                break
+            await asyncio.sleep(0.002)
+        break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    return {"point": point, "pointer_before": before, "pointer": await pointer.get()}
+
+
+async def test_kill9_mid_step_just_published_and_mid_save_never_go_back(
+        tmp_path: Path, redis_url: str, run_id: str) -> None:
+    """Issue 16: kill -9 at several points of one run. After each restart: resumed from the newest
+    complete checkpoint, versions only go forward, every trajectory acknowledged (`seen:`) at a
+    kill is in what that checkpoint covers; at the end each trajectory is trained exactly once in
+    the surviving lineage and the pointer names the trainer's newest, checkpointed version."""
+    ckpt = tmp_path / "ckpt"
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"run_id": run_id, "redis": {"url": redis_url}, "trainer": {
+        "server": {"port": free_port(), "metrics_port": -1, "grace_s": 0.2}, "groups_per_step": 1,
+        "read_block_ms": 50, "max_staleness": 100000, "checkpoint_dir": str(ckpt), "checkpoint_every": 1}}))
+    redis = await connect(load_config(overrides={"redis": {"url": redis_url}}).redis)
+    stream = TrajectoryStream(redis, run_id, consumer="test-producer")
+    pointer = WeightPointer(redis, run_id)
+    fed: list[str] = []
+
+    async def feed() -> None:
+        group = uuid.uuid4().hex
+        for reward in (1.0, 0.0):
+            traj = trajectory(group, reward)
+            await stream.add(traj)
+            fed.append(traj.id)
+
+    rng = random.Random(16)
+    logs: list[Path] = []
+    kills: list[dict] = []
+    proc = None
+    try:
+        for i, point in enumerate(KILL_POINTS):
+            logs.append(tmp_path / f"{i}.log")
+            proc = start(config, logs[-1])
+            kill = await kill_at(point, proc, logs[-1], pointer, feed, rng)
+            kill["checkpoint"] = complete_versions(ckpt)[-1]
+            kill["acked"] = {k.decode().rsplit(":", 1)[1] async for k in redis.scan_iter(f"arlo:{run_id}:seen:*")}
+            kills.append(kill)
+        logs.append(tmp_path / "last.log")
+        proc = start(config, logs[-1])
+        for _ in range(3):
+            await feed()
+
+        async def all_acked() -> bool:
+            return await stream.backlog() == 0 and bool(steps(logs[-1]))
+
+        await wait_until(all_acked, proc, logs[-1], timeout_s=300)
+        final = await pointer.get()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, logs[-1].read_text()[-3000:]
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await delete_run(redis, run_id)
+        await redis.aclose()
+
+    resumed = [next(r for r in records(log) if r["msg"].startswith("resumed from checkpoint")) for log in logs[1:]]
+    lineage: list[dict] = []
+    for i, log in enumerate(logs):
+        if i:
+            kill = kills[i - 1]
+            # Resumed from the newest complete checkpoint at the kill; numbered above all published.
+            assert resumed[i - 1]["version"] == kill["checkpoint"], kill["point"]
+            later = steps(log)
+            assert not later or min(s["version"] for s in later) > kill["pointer"].version, kill["point"]
+            # Everything acknowledged at the kill is in what the restored checkpoint covers.
+            covered = {t for s in lineage if s["version"] <= kill["checkpoint"] for t in s["trajectory_ids"]}
+            assert kill["acked"] <= covered, (kill["point"], len(kill["acked"] - covered))
+        cut = resumed[i]["step"] if i < len(resumed) else None
+        lineage += [s for s in steps(log) if cut is None or s["step"] <= cut]
+    counts = Counter(t for s in lineage for t in s["trajectory_ids"])
+    assert set(counts) == set(fed) and [t for t, n in counts.items() if n != 1] == []
+    assert final.version == lineage[-1]["version"] == final.checkpoint_version
+    print({k["point"]: (k["pointer_before"], k["pointer"].version, k["checkpoint"], len(k["acked"])) for k in kills})
