@@ -152,7 +152,7 @@ def decode_figures(path: Path, args: argparse.Namespace, batches: list[int]) -> 
     try:
         for b in batches:
             batch_prompts = prompts(b, args.prompt, 2000, b)
-            arlo_decode(engine, batch_prompts, 8)  # compile this batch's programs
+            arlo_decode(engine, batch_prompts, args.new_tokens)  # compile every window bucket of this length
             ours = arlo_decode(engine, batch_prompts, args.new_tokens)
             theirs = hf_decode(hf, batch_prompts, args.new_tokens)
             rows[b] = {"arlo_tokens_per_s": ours, "hf_tokens_per_s": theirs, "over_hf": ours / theirs}
