@@ -11,28 +11,12 @@ exits with one line instead of starting without it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from typing import Any
 
 from arlo.config import ConfigError, EnvPluginConfig
+from arlo.plugins import load_target
 from services.env_gateway.spec import EnvContext, EnvSpec
-
-
-def _import(module: str, where: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except (Exception, SystemExit) as e:  # the plugin's own import-time failure, reported in one line
-        raise ConfigError(f"{where}: cannot import module {module!r}: {type(e).__name__}: {e}") from None
-
-
-def _resolve(obj: Any, attrs: str, where: str) -> Any:
-    for attr in attrs.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ConfigError(f"{where}: {getattr(obj, '__name__', obj)!r} has no attribute {attr!r}") from None
-    return obj
 
 
 def _is_environment_class(obj: Any) -> bool:
@@ -80,7 +64,7 @@ def load_env_plugin(plugin: EnvPluginConfig, context: EnvContext, where: str) ->
     module_name, _, attrs = plugin.target.partition(":")
     if not module_name or not attrs:
         raise ConfigError(f"{where}: target must look like 'package.module:attr'")
-    obj = _resolve(_import(module_name, where), attrs, where)
+    obj = load_target(plugin.target, where)
     if isinstance(obj, EnvSpec):
         return _check_spec(obj, plugin, where)
     if _is_environment_class(obj):

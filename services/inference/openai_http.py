@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.inference import openai_render as render
+from services.inference.bridge import Bridge
 from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelta
 from services.inference.episodes import Branch, EpisodeRecorder, RecordedCall, RecordedChoice
 from services.inference.openai_requests import (
@@ -153,7 +154,7 @@ class OpenAIEndpoint:
                                stop_strings=s.stop, session_id=episode if s.n == 1 else "")
 
     async def _respond(self, call: _Call) -> Response:
-        bridge = _Bridge()
+        bridge = Bridge()
         handle = self.engine.submit(call.request, on_tokens=bridge.put if call.sampling.stream else None,
                                     on_done=bridge.put)
         if call.sampling.stream:
@@ -206,7 +207,7 @@ class OpenAIEndpoint:
 
     # ----- streaming -----
 
-    async def _stream(self, call: _Call, request_id: int, bridge: _Bridge) -> AsyncIterator[str]:
+    async def _stream(self, call: _Call, request_id: int, bridge: Bridge) -> AsyncIterator[str]:
         head = self._head(call, streaming=True)
         n = call.request.n
         # Text that might be the start of a stop string waits; with tools the whole reply waits,
@@ -294,19 +295,6 @@ async def _read_json(request: Request) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
 
-
-class _Bridge:
-    """Engine-thread callbacks -> one asyncio queue on the handler's loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
+from services.inference.bridge import Bridge
 from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelta
 from services.inference.episodes import EpisodeRecorder
 
@@ -44,19 +44,6 @@ def to_completion(sample: Sample) -> inference_pb2.Completion:
     )
 
 
-class _Bridge:
-    """Engine-thread callbacks -> one asyncio queue on the handler's loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, engine: Engine, tokenizer_name: str, *, recorder: EpisodeRecorder | None = None) -> None:
@@ -67,8 +54,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """Set once the OpenAI endpoint listens (services.inference.openai_http)."""
 
     async def _submit(self, req: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext, *,
-                      stream: bool) -> tuple[int, _Bridge]:
-        bridge = _Bridge()
+                      stream: bool) -> tuple[int, Bridge]:
+        bridge = Bridge()
         try:
             handle = self.engine.submit(to_sampling_request(req), on_tokens=bridge.put if stream else None,
                                         on_done=bridge.put)

@@ -8,30 +8,13 @@ and scoring its items as unknown.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from arlo.config import ConfigError, RewardPluginConfig
+from arlo.plugins import load_target
 from services.reward.verifiers.base import RewardFn, RewardSpec
-
-
-def _import(module: str, where: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except (Exception, SystemExit) as e:  # a plugin's own import-time failure must not kill us with a traceback
-        raise ConfigError(f"{where}: cannot import module {module!r}: {type(e).__name__}: {e}") from None
-
-
-def _resolve(obj: Any, attrs: str, where: str) -> Any:
-    for attr in attrs.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ConfigError(f"{where}: {type(obj).__name__} {getattr(obj, '__name__', obj)!r} has no "
-                              f"attribute {attr!r}") from None
-    return obj
 
 
 def _check_signature(fn: Callable[..., Any], where: str) -> None:
@@ -52,7 +35,7 @@ def load_plugin(plugin: RewardPluginConfig, where: str) -> RewardSpec:
     module_name, _, attrs = plugin.target.partition(":")
     if not module_name or not attrs:
         raise ConfigError(f"{where}: target must look like 'package.module:function'")
-    fn = _resolve(_import(module_name, where), attrs, where)
+    fn = load_target(plugin.target, where)
     if not callable(fn):
         raise ConfigError(f"{where}: {attrs!r} is a {type(fn).__name__}, not callable")
     _check_signature(fn, where)
