@@ -74,6 +74,8 @@ class _Builder:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    turn_rewards: list[common_pb2.TurnReward] = field(default_factory=list)
+    """The environment's reward per model turn, located at the end of the turn's model tokens."""
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.tokens += ids
@@ -113,12 +115,14 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
             turn = await gen.generate(b.tokens, max_tokens=budget, session_id=episode_id)
             timings.generate_s += time.monotonic() - t0
             b.add_model(turn)
+            turn_end = len(b.tokens)
             if not turn.finished_by_stop:
                 # Close the turn the way the template would, but as context: the model did not say it.
                 b.add_context([tok.eos_id])
             t0 = time.monotonic()
             step = await env.step(reset.session_id, tok.decode(turn.token_ids))
             timings.env_s += time.monotonic() - t0
+            b.turn_rewards.append(common_pb2.TurnReward(token_end=turn_end, reward=step.reward))
             if step.done:
                 finish, answer, reference = "done", step.answer, step.reference
                 break
@@ -138,7 +142,7 @@ def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, p
         id=episode_id, run_id=spec.run_id, task_id=task_id, group_id=spec.group_id,
         group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
         policy_versions=b.versions, prompt_length=prompt_length, finish_reason=finish,
-        num_turns=turns, timings=timings, created_at=time.time(),
+        num_turns=turns, timings=timings, created_at=time.time(), turn_rewards=b.turn_rewards,
     )
     if score is None:
         # A limit ended the episode before an answer: trainable, with reward 0 for no answer.

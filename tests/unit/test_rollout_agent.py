@@ -80,3 +80,25 @@ def test_correct_answer_scores_one() -> None:
     traj = asyncio.run(run_episode(spec(), TOK, Oracle(), GatewayEnv(), CoreScorer()))
     assert traj.status == common_pb2.TRAJECTORY_STATUS_OK and traj.reward == 1.0 and traj.num_turns == 1
     assert traj.reward_components["exact_match"] == 1.0
+
+
+def test_the_environments_step_reward_is_recorded_at_the_end_of_its_turn() -> None:
+    class Oracle:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "") -> Turn:
+            text = TOK.decode(prompt).rsplit("=", 1)[0]
+            ids = TOK.encode(str(int(text[-3]) + int(text[-1]))) + [TOK.eos_id]
+            return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[4] * len(ids),
+                        finished_by_stop=True)
+
+    traj = asyncio.run(run_episode(spec(), TOK, Oracle(), GatewayEnv(), CoreScorer()))
+    # The arith env itself pays 1.0 for the right answer on the step that ends the episode.
+    assert [(r.token_end, r.reward) for r in traj.turn_rewards] == [(len(traj.token_ids), 1.0)]
+    assert traj.loss_mask[traj.turn_rewards[0].token_end - 1] == 1  # the turn's last model token
+
+
+def test_every_turn_gets_its_step_reward_even_when_zero(engine: Engine) -> None:
+    traj = asyncio.run(run_episode(spec(max_turns=3, env_config_json='{"max_turns": 3}'), TOK,
+                                   EngineGenerator(engine), GatewayEnv(), CoreScorer()))
+    assert len(traj.turn_rewards) == traj.num_turns
+    ends = [r.token_end for r in traj.turn_rewards]
+    assert ends == sorted(ends) and all(traj.loss_mask[e - 1] == 1 for e in ends)
