@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 # Generation and weight streams take seconds to minutes; the default buckets stop at 10 s.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -31,6 +35,67 @@ class RpcMetrics:
     def observe(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(self.service, method, code).inc()
         self.latency.labels(self.service, method).observe(seconds)
+
+
+TRAINER_GAUGES = {
+    "version": "Newest published policy version.",
+    "step": "Optimizer steps taken (SFT and RL).",
+    "reward": "Mean reward of the last RL step's batch.",
+    "kl_ref": "Mean per-token KL to the reference policy (last RL step; only with a KL penalty).",
+    "approx_kl": "Mean k3 KL between the proximal and the current policy (last RL step).",
+    "clip_fraction": "Fraction of model tokens whose ratio was clipped (last RL step).",
+    "entropy": "Mean token entropy (last RL step; only with an entropy bonus).",
+    "grad_norm": "Global gradient norm before clipping (last step).",
+    "logprob_mismatch": "Mean |behaviour - trainer| logprob on model tokens (last RL step).",
+    "is_weight": "Mean importance weight on model tokens (last RL step).",
+    "staleness": "Mean versions the sampling policy of the last RL step's tokens was behind.",
+    "staleness_max": "Largest token lag of the last RL step (bounded by trainer.max_staleness).",
+    "queue_depth": "Trajectory stream entries not yet finished with by the trainer.",
+    "response_length": "Mean model tokens per trajectory of the last RL step.",
+}
+RECORD_FIELDS = {"reward": "reward_mean", "staleness": "staleness_mean", "response_length": "response_length_mean"}
+
+
+class _Totals(Collector):
+    """A counter family read at scrape time from running totals kept elsewhere (exact, never stale)."""
+
+    def __init__(self, name: str, doc: str, label: str, totals: Callable[[], Mapping[str, int]]) -> None:
+        self.name, self.doc, self.label, self.totals = name, doc, label, totals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=[self.label])
+        for key, value in sorted(self.totals().items()):
+            family.add_metric([key], value)
+        yield family
+
+
+class TrainerMetrics:
+    """`arlo_trainer_<name>` gauges and `arlo_trainer_loss{phase}` set from each step's diagnostics
+    record (services/trainer/diagnostics.py); `arlo_trainer_tokens_trained_total`; and
+    `arlo_trainer_dropped_total{reason}` read live from `dropped` (drops happen between steps too)."""
+
+    def __init__(self, registry: CollectorRegistry, dropped: Callable[[], Mapping[str, int]]) -> None:
+        self.gauges = {name: Gauge(f"arlo_trainer_{name}", doc, registry=registry)
+                       for name, doc in TRAINER_GAUGES.items()}
+        self.loss = Gauge("arlo_trainer_loss", "Loss of the last step, by phase (sft: cross-entropy, rl: policy).",
+                          ["phase"], registry=registry)
+        registry.register(_Totals("arlo_trainer_dropped", "Trajectories not trained on, by reason.", "reason",
+                                  dropped))
+        self.tokens = Counter("arlo_trainer_tokens_trained", "Model tokens trained on (SFT and RL).",
+                              registry=registry)
+        self._tokens_seen = 0
+
+    def observe(self, record: Mapping[str, Any]) -> None:
+        for name, gauge in self.gauges.items():
+            value = record.get(RECORD_FIELDS.get(name, name))
+            if isinstance(value, int | float):
+                gauge.set(value)
+        self.loss.labels(record.get("phase", "rl")).set(record["loss"])
+        # The record carries a running total; the counter goes up by the difference.
+        delta = record.get("tokens_trained", 0) - self._tokens_seen
+        if delta > 0:
+            self.tokens.inc(delta)
+            self._tokens_seen += delta
 
 
 @dataclass(slots=True)

@@ -104,12 +104,6 @@ def poison_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
     return None
 
 
-def mean_staleness(trajs: Sequence[common_pb2.Trajectory], trainer_version: int) -> float:
-    """Mean over model tokens of how many versions their sampling policy was behind `trainer_version`."""
-    lags = [trainer_version - v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m]
-    return sum(lags) / len(lags) if lags else 0.0
-
-
 def oldest_version(traj: common_pb2.Trajectory) -> int:
     versions = [v for v, m in zip(traj.policy_versions, traj.loss_mask, strict=True) if m]
     return min(versions) if versions else -1

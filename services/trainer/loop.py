@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
@@ -25,9 +26,10 @@ from services.trainer.batching import (
     ReadyGroup,
     build_batch,
     has_reward_spread,
-    mean_staleness,
+    oldest_version,
 )
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta
+from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
@@ -39,6 +41,9 @@ CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
 READ_COUNT = 256
 CLOSE_WAIT_S = 60.0
+
+OnStep = Callable[[dict[str, Any]], Awaitable[None]]
+"""Called with each applied step's diagnostics record (services/trainer/diagnostics.py)."""
 
 
 @dataclass(kw_only=True)
@@ -55,7 +60,13 @@ class TrainerState:
     until_step: int = 0
     """> 0: pause once the learner's step count reaches it."""
     last_staleness: float = 0.0
+    last_staleness_max: int = 0
+    """The last RL step's largest token lag: never above trainer.max_staleness (checked at the step)."""
+    last_record: dict[str, Any] | None = None
+    """The last applied step's diagnostics record."""
     tokens_trained: int = 0
+    generated_tokens: int = 0
+    """Model-generated (loss-masked) tokens of the trajectories RL steps trained on, cumulative."""
     skipped_steps: int = 0
     """Steps refused for a non-finite loss, gradient norm or parameter (nothing applied or published)."""
     busy_s: float = 0.0
@@ -80,8 +91,10 @@ class TrainingLoop:
         source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
         checkpoint_dir: str = "", checkpoint_every: int = 0, tokenizer: str = "byte",
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
-        warm_start: WarmStart | None = None, start_paused: bool = False,
+        warm_start: WarmStart | None = None, start_paused: bool = False, on_step: Sequence[OnStep] = (),
     ) -> None:
+        self.on_step = list(on_step)
+        self.max_staleness = max_staleness
         self.warm_start = warm_start
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -193,6 +206,8 @@ class TrainingLoop:
                 return metrics
             self.state.last = metrics
             self.state.tokens_trained += batch.num_tokens
+            await self._report(step_record(phase="sft", step=self.learner.step_count, version=self.state.version,
+                                           metrics=metrics, counters=await self._counters()))
             if self.phase == "rl":
                 self.state.version += 1
                 await self._publish()
@@ -286,8 +301,41 @@ class TrainingLoop:
     # -- steps ------------------------------------------------------------------------------
 
     async def _train_ready(self) -> None:
-        while len(self._ready) >= self.groups_per_step and not self.state.paused:
+        while not self.state.paused:
+            await self._drop_stale_ready()
+            if len(self._ready) < self.groups_per_step:
+                return
             await self.train_once()
+
+    async def _drop_stale_ready(self) -> None:
+        """Groups admitted at an older version may have aged past the bound while earlier steps
+        trained: judged again here, at the version the next step trains from, so no trained token
+        is ever more than max_staleness versions behind (the bound the docs state, exactly)."""
+        floor = self.state.version - self.max_staleness
+        stale = [g for g in self._ready if min(oldest_version(t) for t in g.trajectories) < floor]
+        if not stale:
+            return
+        self._ready = [g for g in self._ready if not any(g is s for s in stale)]
+        entry_ids = [e for g in stale for e in g.entry_ids]
+        self.assembler.drops.stale += len(entry_ids)
+        await self.stream.count_stale(len(entry_ids))
+        await self.stream.ack(entry_ids)
+
+    async def _counters(self) -> dict[str, Any]:
+        """The loop's cumulative figures, for a step record."""
+        return {"tokens_trained": self.state.tokens_trained, "generated_tokens": self.state.generated_tokens,
+                "consumed": self.state.consumed, "skipped_steps": self.state.skipped_steps,
+                "queue_depth": await self.stream.backlog(), "ready_groups": len(self._ready),
+                "dropped": self.dropped()}
+
+    async def _report(self, record: dict[str, Any]) -> None:
+        """Hands the record on; a failing consumer (Redis down) costs the record, never the step."""
+        self.state.last_record = record
+        for consumer in self.on_step:
+            try:
+                await consumer(record)
+            except Exception:
+                log.exception("step %s: diagnostics not exported", record.get("step"))
 
     async def _train_once(self) -> StepMetrics:
         groups = self._take_batch_groups()
@@ -311,7 +359,12 @@ class TrainingLoop:
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         self.state.tokens_trained += batch.num_tokens
-        self.state.last_staleness = mean_staleness([t for g in groups for t in g.trajectories], self.state.version - 1)
+        trajs = [t for g in groups for t in g.trajectories]
+        self.state.generated_tokens += sum(sum(t.loss_mask) for t in trajs)
+        self.state.last_staleness, self.state.last_staleness_max = staleness_stats(trajs, self.state.version - 1)
+        await self._report(step_record(phase="rl", step=self.learner.step_count, version=self.state.version,
+                                       metrics=metrics, counters=await self._counters(), trajectories=trajs,
+                                       trained_from=self.state.version - 1))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", self.learner.step_count,
                  self.state.version, metrics.loss, metrics.reward_mean, metrics.num_tokens,
