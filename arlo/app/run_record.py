@@ -122,8 +122,9 @@ def plot_run(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Pat
                          else None} for s in steps], "trajectories_per_s")
     twin.plot(x, trajs, color="tab:orange", label="trajectories/s")
     twin.set_ylabel("trajectories/s")
-    lines = [line for line in bottom.get_lines() + twin.get_lines() if not line.get_label().startswith("_")]
-    bottom.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize=8)
+    handles, labels = bottom.get_legend_handles_labels()
+    more_handles, more_labels = twin.get_legend_handles_labels()
+    bottom.legend(handles + more_handles, labels + more_labels, loc="upper left", fontsize=8)
     bottom.set_xlabel("trainer step (SFT and RL)")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
@@ -135,10 +136,9 @@ def plot_run(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Pat
 def _mark_phases(steps: list[dict[str, Any]], axes: tuple[Any, ...]) -> None:
     sft = [s["step"] for s in steps if s.get("phase") == "sft"]
     rl = [s["step"] for s in steps if s.get("phase") == "rl"]
-    for i, ax in enumerate(axes):
+    for ax in axes:
         if sft:
             # Step k is the k-th update: the warm start spans (first - 1, last].
-            ax.axvspan(min(sft) - 1, max(sft), color="tab:green", alpha=0.12,
-                       label="SFT warm start" if i == 0 else None)
+            ax.axvspan(min(sft) - 1, max(sft), color="tab:green", alpha=0.12, label="SFT warm start")
         if rl:
-            ax.axvline(min(rl) - 1, color="tab:red", linestyle=":", label="RL starts" if i == 0 else None)
+            ax.axvline(min(rl) - 1, color="tab:red", linestyle=":", label="RL starts")
