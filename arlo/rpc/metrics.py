@@ -14,7 +14,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Generation and weight streams take seconds to minutes; the default buckets stop at 10 s.
@@ -56,17 +56,65 @@ TRAINER_GAUGES = {
 RECORD_FIELDS = {"reward": "reward_mean", "staleness": "staleness_mean", "response_length": "response_length_mean"}
 
 
-class _Totals(Collector):
-    """A counter family read at scrape time from running totals kept elsewhere (exact, never stale)."""
+class SnapshotCollector(Collector):
+    """Prometheus families read at scrape time from a snapshot of plain numbers kept elsewhere
+    (exact, never stale, nothing to update on the hot path): `<prefix>_<name>_total` for the
+    counters, `<prefix>_<name>` for the gauges, and a labelled counter per {label: total} dict."""
 
-    def __init__(self, name: str, doc: str, label: str, totals: Callable[[], Mapping[str, int]]) -> None:
-        self.name, self.doc, self.label, self.totals = name, doc, label, totals
+    def __init__(self, prefix: str, snapshot: Callable[[], Mapping[str, Any]], *, counters: Mapping[str, str] = {},
+                 gauges: Mapping[str, str] = {}, labelled: Mapping[str, tuple[str, str]] = {}) -> None:
+        self.prefix, self.snapshot = prefix, snapshot
+        self.counters, self.gauges, self.labelled = dict(counters), dict(gauges), dict(labelled)
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.doc, labels=[self.label])
-        for key, value in sorted(self.totals().items()):
-            family.add_metric([key], value)
-        yield family
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        snap = self.snapshot()
+        for name, doc in self.counters.items():
+            if name in snap:
+                yield CounterMetricFamily(f"{self.prefix}_{name}", doc, value=snap[name])
+        for name, doc in self.gauges.items():
+            if name in snap:
+                yield GaugeMetricFamily(f"{self.prefix}_{name}", doc, value=snap[name])
+        for name, (label, doc) in self.labelled.items():
+            family = CounterMetricFamily(f"{self.prefix}_{name}", doc, labels=[label])
+            for key, value in sorted(snap.get(name, {}).items()):
+                family.add_metric([key], value)
+            yield family
+
+
+INFERENCE_COUNTERS = {
+    "requests": "Generate requests admitted.",
+    "generated_tokens": "Tokens sampled (rate() of it is tokens/s).",
+    "swaps": "Weight versions swapped in.",
+    "aborted": "Requests cancelled or failed.",
+    "session_hits": "Turns that reused a parked KV prefix.",
+    "session_reused_tokens": "Prompt tokens whose KV was reused instead of prefilled.",
+}
+INFERENCE_GAUGES = {
+    "weight_version": "Policy version being served.",
+    "waiting": "Requests queued for a slot.",
+    "running": "Sequences decoding now.",
+    "slots": "KV cache slots (the most sequences decoded together).",
+    "batch_occupancy": "running / slots: the decode batch's fill.",
+    "mean_batch": "Mean rows per decode chunk since start.",
+    "kv_slots_used": "KV slots holding a sequence (running or a parked session's prefix).",
+    "kv_use": "kv_slots_used / slots.",
+    "last_swap_seconds": "Wall time of the last weight pull + verify + swap.",
+}
+
+
+def inference_collector(snapshot: Callable[[], Mapping[str, Any]]) -> SnapshotCollector:
+    return SnapshotCollector("arlo_inference", snapshot, counters=INFERENCE_COUNTERS, gauges=INFERENCE_GAUGES)
+
+
+def rollout_collector(snapshot: Callable[[], Mapping[str, Any]]) -> SnapshotCollector:
+    return SnapshotCollector("arlo_rollout", snapshot, counters={
+        "episodes": "Episodes finished (rate() of it is episodes/s).",
+        "groups": "Groups finished.",
+        "turns": "Model turns taken.",
+        "tool_call_errors": "Tool calls the environment answered with an error (bad call, failed tool).",
+        "retries": "Episode retries after a retryable backend error.",
+        "failed_groups": "Groups masked as failed.",
+    }, labelled={"finish_reasons": ("reason", "Episodes by why they ended.")})
 
 
 class TrainerMetrics:
@@ -79,8 +127,8 @@ class TrainerMetrics:
                        for name, doc in TRAINER_GAUGES.items()}
         self.loss = Gauge("arlo_trainer_loss", "Loss of the last step, by phase (sft: cross-entropy, rl: policy).",
                           ["phase"], registry=registry)
-        registry.register(_Totals("arlo_trainer_dropped", "Trajectories not trained on, by reason.", "reason",
-                                  dropped))
+        registry.register(SnapshotCollector("arlo_trainer", lambda: {"dropped": dropped()}, labelled={
+            "dropped": ("reason", "Trajectories not trained on, by reason.")}))
         self.tokens = Counter("arlo_trainer_tokens_trained", "Model tokens trained on (SFT and RL).",
                               registry=registry)
         self._tokens_seen = 0

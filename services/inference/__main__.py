@@ -31,6 +31,7 @@ from arlo.rpc import (
     setup_logging,
     start_server,
 )
+from arlo.rpc.metrics import inference_collector
 from arlo.service_args import parse_service_config
 from services.inference.engine import Engine
 from services.inference.server import InferenceServicer
@@ -48,6 +49,8 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
     running = await start_server("inference", ic.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
                        servicer=InferenceServicer(engine, cfg.model.tokenizer))])
+    running.registry.register(inference_collector(
+        lambda: {**engine.metrics(), "last_swap_seconds": sync.stats.last_swap_s}))
     host = advertise_host(ic.server.host)
     heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=f"{socket.gethostname()}-{os.getpid()}")
     tasks.spawn("engine", lambda: run_engine(engine))

@@ -235,6 +235,9 @@ class Engine:
             "weight_version": self.version, "requests": s.requests, "generated_tokens": s.generated_tokens,
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "slots": self.num_slots, "programs": self.programs(),
             "mean_batch": s.decode_rows / max(s.decode_chunks, 1), "largest_batch": s.largest_batch, "swaps": s.swaps,
+            "batch_occupancy": len(self.scheduler.running) / self.num_slots,
+            "kv_slots_used": self.num_slots - self.scheduler.free_slots,
+            "kv_use": (self.num_slots - self.scheduler.free_slots) / self.num_slots,
             "aborted": s.aborted, "busy_s": round(s.busy_s, 3), "session_hits": sessions.hits, "session_misses": sessions.misses,
             "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
         }

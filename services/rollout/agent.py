@@ -76,6 +76,7 @@ class _Builder:
     versions: list[int] = field(default_factory=list)
     turn_rewards: list[common_pb2.TurnReward] = field(default_factory=list)
     """The environment's reward per model turn, located at the end of the turn's model tokens."""
+    tool_call_errors: int = 0
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.tokens += ids
@@ -123,6 +124,7 @@ async def run_episode(spec: EpisodeSpec, tok: ByteTokenizer, gen: Generator, env
             step = await env.step(reset.session_id, tok.decode(turn.token_ids))
             timings.env_s += time.monotonic() - t0
             b.turn_rewards.append(common_pb2.TurnReward(token_end=turn_end, reward=step.reward))
+            b.tool_call_errors += sum(m.role == "tool" and m.content.startswith("error:") for m in step.observation)
             if step.done:
                 finish, answer, reference = "done", step.answer, step.reference
                 break
@@ -143,6 +145,7 @@ def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, p
         group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
         policy_versions=b.versions, prompt_length=prompt_length, finish_reason=finish,
         num_turns=turns, timings=timings, created_at=time.time(), turn_rewards=b.turn_rewards,
+        tool_call_errors=b.tool_call_errors,
     )
     if score is None:
         # A limit ended the episode before an answer: trainable, with reward 0 for no answer.

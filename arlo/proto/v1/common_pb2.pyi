@@ -221,6 +221,7 @@ class Trajectory(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     ENV_NAME_FIELD_NUMBER: _builtins.int
     TURN_REWARDS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ERRORS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Globally unique id; the trainer de-duplicates on it."""
     run_id: _builtins.str
@@ -248,6 +249,8 @@ class Trajectory(_message.Message):
     """The rollout.envs entry it was sampled from (its label, by default the environment name),
     so metrics and evaluation can be split per environment.
     """
+    tool_call_errors: _builtins.int
+    """Tool calls the environment answered with an error (a "tool" message starting "error:")."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """All tokens of the episode: prompt, model turns and observations."""
@@ -299,10 +302,11 @@ class Trajectory(_message.Message):
         created_at: _builtins.float = ...,
         env_name: _builtins.str = ...,
         turn_rewards: _abc.Iterable[Global___TurnReward] | None = ...,
+        tool_call_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "env_name", b"env_name", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids", "turn_rewards", b"turn_rewards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "env_name", b"env_name", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids", "tool_call_errors", b"tool_call_errors", "turn_rewards", b"turn_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
