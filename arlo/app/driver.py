@@ -30,6 +30,8 @@ ProgressFn = Callable[[dict[str, Any]], None]
 """Called with each step row (see `StepRow`) as the driver sees it."""
 
 THROUGHPUT_WINDOW_S = 10.0
+EVAL_GRACE_S = 30.0
+"""Beyond rollout.eval.timeout_s: a worker's wait for its weights and the result's trip back."""
 
 
 @dataclass
@@ -117,6 +119,8 @@ class RunDriver:
         self._last_id = "0-0"  # the newest metrics-stream entry handled
         self._sft_steps = 0
         self._until_step = 0
+        self.eval_wait_s = cfg.rollout.eval.timeout_s + EVAL_GRACE_S
+        """How long an evaluation may go unanswered before it is recorded as skipped."""
 
     async def run(self, steps: int | None) -> TrainReport:
         """`steps` RL steps after the warm start (forever when None); then pauses the trainer."""
@@ -230,7 +234,7 @@ class RunDriver:
             return
         await self._request_eval(tag, min_version)
         self.on_progress({"evaluating": tag})
-        deadline = time.monotonic() + self.cfg.rollout.eval.timeout_s + 30
+        deadline = time.monotonic() + self.eval_wait_s
         while tag in self._pending_evals:
             self.check_children()
             if time.monotonic() > deadline:
@@ -239,7 +243,7 @@ class RunDriver:
             await self._collect_pending(wait=False)
 
     async def _collect_pending(self, *, wait: bool) -> None:
-        deadline = time.monotonic() + (self.cfg.rollout.eval.timeout_s + 30 if wait else 0)
+        deadline = time.monotonic() + (self.eval_wait_s if wait else 0)
         while self._pending_evals:
             for tag, (request_id, asked) in list(self._pending_evals.items()):
                 result = await self.evals.result(request_id)
@@ -253,7 +257,7 @@ class RunDriver:
                     # Never dropped silently: a row with its reason, like a failed evaluation.
                     del self._pending_evals[tag]
                     self._store_eval(tag, {"requested_version": asked, "skipped": True,
-                                           "error": f"no answer within {self.cfg.rollout.eval.timeout_s + 30:.0f}s"})
+                                           "error": f"no answer within {self.eval_wait_s:.0f}s"})
                 return
             await asyncio.sleep(self.poll_s)
 
