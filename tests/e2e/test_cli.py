@@ -38,6 +38,7 @@ def arlo(*args: str, home: Path, **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "arlo.app.cli", *args], env=env, capture_output=True, text=True, **kw)
 
 
+@pytest.mark.timeout(1600)  # above the demo's own 1500 s limit: never cut short by the suite's default
 def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str, run_id: str) -> None:
     """The built-in demo's config (SFT warm start, then RL), shortened to 30 RL steps: every
     service a subprocess, and held-out reward must rise over the warm start by RL alone."""
@@ -84,6 +85,7 @@ def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.timeout(1200)  # the waits inside: 300 s for health, 600 s for training, 60 s each for the rest
 def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_id: str) -> None:
     config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=True)
     home = tmp_path / "home"
