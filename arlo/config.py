@@ -404,7 +404,8 @@ class TrainerConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL objective (GRPO and its variants)."""
     max_staleness: int = 1
-    """Drop trajectories whose oldest token is more than this many versions behind; 0 = on-policy."""
+    """No trained token is more than this many versions behind the version its step trains from
+    (groups are dropped as stale at intake and again just before their step); 0 = on-policy."""
     checkpoint_dir: str = ""
     """Orbax checkpoint directory; empty disables checkpoints."""
     checkpoint_every: int = 0

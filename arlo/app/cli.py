@@ -100,7 +100,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *,
                          evaluate: bool, retry: RetryPolicy = DEFAULT_RETRY) -> tuple[TrainReport, RunRecorder]:
-    recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}", run_id=cfg.run_id)
     display = LiveRun(console, rl_steps=steps)
     check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
     try:
@@ -209,7 +209,21 @@ def cmd_status(args: argparse.Namespace) -> int:
                       "-" if s["weight_version"] is None else str(s["weight_version"]),
                       str(s.get("instances", "-")), rates, errors)
     Console().print(table)
+    if status.get("trainer_diagnostics"):
+        Console().print(_diagnostics_line(status["trainer_diagnostics"]))
     return 0
+
+
+DIAGNOSTICS_SHOWN = ("loss", "reward_mean", "kl_ref", "approx_kl", "clip_fraction", "entropy", "grad_norm",
+                     "logprob_mismatch", "is_weight", "staleness_mean", "staleness_max", "response_length_mean")
+
+
+def _diagnostics_line(d: dict) -> str:
+    """The trainer's last step record, as one line (`arlo status --json` has all of it)."""
+    shown = ", ".join(f"{k} {d[k]:.4g}" for k in DIAGNOSTICS_SHOWN if isinstance(d.get(k), int | float))
+    components = ", ".join(f"{k} {v:.3f}" for k, v in d.get("reward_components", {}).items())
+    line = f"trainer step {d['step']} ({d['phase']}, v{d['version']}): {shown}"
+    return line + (f"; reward components: {components}" if components else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

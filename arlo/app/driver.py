@@ -21,6 +21,7 @@ from arlo.app.supervisor import is_serving
 from arlo.config import RunConfig, TlsConfig
 from arlo.coord import TrajectoryStream, WeightPointer, connect, read_statuses
 from arlo.coord.evals import EvalQueue
+from arlo.coord.metrics import MetricsStream
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 
@@ -30,6 +31,8 @@ ProgressFn = Callable[[dict[str, Any]], None]
 """Called with each step row (see `StepRow`) as the driver sees it."""
 
 THROUGHPUT_WINDOW_S = 10.0
+EVAL_GRACE_S = 30.0
+"""Beyond rollout.eval.timeout_s: a worker's wait for its weights and the result's trip back."""
 
 
 @dataclass
@@ -112,13 +115,22 @@ class RunDriver:
         self.report = TrainReport()
         self.started = time.monotonic()
         self._meter = _Meter()
-        self._pending_evals: dict[str, str] = {}  # tag -> request id, answered later
+        self._pending_evals: dict[str, tuple[str, int]] = {}  # tag -> (request id, version asked for)
+        self._version_step: dict[int, int] = {}  # version -> the last step that trained from it or published it
+        self._last_step = 0
+        self._last_id = "0-0"  # the newest metrics-stream entry handled
+        self._sft_steps = 0
+        self._until_step = 0
+        self.eval_wait_s = cfg.rollout.eval.timeout_s + EVAL_GRACE_S
+        """How long an evaluation may go unanswered before it is recorded as skipped."""
 
     async def run(self, steps: int | None) -> TrainReport:
         """`steps` RL steps after the warm start (forever when None); then pauses the trainer."""
         # Every trainer RPC and Redis call below retries through a restart or hang (resilient.py).
         redis = await retry(lambda: connect(self.cfg.redis), policy=self.retry, what="redis connect")
         self.evals = ResilientCalls(EvalQueue(redis, self.cfg.run_id), self.retry, "evals")
+        self.metrics = ResilientCalls(MetricsStream(redis, self.cfg.run_id), self.retry, "metrics")
+        self._last_id = await self.metrics.last_id()  # this drive's steps only
         try:
             async with ResilientStub(trainer_pb2_grpc.TrainerStub, self.cfg.trainer.server.address,
                                      token=self.token, tls=self.cfg.auth.tls, policy=self.retry) as trainer:
@@ -130,7 +142,8 @@ class RunDriver:
 
     async def _run_phases(self, trainer: trainer_pb2_grpc.TrainerStub, steps: int | None) -> None:
         status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
-        first_step = status.step
+        first_step = self._last_step = status.step
+        self._sft_steps = status.sft_steps
         await self._evaluate_now("start", status.version)
         sft_left = max(status.sft_steps - status.step, 0)
         if sft_left:
@@ -161,7 +174,6 @@ class RunDriver:
         await trainer.Resume(trainer_pb2.ResumeRequest(until_step=until or 0), timeout=10)
         status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
         last_step, last_progress = status.step, time.monotonic()
-        every = self.cfg.rollout.eval.every_versions
         try:
             while (until is None or status.step < until) and (deadline is None or time.monotonic() < deadline):
                 self.check_children()
@@ -173,18 +185,21 @@ class RunDriver:
                     # Driving the run means resuming it.
                     log.warning("trainer paused at step %d short of %s; resuming it", status.step, until)
                     await trainer.Resume(trainer_pb2.ResumeRequest(until_step=until or 0), timeout=10)
+                self._until_step = status.until_step
+                await self._read_steps()
                 if status.step == last_step:
                     if time.monotonic() - last_progress > self.stall_s:
                         raise Stalled(f"no trainer step for {self.stall_s:.0f}s ({status.trajectories_dropped} "
                                       f"trajectories dropped so far); the service logs say why")
                     continue
                 last_progress, last_step = time.monotonic(), status.step
-                self._record_step(status)
-                if every and status.phase == "rl" and status.version % every == 0:
-                    await self._request_eval(f"v{status.version}", status.version)
                 await self._collect_pending(wait=False)
         finally:
             await self._pause(trainer)
+            try:
+                await self._read_steps()  # the pause waited for the step in flight: its record is there
+            except Exception as e:  # the stop path never raises on a dead service
+                log.warning("could not read the last step records (%s)", e)
         return await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)  # final, after the pause
 
     async def _pause(self, trainer: ResilientStub) -> None:
@@ -196,18 +211,30 @@ class RunDriver:
         except (grpc.aio.AioRpcError, OSError) as e:
             log.warning("could not pause the trainer (%s); a restarted trainer starts paused", e)
 
-    def _record_step(self, status: trainer_pb2.GetStatusResponse) -> None:
-        now = time.monotonic()
-        trajs_per_s, tokens_per_s = self._meter.rates(now, status.trajectories_consumed, status.tokens_trained)
-        row = {"step": status.step, "version": status.version, "phase": status.phase or "rl",
-               "loss": status.last_loss, "reward": status.last_reward if status.phase == "rl" else None,
-               "staleness": status.last_staleness if status.phase == "rl" else None,
+    async def _read_steps(self) -> None:
+        """Every step record the trainer wrote since the last read, in order (none skipped)."""
+        every = self.cfg.rollout.eval.every_versions
+        while records := await self.metrics.after(self._last_id):
+            for entry_id, record in records:
+                self._last_id = entry_id
+                self._record_step(record)
+                if every and record.get("phase") == "rl" and record["version"] % every == 0:
+                    await self._request_eval(f"v{record['version']}", record["version"])
+
+    def _record_step(self, record: dict[str, Any]) -> None:
+        """One row per trainer step: the trainer's record plus throughput over the last seconds."""
+        trajs_per_s, tokens_per_s = self._meter.rates(record["time"], record.get("consumed", 0),
+                                                       record.get("tokens_trained", 0))
+        rl = record.get("phase") == "rl"
+        row = {**record, "reward": record.get("reward_mean") if rl else None,
+               "staleness": record.get("staleness_mean") if rl else None,
                "trajectories_per_s": trajs_per_s, "tokens_per_s": tokens_per_s,
-               "consumed": status.trajectories_consumed, "dropped": status.trajectories_dropped,
-               "elapsed_s": now - self.started, "time": time.time(),
-               "sft_steps": status.sft_steps, "until_step": status.until_step}
-        if row["phase"] == "rl":
-            self.report.rewards.append(status.last_reward)
+               "elapsed_s": time.monotonic() - self.started,
+               "sft_steps": self._sft_steps, "until_step": self._until_step}
+        self._last_step = record["step"]
+        self._version_step[record["version"]] = record["step"]  # SFT steps share one version: the last
+        if rl:
+            self.report.rewards.append(record.get("reward_mean", 0.0))
         if self.recorder is not None:
             self.recorder.step(row)
         self.on_progress(row)
@@ -216,7 +243,7 @@ class RunDriver:
 
     async def _request_eval(self, tag: str, min_version: int) -> None:
         if self.evaluate and tag not in self._pending_evals and tag not in self.report.evals:
-            self._pending_evals[tag] = await self.evals.request(tag, min_version=min_version)
+            self._pending_evals[tag] = (await self.evals.request(tag, min_version=min_version), min_version)
 
     async def _evaluate_now(self, tag: str, min_version: int) -> None:
         """Asks for an evaluation and waits for it: the trainer is paused, so it sees one version."""
@@ -224,7 +251,7 @@ class RunDriver:
             return
         await self._request_eval(tag, min_version)
         self.on_progress({"evaluating": tag})
-        deadline = time.monotonic() + self.cfg.rollout.eval.timeout_s + 30
+        deadline = time.monotonic() + self.eval_wait_s
         while tag in self._pending_evals:
             self.check_children()
             if time.monotonic() > deadline:
@@ -233,21 +260,37 @@ class RunDriver:
             await self._collect_pending(wait=False)
 
     async def _collect_pending(self, *, wait: bool) -> None:
-        deadline = time.monotonic() + (self.cfg.rollout.eval.timeout_s + 30 if wait else 0)
+        deadline = time.monotonic() + (self.eval_wait_s if wait else 0)
         while self._pending_evals:
-            for tag, request_id in list(self._pending_evals.items()):
+            for tag, (request_id, asked) in list(self._pending_evals.items()):
                 result = await self.evals.result(request_id)
                 if result is not None:
                     del self._pending_evals[tag]
-                    self._store_eval(tag, result)
-            if not wait or time.monotonic() > deadline:
+                    self._store_eval(tag, {"requested_version": asked, **result})
+            if not wait:
+                return
+            if time.monotonic() > deadline:
+                for tag, (_, asked) in list(self._pending_evals.items()):
+                    # Never dropped silently: a row with its reason, like a failed evaluation.
+                    del self._pending_evals[tag]
+                    self._store_eval(tag, {"requested_version": asked, "skipped": True,
+                                           "error": f"no answer within {self.eval_wait_s:.0f}s"})
                 return
             await asyncio.sleep(self.poll_s)
 
+    def _eval_step(self, result: dict[str, Any]) -> int:
+        """The step that published the newest version the evaluation's episodes used (else the
+        version asked for): evaluations share the train scalars' step axis."""
+        used = result.get("max_version") or result.get("requested_version") or 0
+        steps = [s for v, s in self._version_step.items() if v <= used]
+        return max(steps, default=self._last_step)
+
     def _store_eval(self, tag: str, result: dict[str, Any]) -> None:
+        if "error" in result:
+            log.warning("evaluation %r not done: %s", tag, result["error"])
         self.report.evals[tag] = result
         if self.recorder is not None:
-            self.recorder.evaluation(tag, result, step=len(self.report.rewards), time=time.time(),
+            self.recorder.evaluation(tag, result, step=self._eval_step(result), time=time.time(),
                                      elapsed_s=time.monotonic() - self.started)
         self.on_progress({"evaluated": tag, **result})
 
@@ -329,6 +372,7 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
         pointer = await WeightPointer(redis, cfg.run_id).get()
         stream = TrajectoryStream(redis, cfg.run_id, consumer="status")
         queue_depth = await stream.backlog()
+        diagnostics = await MetricsStream(redis, cfg.run_id).latest()
         first = await read_statuses(redis, cfg.run_id)
         await asyncio.sleep(interval_s if first else 0)
         second = await read_statuses(redis, cfg.run_id)
@@ -347,7 +391,8 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
     return {"run_id": cfg.run_id, "services": services,
             "trainer_version": trainer_version if trainer_version is not None else (pointer.version if pointer else 0),
             "pointer_version": pointer.version if pointer else 0, "queue_depth": queue_depth,
-            "staleness": float(trainer["staleness"]) if "staleness" in trainer else None}
+            "staleness": float(trainer["staleness"]) if "staleness" in trainer else None,
+            "trainer_diagnostics": diagnostics}
 
 
 def service_activity(first: list[dict[str, str]], second: list[dict[str, str]]) -> dict[str, dict[str, Any]]:

@@ -69,6 +69,8 @@ def _num(value: float | None, digits: int = 3) -> str:
 def _eval_line(e: dict[str, Any]) -> str:
     if "error" in e:
         return f"[red]eval {e['evaluated']}: {e['error']}"
-    return (f"eval {e['evaluated']} (v{e.get('served_version', '?')}): greedy {e['greedy_reward']:.3f}, "
+    ran_on = f"v{e['min_version']}" if e.get("min_version") == e.get("max_version") else \
+        f"v{e.get('min_version', '?')}-v{e.get('max_version', '?')}"
+    return (f"eval {e['evaluated']} (ran on {ran_on}): greedy {e['greedy_reward']:.3f}, "
             f"sampled {e['sampled_reward']:.3f}, pass@{e['k']} {e['pass_at_k']:.3f} over {e['num_tasks']} "
             f"held-out tasks ({e['wall_s']:.1f}s)")

@@ -1,24 +1,37 @@
 """What a training run leaves behind: metrics as JSONL and TensorBoard events, and a PNG plot.
 
-One row per trainer step (the driver's view: step, version, phase, loss, reward, staleness,
-throughput) and one per evaluation, written as they happen so a crash keeps what was seen.
+One row per trainer step (the trainer's own diagnostics record for that step, read from the
+run's metrics stream, plus the driver's throughput) and one per evaluation, written as they
+happen so a crash keeps what was seen.
+
+One step axis for everything: the trainer's global optimizer step (SFT and RL steps counted
+together, `step` in every row). Train scalars sit at the step that produced them; an evaluation
+sits at the step that published the newest version its episodes were sampled from. SFT and RL
+losses are different quantities (cross-entropy vs the policy objective) and go under separate
+tags: `sft/loss` and `train/loss`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-STEP_SCALARS = ("loss", "reward", "staleness", "trajectories_per_s", "tokens_per_s")
+THROUGHPUT_SCALARS = ("trajectories_per_s", "tokens_per_s")
 EVAL_SCALARS = ("greedy_reward", "sampled_reward", "pass_at_k")
+NESTED = ("reward_components", "dropped", "finish_reasons")
+"""Per-name breakdowns in a step row, logged as `<group>/<name>`."""
+NOT_SCALARS = frozenset({"step", "version", "phase", "time", "kind", "sft_steps", "until_step", "elapsed_s"})
 
 
 class RunRecorder:
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, *, run_id: str = "") -> None:
         from tensorboardX import SummaryWriter  # imported here: only runs that record pay for it
 
         self.out_dir = out_dir
+        self.run_id = run_id
         out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = out_dir / "metrics.jsonl"
         self.plot_path = out_dir / "reward.png"
@@ -30,9 +43,8 @@ class RunRecorder:
     def step(self, row: dict[str, Any]) -> None:
         self.steps.append(row)
         self._write({"kind": "step", **row})
-        for name in STEP_SCALARS:
-            if row.get(name) is not None:
-                self._tb.add_scalar(f"train/{name}", row[name], global_step=row["step"], walltime=row["time"])
+        for tag, value in tensorboard_scalars(row).items():
+            self._tb.add_scalar(tag, value, global_step=row["step"], walltime=row["time"])
 
     def evaluation(self, tag: str, result: dict[str, Any], *, step: int, elapsed_s: float, time: float) -> None:
         row = {"tag": tag, "step": step, "elapsed_s": elapsed_s, "time": time, **result}
@@ -46,39 +58,87 @@ class RunRecorder:
         self._jsonl.close()
         self._tb.close()
         if self.steps or self.evals:
-            plot_run(self.steps, self.evals, self.plot_path)
+            plot_run(self.steps, self.evals, self.plot_path, run_id=self.run_id)
 
     def _write(self, row: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
 
 
-def plot_run(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path) -> None:
-    """Reward (training and held-out) and throughput against wall time, one PNG."""
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def tensorboard_scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """Tag -> value for one step row: `sft/*` for SFT steps, `train/*` for RL steps,
+    `throughput/*`, and `<group>/<name>` for the per-name breakdowns (reward components, drops)."""
+    phase = "sft" if row.get("phase") == "sft" else "train"
+    out: dict[str, float] = {}
+    for name, value in row.items():
+        if name in NOT_SCALARS or not _number(value):
+            continue
+        out[f"throughput/{name}" if name in THROUGHPUT_SCALARS else f"{phase}/{name}"] = float(value)
+    for group in NESTED:
+        for name, value in (row.get(group) or {}).items():
+            if _number(value):
+                out[f"{group}/{name}"] = float(value)
+    return out
+
+
+def _series(steps: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """x = step, y = the value or NaN where the row has none: matplotlib breaks the line there."""
+    ys = [float(s[key]) if _number(s.get(key)) else math.nan for s in steps]
+    return [s["step"] for s in steps], ys
+
+
+def plot_run(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path, *, run_id: str = ""):
+    """Reward (training and held-out) and throughput against the trainer step, one PNG; returns the
+    figure (closed). Every line has a legend entry; a step without a value is a gap, never an
+    interpolation; the SFT warm start is shaded and the start of RL marked."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    rl = [s for s in steps if s.get("phase") == "rl"]
-    top.plot([s["elapsed_s"] for s in rl], [s["reward"] for s in rl], ".", alpha=0.4, label="training batch reward")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    fig.suptitle(f"run {run_id}" if run_id else "run", fontsize=11)
+    steps = sorted(steps, key=lambda s: s["step"])
+    _mark_phases(steps, (top, bottom))
+    x, reward = _series(steps, "reward")
+    top.plot(x, reward, ".-", alpha=0.5, markersize=3, label="training batch reward")
     for key, style in (("sampled_reward", "o-"), ("greedy_reward", "s--")):
-        points = [(e["elapsed_s"], e[key]) for e in evals if key in e]
+        points = sorted((e["step"], e[key]) for e in evals if _number(e.get(key)))
         if points:
             top.plot(*zip(*points, strict=True), style, label=f"held-out {key.replace('_', ' ')}")
     top.set_ylabel("reward")
     top.set_ylim(-0.05, 1.05)
     top.legend(loc="lower right", fontsize=8)
     top.grid(alpha=0.3)
-    bottom.plot([s["elapsed_s"] for s in steps], [s.get("tokens_per_s") or 0 for s in steps], label="tokens/s")
+    x, tokens = _series(steps, "tokens_per_s")
+    bottom.plot(x, tokens, color="tab:blue", label="trained tokens/s")
     bottom.set_ylabel("trained tokens/s")
     twin = bottom.twinx()
-    twin.plot([s["elapsed_s"] for s in rl], [s.get("trajectories_per_s") or 0 for s in rl], color="tab:orange",
-              label="trajectories/s")
+    x, trajs = _series([{**s, "trajectories_per_s": s.get("trajectories_per_s") if s.get("phase") == "rl"
+                         else None} for s in steps], "trajectories_per_s")
+    twin.plot(x, trajs, color="tab:orange", label="trajectories/s")
     twin.set_ylabel("trajectories/s")
-    bottom.set_xlabel("wall time (s)")
+    handles, labels = bottom.get_legend_handles_labels()
+    more_handles, more_labels = twin.get_legend_handles_labels()
+    bottom.legend(handles + more_handles, labels + more_labels, loc="upper left", fontsize=8)
+    bottom.set_xlabel("trainer step (SFT and RL)")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig
+
+
+def _mark_phases(steps: list[dict[str, Any]], axes: tuple[Any, ...]) -> None:
+    sft = [s["step"] for s in steps if s.get("phase") == "sft"]
+    rl = [s["step"] for s in steps if s.get("phase") == "rl"]
+    for ax in axes:
+        if sft:
+            # Step k is the k-th update: the warm start spans (first - 1, last].
+            ax.axvspan(min(sft) - 1, max(sft), color="tab:green", alpha=0.12, label="SFT warm start")
+        if rl:
+            ax.axvline(min(rl) - 1, color="tab:red", linestyle=":", label="RL starts")

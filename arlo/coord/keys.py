@@ -73,6 +73,11 @@ class Keys:
         """Stream of evaluation results (JSON), read by whoever asked."""
         return self.prefix + "eval:results"
 
+    @property
+    def metrics(self) -> str:
+        """Stream of the trainer's per-step diagnostics (JSON, one entry per applied step, capped)."""
+        return self.prefix + "metrics"
+
     def tasks_cursor(self, env_key: str) -> str:
         """Counter of task seeds handed out for one rollout.envs entry (its label or env name)."""
         return f"{self.prefix}tasks:cursor:{env_key}"

@@ -32,6 +32,7 @@ from arlo.rpc import (
     setup_logging,
     start_server,
 )
+from arlo.rpc.metrics import inference_collector
 from arlo.service_args import parse_service_config
 from services.inference.engine import Engine
 from services.inference.episodes import EpisodeRecorder
@@ -54,6 +55,8 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
     running = await start_server("inference", ic.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
                        servicer=servicer)])
+    running.registry.register(inference_collector(
+        lambda: {**engine.metrics(), "last_swap_seconds": sync.stats.last_swap_s}))
     host = advertise_host(ic.server.host)
     if ic.openai_port >= 0:
         servicer.openai_url = start_openai(cfg, engine, recorder, tasks, host)

@@ -15,6 +15,7 @@ from arlo.config import RunConfig
 from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
+from arlo.rpc.metrics import rollout_collector
 from arlo.rpc.replicas import ReplicaSet
 from arlo.service_args import parse_service_config
 from services.rollout.admission import AdmissionGate
@@ -63,6 +64,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [])
+    running.registry.register(rollout_collector(worker.stats.snapshot))
     heartbeat = Heartbeat(redis, cfg.run_id, service=RolloutStatus.SERVICE, instance=instance)
     tasks.spawn("rollout", worker.run)
     tasks.spawn("evaluations", lambda: serve_evaluations(EvalQueue(redis, cfg.run_id, consumer=instance),

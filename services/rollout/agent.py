@@ -104,6 +104,9 @@ class _Builder:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    turn_rewards: list[common_pb2.TurnReward] = field(default_factory=list)
+    """The environment's reward per model turn, located at the end of the turn's model tokens."""
+    tool_call_errors: int = 0
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.tokens += ids
@@ -145,6 +148,7 @@ async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: En
             turn = await gen.generate(b.tokens, max_tokens=budget, session_id=episode_id, seed=seed)
             timings.generate_s += time.monotonic() - t0
             b.add_model(turn)
+            turn_end = len(b.tokens)
             if not turn.token_ids or turn.token_ids[-1] not in tok.stop_token_ids:
                 # Cut by the budget, a stop string or an extra stop id: close the turn the way the
                 # template would, but as context (the model did not say it), so the next observation
@@ -153,6 +157,8 @@ async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: En
             t0 = time.monotonic()
             step = await env.step(reset.session_id, tok.decode(turn.token_ids))
             timings.env_s += time.monotonic() - t0
+            b.turn_rewards.append(common_pb2.TurnReward(token_end=turn_end, reward=step.reward))
+            b.tool_call_errors += sum(m.role == "tool" and m.content.startswith("error:") for m in step.observation)
             if step.done:
                 finish, answer, reference = "done", step.answer, step.reference
                 break
@@ -173,7 +179,8 @@ def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, p
         id=episode_id, run_id=spec.run_id, task_id=task_id, group_id=spec.group_id,
         group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
         policy_versions=b.versions, prompt_length=prompt_length, finish_reason=finish,
-        num_turns=turns, timings=timings, created_at=time.time(),
+        num_turns=turns, timings=timings, created_at=time.time(), turn_rewards=b.turn_rewards,
+        tool_call_errors=b.tool_call_errors,
     )
     if score is None:
         # A limit ended the episode before an answer: trainable, with reward 0 for no answer.

@@ -107,6 +107,8 @@ async def serve_evaluations(queue: EvalQueue, evaluator: Evaluator, served_versi
             continue
         result = await _answer(request, evaluator, served_version)
         await queue.finish(request, result)
+        if "error" in result:
+            log.warning("evaluation %r not done: %s", request.tag, result["error"], extra={"eval": result})
         log.info("evaluation %r: %s", request.tag, result, extra={"eval": result, "tag": request.tag})
 
 
@@ -115,10 +117,14 @@ async def _answer(request: EvalRequest, evaluator: Evaluator,
     deadline = time.monotonic() + evaluator.cfg.eval.timeout_s
     while (served := await served_version()) < request.min_version:
         if time.monotonic() > deadline:
-            return {"tag": request.tag, "error": f"inference still serves v{served} < v{request.min_version}"}
+            return {"tag": request.tag, "requested_version": request.min_version,
+                    "error": f"inference still serves v{served} < v{request.min_version}"}
         await asyncio.sleep(0.2)
     try:
         result = await asyncio.wait_for(evaluator.run(), evaluator.cfg.eval.timeout_s)
     except TimeoutError:
-        return {"tag": request.tag, "error": f"evaluation took over {evaluator.cfg.eval.timeout_s}s"}
-    return {"tag": request.tag, "served_version": served, **result}
+        return {"tag": request.tag, "requested_version": request.min_version,
+                "error": f"evaluation took over {evaluator.cfg.eval.timeout_s}s"}
+    # The policy may move on while the episodes run: min_version..max_version (of the episodes'
+    # model tokens) say which versions the figures are of, whatever version was asked for.
+    return {"tag": request.tag, "requested_version": request.min_version, "served_version": served, **result}

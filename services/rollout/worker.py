@@ -13,7 +13,7 @@ import logging
 import random
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from arlo.config import RolloutConfig, RolloutEnvConfig
@@ -40,6 +40,25 @@ class WorkerStats:
     failed_groups: int = 0
     backpressure_waits: int = 0
     reward_sum: float = 0.0
+    turns: int = 0
+    tool_call_errors: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, object]:
+        """The counters for /metrics (read from the scrape thread: a copy, never the live dict)."""
+        return {"episodes": self.episodes, "groups": self.groups, "turns": self.turns, "retries": self.retries,
+                "tool_call_errors": self.tool_call_errors, "failed_groups": self.failed_groups,
+                "finish_reasons": dict(self.finish_reasons)}
+
+    def count(self, trajs: list[common_pb2.Trajectory]) -> None:
+        self.groups += 1
+        self.episodes += len(trajs)
+        self.reward_sum += sum(t.reward for t in trajs)
+        self.turns += sum(t.num_turns for t in trajs)
+        self.tool_call_errors += sum(t.tool_call_errors for t in trajs)
+        for t in trajs:
+            reason = t.finish_reason or "unknown"
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
 
 
 class RolloutWorker:
@@ -123,9 +142,7 @@ class RolloutWorker:
         failed = trajs[0].status == common_pb2.TRAJECTORY_STATUS_ERROR
         self._consecutive_failures = self._consecutive_failures + 1 if failed else 0
         await self._add_with_backpressure(trajs)
-        self.stats.groups += 1
-        self.stats.episodes += len(trajs)
-        self.stats.reward_sum += sum(t.reward for t in trajs)
+        self.stats.count(trajs)
         if self._consecutive_failures:
             # Every group failing means a broken backend or config: slow down instead of flooding
             # the stream with masked groups.

@@ -17,6 +17,7 @@ from arlo.background import TaskGroup
 from arlo.compile_cache import enable_compile_cache
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
+from arlo.coord.metrics import MetricsStream
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import (
@@ -27,6 +28,7 @@ from arlo.rpc import (
     setup_logging,
     start_server,
 )
+from arlo.rpc.metrics import TrainerMetrics
 from arlo.service_args import parse_service_config
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.learner import Learner
@@ -64,6 +66,14 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         ServiceBinding(name=name, add_to_server=trainer_pb2_grpc.add_TrainerServicer_to_server,
                        servicer=TrainerServicer(loop))])
     loop.source = f"grpc://{advertise_host(tc.server.host)}:{running.port}"
+    # Every applied step's diagnostics: on the run's metrics stream (for `arlo train`, `arlo status`)
+    # and as Prometheus gauges on this server's /metrics.
+    prometheus = TrainerMetrics(running.registry, dropped=loop.dropped)
+
+    async def observe(record: dict) -> None:
+        prometheus.observe(record)
+
+    loop.on_step += [MetricsStream(redis, cfg.run_id).add, observe]
     await loop.start()
     heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
     tasks.spawn("training-loop", loop.run)
@@ -73,6 +83,8 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         "busy_s": round(loop.state.busy_s, 3), "io_s": round(loop.state.io_s, 3),
         "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
         **loop.fault_counters(), "loop_restarts": sum(tasks.restarts.values()),
+        "staleness_max": loop.state.last_staleness_max, "generated_tokens": loop.state.generated_tokens,
+        "skipped_steps": loop.state.skipped_steps,
         **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}))
     return running, loop
 

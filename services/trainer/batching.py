@@ -34,6 +34,9 @@ class Batch:
     behaviour_logprobs_bt: np.ndarray  # float32, logprob of tokens_bt[b, t] under the sampler
     mask_bt: np.ndarray  # float32, 1 where the model produced the token
     rewards_gk: np.ndarray  # float32, [groups, group_size]
+    token_rewards_bt: np.ndarray
+    """float32, the environment's per-turn (process) rewards: row b's turn reward sits at the turn's
+    last model token (Trajectory.turn_rewards); 0 elsewhere and for trajectories without any."""
     trajectory_ids: tuple[str, ...]
     num_tokens: int
 
@@ -68,6 +71,9 @@ def validate_trajectory(traj: common_pb2.Trajectory) -> str | None:
         return f"group_size {traj.group_size} > {MAX_GROUP_SIZE}"
     if not any(traj.loss_mask):
         return "no model tokens (loss_mask all 0)"
+    ends = [r.token_end for r in traj.turn_rewards]
+    if any(not 1 <= e <= n for e in ends) or ends != sorted(ends):
+        return f"turn_rewards token_end must be ascending in [1, {n}]"
     return None
 
 
@@ -86,6 +92,9 @@ def poison_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
     tokens = np.asarray(traj.token_ids, np.int64)
     if tokens.size and (tokens.min() < 0 or (vocab_size > 0 and tokens.max() >= vocab_size)):
         return f"token id outside [0, {vocab_size}): {int(tokens.min())}..{int(tokens.max())}"
+    bad_turn = next((r for r in traj.turn_rewards if not math.isfinite(r.reward)), None)
+    if bad_turn is not None:
+        return f"non-finite turn reward {bad_turn.reward} at token_end {bad_turn.token_end}"
     logprobs = np.asarray(traj.logprobs, np.float64)
     if np.isnan(logprobs).any():
         return "NaN logprob"
@@ -93,12 +102,6 @@ def poison_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
     if not np.isfinite(logprobs[masked]).all():
         return "non-finite logprob on a loss-masked (model) token"
     return None
-
-
-def mean_staleness(trajs: Sequence[common_pb2.Trajectory], trainer_version: int) -> float:
-    """Mean over model tokens of how many versions their sampling policy was behind `trainer_version`."""
-    lags = [trainer_version - v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m]
-    return sum(lags) / len(lags) if lags else 0.0
 
 
 def oldest_version(traj: common_pb2.Trajectory) -> int:
@@ -248,16 +251,21 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
     tokens = np.full((len(trajs), length), pad_id, np.int32)
     logprobs = np.zeros((len(trajs), length), np.float32)
     mask = np.zeros((len(trajs), length), np.float32)
+    token_rewards = np.zeros((len(trajs), length), np.float32)
     for row, t in enumerate(trajs):
         n = min(len(t.token_ids), length)
         tokens[row, :n] = t.token_ids[:n]
         logprobs[row, :n] = t.logprobs[:n]
         mask[row, :n] = t.loss_mask[:n]
+        for turn in t.turn_rewards:
+            # A turn cut off by the context limit keeps its reward on the last token kept.
+            token_rewards[row, min(turn.token_end, n) - 1] += turn.reward
     rewards = np.array([[t.reward for t in g] for g in groups], np.float32)
     if overlong is not None:
         generated = jnp.asarray([[sum(t.loss_mask) for t in g] for g in groups])
         rewards = rewards + np.asarray(overlong_penalty(generated, max_tokens=overlong[0], buffer_tokens=overlong[1]))
     return Batch(
         tokens_bt=tokens, behaviour_logprobs_bt=logprobs, mask_bt=mask, rewards_gk=rewards,
+        token_rewards_bt=token_rewards,
         trajectory_ids=tuple(t.id for t in trajs), num_tokens=int(mask.sum()),
     )

@@ -42,7 +42,7 @@ POLL_MS = 1000
 """A follower's wait for the next announcement is cut into polls this long, so it can stop."""
 KEEP_KEYS = 8
 """Announcements kept on the coordinator; older ones are deleted (see CoordinatorChannel)."""
-BATCH_FIELDS = ("tokens_bt", "behaviour_logprobs_bt", "mask_bt", "rewards_gk")
+BATCH_FIELDS = ("tokens_bt", "behaviour_logprobs_bt", "mask_bt", "rewards_gk", "token_rewards_bt")
 SFT_BATCH_FIELDS = ("tokens_bt", "mask_bt")
 AnyBatch = TypeVar("AnyBatch", Batch, SFTBatch)
 

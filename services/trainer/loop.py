@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
@@ -24,9 +25,10 @@ from services.trainer.batching import (
     ReadyGroup,
     build_batch,
     has_reward_spread,
-    mean_staleness,
+    oldest_version,
 )
 from services.trainer.checkpoint import Checkpointer
+from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.durability import Durability
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
@@ -46,6 +48,9 @@ POINTER_TRIES = 3
 
 __all__ = ["TrainedStep", "TrainerState", "TrainingLoop"]
 
+OnStep = Callable[[dict[str, Any]], Awaitable[None]]
+"""Called with each applied step's diagnostics record (services/trainer/diagnostics.py)."""
+
 
 class TrainingLoop:
     def __init__(
@@ -53,8 +58,10 @@ class TrainingLoop:
         source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
         checkpoint_dir: str = "", checkpoint_every: int = 0, pad_id: int = ByteTokenizer.pad_id,
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
-        warm_start: WarmStart | None = None, start_paused: bool = False,
+        warm_start: WarmStart | None = None, start_paused: bool = False, on_step: Sequence[OnStep] = (),
     ) -> None:
+        self.on_step = list(on_step)
+        self.max_staleness = max_staleness
         self.warm_start = warm_start
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
@@ -169,6 +176,8 @@ class TrainingLoop:
                 return metrics
             self.state.last = metrics
             self.state.tokens_trained += batch.num_tokens
+            await self._report(step_record(phase="sft", step=self.learner.step_count, version=self.state.version,
+                                           metrics=metrics, counters=await self._counters()))
             if self.phase == "rl":
                 if self.learner.cfg.algorithm.reference == "after_sft":
                     async with self._jax_lock:  # the KL reference is the warm-started policy
@@ -273,7 +282,10 @@ class TrainingLoop:
     # -- steps ------------------------------------------------------------------------------
 
     async def _train_ready(self) -> None:
-        while len(self._ready) >= self.groups_per_step and not self.state.paused:
+        while not self.state.paused:
+            await self._drop_stale_ready()
+            if len(self._ready) < self.groups_per_step:
+                return
             await self.train_once()
 
     async def _catch_up(self) -> None:
@@ -285,6 +297,36 @@ class TrainingLoop:
                 await self._publish_newest()
             if self.durable.retry_due():
                 await self.durable.try_checkpoint()
+
+    async def _drop_stale_ready(self) -> None:
+        """Groups admitted at an older version may have aged past the bound while earlier steps
+        trained: judged again here, at the version the next step trains from, so no trained token
+        is ever more than max_staleness versions behind (the bound the docs state, exactly)."""
+        floor = self.state.version - self.max_staleness
+        stale = [g for g in self._ready if min(oldest_version(t) for t in g.trajectories) < floor]
+        if not stale:
+            return
+        self._ready = [g for g in self._ready if not any(g is s for s in stale)]
+        entry_ids = [e for g in stale for e in g.entry_ids]
+        self.assembler.drops.stale += len(entry_ids)
+        await self.stream.count_stale(len(entry_ids))
+        await self.stream.ack(entry_ids)
+
+    async def _counters(self) -> dict[str, Any]:
+        """The loop's cumulative figures, for a step record."""
+        return {"tokens_trained": self.state.tokens_trained, "generated_tokens": self.state.generated_tokens,
+                "consumed": self.state.consumed, "skipped_steps": self.state.skipped_steps,
+                "queue_depth": await self.stream.backlog(), "ready_groups": len(self._ready),
+                "dropped": self.dropped()}
+
+    async def _report(self, record: dict[str, Any]) -> None:
+        """Hands the record on; a failing consumer (Redis down) costs the record, never the step."""
+        self.state.last_record = record
+        for consumer in self.on_step:
+            try:
+                await consumer(record)
+            except Exception:
+                log.exception("step %s: diagnostics not exported", record.get("step"))
 
     async def _train_once(self) -> StepMetrics:
         if self._publish_due:
@@ -323,7 +365,12 @@ class TrainingLoop:
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         self.state.tokens_trained += batch.num_tokens
-        self.state.last_staleness = mean_staleness([t for g in groups for t in g.trajectories], self.state.version - 1)
+        trajs = [t for g in groups for t in g.trajectories]
+        self.state.generated_tokens += sum(sum(t.loss_mask) for t in trajs)
+        self.state.last_staleness, self.state.last_staleness_max = staleness_stats(trajs, self.state.version - 1)
+        await self._report(step_record(phase="rl", step=self.learner.step_count, version=self.state.version,
+                                       metrics=metrics, counters=await self._counters(), trajectories=trajs,
+                                       trained_from=self.state.version - 1))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", self.learner.step_count,
                  self.state.version, metrics.loss, metrics.reward_mean, metrics.num_tokens,

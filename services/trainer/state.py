@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from services.trainer.learner import StepMetrics
 
@@ -21,7 +22,13 @@ class TrainerState:
     until_step: int = 0
     """> 0: pause once the learner's step count reaches it."""
     last_staleness: float = 0.0
+    last_staleness_max: int = 0
+    """The last RL step's largest token lag: never above trainer.max_staleness (checked at the step)."""
+    last_record: dict[str, Any] | None = None
+    """The last applied step's diagnostics record."""
     tokens_trained: int = 0
+    generated_tokens: int = 0
+    """Model-generated (loss-masked) tokens of the trajectories RL steps trained on, cumulative."""
     skipped_steps: int = 0
     """Steps refused for a non-finite loss, gradient norm or parameter (nothing applied or published)."""
     failed_steps: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -12,6 +13,7 @@ from dataclasses import replace
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from arlo.background import TaskGroup
 from arlo.config import load_config
@@ -29,7 +31,7 @@ TOKEN = "contract-token"
 @pytest.fixture
 async def stack(redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[dict]:
     monkeypatch.setenv("ARLO_TOKEN", TOKEN)
-    server = {"port": 0, "metrics_port": -1, "grace_s": 0.5}
+    server = {"port": 0, "metrics_port": 0, "grace_s": 0.5}
     cfg = load_config(overrides={
         "run_id": run_id, "redis": {"url": redis_url},
         "inference": {"server": server, "max_n": 8, "max_tokens": 16, "max_prompt_tokens": 64, "weight_poll_s": 0.2},
@@ -40,7 +42,7 @@ async def stack(redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) ->
     inference, engine = await start_inference(cfg, tasks)
     try:
         yield {"cfg": cfg, "loop": loop, "engine": engine, "trainer": f"127.0.0.1:{trainer.port}",
-               "inference": f"127.0.0.1:{inference.port}"}
+               "inference": f"127.0.0.1:{inference.port}", "inference_metrics": inference.metrics_port}
     finally:
         await tasks.cancel_all()
         await inference.stop(0.1)
@@ -151,6 +153,14 @@ async def test_trained_version_reaches_inference_intact(stack: dict) -> None:
     async with make_channel(stack["inference"], token=TOKEN) as ch:
         resp = await inference_pb2_grpc.InferenceStub(ch).Generate(generate_request())
     assert set(resp.completions[0].policy_versions) == {1}
+    # Inference's own figures on its /metrics, scraped over HTTP.
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(
+        f"http://127.0.0.1:{stack['inference_metrics']}/metrics", timeout=5).read().decode())
+    scraped = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+    assert scraped["arlo_inference_swaps_total"] >= 1 and scraped["arlo_inference_last_swap_seconds"] > 0
+    assert scraped["arlo_inference_generated_tokens_total"] >= 4 and scraped["arlo_inference_weight_version"] == 1
+    assert scraped["arlo_inference_slots"] >= 1 and 0 <= scraped["arlo_inference_kv_use"] <= 1
+    assert 0 <= scraped["arlo_inference_batch_occupancy"] <= 1 and "arlo_inference_kv_slots_used" in scraped
     async with make_channel(stack["trainer"], token=TOKEN) as ch:
         status = await trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetStatusRequest())
     assert status.version == 1 and status.step == 1 and status.trajectories_consumed == 2

@@ -133,3 +133,25 @@ def test_group_members_get_their_own_seeds() -> None:
     assert members(None) == [None] * 4
     seeds = members(1)
     assert len(set(seeds)) == 4 and members(1) == seeds and members(2) != seeds
+
+
+def test_the_environments_step_reward_is_recorded_at_the_end_of_its_turn() -> None:
+    class Oracle:
+        async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
+            text = TOK.decode(prompt).rsplit("=", 1)[0]
+            ids = TOK.encode(str(int(text[-3]) + int(text[-1]))) + [TOK.eos_id]
+            return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[4] * len(ids),
+                        finished_by_stop=True)
+
+    traj = asyncio.run(run_episode(spec(), TOK, Oracle(), GatewayEnv(), CoreScorer()))
+    # The arith env itself pays 1.0 for the right answer on the step that ends the episode.
+    assert [(r.token_end, r.reward) for r in traj.turn_rewards] == [(len(traj.token_ids), 1.0)]
+    assert traj.loss_mask[traj.turn_rewards[0].token_end - 1] == 1  # the turn's last model token
+
+
+def test_every_turn_gets_its_step_reward_even_when_zero(engine: Engine) -> None:
+    traj = asyncio.run(run_episode(spec(max_turns=3, env_config_json='{"max_turns": 3}'), TOK,
+                                   EngineGenerator(engine), GatewayEnv(), CoreScorer()))
+    assert len(traj.turn_rewards) == traj.num_turns
+    ends = [r.token_end for r in traj.turn_rewards]
+    assert ends == sorted(ends) and all(traj.loss_mask[e - 1] == 1 for e in ends)

@@ -126,7 +126,7 @@ async def test_a_request_is_answered_once_through_redis(redis_url: str, run_id: 
                 await asyncio.sleep(0.1)
         finally:
             worker.cancel()
-        assert result["tag"] == "start" and result["served_version"] == 3
+        assert result["tag"] == "start" and result["served_version"] == 3 and result["requested_version"] == 3
         assert result["greedy_reward"] == 1.0 and result["sampled_reward"] == 0.0
         pending = await client.xpending(f"arlo:{run_id}:eval:requests", "rollout")
         assert pending["pending"] == 0  # acknowledged: no other worker runs it again

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
-from arlo.app.run_record import RunRecorder
+from arlo.app.run_record import RunRecorder, plot_run, tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +36,46 @@ def test_recorder_writes_metrics_events_and_plot(tmp_path: Path) -> None:
     assert events and events[0].stat().st_size > 200
     png = rec.plot_path.read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_sft_and_rl_losses_are_separate_tags_and_breakdowns_get_their_own() -> None:
+    sft = tensorboard_scalars({**row(1, "sft"), "grad_norm": 2.0})
+    assert sft["sft/loss"] == 1.0 and sft["sft/grad_norm"] == 2.0 and "train/loss" not in sft
+    assert "sft/step" not in sft and "sft/reward" not in sft  # None is no value, not 0
+    rl = tensorboard_scalars({**row(4, "rl"), "kl_ref": 0.01, "reward_components": {"format": 0.5},
+                              "dropped": {"stale": 3}, "phase": "rl"})
+    assert rl["train/loss"] == 0.25 and rl["train/kl_ref"] == 0.01 and "sft/loss" not in rl
+    assert rl["reward_components/format"] == 0.5 and rl["dropped/stale"] == 3
+    assert rl["throughput/tokens_per_s"] == 90.0
+
+
+def test_reward_plot_has_a_legend_per_line_gaps_phases_and_the_run_id(tmp_path: Path) -> None:
+    steps = [row(s, "sft") for s in (1, 2, 3)] + [row(s, "rl") for s in (4, 5, 7, 8)]
+    steps[4]["reward"] = None  # step 5: an RL step without a reward value
+    evals = [{"tag": "after_sft", "step": 3, "sampled_reward": 0.1, "greedy_reward": 0.2},
+             {"tag": "v2", "step": 5, "error": "inference still serves v1 < v2"},
+             {"tag": "end", "step": 8, "sampled_reward": 0.6, "greedy_reward": 0.7}]
+    fig = plot_run(steps, evals, tmp_path / "p.png", run_id="demo-42")
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+    assert fig._suptitle.get_text() == "run demo-42"
+    top, bottom, twin = fig.axes
+    assert [t.get_text() for t in top.get_legend().get_texts()] == [
+        "SFT warm start", "RL starts", "training batch reward", "held-out sampled reward", "held-out greedy reward"]
+    assert [t.get_text() for t in bottom.get_legend().get_texts()] == [
+        "SFT warm start", "RL starts", "trained tokens/s", "trajectories/s"]
+    # Every data line is in a legend: none without a label.
+    assert all(not line.get_label().startswith("_") for ax in fig.axes for line in ax.get_lines())
+    reward = next(line for line in top.get_lines() if line.get_label() == "training batch reward")
+    xs, ys = reward.get_xdata(), reward.get_ydata()
+    assert list(xs) == [1, 2, 3, 4, 5, 7, 8]
+    assert [math.isnan(y) for y in ys] == [True, True, True, False, True, False, False]  # gaps, not lines
+    span = next(p for p in top.patches if p.get_label() == "SFT warm start")
+    x0, x1 = span.get_x(), span.get_x() + span.get_width()
+    assert (x0, x1) == (0, 3)
+    start = next(line for line in top.get_lines() if line.get_label() == "RL starts")
+    assert list(start.get_xdata()) == [3, 3]
+    sampled = next(line for line in top.get_lines() if line.get_label() == "held-out sampled reward")
+    assert list(sampled.get_xdata()) == [3, 8]  # the failed evaluation is no point
 
 
 def test_demo_demonstrations_are_fresh() -> None:

@@ -156,3 +156,26 @@ def test_poisoned_values_are_refused_with_a_reason_and_counted(change: dict, nee
     ok = traj("h")
     ok.logprobs[0] = -math.inf  # -inf on a prompt token (mask 0) carries no weight: allowed
     assert poison_reason(ok, vocab_size=264) is None
+
+
+def test_turn_rewards_become_a_per_token_array_at_each_turns_last_model_token() -> None:
+    a = traj("g", n=8)
+    a.turn_rewards.add(token_end=4, reward=0.25)
+    a.turn_rewards.add(token_end=8, reward=1.0)
+    b = traj("g", n=6)  # no turn rewards: a row of zeros
+    batch = build_batch([[a, b]], max_seq_len=64, pad_id=0)
+    assert batch.token_rewards_bt.shape == batch.mask_bt.shape and batch.token_rewards_bt.dtype == np.float32
+    expected = np.zeros_like(batch.token_rewards_bt)
+    expected[0, 3], expected[0, 7] = 0.25, 1.0
+    np.testing.assert_array_equal(batch.token_rewards_bt, expected)
+    cut = build_batch([[a, b]], max_seq_len=6, pad_id=0)  # the second turn is cut: its reward stays
+    assert cut.token_rewards_bt[0, 5] == 1.0 and cut.token_rewards_bt[0].sum() == 1.25
+
+
+def test_bad_turn_rewards_are_named() -> None:
+    a = traj("g", n=5)
+    a.turn_rewards.add(token_end=9, reward=0.0)
+    assert "turn_rewards token_end" in validate_trajectory(a)
+    b = traj("g", n=5)
+    b.turn_rewards.add(token_end=3, reward=float("nan"))
+    assert validate_trajectory(b) is None and "non-finite turn reward" in poison_reason(b, 0)

@@ -220,6 +220,8 @@ class Trajectory(_message.Message):
     NUM_TURNS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     ENV_NAME_FIELD_NUMBER: _builtins.int
+    TURN_REWARDS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ERRORS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Globally unique id; the trainer de-duplicates on it."""
     run_id: _builtins.str
@@ -247,6 +249,8 @@ class Trajectory(_message.Message):
     """The rollout.envs entry it was sampled from (its label, by default the environment name),
     so metrics and evaluation can be split per environment.
     """
+    tool_call_errors: _builtins.int
+    """Tool calls the environment answered with an error (a "tool" message starting "error:")."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """All tokens of the episode: prompt, model turns and observations."""
@@ -269,6 +273,12 @@ class Trajectory(_message.Message):
 
     @_builtins.property
     def timings(self) -> Global___Timings: ...
+    @_builtins.property
+    def turn_rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___TurnReward]:
+        """The environment's own reward for each model turn (StepResponse.reward), in turn order:
+        process rewards, kept apart from the scalar `reward` the reward service decides.
+        """
+
     def __init__(
         self,
         *,
@@ -291,14 +301,42 @@ class Trajectory(_message.Message):
         num_turns: _builtins.int = ...,
         created_at: _builtins.float = ...,
         env_name: _builtins.str = ...,
+        turn_rewards: _abc.Iterable[Global___TurnReward] | None = ...,
+        tool_call_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "env_name", b"env_name", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "env_name", b"env_name", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids", "tool_call_errors", b"tool_call_errors", "turn_rewards", b"turn_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Trajectory: _TypeAlias = Trajectory  # noqa: Y015
+
+@_typing.final
+class TurnReward(_message.Message):
+    """One model turn's environment reward, located in the token arrays."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_END_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    token_end: _builtins.int
+    """Index into token_ids one past the turn's last model token (the turn's model tokens end here)."""
+    reward: _builtins.float
+    """The reward the environment returned for the step that answered this turn."""
+    def __init__(
+        self,
+        *,
+        token_end: _builtins.int = ...,
+        reward: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reward", b"reward", "token_end", b"token_end"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnReward: _TypeAlias = TurnReward  # noqa: Y015
 
 @_typing.final
 class WeightVersion(_message.Message):
