@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from arlo.config import AlgorithmConfig, Remat, TrainerConfig
+from arlo.config import AlgorithmConfig, KlKind, Remat, TrainerConfig
 from arlo.model import token_logprobs
 from services.trainer.advantages import gae_advantages
 from services.trainer.losses import kl_estimate, masked_mean
@@ -54,12 +54,12 @@ def last_token_rewards(rewards_b: Array, mask_bt: Array) -> Array:
     return jax.nn.one_hot(last, t, dtype=jnp.float32) * (rewards_b * has_any)[:, None]
 
 
-def token_kl_bt(model, ref_model, tokens_bt: Array, mask_bt: Array, kind: str) -> Array:
+def token_kl_bt(model, ref_model, tokens_bt: Array, mask_bt: Array, kind: KlKind) -> Array:
     """Per-target KL(pi || pi_ref) estimate on the model positions, for a KL penalty in the reward."""
     inputs, targets = tokens_bt[:, :-1], tokens_bt[:, 1:]
     lp = token_logprobs(model(inputs), targets)
     ref = token_logprobs(ref_model(inputs), targets)
-    return jax.lax.stop_gradient(kl_estimate(lp, ref, kind)) * mask_bt  # type: ignore[arg-type]
+    return jax.lax.stop_gradient(kl_estimate(lp, ref, kind)) * mask_bt
 
 
 def whiten(x_bt: Array, mask_bt: Array, eps: float = 1e-6) -> Array:
