@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16"]
-Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
 RatioLevel = Literal["token", "sequence"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_norm"]
 KlKind = Literal["k1", "k2", "k3"]

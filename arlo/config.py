@@ -298,7 +298,9 @@ class AlgorithmConfig:
     """The RL objective. Defaults are GRPO; the other fields switch on its known variants."""
 
     advantage: Advantage = "grpo"
-    """"grpo", "dr_grpo" (no std scaling), "rloo" or "reinforce_pp" (batch whitening)."""
+    """"grpo", "dr_grpo" (no std scaling), "rloo", "reinforce_pp" (batch whitening), or "gae":
+    PPO with a learned critic (a value head on a copy of the policy backbone, its own AdamW),
+    per-token advantages by GAE over the model tokens (docs/algorithms.md)."""
     clip_eps: float = 0.2
     """PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
     clip_eps_high: float = 0.0
@@ -336,6 +338,19 @@ class AlgorithmConfig:
     """Generated tokens past which the overlong penalty is -1 (DAPO); 0 disables."""
     overlong_buffer_tokens: int = 0
     """Soft overlong penalty on generated tokens; both 0 disables."""
+    gae_gamma: float = 1.0
+    """advantage "gae": the discount per model token (1: undiscounted, as for a final reward)."""
+    gae_lambda: float = 0.95
+    """advantage "gae": GAE's lambda (1: Monte-Carlo returns minus the value, 0: one-step TD)."""
+    value_clip: float = 0.2
+    """advantage "gae": PPO's clipped value loss, the new value kept within +-value_clip of the
+    batch-start value (the loss is the larger of the clipped and unclipped errors); 0 disables."""
+    critic_learning_rate: float = 0.0
+    """advantage "gae": peak AdamW learning rate of the critic (the trainer's warmup, decay, weight
+    decay and grad-norm clip); 0: trainer.learning_rate."""
+    whiten_advantages: bool = True
+    """advantage "gae": whiten the per-token advantages over the batch's model tokens (the returns
+    the critic learns are not whitened)."""
 
     def validate(self, path: str) -> None:
         _check(f"{path}.clip_eps", 0 < self.clip_eps < 1, "must be in (0, 1)")
@@ -346,6 +361,10 @@ class AlgorithmConfig:
         _check(f"{path}.is_cap", self.is_cap >= 0, "must be >= 0")
         _check(f"{path}.kl_coef", self.kl_coef >= 0, "must be >= 0")
         _check(f"{path}.entropy_coef", self.entropy_coef >= 0, "must be >= 0")
+        _check(f"{path}.gae_gamma", 0 <= self.gae_gamma <= 1, "must be in [0, 1]")
+        _check(f"{path}.gae_lambda", 0 <= self.gae_lambda <= 1, "must be in [0, 1]")
+        _check(f"{path}.value_clip", self.value_clip >= 0, "must be >= 0 (0: no value clipping)")
+        _check(f"{path}.critic_learning_rate", 0 <= self.critic_learning_rate < 1, "must be in [0, 1)")
         _check(f"{path}.overlong_buffer_tokens",
                0 <= self.overlong_buffer_tokens <= self.overlong_max_tokens or self.overlong_max_tokens == 0,
                "must be in [0, overlong_max_tokens]")

@@ -1,5 +1,8 @@
 """Orbax checkpoints of the trainer under `<dir>/<version:08d>`: params, optimizer state and a
-JSON record (version, step, params checksum, trajectory ids trained since the previous one).
+JSON record (version, step, params checksum, trajectory ids trained since the previous one),
+and with a learned critic (`advantage: gae`) its params and optimizer state as a `critic` item
+with its own checksum. A checkpoint without that item restores with `Restored.critic` None
+(logged): the learner then starts a fresh critic from the restored policy.
 
 Saving is asynchronous (orbax's CheckpointManager): `start_save` returns once the arrays
 are copied to host memory; the write and its finalize (an atomic rename of the temporary
@@ -47,6 +50,8 @@ class CheckpointMeta:
     between this checkpoint completing and their de-duplication markers being written)."""
     opt_state_sha256: str = ""
     """sha256 of the optimizer state's leaves (`tree_sha256`), filled in by `start_save`."""
+    critic_sha256: str = ""
+    """sha256 (`tree_sha256`) of the critic's {"params", "opt_state"}; empty: no critic saved."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +60,8 @@ class Restored:
     opt_state: Any
     meta: CheckpointMeta
     uri: str
+    critic: Any = None
+    """{"params", "opt_state"} of the critic; None when not asked for or not in the checkpoint."""
     skipped: tuple[str, ...] = ()
     """Newer checkpoints passed over as damaged or unreadable ("uri: why"), newest first."""
 
@@ -83,7 +90,8 @@ def meta_sha256(record: dict[str, Any]) -> str:
 def _meta_from_record(raw: dict[str, Any]) -> CheckpointMeta:
     return CheckpointMeta(version=int(raw["version"]), step=int(raw["step"]), params_sha256=str(raw["params_sha256"]),
                           trajectory_ids=tuple(str(t) for t in raw.get("trajectory_ids", ())),
-                          opt_state_sha256=str(raw.get("opt_state_sha256", "")))
+                          opt_state_sha256=str(raw.get("opt_state_sha256", "")),
+                          critic_sha256=str(raw.get("critic_sha256", "")))
 
 
 def _abstract(tree: Any) -> Any:
@@ -113,20 +121,24 @@ class Checkpointer:
         self._manager.reload()
         return self._manager.latest_step() or 0
 
-    def start_save(self, params: nnx.State, opt_state: Any, meta: CheckpointMeta) -> None:
+    def start_save(self, params: nnx.State, opt_state: Any, meta: CheckpointMeta, critic: Any = None) -> None:
         """Blocks only while the arrays are copied to host; then the caller may change them.
 
         Every piece restored is checksummed: params (the published sha), the optimizer state
-        (a flipped byte there restores silently and NaNs the model a step later) and the record.
+        (a flipped byte there restores silently and NaNs the model a step later), the critic
+        ({"params", "opt_state"}, when there is one) and the record.
         With several processes every one calls it (the checksum of an empty params_sha256 is a collective)."""
         if not meta.params_sha256:
             meta = dataclasses.replace(meta, params_sha256=params_sha256(params))
-        record = dataclasses.asdict(dataclasses.replace(meta, opt_state_sha256=tree_sha256(opt_state)))
+        record = dataclasses.asdict(dataclasses.replace(
+            meta, opt_state_sha256=tree_sha256(opt_state), critic_sha256=tree_sha256(critic) if critic else ""))
         record["trajectory_ids"] = list(record["trajectory_ids"])
         record["meta_sha256"] = meta_sha256(record)
-        args = ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(record))
+        items = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state),
+                 "meta": ocp.args.JsonSave(record)}
+        if critic:
+            items["critic"] = ocp.args.StandardSave(critic)
+        args = ocp.args.Composite(**items)
         if not self._manager.save(meta.version, args=args):
             raise RuntimeError(f"orbax declined to save checkpoint {meta.version} (not newer than "
                                f"{self._manager.latest_step()})")
@@ -148,13 +160,14 @@ class Checkpointer:
             log.debug("closing the checkpoint manager after a failed save: %s", e)
         self._manager = ocp.CheckpointManager(self.directory, options=self._options)
 
-    def restore_newest(self, params_like: nnx.State, opt_state_like: Any) -> Restored | None:
-        """The newest complete, intact checkpoint; None when there is none."""
+    def restore_newest(self, params_like: nnx.State, opt_state_like: Any, critic_like: Any = None) -> Restored | None:
+        """The newest complete, intact checkpoint; None when there is none. `critic_like`: the
+        live critic's {"params", "opt_state"}, to restore the critic too (None: not read)."""
         self._manager.reload()
         skipped: list[str] = []
         for version in sorted(self._manager.all_steps(), reverse=True):
             try:
-                restored = self._restore(version, params_like, opt_state_like)
+                restored = self._restore(version, params_like, opt_state_like, critic_like)
                 return dataclasses.replace(restored, skipped=tuple(skipped))
             except Exception as e:  # orbax raises many types for damaged files; all mean "unusable"
                 log.error("checkpoint %s is corrupt or unreadable (%s: %s); falling back to an older one",
@@ -165,11 +178,16 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.close()
 
-    def _restore(self, version: int, params_like: nnx.State, opt_state_like: Any) -> Restored:
-        args = ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params_like)),
-            opt_state=ocp.args.StandardRestore(_abstract(opt_state_like)), meta=ocp.args.JsonRestore())
-        restored = self._manager.restore(version, args=args)
+    def _restore(self, version: int, params_like: nnx.State, opt_state_like: Any, critic_like: Any = None) -> Restored:
+        items = {"params": ocp.args.StandardRestore(_abstract(params_like)),
+                 "opt_state": ocp.args.StandardRestore(_abstract(opt_state_like)), "meta": ocp.args.JsonRestore()}
+        with_critic = critic_like is not None and (self.directory / f"{version:0{STEP_DIGITS}d}" / "critic").is_dir()
+        if critic_like is not None and not with_critic:
+            log.warning("checkpoint %s holds no critic (written before advantage: gae?); the critic starts afresh "
+                        "from the restored policy", self.uri(version))
+        if with_critic:
+            items["critic"] = ocp.args.StandardRestore(_abstract(critic_like))
+        restored = self._manager.restore(version, args=ocp.args.Composite(**items))
         raw = dict(restored.meta)
         if "meta_sha256" in raw and meta_sha256(raw) != raw["meta_sha256"]:
             raise ValueError("the metadata record does not match its sha256")
@@ -184,7 +202,11 @@ class Checkpointer:
                         self.uri(version))
         elif tree_sha256(restored.opt_state) != meta.opt_state_sha256:
             raise ValueError("optimizer state does not match the recorded sha256")
-        return Restored(params=restored.params, opt_state=restored.opt_state, meta=meta, uri=self.uri(version))
+        critic = restored.critic if with_critic else None
+        if critic is not None and tree_sha256(critic) != meta.critic_sha256:
+            raise ValueError("critic does not match the recorded sha256")
+        return Restored(params=restored.params, opt_state=restored.opt_state, meta=meta, uri=self.uri(version),
+                        critic=critic)
 
 
 def load_checkpoint(uri: str, like: nnx.State) -> tuple[nnx.State, dict[str, Any]]:

@@ -16,6 +16,12 @@ version): each epoch deals the batch's rows, shuffled, round-robin into mini-bat
 mini-batch's loss normalised by its own denominator and its gradient summed over its
 micro-batches. With more than one update the trainer's batch-start logprobs (the proximal
 policy) are computed once first.
+
+With `algorithm.advantage: gae` the learner also holds a critic (`critic.py`: a value head on
+a copy of the backbone, its own AdamW): at the batch's start (no gradient) its values and
+GAE give per-token advantages and returns; the policy's updates use those advantages, then
+the critic takes the same epochs x mini-batches (the same shuffles) on the clipped value
+loss, in a second jitted function, skipped on a non-finite loss or gradient like the policy.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from arlo.model import abstract_model
 from arlo.model.sharding import batch_sharding, state_shardings
 from arlo.model.source import ModelSource, cast_state
 from services.trainer.batching import Batch
+from services.trainer.critic import make_critic, prepare_gae, value_objective
 from services.trainer.losses import aggregate_denominator
 from services.trainer.objectives import (
     advantages_b,
@@ -83,6 +90,12 @@ def rl_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
     return _adamw(make_schedule(tc.learning_rate, tc.warmup_steps, tc.total_steps), tc)
 
 
+def critic_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
+    """The critic's AdamW: the RL schedule's shape at `algorithm.critic_learning_rate`."""
+    lr = tc.algorithm.critic_learning_rate or tc.learning_rate
+    return _adamw(make_schedule(lr, tc.warmup_steps, tc.total_steps), tc)
+
+
 def sft_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
     """The SFT warm start's optimizer: its own learning rate and warmup, constant afterwards."""
     return _adamw(make_schedule(tc.sft.learning_rate or tc.learning_rate, tc.sft.warmup_steps, 0), tc)
@@ -122,19 +135,62 @@ class Learner:
         sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, cfg, self.param_dtype)
         self._rl_step = jax.jit(rl, donate_argnums=(0, 1), static_argnums=(6,))
         self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
+        self._init_critic()
+
+    def _init_critic(self) -> None:
+        """advantage "gae": the critic, from the policy state as it is now; else none (costs nothing)."""
+        self.critic: dict[str, Any] | None = None
+        self.critic_opt_state: Any = None
+        if self.cfg.algorithm.advantage != "gae":
+            return
+        self._critic_tx = critic_optimizer(self.cfg)
+        self.critic = self.fresh_critic()
+        self.critic_opt_state = self._critic_tx.init(self.critic)
+        self._prepare_gae = jax.jit(functools.partial(prepare_gae, self.graphdef, self.cfg))
+        self._critic_step = jax.jit(functools.partial(_critic_step, self.graphdef, self._critic_tx, self.cfg),
+                                    donate_argnums=(0, 1), static_argnums=(5,))
+
+    def fresh_critic(self) -> dict[str, Any]:
+        """A critic whose backbone is the policy's current weights (head at 0)."""
+        critic = make_critic(self.state, self.model_cfg.dim)
+        critic["head"] = {k: self._replicated(v) for k, v in critic["head"].items()}
+        return critic
 
     def step(self, batch: Batch) -> StepMetrics:
         """One batch: ppo_epochs x mini_batches optimizer updates, one version."""
         mini = min(self.cfg.mini_batches, len(batch.tokens_bt))
         rows = self._device_rows(batch, mini_batches=mini)
         key = self._replicated(jax.random.key_data(jax.random.key(self.step_count)))
+        rewards = self._replicated(batch.rewards_gk)
+        start: dict[str, jax.Array] = {}
+        if self.critic is not None:  # values, rewards and GAE before any update of this batch
+            rows, start = self._prepare_gae(self.critic, self.state, self.ref_state, rows, rewards)
         self.state, self.opt_state, metrics = self._rl_step(
-            self.state, self.opt_state, self.ref_state, rows, self._replicated(batch.rewards_gk), key, mini)
+            self.state, self.opt_state, self.ref_state, rows, rewards, key, mini)
+        if self.critic is not None:
+            self.critic, self.critic_opt_state, value_metrics = self._critic_step(
+                self.critic, self.critic_opt_state, rows, rewards, key, mini)
+            metrics = {**metrics, **start, **value_metrics}
         return self._finish(metrics, batch, reward_mean=float(np.mean(batch.rewards_gk)))
 
-    def restore(self, state: nnx.State, opt_state: Any, step: int) -> None:
-        """Continues from a checkpoint; the KL reference stays the initial policy."""
+    def restore(self, state: nnx.State, opt_state: Any, step: int, critic: dict[str, Any] | None = None) -> None:
+        """Continues from a checkpoint; the KL reference stays the initial policy.
+
+        `critic`: {"params", "opt_state"} as checkpointed. None while advantage is "gae" (a
+        checkpoint written without a critic): a fresh critic from the restored policy, with a
+        fresh AdamW, so the run goes on and its first values are 0 (the checkpointer warns)."""
         self.state, self.opt_state, self.step_count = state, opt_state, step
+        if self.critic is None:
+            return
+        if critic is None:
+            self.critic = self.fresh_critic()
+            self.critic_opt_state = self._critic_tx.init(self.critic)
+        else:
+            self.critic, self.critic_opt_state = critic["params"], critic["opt_state"]
+
+    def critic_checkpoint(self) -> dict[str, Any] | None:
+        """What a checkpoint holds of the critic ({"params", "opt_state"}); None without one."""
+        return None if self.critic is None else {"params": self.critic, "opt_state": self.critic_opt_state}
 
     def serving_state(self) -> nnx.State:
         """The policy as inference serves it and every publish carries it: the master copy in
@@ -158,8 +214,12 @@ class Learner:
         return self._finish(metrics, batch, reward_mean=0.0)
 
     def _device_rows(self, batch: Batch, *, mini_batches: int) -> dict[str, jax.Array]:
-        return self._on_device({"tokens_bt": batch.tokens_bt, "behaviour_logprobs_bt": batch.behaviour_logprobs_bt,
-                                "mask_bt": batch.mask_bt}, mini_batches=mini_batches)
+        rows = {"tokens_bt": batch.tokens_bt, "behaviour_logprobs_bt": batch.behaviour_logprobs_bt,
+                "mask_bt": batch.mask_bt}
+        token_rewards = getattr(batch, "token_rewards_bt", None)  # per-turn rewards, when the batch has them
+        if self.critic is not None and token_rewards is not None:
+            rows["token_rewards_bt"] = token_rewards
+        return self._on_device(rows, mini_batches=mini_batches)
 
     def _on_device(self, rows: dict[str, np.ndarray], *, mini_batches: int = 1) -> dict[str, jax.Array]:
         mini_rows = -(-len(rows["tokens_bt"]) // mini_batches)
@@ -204,13 +264,18 @@ def _accumulate(
     graphdef: Any, objective: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
     state: nnx.State, mbs: dict[str, jax.Array], param_dtype: str = "float32",
 ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
-    """Sums loss and gradients over the leading (micro-batch) axis. The forward runs on the
-    master copy cast to param_dtype (exactly the weights inference serves); the cast's
-    gradient brings the gradients back to float32 for the master update."""
+    """Sums loss and gradients over the leading (micro-batch) axis; `objective(model, mb)`. The
+    forward runs on the master copy cast to param_dtype (exactly the weights inference serves);
+    the cast's gradient brings the gradients back to float32 for the master update."""
+    return _accumulate_params(
+        lambda state, mb: objective(nnx.merge(graphdef, cast_state(state, param_dtype)), mb), state, mbs)
 
-    def loss_fn(state: nnx.State, mb: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return objective(nnx.merge(graphdef, cast_state(state, param_dtype)), mb)
 
+def _accumulate_params(
+    loss_fn: Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]],
+    state: Any, mbs: dict[str, jax.Array],
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """`_accumulate` for any parameter tree: `loss_fn(params, mb)`."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     num_mb = next(iter(mbs.values())).shape[0]
 
@@ -252,21 +317,21 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
              mbs: dict[str, jax.Array], rewards_gk: jax.Array, key_data: jax.Array, mini_batches: int):
     obj = tc.algorithm
     ref_model = nnx.merge(graphdef, ref_state) if ref_state is not None else None
-    if obj.kl_coef and obj.kl_in_reward:
-        model = nnx.merge(graphdef, cast_state(state, param_dtype))
-        kl_b = jax.lax.map(lambda mb: sequence_kl(model, ref_model, mb, obj.kl_kind), mbs).reshape(-1)
-        rewards_gk = rewards_gk - obj.kl_coef * jax.lax.stop_gradient(kl_b[: rewards_gk.size]).reshape(rewards_gk.shape)
-    adv = advantages_b(obj, rewards_gk)
     num_mb, size = mbs["mask_bt"].shape[:2]
     total_rows, real_rows = num_mb * size, rewards_gk.size
-    mbs = {**mbs, "advantages_b": jnp.pad(adv, (0, total_rows - adv.size)).reshape(num_mb, size)}
+    if "advantages_bt" not in mbs:  # group advantages; GAE (critic.prepare_gae) brings per-token ones
+        if obj.kl_coef and obj.kl_in_reward:
+            model = nnx.merge(graphdef, cast_state(state, param_dtype))
+            kl_b = jax.lax.map(lambda mb: sequence_kl(model, ref_model, mb, obj.kl_kind), mbs).reshape(-1)
+            kl_gk = jax.lax.stop_gradient(kl_b[: rewards_gk.size]).reshape(rewards_gk.shape)
+            rewards_gk = rewards_gk - obj.kl_coef * kl_gk
+        adv = advantages_b(obj, rewards_gk)
+        mbs = {**mbs, "advantages_b": jnp.pad(adv, (0, total_rows - adv.size)).reshape(num_mb, size)}
     updates = tc.ppo_epochs * mini_batches
     if updates > 1:
         # The proximal policy: the trainer's logprobs before this batch's first update, once.
         model = nnx.merge(graphdef, cast_state(state, param_dtype))
         mbs["old_logprobs_bt"] = jax.lax.map(lambda mb: old_logprobs(model, mb, tc, sampling), mbs)
-    flat = {k: v.reshape(total_rows, *v.shape[2:]) for k, v in mbs.items()} if mini_batches > 1 else {}
-    keys = jax.random.split(jax.random.wrap_key_data(key_data), tc.ppo_epochs)
 
     def update(carry, rows: dict[str, jax.Array]):
         state, opt_state = carry
@@ -278,6 +343,21 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
             param_dtype)
         state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
         return (state, opt_state), {**metrics, **outcome}
+
+    (state, opt_state), metrics = _epochs(update, (state, opt_state), mbs, key_data, tc.ppo_epochs, mini_batches,
+                                          real_rows)
+    return state, opt_state, metrics
+
+
+def _epochs(update: Callable, carry: Any, mbs: dict[str, jax.Array], key_data: jax.Array, ppo_epochs: int,
+            mini_batches: int, real_rows: int) -> tuple[Any, dict[str, jax.Array]]:
+    """`update(carry, rows)` over ppo_epochs x mini_batches mini-batches of `mbs` ([micro-batches,
+    rows, ...]); rows["real_b"] marks the real rows. Returns the carry and every update's
+    diagnostics averaged ("skipped" is then the fraction of updates skipped)."""
+    num_mb, size = mbs["mask_bt"].shape[:2]
+    total_rows = num_mb * size
+    flat = {k: v.reshape(total_rows, *v.shape[2:]) for k, v in mbs.items()} if mini_batches > 1 else {}
+    keys = jax.random.split(jax.random.wrap_key_data(key_data), ppo_epochs)
 
     def epoch(carry, key: jax.Array):
         if mini_batches == 1:  # the batch as it is: no gather
@@ -292,10 +372,29 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
         rows["real_b"] = (index < real_rows).astype(jnp.float32)
         return jax.lax.scan(update, carry, rows)
 
-    (state, opt_state), per_update = jax.lax.scan(epoch, (state, opt_state), keys)
-    # Every update's diagnostics averaged; "skipped" is then the fraction of updates skipped.
-    metrics = jax.tree.map(jnp.mean, per_update)
-    return state, opt_state, metrics
+    carry, per_update = jax.lax.scan(epoch, carry, keys)
+    return carry, jax.tree.map(jnp.mean, per_update)
+
+
+def _critic_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, critic: dict[str, Any],
+                 opt_state: Any, mbs: dict[str, jax.Array], rewards_gk: jax.Array, key_data: jax.Array,
+                 mini_batches: int):
+    """The critic's ppo_epochs x mini_batches updates on the batch's returns (`prepare_gae`), with
+    the policy step's key, so the same shuffles. Each mini-batch's value loss is its model
+    tokens' mean; a non-finite loss or gradient skips that update (and only it)."""
+
+    def update(carry, rows: dict[str, jax.Array]):
+        critic, opt_state = carry
+        rows.pop("real_b")
+        denominator = jnp.maximum(rows["mask_bt"][:, :, 1:].sum(), 1.0)
+        loss, grads, metrics = _accumulate_params(
+            lambda params, mb: value_objective(graphdef, tc, params, mb, denominator), critic, rows)
+        critic, opt_state, outcome = _apply_if_finite(tx, critic, opt_state, grads, loss)
+        return (critic, opt_state), {**metrics, **{f"value_{k}": v for k, v in outcome.items()}}
+
+    (critic, opt_state), metrics = _epochs(update, (critic, opt_state), mbs, key_data, tc.ppo_epochs,
+                                           mini_batches, rewards_gk.size)
+    return critic, opt_state, metrics
 
 
 def _sft_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, param_dtype: str,

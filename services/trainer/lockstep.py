@@ -161,20 +161,30 @@ class Replica:
     def start_save(self, meta: CheckpointMeta) -> None:
         self.channel.announce("save", dataclasses.asdict(meta))
         assert self.checkpointer is not None
-        self.checkpointer.start_save(self.learner.state, self.learner.opt_state, meta)
+        save_learner(self.checkpointer, self.learner, meta)
 
     def restore_newest(self) -> Restored | None:
         """Loads the newest intact checkpoint into the learner; returns it (None: there is none)."""
         self.channel.announce("restore", {})
         assert self.checkpointer is not None
-        restored = self.checkpointer.restore_newest(self.learner.state, self.learner.opt_state)
-        if restored is not None:
-            self.learner.restore(restored.params, restored.opt_state, restored.meta.step)
-        return restored
+        return restore_learner(self.checkpointer, self.learner)
 
     def stop(self) -> None:
         """Releases the followers (they finish their checkpoint writes and return)."""
         self.channel.announce("stop", {})
+
+
+def save_learner(checkpointer: Checkpointer, learner: Learner, meta: CheckpointMeta) -> None:
+    """Starts a save of everything the learner trains: policy, optimizer state and critic (if any)."""
+    checkpointer.start_save(learner.state, learner.opt_state, meta, critic=learner.critic_checkpoint())
+
+
+def restore_learner(checkpointer: Checkpointer, learner: Learner) -> Restored | None:
+    """Loads the newest intact checkpoint into the learner (critic included); None: there is none."""
+    restored = checkpointer.restore_newest(learner.state, learner.opt_state, learner.critic_checkpoint())
+    if restored is not None:
+        learner.restore(restored.params, restored.opt_state, restored.meta.step, critic=restored.critic)
+    return restored
 
 
 def _batch_header(batch: Batch | SFTBatch, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -231,14 +241,12 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
         elif op.name == "save":
             assert ckpt is not None, "the leader checkpoints, so every process needs trainer.checkpoint_dir"
             meta = CheckpointMeta(**{**op.header, "trajectory_ids": tuple(op.header["trajectory_ids"])})
-            ckpt.start_save(learner.state, learner.opt_state, meta)
+            save_learner(ckpt, learner, meta)
             waiter = threading.Thread(target=ckpt.wait, name=f"checkpoint-{meta.version}", daemon=True)
             waiter.start()
         elif op.name == "restore":
             assert ckpt is not None
-            restored = ckpt.restore_newest(learner.state, learner.opt_state)
-            if restored is not None:
-                learner.restore(restored.params, restored.opt_state, restored.meta.step)
+            restore_learner(ckpt, learner)
         elif op.name == "stop":
             log.info("leader stopped after %d ops", done)
             return done

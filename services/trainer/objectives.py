@@ -91,6 +91,7 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     logprobs at the batch's start (the proximal policy), weighted by min(proximal/behaviour,
     is_cap) when is_cap > 0 (truncated importance sampling); else against the behaviour policy.
 
+    `mb["advantages_bt"]` ([rows, length - 1], GAE) replaces `mb["advantages_b"]` when present.
     `mb["old_logprobs_bt"]`, when present, holds the trainer's batch-start logprobs (several
     updates per batch); without it this is the batch's only update, so the current logprobs
     without gradient are exactly the batch-start ones (no second forward pass needed).
@@ -103,7 +104,9 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
         logprob_fn=behaviour_logprob_fn(sampling))
     old = mb["old_logprobs_bt"] if "old_logprobs_bt" in mb else jax.lax.stop_gradient(logprobs)
     proximal = old if cfg.decoupled or cfg.is_cap else behaviour
-    adv_bt = jnp.broadcast_to(mb["advantages_b"][:, None], logprobs.shape)
+    # Per-token advantages (GAE) when the batch has them; else one per sequence, on every token.
+    adv_bt = mb["advantages_bt"] if "advantages_bt" in mb else jnp.broadcast_to(mb["advantages_b"][:, None],
+                                                                                 logprobs.shape)
     loss, metrics = policy_loss(logprobs, proximal, behaviour, adv_bt, mask, cfg, denominator)
     # Sampler vs trainer on the same weights, whatever the ratio's denominator is.
     metrics["logprob_mismatch"] = masked_mean(jnp.abs(old - behaviour), mask)

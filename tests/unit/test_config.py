@@ -42,7 +42,7 @@ def test_builtin_config_is_valid() -> None:
     ({"reward": {"timeout_s": 5.0}}, "reward.timeout_s: must exceed sandbox.wall_timeout_s"),
     ({"trainer": {"groups_per_step": True}}, "expected int"),
     ({"trainer": {"algorithm": {"advantage": "ppo"}}},
-     "trainer.algorithm.advantage: must be one of grpo, dr_grpo, rloo, reinforce_pp, got 'ppo'"),
+     "trainer.algorithm.advantage: must be one of grpo, dr_grpo, rloo, reinforce_pp, gae, got 'ppo'"),
     ({"trainer": {"remat": True}}, "trainer.remat: must be one of none, full, dots"),
     ({"model": {"dtype": "float16"}}, "model.dtype: must be one of float32, bfloat16"),
     ({"trainer": {"algorithm": {"kl_kind": "k4"}}}, "trainer.algorithm.kl_kind: must be one of k1, k2, k3"),
@@ -92,7 +92,7 @@ def test_each_choice_list_is_declared_once() -> None:
     from arlo.model.config import _DTYPES
     from arlo.sandbox.isolation import KINDS
 
-    assert get_args(Advantage) == ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+    assert get_args(Advantage) == ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
     assert KINDS == ("bwrap", "unshare", "none") and _DTYPES == ("float32", "bfloat16")
 
 
