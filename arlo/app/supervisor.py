@@ -7,9 +7,9 @@ because gRPC does not survive fork() without exec.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,28 +45,22 @@ class ProcessSpec:
 
 # A child must not outlive the process that started it: a kill -9 of `arlo up`, `arlo demo` or
 # `arlo train` (or pytest-timeout killing one) left every service running as an orphan. Linux
-# delivers PR_SET_PDEATHSIG when the parent dies, whatever the way; it survives execve.
-PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+# delivers PR_SET_PDEATHSIG when the parent dies, whatever the way; it survives execve. It is set
+# by util-linux's `setpriv --pdeathsig` in front of the child's argv, never by a preexec_fn: Python
+# code between fork and exec in a threaded process (grpc and rich run threads here) deadlocked the
+# spawn of the trainer in the demo e2e test (the parent waited on a futex forever).
+_SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child get SIGKILL when this process dies (Linux; None elsewhere).
-
-    The signal follows the *thread* that forked, so only the main thread (which lives as long as
-    the process) arms it. SIGKILL, not SIGTERM: a parent that died without stopping its children
-    left no one to wait for a graceful exit, and every service is built to survive a kill -9.
-    """
-    if _LIBC is None or threading.current_thread() is not threading.main_thread():
-        return None
-    prctl, parent = _LIBC.prctl, os.getpid()
-
-    def arm() -> None:  # runs in the child between fork and exec: no locks, no imports
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal us
-            os._exit(1)
-
-    return arm
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv` prefixed so that the child gets SIGKILL when this process dies (unchanged where
+    setpriv is missing, or off the main thread: the signal follows the *thread* that forked, and
+    only the main thread lives as long as the process). SIGKILL, not SIGTERM: a parent that died
+    without stopping its children left no one to wait for a graceful exit, and every service is
+    built to survive a kill -9."""
+    if _SETPRIV is None or threading.current_thread() is not threading.main_thread():
+        return list(argv)
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
 
 
 def service_spec(name: str, config_path: Path, address: str, log_dir: Path, env: Mapping[str, str]) -> ProcessSpec:
@@ -115,9 +109,8 @@ class Supervisor:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(spec.log_path, "ab")  # noqa: SIM115 (owned by the child for its lifetime)
         try:
-            return subprocess.Popen(spec.argv, stdout=logf, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **spec.env}, start_new_session=True,
-                                    preexec_fn=die_with_parent())  # noqa: PLW1509 (async-signal-safe calls only)
+            return subprocess.Popen(die_with_parent(spec.argv), stdout=logf, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **spec.env}, start_new_session=True)
         finally:
             logf.close()
 
