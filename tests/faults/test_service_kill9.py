@@ -240,6 +240,9 @@ def test_kill9_of_each_service_and_a_redis_restart_lose_nothing(tmp_path: Path) 
                 child.process.terminate()  # no new entries while the books are checked
                 child.process.wait(timeout=30)
                 await trainer.Pause(trainer_pb2.PauseRequest(), timeout=60)
+                # Acknowledgements wait for a checkpoint covering their step (local runs checkpoint
+                # by default): one now, so the books close on everything trained.
+                await trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120)
                 return await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
 
         final = asyncio.run(drive())
