@@ -7,7 +7,8 @@ and health probes, are still served.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -48,15 +49,8 @@ class ClientLimitInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{held} RPCs already in flight from this client (limit {self._max}); "
                                 "retry with backoff")
-        self._in_flight[peer] = held + 1
-        try:
+        with _holding(self._in_flight, peer):
             yield
-        finally:
-            left = self._in_flight[peer] - 1
-            if left:
-                self._in_flight[peer] = left
-            else:
-                del self._in_flight[peer]  # peers come and go: keep no entry per past connection
 
 
 WATCH_METHOD = "/grpc.health.v1.Health/Watch"
@@ -102,12 +96,19 @@ class WatchLimitInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many health Watch streams ({mine} from this client, limit {self._per_client}; "
                                 f"{total} in all, limit {self._total}); use Check")
-        self._open[host] = mine + 1
-        try:
+        with _holding(self._open, host):
             yield
-        finally:
-            left = self._open[host] - 1
-            if left:
-                self._open[host] = left
-            else:
-                del self._open[host]
+
+
+@contextlib.contextmanager
+def _holding(counts: dict[str, int], key: str) -> Iterator[None]:
+    """One slot of `key` held for the body; peers come and go, so no entry outlives its last slot."""
+    counts[key] = counts.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
