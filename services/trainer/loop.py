@@ -396,20 +396,20 @@ class TrainingLoop:
         if dead:
             reason = f"step failed {STEP_ATTEMPTS} times: {type(error).__name__}: {error}"
             items = [(e, t, reason) for g in dead for e, t in zip(g.entry_ids, g.trajectories, strict=True)]
-            self._step_errors += len(items)
             for g in dead:
                 self._attempts.pop(g.entry_ids[0], None)
             await self.stream.dead_letter(items)
+            self._step_errors += len(items)  # counted once the move is durable, so a reader sees both or neither
 
     async def _refuse_step(self, groups: Sequence[ReadyGroup], reason: str) -> None:
         """A step that would corrupt the weights: nothing published, its groups dead-lettered."""
         self.state.skipped_steps += 1
         items = [(e, t, reason) for g in groups for e, t in zip(g.entry_ids, g.trajectories, strict=True)]
-        self._nonfinite += len(items)
         log.error("step refused (%s); %d trajectories moved to %s, version stays %d", reason, len(items),
                   self.stream.keys.traj_dead, self.state.version,
                   extra={"skipped_steps": self.state.skipped_steps, "version": self.state.version})
         await self.stream.dead_letter(items)
+        self._nonfinite += len(items)  # after the move, as in _step_failed
 
     def _take_batch_groups(self) -> list[ReadyGroup]:
         # A batch needs one group size; groups of another size wait for their own batch.
