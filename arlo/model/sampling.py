@@ -61,15 +61,17 @@ def sample(
     on how many rows share the call) or a batch of keys [b], one stream per row. Raw
     uint32 key data is accepted too.
 
-    The draw is the Gumbel-max trick with one noise value per *token id*, so a row's token
-    does not depend on whether its batch took the sorted path: the vocabulary sort (the
-    costliest part of a decode step's sampling on CPU, ~10x the rest at batch 64) runs
-    only when some row of the batch filters (top-k, top-p or min-p); plain temperature
-    sampling, the RL default, is a log-softmax.
+    The draw inverts the row's CDF in *token-id* order with one uniform per row, so a row's
+    token does not depend on whether its batch took the sorted path, and random bits cost
+    O(batch), not O(batch x vocab): the Gumbel-max trick drew one noise value per token id,
+    which on a 152k vocabulary was 1.17 s of a batch-64 decode step on CPU (2x the lm_head
+    matmul; the cumsum draw takes ~0.15 s there). The vocabulary sort runs only when some row
+    of the batch filters (top-k, top-p or min-p); plain temperature sampling, the RL
+    default, is a log-softmax.
     """
     b, v = logits_bv.shape
     keys_b = _row_keys(key, b)
-    noise_bv = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys_b)
+    uniform_b = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_b)
     k, p, m = _per_row(top_k, jnp.int32), _per_row(top_p, jnp.float32), _per_row(min_p, jnp.float32)
     filtered = ((k > 0) & (k < v)) | ((p > 0) & (p < 1)) | (m > 0)
 
@@ -85,9 +87,25 @@ def sample(
     logprobs_bv = jax.lax.cond(jnp.any(filtered), sorted_, plain)
     greedy_b = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32) < GREEDY_BELOW, (b,))
     # Greedy: argmax of the logits (lowest id on ties); its logprob is the untempered one.
-    tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), jnp.argmax(logprobs_bv + noise_bv, axis=-1))
+    tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), _inverse_cdf_draw(logprobs_bv, uniform_b))
     logprobs_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
     return tokens_b.astype(jnp.int32), finite_logprobs(logprobs_b)
+
+
+def _inverse_cdf_draw(logprobs_bv: jax.Array, uniform_b: jax.Array) -> jax.Array:
+    """The first token whose cumulative probability exceeds u * total, per row.
+
+    The cumsum is a parallel scan, so its float sums need not be exactly monotone across a
+    zero-probability token; a draw that lands on one (a filtered token, in practice never)
+    falls back to the row's mode rather than emit a token the filters removed.
+    """
+    probs_bv = jnp.exp(logprobs_bv)
+    cdf_bv = jnp.cumsum(probs_bv, axis=-1)
+    target_b = uniform_b * cdf_bv[:, -1]
+    drawn_b = jax.vmap(lambda c, x: jnp.searchsorted(c, x, side="right"))(cdf_bv, target_b)
+    drawn_b = jnp.minimum(drawn_b, logprobs_bv.shape[-1] - 1)
+    allowed_b = jnp.take_along_axis(probs_bv, drawn_b[:, None], axis=-1)[:, 0] > 0
+    return jnp.where(allowed_b, drawn_b, jnp.argmax(logprobs_bv, axis=-1))
 
 
 def finite_logprobs(logprobs: jax.Array) -> jax.Array:
