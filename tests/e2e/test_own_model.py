@@ -1,7 +1,8 @@
 """Bring your own model, end to end: a tiny checkpoint written by `transformers` (its real config
 class, safetensors, a BPE tokenizer trained by `tokenizers`, the family's real chat template) as
-`model.path`; `arlo demo` runs RL steps through every service as subprocesses on a real Redis
-and exports the policy; transformers loads the export with logits equal to arlo's within 1e-4.
+`model.path`; `arlo demo` runs SFT on tool-call demonstrations, then RL steps of the tool-using
+arith environment (its calculator schema in the prompt, Hermes tool calls parsed by the gateway)
+through every service as subprocesses on a real Redis, and exports the policy; transformers loads the export with logits equal to arlo's within 1e-4.
 Config errors for a bad model section come at load, naming the field and the file."""
 
 from __future__ import annotations
@@ -25,16 +26,38 @@ transformers = pytest.importorskip("transformers", reason=_SKIP)
 DEMO_TIMEOUT_S = 420
 
 
+CALC = {"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
+                                          "parameters": {"type": "object", "required": ["expression"],
+                                                         "properties": {"expression": {"type": "string"}}}}}
+
+
+def tool_demonstrations(path: Path) -> Path:
+    """SFT lines in the OpenAI message format: an assistant tool call, the tool's named result, the answer."""
+    lines = []
+    for a, b in ((2, 3), (4, 5), (1, 7), (6, 2)):
+        call = {"type": "function", "function": {"name": "calc", "arguments": {"expression": f"{a}+{b}"}}}
+        lines.append({"tools": [CALC], "messages": [
+            {"role": "user", "content": f"{a}+{b}="},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calc", "content": str(a + b)},
+            {"role": "assistant", "content": str(a + b)}]})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
 def own_model_config(path: Path, run_id: str, redis_url: str, model_dir: Path, **model) -> Path:
     cfg = {
         "run_id": run_id, "redis": {"url": redis_url},
-        "model": {"path": str(model_dir), "max_seq_len": 128, **model},
-        "inference": {"max_n": 4, "max_tokens": 8, "max_prompt_tokens": 112, "max_batch": 16, "decode_steps": 4},
+        "model": {"path": str(model_dir), "max_seq_len": 512, **model},
+        "inference": {"max_n": 4, "max_tokens": 8, "max_prompt_tokens": 496, "max_batch": 16, "decode_steps": 4},
         # The entropy bonus moves the weights even when every reward of a group is equal (a random
         # model rarely adds right), so the export is provably the trained policy.
-        "trainer": {"groups_per_step": 2, "learning_rate": 0.001, "algorithm": {"entropy_coef": 0.01}},
-        "rollout": {"env_name": "arith", "env_config_json": '{"op": "+", "max_operand": 9, "tool": false}',
-                    "group_size": 4, "max_turns": 1, "max_episode_tokens": 120, "concurrent_groups": 2,
+        "trainer": {"groups_per_step": 2, "learning_rate": 0.001, "algorithm": {"entropy_coef": 0.01,
+                                                                               "reference": "after_sft"},
+                    "sft": {"data": str(tool_demonstrations(path.parent / "demos.jsonl")), "steps": 2,
+                            "batch_size": 4, "warmup_steps": 0}},
+        "rollout": {"env_name": "arith", "env_config_json": '{"op": "+", "max_operand": 9, "tool": true, "max_turns": 2}',
+                    "group_size": 4, "max_turns": 2, "max_episode_tokens": 500, "concurrent_groups": 2,
                     "sampling": {"temperature": 1.0, "max_tokens": 8}, "rpc_timeout_s": 120.0},
     }
     path.write_text(yaml.safe_dump(cfg))
@@ -55,7 +78,7 @@ def test_a_checkpoint_trains_through_every_service_and_exports(tmp_path: Path, r
                   "--export", str(out), home=tmp_path / "home", timeout=DEMO_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     summary = json.loads(report.read_text())
-    assert summary["steps"] >= 2, summary
+    assert summary["sft_steps"] == 2 and summary["steps"] >= 2 + 2 and len(summary["rewards"]) >= 2, summary
     hf_cfg = json.loads((out / "config.json").read_text())
     assert hf_cfg["architectures"] == json.loads((model_dir / "config.json").read_text())["architectures"]
     assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
