@@ -703,10 +703,11 @@ class EvalConfig:
     `num_tasks` tasks once greedily and `samples` times at the training temperature."""
 
     env_config_json: str = ""
-    """JSON object merged over rollout.env_config_json for evaluation, e.g. {"split": "eval"} for
-    environments with a held-out split. Evaluation seeds are 0..num_tasks-1 either way."""
+    """JSON object merged over each mixture entry's config_json for evaluation, e.g. {"split": "eval"}
+    for environments with a held-out split; an entry's own eval_config_json replaces it for that
+    entry. Evaluation seeds are 0..num_tasks-1 either way."""
     num_tasks: int = 64
-    """Held-out tasks per evaluation (seeds 0..num_tasks-1)."""
+    """Held-out tasks per evaluation and environment (seeds 0..num_tasks-1 of each mixture entry)."""
     samples: int = 4
     """k of pass@k, and the samples behind the mean sampled reward."""
     every_versions: int = 0
@@ -748,6 +749,9 @@ class RolloutEnvConfig:
     """How group seeds are chosen: "cursor" takes the next one from a durable Redis counter
     (every task once per epoch, across restarts), "random" draws one; "auto" is "cursor" for the
     dataset environment and "random" for the others."""
+    eval_config_json: str = ""
+    """JSON object merged over config_json for this entry's held-out evaluation, instead of
+    rollout.eval.env_config_json (empty: that one applies; "{}": evaluate on config_json as is)."""
 
     @property
     def key(self) -> str:
@@ -758,10 +762,11 @@ class RolloutEnvConfig:
         _check(f"{path}.weight", 0 < self.weight < float("inf"), "must be > 0")
         _check(f"{path}.seeds", self.seeds in TASK_SEEDS, f"must be one of {', '.join(TASK_SEEDS)}")
         _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
-        try:
-            parse_json_object(self.config_json.strip(), f"{path}.config_json")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        for name in ("config_json", "eval_config_json"):
+            try:
+                parse_json_object(getattr(self, name).strip(), f"{path}.{name}")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 @_frozen
@@ -792,7 +797,7 @@ class RolloutConfig:
     """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
     envs: tuple[RolloutEnvConfig, ...] = ()
     """A mixture of environments, each group drawn from one by weight; empty means the one entry
-    {name: env_name, config_json: env_config_json, reward_fn: reward_fn}. Evaluation uses the first."""
+    {name: env_name, config_json: env_config_json, reward_fn: reward_fn}. Evaluation runs every entry."""
     task_lease_s: float = 900.0
     """A cursor-drawn task not finished this long after it was handed out (its worker died) is
     handed out again: at-least-once. Keep it above the longest a group can take."""

@@ -46,7 +46,8 @@ def test_doc_shows_the_example_config() -> None:
 async def test_example_dataset_episodes_through_the_gateway(stub: env_pb2_grpc.EnvironmentStub) -> None:
     cfg = load_config(EXAMPLE / "run.yaml").rollout
     assert [(e.key, e.weight) for e in cfg.mixture] == [("squares", 3.0), ("arith", 1.0)]
-    train_json, eval_json = cfg.mixture[0].config_json, eval_env_config(cfg)
+    train_json, eval_json = cfg.mixture[0].config_json, eval_env_config(cfg, "squares")
+    assert json.loads(eval_env_config(cfg, "arith")) == {"split": "eval"}  # each entry has its held-out tasks
     rows = {json.loads(line)["id"]: json.loads(line) for line in (EXAMPLE / "squares.jsonl").read_text().splitlines()}
     seen: dict[str, set[str]] = {"train": set(), "eval": set()}
     for split, config_json in (("train", train_json), ("eval", eval_json)):
