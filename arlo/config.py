@@ -608,6 +608,11 @@ class EnvGatewayConfig:
     """External Environment services whose environments the gateway proxies."""
     retrieval_docs_dir: str = ""
     """Directory of .txt/.md documents for the retrieval env; empty uses the built-in set."""
+    dataset_roots: tuple[str, ...] = (".",)
+    """Directories the dataset environment may read from (relative ones from the gateway's working
+    directory at start; each must exist). A dataset path outside all of them, after resolving
+    symlinks and "..", is refused with INVALID_ARGUMENT: the path comes from clients. Default: the
+    working directory only; [] allows no dataset files."""
     plugins: tuple[EnvPluginConfig, ...] = ()
     """Environments from your own package (see docs/environments.md); a broken one stops start-up."""
     mcp_servers: tuple[McpServerConfig, ...] = ()
@@ -617,6 +622,8 @@ class EnvGatewayConfig:
         self.server.validate(f"{path}.server")
         _check(f"{path}.session_idle_timeout_s", self.session_idle_timeout_s > 0, "must be > 0")
         self.sandbox.validate(f"{path}.sandbox")
+        for i, root in enumerate(self.dataset_roots):
+            _check(f"{path}.dataset_roots[{i}]", bool(root.strip()), "must be a directory, not empty")
         for i, remote in enumerate(self.remotes):
             remote.validate(f"{path}.remotes[{i}]")
         names: set[str] = set()

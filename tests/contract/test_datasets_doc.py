@@ -1,6 +1,6 @@
 """docs/datasets.md's example runs: examples/datasets/run.yaml loads, its dataset entry serves
-episodes from a real gateway (held-out split disjoint from train, metadata in Reset), and the doc
-shows the YAML verbatim."""
+episodes from a real gateway (held-out split disjoint from train, metadata in Reset), the doc
+shows the YAML verbatim, and the gateway reads no dataset outside env_gateway.dataset_roots."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from arlo.config import load_config
@@ -63,3 +64,14 @@ async def test_example_dataset_episodes_through_the_gateway(stub: env_pb2_grpc.E
             seen[split].add(row["id"])
     assert seen["train"].isdisjoint(seen["eval"]) and seen["eval"]
     assert seen["train"] | seen["eval"] == set(rows)
+
+
+async def test_a_path_outside_the_dataset_roots_is_invalid_argument(stub: env_pb2_grpc.EnvironmentStub) -> None:
+    # The default root is the gateway's working directory (here the repository root); symlink
+    # escapes are tests/unit/test_env_dataset.py's.
+    for path in ("/etc/passwd", "examples/../../etc/passwd"):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Reset(env_pb2.ResetRequest(env_name="dataset", config_json=json.dumps({"path": path})),
+                             timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert path in refused.value.details() and "env_gateway.dataset_roots" in refused.value.details()
