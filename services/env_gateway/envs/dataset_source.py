@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-FORMATS = ("auto", "jsonl", "parquet", "hf")
+from arlo.config import DATASET_FORMATS
+
+FORMATS = DATASET_FORMATS
 MAX_JSONL_BYTES = 1 << 30
 _CACHED_DATASETS = 8
 _CACHED_ORDERS = 64
