@@ -8,6 +8,7 @@ that name the field's full path, e.g. `trainer.learning_rate: expected float, go
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -608,6 +609,11 @@ class EnvGatewayConfig:
     """External Environment services whose environments the gateway proxies."""
     retrieval_docs_dir: str = ""
     """Directory of .txt/.md documents for the retrieval env; empty uses the built-in set."""
+    dataset_roots: tuple[str, ...] = (".",)
+    """Directories the dataset environment may read from (relative ones from the gateway's working
+    directory at start; each must exist). A dataset path outside all of them, after resolving
+    symlinks and "..", is refused with INVALID_ARGUMENT: the path comes from clients. Default: the
+    working directory only; [] allows no dataset files."""
     plugins: tuple[EnvPluginConfig, ...] = ()
     """Environments from your own package (see docs/environments.md); a broken one stops start-up."""
     mcp_servers: tuple[McpServerConfig, ...] = ()
@@ -617,6 +623,8 @@ class EnvGatewayConfig:
         self.server.validate(f"{path}.server")
         _check(f"{path}.session_idle_timeout_s", self.session_idle_timeout_s > 0, "must be > 0")
         self.sandbox.validate(f"{path}.sandbox")
+        for i, root in enumerate(self.dataset_roots):
+            _check(f"{path}.dataset_roots[{i}]", bool(root.strip()), "must be a directory, not empty")
         for i, remote in enumerate(self.remotes):
             remote.validate(f"{path}.remotes[{i}]")
         names: set[str] = set()
@@ -703,10 +711,11 @@ class EvalConfig:
     `num_tasks` tasks once greedily and `samples` times at the training temperature."""
 
     env_config_json: str = ""
-    """JSON object merged over rollout.env_config_json for evaluation, e.g. {"split": "eval"} for
-    environments with a held-out split. Evaluation seeds are 0..num_tasks-1 either way."""
+    """JSON object merged over each mixture entry's config_json for evaluation, e.g. {"split": "eval"}
+    for environments with a held-out split; an entry's own eval_config_json replaces it for that
+    entry. Evaluation seeds are 0..num_tasks-1 either way."""
     num_tasks: int = 64
-    """Held-out tasks per evaluation (seeds 0..num_tasks-1)."""
+    """Held-out tasks per evaluation and environment (seeds 0..num_tasks-1 of each mixture entry)."""
     samples: int = 4
     """k of pass@k, and the samples behind the mean sampled reward."""
     every_versions: int = 0
@@ -748,6 +757,9 @@ class RolloutEnvConfig:
     """How group seeds are chosen: "cursor" takes the next one from a durable Redis counter
     (every task once per epoch, across restarts), "random" draws one; "auto" is "cursor" for the
     dataset environment and "random" for the others."""
+    eval_config_json: str = ""
+    """JSON object merged over config_json for this entry's held-out evaluation, instead of
+    rollout.eval.env_config_json (empty: that one applies; "{}": evaluate on config_json as is)."""
 
     @property
     def key(self) -> str:
@@ -758,10 +770,129 @@ class RolloutEnvConfig:
         _check(f"{path}.weight", 0 < self.weight < float("inf"), "must be > 0")
         _check(f"{path}.seeds", self.seeds in TASK_SEEDS, f"must be one of {', '.join(TASK_SEEDS)}")
         _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
+        for name in ("config_json", "eval_config_json"):
+            try:
+                parse_json_object(getattr(self, name).strip(), f"{path}.{name}")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+
+DATASET_FORMATS = ("auto", "jsonl", "parquet", "hf")
+DATASET_SPLITS = ("all", "train", "eval")
+DATASET_ANSWER_FORMATS = ("text", "last_integer", "normalized")
+DATASET_MAX_TURNS = 32
+
+
+@_frozen
+class DatasetConfig:
+    """The `dataset` environment's config (its Reset config_json; the fields of `rollout.tasks`):
+    a task file and the mapping of its columns. Declared here once, for the environment
+    (services/env_gateway/envs/dataset.py) and the rollout's short form alike."""
+
+    path: str = ""
+    """The dataset: a .jsonl/.parquet file or a save_to_disk directory, on the gateway's disk
+    (under env_gateway.dataset_roots)."""
+    format: str = "auto"
+    """"jsonl", "parquet", "hf" (save_to_disk), or "auto" from the path."""
+    hf_split: str = ""
+    """Which split of a saved DatasetDict (empty: its only one)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text (the user message)."""
+    messages_field: str = ""
+    """Column holding a list of {role, content} messages; when set it is used instead of prompt_field."""
+    answer_field: str = "answer"
+    """Column holding the reference answer (non-strings are written as JSON)."""
+    id_field: str = ""
+    """Column with a stable task id (empty: the row number). The held-out split is drawn by id."""
+    metadata_fields: str = ""
+    """Comma-separated columns returned as the task's metadata (Reset's metadata_json), e.g. "tests"."""
+    system_prompt: str = ""
+    """A system message put before the prompt (not with messages_field)."""
+    split: str = "all"
+    """"train" or "eval": the part of a fixed partition by task id; "all" for separate files."""
+    eval_fraction: float = 0.0
+    """Share of the tasks held out as "eval" (with split "train"/"eval")."""
+    split_seed: int = 0
+    """Seeds the partition: change it and another set of tasks is held out."""
+    shuffle_seed: int = 0
+    """Seeds every epoch's order (epoch e is shuffled by (shuffle_seed, e))."""
+    answer_format: str = "text"
+    """How the final reply becomes the answer: "text" (stripped), "last_integer", or "normalized"
+    (lower case, no punctuation or articles; the reference is normalised the same way)."""
+    tool: bool = False
+    """The agent has a calculator tool; the episode ends at its first reply without a tool call."""
+    max_turns: int = 1
+    """Turns before the episode ends unanswered (only matters with tool)."""
+
+    def validate(self, path: str = "") -> None:
+        """ValueError naming the key (the environment prefixes "dataset config: "); with `path`, a
+        ConfigError prefixed with it."""
         try:
-            parse_json_object(self.config_json.strip(), f"{path}.config_json")
+            self._validate()
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            if path:
+                raise ConfigError(f"{path}: {e}") from None
+            raise
+
+    def _validate(self) -> None:
+        if not self.path:
+            raise ValueError("path is required: a .jsonl or .parquet file or a save_to_disk directory")
+        for name, allowed in (("format", DATASET_FORMATS), ("split", DATASET_SPLITS),
+                              ("answer_format", DATASET_ANSWER_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if not (self.prompt_field or self.messages_field):
+            raise ValueError("set prompt_field or messages_field")
+        if not self.answer_field:
+            raise ValueError("answer_field is required")
+        if not 0.0 <= self.eval_fraction <= 1.0:
+            raise ValueError(f"eval_fraction must be in [0.0, 1.0], got {self.eval_fraction}")
+        if self.split != "all" and not 0 < self.eval_fraction < 1:
+            raise ValueError(f"split {self.split!r} needs eval_fraction in (0, 1); for separate train and "
+                             "eval files use split 'all' and a different path for evaluation")
+        if not 1 <= self.max_turns <= DATASET_MAX_TURNS:
+            raise ValueError(f"max_turns must be in [1, {DATASET_MAX_TURNS}], got {self.max_turns}")
+
+    @property
+    def metadata_columns(self) -> tuple[str, ...]:
+        return tuple(f.strip() for f in self.metadata_fields.split(",") if f.strip())
+
+
+@_frozen
+class TasksConfig(DatasetConfig):
+    """`rollout.tasks`: the short form of a run on one dataset. Set `path` (and the field mapping,
+    the dataset environment's keys) and the run's mixture is the one `dataset` entry it describes;
+    leave `path` empty (the default) and it is off. For several environments use `rollout.envs`."""
+
+    reward_fn: str = "exact_match"
+    """Reward function the reward service scores the answers with (a built-in or a plugin)."""
+    label: str = ""
+    """Name of the tasks in trajectories, metrics and the task cursor; empty means "dataset"."""
+    eval_path: str = ""
+    """A separate held-out file (with split "all"). Empty: with split "train", evaluation takes the
+    "eval" part of the same partition; with split "all", rollout.eval.env_config_json applies."""
+
+    def validate(self, path: str = "rollout.tasks") -> None:
+        if not self.path:
+            _check(f"{path}.path", not self.eval_path, "must be set when eval_path is")
+            return
+        super(TasksConfig, self).validate(path)  # noqa: UP008 (a slotted dataclass has no __class__ cell)
+        _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
+        _check(f"{path}.eval_path", not self.eval_path or self.split == "all",
+               f"is a separate held-out file: use it with split 'all', not {self.split!r}")
+
+    def entry(self, eval_env_config_json: str = "") -> RolloutEnvConfig:
+        """The `rollout.envs` entry this is short for; `eval_env_config_json` (rollout.eval's) is
+        merged under the held-out override this derives from split/eval_path."""
+        dataset = {f.name: getattr(self, f.name) for f in dataclasses.fields(DatasetConfig)
+                   if getattr(self, f.name) != f.default}
+        held_out = {"path": self.eval_path} if self.eval_path else {"split": "eval"} if self.split == "train" else {}
+        eval_json = ""
+        if held_out:
+            eval_json = json.dumps({**parse_json_object(eval_env_config_json.strip(), "rollout.eval.env_config_json"),
+                                    **held_out})
+        return RolloutEnvConfig(name="dataset", label=self.label, config_json=json.dumps(dataset),
+                                reward_fn=self.reward_fn, eval_config_json=eval_json)
 
 
 @_frozen
@@ -792,22 +923,28 @@ class RolloutConfig:
     """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
     envs: tuple[RolloutEnvConfig, ...] = ()
     """A mixture of environments, each group drawn from one by weight; empty means the one entry
-    {name: env_name, config_json: env_config_json, reward_fn: reward_fn}. Evaluation uses the first."""
+    {name: env_name, config_json: env_config_json, reward_fn: reward_fn}. Evaluation runs every entry."""
     task_lease_s: float = 900.0
     """A cursor-drawn task not finished this long after it was handed out (its worker died) is
     handed out again: at-least-once. Keep it above the longest a group can take."""
     agent: str = ""
     """A black-box agent, "module:function" naming `async def run(task, client) -> str | float`: it
     drives the policy through the OpenAI endpoint instead of the built-in turn loop (docs/openai.md)."""
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    """Tasks from a dataset file, the short form of a one-entry `envs` (docs/datasets.md): its
+    path, field mapping and reward_fn. Set, it replaces env_name/env_config_json/reward_fn."""
     admission_poll_s: float = 2.0
     """The staleness gate wakes on Redis pub/sub events (a new version, a version served, a stale
     drop, a finished group); it also re-checks this often in case an event was lost."""
 
     @property
     def mixture(self) -> tuple[RolloutEnvConfig, ...]:
-        """`envs`, or the single entry the env_name/env_config_json/reward_fn fields describe."""
+        """`envs`, or the dataset entry `tasks` is short for, or the single entry the
+        env_name/env_config_json/reward_fn fields describe."""
         if self.envs:
             return self.envs
+        if self.tasks.path:
+            return (self.tasks.entry(self.eval.env_config_json),)
         return (RolloutEnvConfig(name=self.env_name, config_json=self.env_config_json, reward_fn=self.reward_fn),)
 
     def validate(self, path: str) -> None:
@@ -819,6 +956,15 @@ class RolloutConfig:
             _check(f"{path}.envs[{i}].label", entry.key not in keys,
                    f"two entries are both called {entry.key!r}: give one a label")
             keys.add(entry.key)
+        self.tasks.validate(f"{path}.tasks")
+        if self.tasks.path:
+            _check(f"{path}.tasks", not self.envs, "set rollout.tasks (one dataset) or rollout.envs (a mixture), "
+                   "not both; a dataset in a mixture is an envs entry with name: dataset")
+            defaults = RolloutConfig()
+            for name in ("env_name", "env_config_json", "reward_fn"):
+                _check(f"{path}.{name}", getattr(self, name) == getattr(defaults, name),
+                       f"conflicts with rollout.tasks, which sets the environment"
+                       f"{' (give reward_fn under rollout.tasks)' if name == 'reward_fn' else ''}: remove it")
         _check(f"{path}.task_lease_s", self.task_lease_s > 0, "must be > 0")
         _check(f"{path}.agent", not self.agent or self.agent.count(":") == 1 and all(self.agent.split(":")),
                'must be "module:function" (or empty for the built-in loop)')

@@ -10,12 +10,19 @@ gRPC clients time every call, writes to the stream while the trainer consumes it
 admission is off (it would cap concurrency at a few batches: here the point is load), and the
 trainer's max_staleness is high so nothing is dropped for age.
 
+`--openai` adds the OpenAI endpoint phase (bench/openai_load.py), on the same inference service
+after the rollout phase: `--episodes` black-box episodes in flight through the real `openai`
+client. `--mcp` (stdio) or `--mcp-http` adds an MCP-backed environment phase (bench/mcp_load.py):
+`--episodes` concurrent episodes of tool calls through a real env_gateway to a real MCP server.
+`--no-rollout` skips the rollout phase (then only inference starts, and only for --openai).
+
 `--flood-only` runs the flood phase instead (bench/flood.py): one client with `--flood-calls`
 concurrent Generate calls, another making a light authenticated call meanwhile (its p50/p99).
 
 Reported: p50/p99 latency and errors per RPC, episodes/s, trainer steps, the stream backlog
-(max and final) and Redis memory (peak). The bar: zero errors, and a backlog that stays under
-max_backlog + groups in flight (producers back off instead of piling data up).
+(max and final) and Redis memory (peak). The bar: zero errors, groups finished inside the
+window, and a backlog that stays under max_backlog + groups in flight (producers back off
+instead of piling data up).
 """
 
 from __future__ import annotations
@@ -192,7 +199,8 @@ def figures(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "trained": result["trained"], "dropped": result["dropped"],
         "backlog_max": max(backlogs), "backlog_final": backlogs[-1], "backlog_bound": bound,
         "redis_used_memory_peak_mib": max((s["used_memory"] for s in samples), default=0) / 2**20,
-        "passed": errors == 0 and max(backlogs) <= bound,
+        # A window in which no group finished (still compiling, or stuck) proves nothing.
+        "passed": errors == 0 and max(backlogs) <= bound and result["groups"] > 0,
     }
 
 
@@ -202,7 +210,7 @@ def report(out: dict[str, Any]) -> None:
                 ["rpc", "calls", "errors", "p50 ms", "p99 ms"], rows)
     summary = ["episodes_done", "groups_written", "episodes_per_s", "errors", "failed_groups", "episode_retries", "backpressure_waits",
                "trainer_steps", "trained", "dropped", "backlog_max", "backlog_final", "backlog_bound",
-               "redis_used_memory_peak_mib", "passed"]
+               "redis_used_memory_peak_mib", "rollout_passed"]
     print_table("load: totals", ["figure", "value"], [[k, out[k]] for k in summary])
 
 
@@ -214,6 +222,12 @@ def main() -> None:
     parser.add_argument("--max-backlog", type=int, default=256, help="redis.max_backlog for the run")
     parser.add_argument("--rpc-timeout-s", type=float, default=60.0)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--openai", action="store_true", help="add the OpenAI endpoint phase (bench/openai_load.py)")
+    parser.add_argument("--mcp", action="store_true", help="add the MCP environment phase, stdio (bench/mcp_load.py)")
+    parser.add_argument("--mcp-http", action="store_true", help="the MCP phase over streamable HTTP instead")
+    parser.add_argument("--mcp-rounds", type=int, default=3, help="MCP phase: rounds of --episodes episodes")
+    parser.add_argument("--mcp-calls", type=int, default=3, help="MCP phase: tool calls per episode")
+    parser.add_argument("--no-rollout", action="store_true", help="skip the rollout phase (only --openai/--mcp)")
     parser.add_argument("--flood-only", action="store_true", help="the flood phase alone (bench/flood.py)")
     parser.add_argument("--flood-calls", type=int, default=2200)
     parser.add_argument("--flood-seconds", type=float, default=30.0)
@@ -221,22 +235,76 @@ def main() -> None:
     if args.flood_only:
         return flood_main(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    cfg = bench_config(args)
-    with tempfile.TemporaryDirectory(prefix="arlo-load-") as home:
-        cluster = prepare_cluster(cfg, home=Path(home), free_ports=True, fresh_run=True)
-        try:
-            cluster.start(INFRA_SERVICES)
-            result = asyncio.run(drive(cluster.cfg, cluster.token, args.seconds, args.warmup_s))
-        finally:
-            cluster.stop()
-            if cluster.redis is None:
-                wipe_run(cluster.cfg)
-    out = figures(result, args)
-    report(out)
-    write_json(args.json, {"bench": "load", "command": "python -m bench.load " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json" and v is not None), **out})
+    if args.no_rollout and not (args.openai or args.mcp or args.mcp_http):
+        parser.error("--no-rollout leaves nothing to run: add --openai, --mcp or --mcp-http")
+    out = run_phases(args)
+    report_phases(out)
+    # The command that repeats the run: flags as given (a boolean only when set).
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+             if k != "json" and v is not None and v is not False]
+    write_json(args.json, {"bench": "load", "command": " ".join(["python -m bench.load", *flags]), **out})
     if not out["passed"]:
         raise SystemExit(1)
+
+
+def run_phases(args: argparse.Namespace) -> dict[str, Any]:
+    """The rollout phase's figures (unless --no-rollout) with "openai" and "mcp" phases beside
+    them; "passed" only if every phase run passed."""
+    out: dict[str, Any] = {}
+    if not args.no_rollout or args.openai:
+        cfg = bench_config(args)
+        with tempfile.TemporaryDirectory(prefix="arlo-load-") as home:
+            cluster = prepare_cluster(cfg, home=Path(home), free_ports=True, fresh_run=True)
+            try:
+                cluster.start(("inference",) if args.no_rollout else INFRA_SERVICES)
+                if not args.no_rollout:
+                    out = figures(asyncio.run(drive(cluster.cfg, cluster.token, args.seconds, args.warmup_s)), args)
+                if args.openai:  # the same inference service, now that the rollout load is off it
+                    from bench import openai_load
+
+                    out["openai"] = asyncio.run(openai_load.drive(
+                        cluster.cfg, cluster.token, episodes=args.episodes, seconds=args.seconds,
+                        warmup_s=args.warmup_s, max_tokens=cluster.cfg.inference.max_tokens))
+            finally:
+                cluster.stop()
+                if cluster.redis is None:
+                    wipe_run(cluster.cfg)
+    if args.mcp or args.mcp_http:
+        from contextlib import nullcontext
+
+        from bench import mcp_load
+
+        with mcp_load.http_server() if args.mcp_http else nullcontext("") as url:
+            out["mcp"] = asyncio.run(mcp_load.run(episodes=args.episodes, rounds=args.mcp_rounds,
+                                                  calls=args.mcp_calls, url=url))
+    if "rpcs" in out:
+        out["rollout_passed"] = out["passed"]
+    out["passed"] = all(out[k] for k in ("rollout_passed",) if k in out) and all(
+        out[phase]["passed"] for phase in ("openai", "mcp") if phase in out)
+    return out
+
+
+def report_phases(out: dict[str, Any]) -> None:
+    """Each phase's tables, then one row per phase: episodes in flight, episodes/s, errors, passed."""
+    rows = []
+    if "rpcs" in out:
+        report(out)
+        rows.append(["rollout (gRPC)", out["episodes_in_flight"], f"{out['episodes_per_s']:.1f}", out["errors"],
+                     out["rollout_passed"]])
+    if "openai" in out:
+        from bench import openai_load
+
+        o = out["openai"]
+        openai_load.report(o)
+        rows.append(["openai endpoint", o["episodes_in_flight"], f"{o['episodes_per_s']:.1f}", o["errors"], o["passed"]])
+    if "mcp" in out:
+        from bench import mcp_load
+
+        m = out["mcp"]
+        mcp_load.report(m)
+        rows.append([f"MCP env ({m['transport']})", m["episodes_in_flight"], f"{m['episodes_per_s']:.1f}",
+                     sum(m["errors"].values()), m["passed"]])
+    print_table("load: phases", ["phase", "episodes in flight", "episodes/s", "errors", "passed"], rows)
 
 
 def flood_main(args: argparse.Namespace) -> None:

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +63,24 @@ async def episode(stub: env_pb2_grpc.EnvironmentStub, i: int, calls: int, latenc
         errors[("Step(final)", "not done")] += 1
 
 
-async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+@contextmanager
+def http_server() -> Iterator[str]:
+    """The MCP test server on streamable HTTP, as a subprocess; yields its URL."""
+    proc = subprocess.Popen([*SERVER, "--http"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}/mcp"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+async def run(*, episodes: int, rounds: int, calls: int, url: str = "") -> dict[str, Any]:
+    """`rounds` of `episodes` concurrent episodes on an in-process gateway serving the MCP server
+    (stdio, started by the gateway, or the one at `url`). bench/load.py --mcp runs this too."""
     os.environ.setdefault(TOKEN_ENV, "bench-mcp")
     server = {"name": "tools", "url": url} if url else {"name": "tools", "command": SERVER, "cwd": str(ROOT)}
-    server["max_concurrency"] = args.episodes
+    server["max_concurrency"] = episodes
     cfg = load_config(None, {"auth": {"token_env": TOKEN_ENV}, "env_gateway": {
         "server": {"port": 0, "metrics_port": -1}, "mcp_servers": [server]}})
     servicer = await build_servicer(cfg)
@@ -76,9 +92,9 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
             stub = env_pb2_grpc.EnvironmentStub(channel)
             await episode(stub, 0, 1, defaultdict(list), Counter())  # warm: connect, list tools
             began = time.perf_counter()
-            for r in range(args.rounds):
-                results = await asyncio.gather(*(episode(stub, r * args.episodes + i, args.calls, latency, errors)
-                                                 for i in range(args.episodes)), return_exceptions=True)
+            for r in range(rounds):
+                results = await asyncio.gather(*(episode(stub, r * episodes + i, calls, latency, errors)
+                                                 for i in range(episodes)), return_exceptions=True)
                 for e in results:
                     if isinstance(e, Exception) and not isinstance(e, grpc.aio.AioRpcError):
                         errors[("episode", type(e).__name__)] += 1
@@ -86,11 +102,19 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     finally:
         await running.stop(None)
         await servicer.aclose()
-    return {"transport": "http" if url else "stdio", "episodes_in_flight": args.episodes, "rounds": args.rounds,
-            "tool_calls_per_episode": args.calls, "episodes_per_s": args.episodes * args.rounds / elapsed,
+    return {"transport": "http" if url else "stdio", "episodes_in_flight": episodes, "rounds": rounds,
+            "tool_calls_per_episode": calls, "episodes_per_s": episodes * rounds / elapsed,
             "rpcs": {rpc: {"n": len(v), "p50_ms": 1000 * percentile(v, 50), "p99_ms": 1000 * percentile(v, 99)}
                      for rpc, v in latency.items()},
-            "errors": {f"{rpc} {code}": n for (rpc, code), n in errors.items()}}
+            "errors": {f"{rpc} {code}": n for (rpc, code), n in errors.items()},
+            "passed": not errors}
+
+
+def report(out: dict[str, Any]) -> None:
+    print_table(f"MCP env ({out['transport']}), {out['episodes_in_flight']} episodes in flight, "
+                f"{out['episodes_per_s']:.1f} episodes/s", ["rpc", "n", "p50 ms", "p99 ms"],
+                [[rpc, r["n"], f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}"] for rpc, r in out["rpcs"].items()])
+    print("errors:", out["errors"] or "none")
 
 
 def main() -> None:
@@ -101,22 +125,9 @@ def main() -> None:
     parser.add_argument("--http", action="store_true", help="the MCP server on streamable HTTP instead of stdio")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    proc = None
-    url = ""
-    if args.http:
-        proc = subprocess.Popen([*SERVER, "--http"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        url = f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}/mcp"
-    try:
-        out = asyncio.run(run(args, url))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=10)
-    print_table(f"MCP env ({out['transport']}), {args.episodes} episodes in flight, "
-                f"{out['episodes_per_s']:.1f} episodes/s", ["rpc", "n", "p50 ms", "p99 ms"],
-                [[rpc, r["n"], f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}"] for rpc, r in out["rpcs"].items()])
-    print("errors:", out["errors"] or "none")
+    with http_server() if args.http else nullcontext("") as url:
+        out = asyncio.run(run(episodes=args.episodes, rounds=args.rounds, calls=args.calls, url=url))
+    report(out)
     if args.json:
         write_json(args.json, out)
 

@@ -79,22 +79,25 @@ class Load:
             n += 1_000
 
 
-async def drive(cfg: RunConfig, token: str | None, args: argparse.Namespace) -> dict[str, Any]:
+async def drive(cfg: RunConfig, token: str | None, *, episodes: int, seconds: float, warmup_s: float,
+                max_tokens: int) -> dict[str, Any]:
+    """`episodes` black-box episodes in flight on the running inference service's endpoint; the
+    figures of the `seconds` after `warmup_s`. bench/load.py --openai runs this too."""
     async with make_channel(cfg.inference.server.address, token=token) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         url = (await stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=30)).openai_url
-        http = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_connections=2 * args.episodes,
-                                                                   max_keepalive_connections=2 * args.episodes))
+        http = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_connections=2 * episodes,
+                                                                   max_keepalive_connections=2 * episodes))
         client = openai.AsyncOpenAI(base_url=url, api_key=token or "none", max_retries=0, timeout=120,
                                     http_client=http)
-        load = Load(client, stub, args.max_tokens)
+        load = Load(client, stub, max_tokens)
         stop = asyncio.Event()
-        slots = [asyncio.create_task(load.loop(i, stop)) for i in range(args.episodes)]
-        await asyncio.sleep(args.warmup_s)
+        slots = [asyncio.create_task(load.loop(i, stop)) for i in range(episodes)]
+        await asyncio.sleep(warmup_s)
         load.latency_s.clear()
         load.errors.clear()
         before, started = load.episodes, time.monotonic()
-        await asyncio.sleep(args.seconds)
+        await asyncio.sleep(seconds)
         elapsed, done = time.monotonic() - started, load.episodes - before
         stop.set()
         await asyncio.gather(*slots, return_exceptions=True)
@@ -102,9 +105,17 @@ async def drive(cfg: RunConfig, token: str | None, args: argparse.Namespace) -> 
     calls = {kind: {"calls": len(lat), "p50_ms": 1000 * percentile(lat, 50), "p99_ms": 1000 * percentile(lat, 99)}
              for kind, lat in load.latency_s.items() if lat}
     errors = sum(load.errors.values())
-    return {"episodes_in_flight": args.episodes, "seconds": round(elapsed, 1), "episodes_done": done,
+    return {"episodes_in_flight": episodes, "seconds": round(elapsed, 1), "episodes_done": done,
             "episodes_per_s": done / elapsed, "calls": calls, "errors": errors, "error_kinds": dict(load.errors),
             "bad_records": load.bad_records, "passed": errors == 0 and load.bad_records == 0 and done > 0}
+
+
+def report(out: dict[str, Any]) -> None:
+    print_table(f"openai load: {out['episodes_in_flight']} episodes in flight for {out['seconds']}s",
+                ["call", "calls", "p50 ms", "p99 ms"],
+                [[k, v["calls"], v["p50_ms"], v["p99_ms"]] for k, v in out["calls"].items()])
+    print_table("openai load: totals", ["figure", "value"],
+                [[k, out[k]] for k in ("episodes_done", "episodes_per_s", "errors", "bad_records", "passed")])
 
 
 def main() -> None:
@@ -123,16 +134,13 @@ def main() -> None:
         cluster = prepare_cluster(cfg, home=Path(home), free_ports=True, fresh_run=True)
         try:
             cluster.start(("inference",))
-            out = asyncio.run(drive(cluster.cfg, cluster.token, args))
+            out = asyncio.run(drive(cluster.cfg, cluster.token, episodes=args.episodes, seconds=args.seconds,
+                                    warmup_s=args.warmup_s, max_tokens=args.max_tokens))
         finally:
             cluster.stop()
             if cluster.redis is None:
                 wipe_run(cluster.cfg)
-    print_table(f"openai load: {out['episodes_in_flight']} episodes in flight for {out['seconds']}s",
-                ["call", "calls", "p50 ms", "p99 ms"],
-                [[k, v["calls"], v["p50_ms"], v["p99_ms"]] for k, v in out["calls"].items()])
-    print_table("openai load: totals", ["figure", "value"],
-                [[k, out[k]] for k in ("episodes_done", "episodes_per_s", "errors", "bad_records", "passed")])
+    report(out)
     write_json(args.json, {"bench": "openai_load", "command": "python -m bench.openai_load " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json" and v is not None), **out})
     if not out["passed"]:

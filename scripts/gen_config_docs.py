@@ -41,11 +41,20 @@ def field_docs() -> dict[str, dict[str, str]]:
     return docs
 
 
+def class_docs(docs: dict[str, dict[str, str]], cls: type) -> dict[str, str]:
+    """`cls`'s field docstrings, with those of the config classes it extends (TasksConfig's
+    DatasetConfig fields are declared, and documented, once)."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        out.update(docs.get(base.__name__, {}))
+    return out
+
+
 def undocumented() -> list[str]:
     """"Class.field" for every dataclass field of arlo/config.py without a docstring."""
     docs = field_docs()
     return [f"{cls.__name__}.{f.name}" for cls in config_classes() for f in dataclasses.fields(cls)
-            if f.name not in docs.get(cls.__name__, {})]
+            if f.name not in class_docs(docs, cls)]
 
 
 def config_classes() -> list[type]:
@@ -88,7 +97,7 @@ def render() -> str:
                 shown = "`[]`" if is_list else "see below"
             else:
                 shown = f"`{value!r}`"
-            lines.append(f"| `{f.name}` | {config_module.type_name(tp)} | {shown} | {docs.get(cls.__name__, {}).get(f.name, '')} |")
+            lines.append(f"| `{f.name}` | {config_module.type_name(tp)} | {shown} | {class_docs(docs, cls).get(f.name, '')} |")
         lines.append("")
         for inner, sub, value in nested:
             section(inner, sub, value)

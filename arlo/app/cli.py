@@ -23,7 +23,7 @@ from rich.table import Table
 
 from arlo.app.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
 from arlo.app.export import ExportError, export_run
-from arlo.app.live import LiveRun
+from arlo.app.live import LiveRun, eval_text
 from arlo.app.local import (
     INFRA_SERVICES,
     LocalCluster,
@@ -121,6 +121,9 @@ def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | N
         line = ", ".join(f"{tag} {summary[f'reward_{tag}']:.3f}" for tag in ("start", "after_sft", "end")
                          if summary.get(f"reward_{tag}") is not None)
         console.print(f"held-out reward (sampled): {line}")
+        if summary.get("reward_end_by_env"):
+            console.print("held-out reward (sampled) at the end, by environment: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in summary["reward_end_by_env"].items() if v is not None))
     elif report.rewards:
         console.print(f"training reward: first step {report.rewards[0]:.3f}, last step {report.rewards[-1]:.3f}")
     console.print(f"metrics: {recorder.metrics_path}, TensorBoard: {recorder.out_dir / 'tensorboard'}, "
@@ -211,6 +214,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     Console().print(table)
     if status.get("trainer_diagnostics"):
         Console().print(_diagnostics_line(status["trainer_diagnostics"]))
+    if status.get("latest_eval"):
+        Console().print(eval_text(f"{status['latest_eval']['tag']!r} (latest)", status["latest_eval"]))
     return 0
 
 
@@ -222,8 +227,11 @@ def _diagnostics_line(d: dict) -> str:
     """The trainer's last step record, as one line (`arlo status --json` has all of it)."""
     shown = ", ".join(f"{k} {d[k]:.4g}" for k in DIAGNOSTICS_SHOWN if isinstance(d.get(k), int | float))
     components = ", ".join(f"{k} {v:.3f}" for k, v in d.get("reward_components", {}).items())
+    by_env = d.get("reward_by_env", {})
+    envs = ", ".join(f"{k} {v:.3f} ({d.get('trajectories_by_env', {}).get(k, '?')})" for k, v in by_env.items())
     line = f"trainer step {d['step']} ({d['phase']}, v{d['version']}): {shown}"
-    return line + (f"; reward components: {components}" if components else "")
+    line += f"; reward components: {components}" if components else ""
+    return line + (f"; reward by environment (trajectories): {envs}" if len(by_env) > 1 else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,6 +57,8 @@ class TrainReport:
             result = self.evals.get(tag, {})
             out[f"reward_{tag}"] = result.get("sampled_reward")
             out[f"greedy_reward_{tag}"] = result.get("greedy_reward")
+            if len(result.get("envs") or {}) > 1:  # a mixture: each environment's sampled reward too
+                out[f"reward_{tag}_by_env"] = {k: v.get("sampled_reward") for k, v in result["envs"].items()}
         out["train_reward_first"] = self.rewards[0] if self.rewards else None
         out["train_reward_last"] = self.rewards[-1] if self.rewards else None
         return out
@@ -373,6 +375,7 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
         stream = TrajectoryStream(redis, cfg.run_id, consumer="status")
         queue_depth = await stream.backlog()
         diagnostics = await MetricsStream(redis, cfg.run_id).latest()
+        evaluation = await EvalQueue(redis, cfg.run_id).latest_result()
         first = await read_statuses(redis, cfg.run_id)
         await asyncio.sleep(interval_s if first else 0)
         second = await read_statuses(redis, cfg.run_id)
@@ -392,7 +395,7 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
             "trainer_version": trainer_version if trainer_version is not None else (pointer.version if pointer else 0),
             "pointer_version": pointer.version if pointer else 0, "queue_depth": queue_depth,
             "staleness": float(trainer["staleness"]) if "staleness" in trainer else None,
-            "trainer_diagnostics": diagnostics}
+            "trainer_diagnostics": diagnostics, "latest_eval": evaluation}
 
 
 def service_activity(first: list[dict[str, str]], second: list[dict[str, str]]) -> dict[str, dict[str, Any]]:

@@ -40,7 +40,7 @@ class LiveRun:
         if "evaluating" in event:
             self.progress.update(self.task, info=f"evaluating ({event['evaluating']})")
         elif "evaluated" in event:
-            self.evals.append(_eval_line(event))
+            self.evals.append(eval_text(event["evaluated"], event))
         else:
             self._step(event)
         self.live.update(self._render())
@@ -66,11 +66,21 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _eval_line(e: dict[str, Any]) -> str:
+def eval_text(tag: str, e: dict[str, Any]) -> str:
+    """An evaluation result as rich text: the overall figures, then one line per environment of a
+    mixture. Shown live by `arlo train`/`demo` and as the latest evaluation by `arlo status`."""
     if "error" in e:
-        return f"[red]eval {e['evaluated']}: {e['error']}"
+        return f"[red]eval {tag}: {e['error']}"
     ran_on = f"v{e['min_version']}" if e.get("min_version") == e.get("max_version") else \
         f"v{e.get('min_version', '?')}-v{e.get('max_version', '?')}"
-    return (f"eval {e['evaluated']} (ran on {ran_on}): greedy {e['greedy_reward']:.3f}, "
-            f"sampled {e['sampled_reward']:.3f}, pass@{e['k']} {e['pass_at_k']:.3f} over {e['num_tasks']} "
-            f"held-out tasks ({e['wall_s']:.1f}s)")
+    lines = [f"eval {tag} (ran on {ran_on}): {_figures(e)} over {e['num_tasks']} held-out tasks "
+             f"({e.get('wall_s', 0.0):.1f}s)"]
+    envs = e.get("envs") or {}
+    if len(envs) > 1:
+        lines += [f"  {env}: {_figures({'k': e['k'], **f})}" + (f", {f['errors']} errors" if f.get("errors") else "")
+                  for env, f in envs.items()]
+    return "\n".join(lines)
+
+
+def _figures(e: dict[str, Any]) -> str:
+    return f"greedy {e['greedy_reward']:.3f}, sampled {e['sampled_reward']:.3f}, pass@{e['k']} {e['pass_at_k']:.3f}"

@@ -21,7 +21,7 @@ from typing import Any
 
 THROUGHPUT_SCALARS = ("trajectories_per_s", "tokens_per_s")
 EVAL_SCALARS = ("greedy_reward", "sampled_reward", "pass_at_k")
-NESTED = ("reward_components", "dropped", "finish_reasons")
+NESTED = ("reward_components", "dropped", "finish_reasons", "reward_by_env", "trajectories_by_env")
 """Per-name breakdowns in a step row, logged as `<group>/<name>`."""
 NOT_SCALARS = frozenset({"step", "version", "phase", "time", "kind", "sft_steps", "until_step", "elapsed_s"})
 
@@ -50,9 +50,8 @@ class RunRecorder:
         row = {"tag": tag, "step": step, "elapsed_s": elapsed_s, "time": time, **result}
         self.evals.append(row)
         self._write({"kind": "eval", **row})
-        for name in EVAL_SCALARS:
-            if isinstance(result.get(name), int | float):
-                self._tb.add_scalar(f"eval/{name}", result[name], global_step=step, walltime=time)
+        for tag, value in eval_scalars(result).items():
+            self._tb.add_scalar(tag, value, global_step=step, walltime=time)
 
     def close(self) -> None:
         self._jsonl.close()
@@ -85,6 +84,18 @@ def tensorboard_scalars(row: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def eval_scalars(result: Mapping[str, Any]) -> dict[str, float]:
+    """Tag -> value for one evaluation: `eval/<name>` overall, `eval/<env>/<name>` per environment
+    of the mixture (its label) when there are several."""
+    out = {f"eval/{name}": float(result[name]) for name in EVAL_SCALARS if _number(result.get(name))}
+    envs = result.get("envs") or {}
+    if len(envs) > 1:  # one environment's figures are the overall ones
+        for env, figures in envs.items():
+            out.update({f"eval/{env}/{name}": float(figures[name]) for name in EVAL_SCALARS
+                        if _number(figures.get(name))})
+    return out
+
+
 def _series(steps: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """x = step, y = the value or NaN where the row has none: matplotlib breaks the line there."""
     ys = [float(s[key]) if _number(s.get(key)) else math.nan for s in steps]
@@ -110,6 +121,12 @@ def plot_run(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Pat
         points = sorted((e["step"], e[key]) for e in evals if _number(e.get(key)))
         if points:
             top.plot(*zip(*points, strict=True), style, label=f"held-out {key.replace('_', ' ')}")
+    envs = sorted({env for e in evals if len(e.get("envs") or {}) > 1 for env in e["envs"]})
+    for env in envs:  # a mixture: each environment's held-out sampled reward, thinner
+        points = sorted((e["step"], e["envs"][env]["sampled_reward"]) for e in evals
+                        if _number((e.get("envs") or {}).get(env, {}).get("sampled_reward")))
+        if points:
+            top.plot(*zip(*points, strict=True), "^:", alpha=0.7, markersize=4, label=f"held-out sampled: {env}")
     top.set_ylabel("reward")
     top.set_ylim(-0.05, 1.05)
     top.legend(loc="lower right", fontsize=8)

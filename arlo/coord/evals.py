@@ -65,6 +65,16 @@ class EvalQueue:
                 return json.loads(_text(fields.get(b"json", fields.get("json"))))
         return None
 
+    @cancel_safe
+    async def latest_result(self) -> dict[str, Any] | None:
+        """The newest result written (with its "tag"), if any."""
+        newest = await self._redis.xrevrange(self._keys.eval_results, count=1)
+        if not newest:
+            return None
+        fields = newest[0][1]
+        result = json.loads(_text(fields.get(b"json", fields.get("json"))))
+        return {"tag": _text(fields.get(b"tag", fields.get("tag"))), **result}
+
     # -- the answering side ------------------------------------------------------------
 
     @cancel_safe

@@ -18,13 +18,13 @@ from services.env_gateway.sessions import SessionStore
 
 def build_gateway(cfg: RunConfig, context: EnvContext | None = None) -> Gateway:
     """The in-process core with the built-in environments and the configured plugins; ConfigError
-    for a bad retrieval docs dir or a broken plugin (naming it)."""
+    for a bad retrieval docs dir or dataset root, or a broken plugin (naming it)."""
     gw = cfg.env_gateway
     sessions = SessionStore(idle_timeout_s=gw.session_idle_timeout_s, max_sessions=gw.max_sessions)
     try:
         registry = default_registry(context if context is not None else EnvContext(gw))
-    except ValueError as e:
-        raise ConfigError(f"env_gateway.retrieval_docs_dir: {e}") from e
+    except ValueError as e:  # the message names the setting
+        raise ConfigError(str(e)) from e
     for i, plugin in enumerate(gw.plugins):
         where = f"env_gateway.plugins[{i}]"
         spec = load_env_plugin(plugin, registry.context, where)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from services.env_gateway.envs import arith, calculator, dataset, guess_number, python_exec, retrieval
 from services.env_gateway.envs.base import Environment
-from services.env_gateway.envs.dataset_source import DatasetStore
+from services.env_gateway.envs.dataset_source import DatasetRoots, DatasetStore
 from services.env_gateway.spec import EnvContext, EnvSpec
 
 __all__ = ["EnvContext", "EnvRegistry", "EnvSpec", "builtin_specs", "default_registry"]
@@ -39,8 +39,12 @@ class EnvRegistry:
 
 
 def builtin_specs(context: EnvContext) -> list[EnvSpec]:
-    corpus = retrieval.load_corpus(context.config.retrieval_docs_dir)  # at start: a bad dir fails fast
-    store = DatasetStore()  # one copy of each dataset for all sessions
+    try:
+        corpus = retrieval.load_corpus(context.config.retrieval_docs_dir)  # at start: a bad dir fails fast
+    except ValueError as e:
+        raise ValueError(f"env_gateway.retrieval_docs_dir: {e}") from e
+    # One copy of each dataset for all sessions; relative roots are from the working directory now.
+    store = DatasetStore(DatasetRoots(context.config.dataset_roots))
     return [
         EnvSpec(name=dataset.NAME, description=dataset.DESCRIPTION, factory=lambda ctx: dataset.DatasetEnv(store),
                 config_type=dataset.DatasetConfig, tools=dataset.TOOLS, max_turns=dataset.MAX_TURNS,

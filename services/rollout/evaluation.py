@@ -1,9 +1,13 @@
-"""Held-out evaluation by the rollout workers: greedy reward, mean sampled reward and pass@k.
+"""Held-out evaluation by the rollout workers: greedy reward, mean sampled reward and pass@k,
+for every environment of the mixture and overall.
 
 Same agent loop and backends as training, but the episodes go nowhere near the trajectory
-stream: they are scored and summarised, never trained on. Tasks are seeds 0..num_tasks-1 of
-the env config with `eval.env_config_json` merged over it (e.g. an environment's held-out
-split), so successive evaluations of a run are of the same tasks and comparable.
+stream: they are scored and summarised, never trained on. Each mixture entry's tasks are seeds
+0..num_tasks-1 of its config_json with its eval override merged over it (the entry's
+`eval_config_json`, else `rollout.eval.env_config_json`: e.g. an environment's held-out split), so
+successive evaluations of a run are of the same tasks and comparable. The overall figures are
+over every task of every entry (each entry has num_tasks of them: entries count equally, whatever
+their mixture weights).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from arlo.config import RolloutConfig
+from arlo.config import RolloutConfig, RolloutEnvConfig
 from arlo.coord.evals import EvalQueue, EvalRequest
 from arlo.jsonfields import parse_json_object
 from arlo.proto.v1 import common_pb2
@@ -37,12 +42,44 @@ def pass_at_k(rewards_per_task: list[list[float]]) -> float:
     return sum(any(r > SUCCESS for r in rs) for rs in rewards_per_task) / len(rewards_per_task)
 
 
-def eval_env_config(cfg: RolloutConfig) -> str:
-    # Evaluation runs the mixture's first entry (per-environment evaluation is not built yet).
-    where = "rollout.envs[0].config_json" if cfg.envs else "rollout.env_config_json"
-    base = parse_json_object(cfg.mixture[0].config_json.strip(), where)
+@dataclass(frozen=True, slots=True)
+class EvalTarget:
+    """One mixture entry as evaluated: the entry, and the config its held-out episodes reset with."""
+
+    env: RolloutEnvConfig
+    config_json: str
+
+    @property
+    def key(self) -> str:
+        return self.env.key
+
+
+def eval_targets(cfg: RolloutConfig) -> tuple[EvalTarget, ...]:
+    """Every mixture entry with its held-out config; a bad JSON object is an error naming its field."""
     extra = parse_json_object(cfg.eval.env_config_json.strip(), "rollout.eval.env_config_json")
-    return json.dumps({**base, **extra})
+    out = []
+    for i, env in enumerate(cfg.mixture):
+        where = f"rollout.envs[{i}]" if cfg.envs else "rollout"
+        base = parse_json_object(env.config_json.strip(), f"{where}.config_json" if cfg.envs else
+                                 "rollout.env_config_json")
+        own = env.eval_config_json.strip()
+        override = parse_json_object(own, f"{where}.eval_config_json") if own else extra
+        out.append(EvalTarget(env=env, config_json=json.dumps({**base, **override})))
+    return tuple(out)
+
+
+def eval_env_config(cfg: RolloutConfig, key: str | None = None) -> str:
+    """The held-out config of the entry called `key` (default: the first)."""
+    targets = eval_targets(cfg)
+    return next(t for t in targets if key is None or t.key == key).config_json
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """One target's episodes: greedy (one per task) and sampled (k per task), None where one failed."""
+
+    greedy: Sequence[common_pb2.Trajectory | None]
+    sampled: Sequence[common_pb2.Trajectory | None]
 
 
 class Evaluator:
@@ -52,13 +89,14 @@ class Evaluator:
         self.run_id = run_id
         self.greedy, self.sampled = greedy, sampled
         self.run_episode = run_episode
-        self.env_config_json = eval_env_config(cfg)  # a bad config fails at start, not at the first eval
+        self.targets = eval_targets(cfg)  # a bad config fails at start, not at the first eval
 
-    def _spec(self, seed: int, sample: int = 0) -> EpisodeSpec:
-        c, env = self.cfg, self.cfg.mixture[0]
-        # With sampling.seed, each (task, sample) has its own stream: k samples of a task must differ.
-        sampling_seed = None if c.sampling.seed is None else derive_seed(c.sampling.seed, "eval", seed, sample)
-        return EpisodeSpec(env_name=env.name, env_config_json=self.env_config_json, reward_fn=env.reward_fn,
+    def _spec(self, target: EvalTarget, seed: int, sample: int = 0) -> EpisodeSpec:
+        c, env = self.cfg, target.env
+        # With sampling.seed, each (entry, task, sample) has its own stream: k samples of a task must differ.
+        sampling_seed = None if c.sampling.seed is None else derive_seed(c.sampling.seed, "eval", target.key,
+                                                                         seed, sample)
+        return EpisodeSpec(env_name=env.name, env_config_json=target.config_json, reward_fn=env.reward_fn,
                            seed=seed, max_turns=c.max_turns, max_tokens_per_turn=c.sampling.max_tokens,
                            max_episode_tokens=c.max_episode_tokens, run_id=self.run_id,
                            group_id=f"eval-{uuid.uuid4().hex}", group_size=1, sampling_seed=sampling_seed)
@@ -68,29 +106,42 @@ class Evaluator:
         e = self.cfg.eval
         sem = asyncio.Semaphore(max(self.cfg.concurrent_groups * self.cfg.group_size, 1))
 
-        async def one(seed: int, gen: Generator, sample: int = 0) -> common_pb2.Trajectory | None:
+        async def one(target: EvalTarget, seed: int, gen: Generator, sample: int = 0) -> common_pb2.Trajectory | None:
             async with sem:
                 try:
-                    return await self.run_episode(self._spec(seed, sample), gen)
+                    return await self.run_episode(self._spec(target, seed, sample), gen)
                 except Exception as exc:  # counted, and scored as unsolved: an eval never hangs a run
-                    log.warning("evaluation episode (seed %d) failed: %s", seed, exc)
+                    log.warning("evaluation episode (%s, seed %d) failed: %s", target.key, seed, exc)
                     return None
 
-        seeds = range(e.num_tasks)
-        greedy = asyncio.gather(*(one(s, self.greedy) for s in seeds))
-        sampled = asyncio.gather(*(one(s, self.sampled, k) for s in seeds for k in range(e.samples)))
-        greedy_trajs, sampled_trajs = await asyncio.gather(greedy, sampled)
-        rewards = [[_reward(t) for t in sampled_trajs[i * e.samples:(i + 1) * e.samples]] for i in seeds]
-        done = [t for t in (*greedy_trajs, *sampled_trajs) if t is not None]
-        versions = [v for t in done for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m]
-        return {
-            "greedy_reward": sum(_reward(t) for t in greedy_trajs) / e.num_tasks,
-            "sampled_reward": sum(map(sum, rewards)) / (e.num_tasks * e.samples),
-            "pass_at_k": pass_at_k(rewards), "k": e.samples, "num_tasks": e.num_tasks,
-            "errors": len(greedy_trajs) + len(sampled_trajs) - len(done),
-            "min_version": min(versions, default=0), "max_version": max(versions, default=0),
-            "tokens": sum(sum(t.loss_mask) for t in done), "wall_s": time.monotonic() - started,
-        }
+        async def outcome(target: EvalTarget) -> _Outcome:
+            seeds = range(e.num_tasks)
+            greedy = asyncio.gather(*(one(target, s, self.greedy) for s in seeds))
+            sampled = asyncio.gather(*(one(target, s, self.sampled, k) for s in seeds for k in range(e.samples)))
+            g, s = await asyncio.gather(greedy, sampled)
+            return _Outcome(greedy=g, sampled=s)
+
+        outcomes = await asyncio.gather(*(outcome(t) for t in self.targets))
+        every = _Outcome(greedy=[t for o in outcomes for t in o.greedy], sampled=[t for o in outcomes for t in o.sampled])
+        return {**summarize(every, e.samples), "k": e.samples,
+                "envs": {t.key: summarize(o, e.samples) for t, o in zip(self.targets, outcomes, strict=True)},
+                "wall_s": time.monotonic() - started}
+
+
+def summarize(outcome: _Outcome, k: int) -> dict[str, Any]:
+    """Greedy reward, mean sampled reward, pass@k, and what they are of (tasks, errors, versions, tokens)."""
+    num_tasks = len(outcome.greedy)
+    rewards = [[_reward(t) for t in outcome.sampled[i * k:(i + 1) * k]] for i in range(num_tasks)]
+    done = [t for t in (*outcome.greedy, *outcome.sampled) if t is not None]
+    versions = [v for t in done for v, m in zip(t.policy_versions, t.loss_mask, strict=True) if m]
+    return {
+        "greedy_reward": sum(map(_reward, outcome.greedy)) / max(num_tasks, 1),
+        "sampled_reward": sum(map(sum, rewards)) / max(num_tasks * k, 1),
+        "pass_at_k": pass_at_k(rewards), "num_tasks": num_tasks,
+        "errors": len(outcome.greedy) + len(outcome.sampled) - len(done),
+        "min_version": min(versions, default=0), "max_version": max(versions, default=0),
+        "tokens": sum(sum(t.loss_mask) for t in done),
+    }
 
 
 def _reward(traj: common_pb2.Trajectory | None) -> float:

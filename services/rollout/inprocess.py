@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from arlo.config import EnvGatewayConfig
 from arlo.jsonfields import parse_json_object
 from services.env_gateway.envs.base import EnvUnavailableError, EpisodeOverError
 from services.env_gateway.envs.base import Message as EnvMessage
@@ -22,6 +23,7 @@ from services.env_gateway.sessions import (
     SessionNotFoundError,
     SessionStore,
 )
+from services.env_gateway.spec import EnvContext
 from services.reward.registry import RewardRegistry
 from services.reward.registry import default_registry as reward_registry
 from services.reward.scoring import Scorer as RewardScorer
@@ -51,10 +53,12 @@ def _messages(observation: Sequence[EnvMessage]) -> tuple[Message, ...]:
 
 
 class GatewayEnv:
-    """EnvClient over a Gateway core (the built-in environments by default)."""
+    """EnvClient over a Gateway core (by default the built-in environments, under `config`: e.g.
+    its dataset_roots)."""
 
-    def __init__(self, gateway: Gateway | None = None) -> None:
-        self.gw = gateway or Gateway(env_registry(), SessionStore(idle_timeout_s=60, max_sessions=10000))
+    def __init__(self, gateway: Gateway | None = None, *, config: EnvGatewayConfig | None = None) -> None:
+        self.gw = gateway or Gateway(env_registry(EnvContext(config)),
+                                     SessionStore(idle_timeout_s=60, max_sessions=10000))
         self.closed: list[str] = []
         self._info = json.JSONEncoder(default=str)  # as the servicer encodes info
 

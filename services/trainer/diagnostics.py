@@ -27,8 +27,23 @@ def staleness_stats(trajs: Sequence[common_pb2.Trajectory], trainer_version: int
     return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
 
 
+UNNAMED_ENV = "unnamed"
+"""The environment key of a trajectory that carries no `env_name` (a producer that sets none)."""
+
+
+def per_env_stats(trajs: Sequence[common_pb2.Trajectory]) -> dict[str, dict[str, float]]:
+    """Mean reward and trajectory count per environment (Trajectory.env_name: the mixture entry's
+    label), so a mixture shows which of its environments the policy is learning."""
+    rewards: dict[str, list[float]] = {}
+    for t in trajs:
+        rewards.setdefault(t.env_name or UNNAMED_ENV, []).append(t.reward)
+    return {"reward_by_env": {k: sum(v) / len(v) for k, v in sorted(rewards.items())},
+            "trajectories_by_env": {k: len(v) for k, v in sorted(rewards.items())}}
+
+
 def trajectory_stats(trajs: Sequence[common_pb2.Trajectory]) -> dict[str, Any]:
-    """Response lengths (model tokens), turns, environment (process) rewards and reward components."""
+    """Response lengths (model tokens), turns, environment (process) rewards, reward components,
+    and reward per environment of the mixture."""
     if not trajs:
         return {}
     lengths = [sum(t.loss_mask) for t in trajs]
@@ -47,6 +62,7 @@ def trajectory_stats(trajs: Sequence[common_pb2.Trajectory]) -> dict[str, Any]:
         # Mean over the trajectories that carry the component (a composite's parts may differ).
         "reward_components": {k: sum(v) / len(v) for k, v in sorted(components.items())},
         "finish_reasons": dict(sorted(finish.items())),
+        **per_env_stats(trajs),
     }
 
 

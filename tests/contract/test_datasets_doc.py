@@ -1,6 +1,7 @@
-"""docs/datasets.md's example runs: examples/datasets/run.yaml loads, its dataset entry serves
-episodes from a real gateway (held-out split disjoint from train, metadata in Reset), and the doc
-shows the YAML verbatim."""
+"""docs/datasets.md's examples run: examples/datasets/run.yaml (a mixture) and tasks.yaml (the
+`rollout.tasks` short form) load, their dataset entry serves
+episodes from a real gateway (held-out split disjoint from train, metadata in Reset), the doc
+shows the YAML verbatim, and the gateway reads no dataset outside env_gateway.dataset_roots."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from arlo.config import load_config
@@ -36,17 +38,22 @@ async def stub(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[env_pb2_grpc.En
         await running.stop(None)
 
 
-def test_doc_shows_the_example_config() -> None:
+@pytest.mark.parametrize(("marker", "example"), [("run-config", "run.yaml"), ("tasks-config", "tasks.yaml")])
+def test_doc_shows_the_example_config(marker: str, example: str) -> None:
     doc = (ROOT / "docs" / "datasets.md").read_text()
-    block = re.search(r"<!-- example: run-config -->\n```yaml\n(.*?)```", doc, re.DOTALL)
-    example = (EXAMPLE / "run.yaml").read_text()
-    assert block and block.group(1) in example
+    block = re.search(rf"<!-- example: {marker} -->\n```yaml\n(.*?)```", doc, re.DOTALL)
+    assert block and block.group(1) in (EXAMPLE / example).read_text()
 
 
-async def test_example_dataset_episodes_through_the_gateway(stub: env_pb2_grpc.EnvironmentStub) -> None:
-    cfg = load_config(EXAMPLE / "run.yaml").rollout
-    assert [(e.key, e.weight) for e in cfg.mixture] == [("squares", 3.0), ("arith", 1.0)]
-    train_json, eval_json = cfg.mixture[0].config_json, eval_env_config(cfg)
+@pytest.mark.parametrize("example", ["run.yaml", "tasks.yaml"])
+async def test_example_dataset_episodes_through_the_gateway(stub: env_pb2_grpc.EnvironmentStub, example: str) -> None:
+    cfg = load_config(EXAMPLE / example).rollout
+    if example == "run.yaml":
+        assert [(e.key, e.weight) for e in cfg.mixture] == [("squares", 3.0), ("arith", 1.0)]
+        assert json.loads(eval_env_config(cfg, "arith")) == {"split": "eval"}  # each entry has its held-out tasks
+    else:  # the short form: one dataset entry, its held-out config derived from its split
+        assert [(e.name, e.key) for e in cfg.mixture] == [("dataset", "squares")]
+    train_json, eval_json = cfg.mixture[0].config_json, eval_env_config(cfg, "squares")
     rows = {json.loads(line)["id"]: json.loads(line) for line in (EXAMPLE / "squares.jsonl").read_text().splitlines()}
     seen: dict[str, set[str]] = {"train": set(), "eval": set()}
     for split, config_json in (("train", train_json), ("eval", eval_json)):
@@ -62,3 +69,14 @@ async def test_example_dataset_episodes_through_the_gateway(stub: env_pb2_grpc.E
             seen[split].add(row["id"])
     assert seen["train"].isdisjoint(seen["eval"]) and seen["eval"]
     assert seen["train"] | seen["eval"] == set(rows)
+
+
+async def test_a_path_outside_the_dataset_roots_is_invalid_argument(stub: env_pb2_grpc.EnvironmentStub) -> None:
+    # The default root is the gateway's working directory (here the repository root); symlink
+    # escapes are tests/unit/test_env_dataset.py's.
+    for path in ("/etc/passwd", "examples/../../etc/passwd"):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Reset(env_pb2.ResetRequest(env_name="dataset", config_json=json.dumps({"path": path})),
+                             timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert path in refused.value.details() and "env_gateway.dataset_roots" in refused.value.details()

@@ -82,6 +82,7 @@ async def test_worker_runs_a_dataset_mixture_through_the_cursor(redis: Redis, ru
     sequence), trajectories carry their entry's label, and the row's metadata reaches the scorer."""
     import json
 
+    from arlo.config import EnvGatewayConfig
     from arlo.coord import TrajectoryStream
     from arlo.coord.codec import decode
     from services.rollout.agent import Turn
@@ -112,7 +113,8 @@ async def test_worker_runs_a_dataset_mixture_through_the_cursor(redis: Redis, ru
     await stream.ensure_group()
     scorer = RecordingScorer()
     for _ in range(2):  # the second worker is the first one restarted: same Redis, new objects
-        worker = RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=Oracle(), env=GatewayEnv(), scorer=scorer,
+        env = GatewayEnv(config=EnvGatewayConfig(dataset_roots=(str(tmp_path),)))
+        worker = RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=Oracle(), env=env, scorer=scorer,
                                stream=stream, tasks=durable_picker(cfg, redis, run_id, random.Random()))
         await worker.run(max_groups=3)
     entries = await redis.xrange(Keys(run_id).traj)

@@ -20,17 +20,17 @@ from services.trainer.__main__ import start_trainer
 FIELDS = {"step", "version", "phase", "time", "loss", "reward_mean", "approx_kl", "clip_fraction", "grad_norm",
           "logprob_mismatch", "is_weight", "staleness_mean", "staleness_max", "queue_depth", "dropped",
           "response_length_mean", "response_length_max", "reward_components", "tokens_trained",
-          "generated_tokens", "env_reward_mean", "consumed"}
+          "generated_tokens", "env_reward_mean", "consumed", "reward_by_env", "trajectories_by_env"}
 
 
-def trajectory(group: str, reward: float, answer: list[int]) -> common_pb2.Trajectory:
+def trajectory(group: str, reward: float, answer: list[int], env_name: str = "") -> common_pb2.Trajectory:
     prompt = [257, 260, 51, 43, 52, 61, 258, 261]
     n = len(prompt) + len(answer)
     traj = common_pb2.Trajectory(
         id=uuid.uuid4().hex, group_id=group, group_size=2, token_ids=prompt + answer,
         logprobs=[0.0] * 8 + [-5.5] * len(answer), loss_mask=[0] * 8 + [1] * len(answer),
         policy_versions=[-1] * 8 + [0] * len(answer), reward=reward, status=common_pb2.TRAJECTORY_STATUS_OK,
-        reward_components={"exact_match": reward, "format": 0.5}, finish_reason="done")
+        reward_components={"exact_match": reward, "format": 0.5}, finish_reason="done", env_name=env_name)
     traj.turn_rewards.add(token_end=n, reward=reward)
     return traj
 
@@ -58,8 +58,8 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         stream = TrajectoryStream(redis, run_id, consumer="test-producer")
         # Three groups sampled at version 0, all admitted at once while version 0 is current: the
         # third would train from version 2, two versions behind, so it is dropped at its step.
-        for g, answer in (("g1", [55, 258]), ("g2", [55, 56, 57, 258]), ("g3", [55, 258])):
-            await stream.add_group([trajectory(g, 1.0, answer), trajectory(g, 0.0, answer)])
+        for g, answer, env in (("g1", [55, 258], "times"), ("g2", [55, 56, 57, 258], "plus"), ("g3", [55, 258], "")):
+            await stream.add_group([trajectory(g, 1.0, answer, env), trajectory(g, 0.0, answer, env)])
         loop.resume()
         for _ in range(1200):
             if loop.state.version >= 2 and loop.dropped()["stale"] >= 2:
@@ -73,6 +73,8 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         assert FIELDS <= set(first) and first["phase"] == "rl"
         assert first["reward_mean"] == 0.5 and first["reward_components"] == {"exact_match": 0.5, "format": 0.5}
         assert first["env_reward_mean"] == 0.5 and first["response_length_max"] == 2
+        assert (first["reward_by_env"], first["trajectories_by_env"]) == ({"times": 0.5}, {"times": 2})
+        assert (second["reward_by_env"], second["trajectories_by_env"]) == ({"plus": 0.5}, {"plus": 2})
         assert second["response_length_mean"] == 4 and second["generated_tokens"] == 4 + 8
         assert (first["staleness_max"], second["staleness_max"]) == (0, 1)  # <= max_staleness, exactly
         assert second["dropped"]["stale"] == 0  # dropped after step 2, before a third could take it

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from services.env_gateway.envs.dataset import DatasetEnv
-from services.env_gateway.envs.dataset_source import DatasetStore
+from services.env_gateway.envs.dataset_source import DatasetRoots, DatasetStore
 
 ROWS = [{"id": f"t{i}", "question": f"What is {i} + {i}?", "solution": str(2 * i), "tests": [f"assert f({i})"],
          "level": i % 3} for i in range(40)]
@@ -48,7 +48,7 @@ def config(path: Path, **extra: Any) -> dict[str, Any]:
 def test_every_format_maps_fields_and_gives_each_task_once_per_epoch(tmp_path: Path, fmt: str) -> None:
     writer, name = WRITERS[fmt]
     path = writer(tmp_path / name, ROWS)
-    env, cfg = DatasetEnv(DatasetStore()), config(path, system_prompt="Be brief.")
+    env, cfg = DatasetEnv(DatasetStore(DatasetRoots([tmp_path]))), config(path, system_prompt="Be brief.")
     epochs = []
     for epoch in range(2):
         ids = []
@@ -62,7 +62,7 @@ def test_every_format_maps_fields_and_gives_each_task_once_per_epoch(tmp_path: P
         assert sorted(ids) == sorted(f"dataset-{r['id']}" for r in ROWS)  # every task once
         epochs.append(ids)
     assert epochs[0] != epochs[1]  # the second epoch is reshuffled
-    assert env.reset(3, cfg).task_id == DatasetEnv(DatasetStore()).reset(3, cfg).task_id  # same seed, same task
+    assert env.reset(3, cfg).task_id == DatasetEnv(DatasetStore(DatasetRoots([tmp_path]))).reset(3, cfg).task_id  # same seed, same task
     assert env.reset(3, cfg).task_id != env.reset(3, {**cfg, "shuffle_seed": 1}).task_id or \
         env.reset(4, cfg).task_id != env.reset(4, {**cfg, "shuffle_seed": 1}).task_id
 
@@ -70,7 +70,7 @@ def test_every_format_maps_fields_and_gives_each_task_once_per_epoch(tmp_path: P
 @pytest.mark.parametrize("fmt", sorted(WRITERS))
 def test_single_turn_answer_is_the_reply(tmp_path: Path, fmt: str) -> None:
     writer, name = WRITERS[fmt]
-    env = DatasetEnv(DatasetStore())
+    env = DatasetEnv(DatasetStore(DatasetRoots([tmp_path])))
     reset = env.reset(0, config(writer(tmp_path / name, ROWS)))
     row = next(r for r in ROWS if f"dataset-{r['id']}" == reset.task_id)
     step = env.step(f"  {row['solution']} \n")
@@ -79,7 +79,7 @@ def test_single_turn_answer_is_the_reply(tmp_path: Path, fmt: str) -> None:
 
 def test_held_out_split_is_disjoint_and_covers_the_rows(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", ROWS)
-    env = DatasetEnv(DatasetStore())
+    env = DatasetEnv(DatasetStore(DatasetRoots([tmp_path])))
     parts = {split: {env.reset(s, config(path, split=split, eval_fraction=0.25)).task_id for s in range(200)}
              for split in ("train", "eval")}
     assert parts["train"].isdisjoint(parts["eval"])
@@ -94,7 +94,7 @@ def test_held_out_split_is_disjoint_and_covers_the_rows(tmp_path: Path) -> None:
 def test_messages_field_and_integer_answers(tmp_path: Path) -> None:
     rows = [{"messages": [{"role": "system", "content": "Count."}, {"role": "user", "content": "1,2,3?"}],
              "answer": 3}]
-    env = DatasetEnv(DatasetStore())
+    env = DatasetEnv(DatasetStore(DatasetRoots([tmp_path])))
     reset = env.reset(5, {"path": str(write_jsonl(tmp_path / "m.jsonl", rows)), "messages_field": "messages",
                           "answer_format": "last_integer"})
     assert [m.role for m in reset.observation] == ["system", "user"] and reset.task_id == "dataset-0"
@@ -104,7 +104,7 @@ def test_messages_field_and_integer_answers(tmp_path: Path) -> None:
 
 def test_calculator_tool_multi_turn(tmp_path: Path) -> None:
     rows = [{"prompt": "What is 4821 * 337?", "answer": str(4821 * 337)}]
-    env = DatasetEnv(DatasetStore())
+    env = DatasetEnv(DatasetStore(DatasetRoots([tmp_path])))
     reset = env.reset(0, {"path": str(write_jsonl(tmp_path / "c.jsonl", rows)), "tool": True, "max_turns": 3,
                           "answer_format": "last_integer"})
     assert json.loads(reset.tools_json)[0]["function"]["name"] == "calculator"
@@ -125,11 +125,11 @@ def test_calculator_tool_multi_turn(tmp_path: Path) -> None:
 def test_bad_configs_and_rows_name_the_field(tmp_path: Path, extra: dict[str, Any], rows: list[dict[str, Any]],
                                              match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        DatasetEnv(DatasetStore()).reset(0, config(write_jsonl(tmp_path / "t.jsonl", rows), **extra))
+        DatasetEnv(DatasetStore(DatasetRoots([tmp_path]))).reset(0, config(write_jsonl(tmp_path / "t.jsonl", rows), **extra))
 
 
 def test_missing_and_unreadable_files(tmp_path: Path) -> None:
-    env = DatasetEnv(DatasetStore())
+    env = DatasetEnv(DatasetStore(DatasetRoots([tmp_path])))
     with pytest.raises(ValueError, match="does not exist"):
         env.reset(0, {"path": str(tmp_path / "none.jsonl")})
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "1"}\nnot json\n')
@@ -141,7 +141,7 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
 
 
 def test_a_rewritten_file_is_read_again(tmp_path: Path) -> None:
-    store, path = DatasetStore(), tmp_path / "t.jsonl"
+    store, path = DatasetStore(DatasetRoots([tmp_path])), tmp_path / "t.jsonl"
     write_jsonl(path, [{"prompt": "a?", "answer": "1"}])
     env = DatasetEnv(store)
     assert env.reset(0, {"path": str(path)}).observation[0].content == "a?"
@@ -154,7 +154,46 @@ def test_dataset_dict_needs_a_split_name(tmp_path: Path) -> None:
     rows = [{"prompt": "p?", "answer": "1"}]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
                           "test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
-    env = DatasetEnv(DatasetStore())
+    env = DatasetEnv(DatasetStore(DatasetRoots([tmp_path])))
     with pytest.raises(ValueError, match=r"holds the splits \['test', 'train'\]: set hf_split"):
         env.reset(0, {"path": str(tmp_path / "dd")})
     assert env.reset(0, {"path": str(tmp_path / "dd"), "hf_split": "test"}).task_id == "dataset-0"
+
+
+def test_only_paths_under_the_dataset_roots_are_read(tmp_path: Path) -> None:
+    """The path comes from a client's config JSON: `..`, absolute paths and symlinks that lead
+    out of env_gateway.dataset_roots are refused before the file is touched."""
+    root, outside = tmp_path / "data", tmp_path / "private"
+    root.mkdir()
+    outside.mkdir()
+    write_jsonl(root / "ok.jsonl", [{"prompt": "in?", "answer": "1"}])
+    secret = write_jsonl(outside / "secret.jsonl", [{"prompt": "the secret", "answer": "s"}])
+    (root / "escape.jsonl").symlink_to(secret)
+    (root / "door").symlink_to(outside, target_is_directory=True)
+    (root / "inner.jsonl").symlink_to(root / "ok.jsonl")  # a symlink that stays inside is fine
+    env = DatasetEnv(DatasetStore(DatasetRoots([root])))
+    assert env.reset(0, {"path": str(root / "ok.jsonl")}).observation[0].content == "in?"
+    assert env.reset(0, {"path": str(root / "inner.jsonl")}).observation[0].content == "in?"
+    for path in (secret, root / "escape.jsonl", root / "door" / "secret.jsonl", root / ".." / "private" / "secret.jsonl",
+                 outside / "missing.jsonl", Path("/etc/passwd")):
+        with pytest.raises(ValueError, match=r"outside the directories the gateway reads datasets from "
+                                             r"\(env_gateway.dataset_roots: \[.*data'\]\)") as refused:
+            env.reset(0, {"path": str(path)})
+        assert str(path) in str(refused.value) and "the secret" not in str(refused.value)
+
+
+def test_relative_paths_and_roots_are_from_the_working_directory(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "t.jsonl", [{"prompt": "rel?", "answer": "1"}])
+    write_jsonl(tmp_path / "top.jsonl", [{"prompt": "top?", "answer": "1"}])
+    monkeypatch.chdir(tmp_path / "data")
+    env = DatasetEnv(DatasetStore(DatasetRoots(["."])))
+    assert env.reset(0, {"path": "t.jsonl"}).observation[0].content == "rel?"
+    with pytest.raises(ValueError, match=r"path '../top.jsonl' is outside"):
+        env.reset(0, {"path": "../top.jsonl"})
+    with pytest.raises(ValueError, match=r"env_gateway.dataset_roots: 'nowhere' .* is not a directory"):
+        DatasetRoots(["nowhere"])
+    nothing = DatasetEnv(DatasetStore(DatasetRoots([])))  # dataset_roots: [] reads no file at all
+    with pytest.raises(ValueError, match="outside"):
+        nothing.reset(0, {"path": "t.jsonl"})

@@ -1,5 +1,6 @@
-"""Held-out evaluation: the summary figures, the env-config merge, and the Redis request/result
-round trip (a real Redis; the episodes run on the real env gateway core and reward scorer)."""
+"""Held-out evaluation: the summary figures (overall and per environment of a mixture), the
+env-config merge, and the Redis request/result round trip (a real Redis; the episodes run on the
+real env gateway core and reward scorer)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from arlo.config import ConfigError, EvalConfig, RolloutConfig, SamplingConfig, load_config
+from arlo.config import ConfigError, EvalConfig, RolloutConfig, RolloutEnvConfig, SamplingConfig, load_config
 from arlo.coord.evals import EvalQueue
 from services.rollout.agent import Turn, run_episode
-from services.rollout.evaluation import Evaluator, eval_env_config, pass_at_k, serve_evaluations
+from services.rollout.evaluation import Evaluator, eval_env_config, eval_targets, pass_at_k, serve_evaluations
 from tests.support.inprocess import TOK, CoreScorer, GatewayEnv
 
 TASK = '{"op": "*", "max_operand": 30, "tool": true, "max_turns": 2}'
@@ -23,16 +24,20 @@ TASK = '{"op": "*", "max_operand": 30, "tool": true, "max_turns": 2}'
 
 class ScriptedPolicy:
     """A stand-in policy that reads the question off the prompt: `solves` decides per call whether
-    it answers right, so the expected figures are known exactly."""
+    it answers right, so the expected figures are known exactly (`ops` records each question's op)."""
 
     def __init__(self, solves) -> None:
         self.solves = solves
         self.calls = 0
+        self.ops: list[tuple[str, int, int]] = []
 
     async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
         text = TOK.decode(prompt)
-        a, b = map(int, re.search(r"(\d+)\*(\d+)=", text).groups())
-        answer = str(a * b) if self.solves(self.calls, a, b) else str(a * b + 1)
+        a, op, b = re.search(r"(\d+)([*+])(\d+)=", text).groups()
+        a, b = int(a), int(b)
+        self.ops.append((op, a, b))
+        right = a * b if op == "*" else a + b
+        answer = str(right) if self.solves(self.calls, a, b) else str(right + 1)
         self.calls += 1
         ids = TOK.encode(answer) + [TOK.eos_id]
         return Turn(token_ids=ids, logprobs=[-0.5] * len(ids), policy_versions=[7] * len(ids), finished_by_stop=True)
@@ -64,6 +69,54 @@ def test_eval_config_is_merged_over_the_training_config() -> None:
         eval_env_config(RolloutConfig(env_config_json="[1]"))
     with pytest.raises(ConfigError, match="rollout.eval.env_config_json is not valid JSON"):
         load_config(overrides={"rollout": {"eval": {"env_config_json": "{split"}}})
+
+
+def test_an_entry_eval_override_replaces_the_run_wide_one() -> None:
+    cfg = RolloutConfig(envs=(
+        RolloutEnvConfig(name="arith", label="times", config_json='{"op": "*"}'),
+        RolloutEnvConfig(name="arith", label="plus", config_json='{"op": "+", "max_operand": 50}',
+                         eval_config_json='{"max_operand": 5}'),
+        RolloutEnvConfig(name="arith", label="as_trained", config_json='{"op": "-"}', eval_config_json="{}"),
+    ), eval=EvalConfig(env_config_json='{"split": "eval"}'))
+    configs = {t.key: json.loads(t.config_json) for t in eval_targets(cfg)}
+    assert configs == {"times": {"op": "*", "split": "eval"}, "plus": {"op": "+", "max_operand": 5},
+                       "as_trained": {"op": "-"}}
+    assert json.loads(eval_env_config(cfg, "plus")) == configs["plus"]
+    with pytest.raises(ConfigError, match=r"rollout.envs\[0\].eval_config_json is not valid JSON"):
+        load_config(overrides={"rollout": {"envs": [{"name": "arith", "eval_config_json": "{x"}]}})
+
+
+def test_each_environment_of_a_mixture_is_evaluated_and_reported_apart() -> None:
+    # Two arith entries (times and plus); the policy always gets times right and plus wrong, so the
+    # per-environment figures are 1 and 0 and the overall ones, over both entries' tasks, 0.5.
+    cfg = RolloutConfig(
+        envs=(RolloutEnvConfig(name="arith", label="times", config_json='{"op": "*", "max_turns": 1}', weight=3),
+              RolloutEnvConfig(name="arith", label="plus", config_json='{"op": "+", "max_turns": 1}',
+                               eval_config_json='{"split": "eval", "max_operand": 20}')),
+        max_turns=1, group_size=2, concurrent_groups=2, sampling=SamplingConfig(max_tokens=8),
+        eval=EvalConfig(env_config_json='{"split": "eval"}', num_tasks=4, samples=2))
+    greedy, sampled = ScriptedPolicy(lambda *a: True), ScriptedPolicy(lambda *a: True)
+
+    def right_on_times(policy: ScriptedPolicy):
+        return lambda i, a, b: policy.ops[-1][0] == "*"
+
+    greedy.solves, sampled.solves = right_on_times(greedy), right_on_times(sampled)
+    result = asyncio.run(evaluator(cfg, greedy, sampled).run())
+    times, plus = result["envs"]["times"], result["envs"]["plus"]
+    assert list(result["envs"]) == ["times", "plus"]
+    assert (times["greedy_reward"], times["sampled_reward"], times["pass_at_k"]) == (1.0, 1.0, 1.0)
+    assert (plus["greedy_reward"], plus["sampled_reward"], plus["pass_at_k"]) == (0.0, 0.0, 0.0)
+    assert (result["greedy_reward"], result["sampled_reward"], result["pass_at_k"]) == (0.5, 0.5, 0.5)
+    assert times["num_tasks"] == plus["num_tasks"] == 4 and result["num_tasks"] == 8 and result["k"] == 2
+    assert result["errors"] == times["errors"] == plus["errors"] == 0
+    # Each entry ran on its own held-out config: plus's override widened its operands past arith's 9.
+    asked = greedy.ops + sampled.ops
+    assert sum(op == "*" for op, _, _ in asked) == sum(op == "+" for op, _, _ in asked) == 4 * 3
+    from services.env_gateway.envs.arith import in_split
+
+    assert all(in_split(a, b, "eval") for _, a, b in asked)
+    assert all(a <= 9 and b <= 9 for op, a, b in asked if op == "*")
+    assert any(max(a, b) > 9 for op, a, b in asked if op == "+")
 
 
 def test_figures_from_a_policy_of_known_skill() -> None:
@@ -128,6 +181,9 @@ async def test_a_request_is_answered_once_through_redis(redis_url: str, run_id: 
             worker.cancel()
         assert result["tag"] == "start" and result["served_version"] == 3 and result["requested_version"] == 3
         assert result["greedy_reward"] == 1.0 and result["sampled_reward"] == 0.0
+        assert result["envs"]["arith"]["greedy_reward"] == 1.0  # one environment: its figures are the overall ones
+        latest = await asker.latest_result()  # what `arlo status` shows
+        assert latest["tag"] == "start" and latest["envs"] == result["envs"]
         pending = await client.xpending(f"arlo:{run_id}:eval:requests", "rollout")
         assert pending["pending"] == 0  # acknowledged: no other worker runs it again
     finally:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from arlo.app.run_record import RunRecorder, plot_run, tensorboard_scalars
+from arlo.app.run_record import RunRecorder, eval_scalars, plot_run, tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,22 @@ def test_sft_and_rl_losses_are_separate_tags_and_breakdowns_get_their_own() -> N
     assert rl["train/loss"] == 0.25 and rl["train/kl_ref"] == 0.01 and "sft/loss" not in rl
     assert rl["reward_components/format"] == 0.5 and rl["dropped/stale"] == 3
     assert rl["throughput/tokens_per_s"] == 90.0
+    mixed = tensorboard_scalars({**row(4, "rl"), "reward_by_env": {"squares": 0.75, "arith": 0.0},
+                                 "trajectories_by_env": {"squares": 4, "arith": 2}})
+    assert mixed["reward_by_env/squares"] == 0.75 and mixed["reward_by_env/arith"] == 0.0
+    assert mixed["trajectories_by_env/squares"] == 4
+
+
+def test_evaluation_tags_overall_and_per_environment() -> None:
+    envs = {"squares": {"greedy_reward": 1.0, "sampled_reward": 0.5, "pass_at_k": 1.0},
+            "arith": {"greedy_reward": 0.0, "sampled_reward": 0.25, "pass_at_k": 0.5}}
+    tags = eval_scalars({"greedy_reward": 0.5, "sampled_reward": 0.375, "pass_at_k": 0.75, "k": 4, "envs": envs})
+    assert tags == {"eval/greedy_reward": 0.5, "eval/sampled_reward": 0.375, "eval/pass_at_k": 0.75,
+                    "eval/squares/greedy_reward": 1.0, "eval/squares/sampled_reward": 0.5,
+                    "eval/squares/pass_at_k": 1.0, "eval/arith/greedy_reward": 0.0,
+                    "eval/arith/sampled_reward": 0.25, "eval/arith/pass_at_k": 0.5}
+    # One environment: its figures are the overall ones, logged once.
+    assert eval_scalars({"greedy_reward": 1.0, "envs": {"arith": {"greedy_reward": 1.0}}}) == {"eval/greedy_reward": 1.0}
 
 
 def test_reward_plot_has_a_legend_per_line_gaps_phases_and_the_run_id(tmp_path: Path) -> None:
@@ -76,6 +92,18 @@ def test_reward_plot_has_a_legend_per_line_gaps_phases_and_the_run_id(tmp_path: 
     assert list(start.get_xdata()) == [3, 3]
     sampled = next(line for line in top.get_lines() if line.get_label() == "held-out sampled reward")
     assert list(sampled.get_xdata()) == [3, 8]  # the failed evaluation is no point
+
+
+def test_a_mixture_plots_each_environment_held_out(tmp_path: Path) -> None:
+    envs = {"arith": {"sampled_reward": 0.2}, "squares": {"sampled_reward": 0.8}}
+    evals = [{"tag": "start", "step": 0, "sampled_reward": 0.5, "greedy_reward": 0.5, "envs": envs},
+             {"tag": "end", "step": 4, "sampled_reward": 0.6, "greedy_reward": 0.6,
+              "envs": {**envs, "squares": {"sampled_reward": 1.0}}}]
+    fig = plot_run([row(s, "rl") for s in (1, 2, 3, 4)], evals, tmp_path / "p.png")
+    top = fig.axes[0]
+    lines = {line.get_label(): line for line in top.get_lines()}
+    assert list(lines["held-out sampled: squares"].get_ydata()) == [0.8, 1.0]
+    assert list(lines["held-out sampled: arith"].get_ydata()) == [0.2, 0.2]
 
 
 def test_demo_demonstrations_are_fresh() -> None:

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from arlo.config import RewardConfig, TrainerConfig
+from arlo.config import EnvGatewayConfig, RewardConfig, TrainerConfig
 from arlo.groups import group_failed, trainable_count
 from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
@@ -44,7 +44,8 @@ def test_a_composite_reward_run_trains(tmp_path) -> None:
     env_cfg = json.dumps({"path": str(data), "metadata_fields": "components,patterns"})
     policy = Replies(["5", "6", "five", "5"])
     # The reward service's own registry (built-ins, code_tests, composite), as its server builds it.
-    env, scorer = GatewayEnv(), CoreScorer(build_registry(RewardConfig()))
+    env = GatewayEnv(config=EnvGatewayConfig(dataset_roots=(str(tmp_path),)))
+    scorer = CoreScorer(build_registry(RewardConfig()))
 
     async def episodes() -> list[common_pb2.Trajectory]:
         out = []

@@ -18,92 +18,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from arlo.config import DATASET_MAX_TURNS, DatasetConfig
 from services.env_gateway.envs.answers import last_integer, normalize_text
 from services.env_gateway.envs.base import (
     EpisodeOverError,
     Message,
     ResetResult,
     StepResult,
-    check_range,
     describe_config,
     parse_config,
 )
 from services.env_gateway.envs.calculator import TOOLS as CALCULATOR_TOOLS
-from services.env_gateway.envs.dataset_source import FORMATS, DatasetStore, Rows
+from services.env_gateway.envs.dataset_source import DatasetStore, Rows
 from services.env_gateway.envs.safe_eval import EvalError, evaluate, format_number
 from services.env_gateway.tool_calls import BadToolCall, error_message, parse_tool_calls
 from services.env_gateway.tool_schema import tools_json
 
 NAME = "dataset"
-MAX_TURNS = 32
+MAX_TURNS = DATASET_MAX_TURNS
 MAX_METADATA_BYTES = 64 << 10  # ScoreRequest.metadata_json's bound
-SPLITS = ("all", "train", "eval")
-ANSWER_FORMATS = ("text", "last_integer", "normalized")
 ROLES = ("system", "user", "assistant", "tool")
 TOOLS = CALCULATOR_TOOLS[:1]
 NO_ANSWER = "Give your final answer, or call the calculator tool."
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DatasetConfig:
-    path: str = ""
-    """The dataset: a .jsonl/.parquet file or a save_to_disk directory, on the gateway's disk."""
-    format: str = "auto"
-    """"jsonl", "parquet", "hf" (save_to_disk), or "auto" from the path."""
-    hf_split: str = ""
-    """Which split of a saved DatasetDict (empty: its only one)."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt text (the user message)."""
-    messages_field: str = ""
-    """Column holding a list of {role, content} messages; when set it is used instead of prompt_field."""
-    answer_field: str = "answer"
-    """Column holding the reference answer (non-strings are written as JSON)."""
-    id_field: str = ""
-    """Column with a stable task id (empty: the row number). The held-out split is drawn by id."""
-    metadata_fields: str = ""
-    """Comma-separated columns returned as the task's metadata (Reset's metadata_json), e.g. "tests"."""
-    system_prompt: str = ""
-    """A system message put before the prompt (not with messages_field)."""
-    split: str = "all"
-    """"train" or "eval": the part of a fixed partition by task id; "all" for separate files."""
-    eval_fraction: float = 0.0
-    """Share of the tasks held out as "eval" (with split "train"/"eval")."""
-    split_seed: int = 0
-    """Seeds the partition: change it and another set of tasks is held out."""
-    shuffle_seed: int = 0
-    """Seeds every epoch's order (epoch e is shuffled by (shuffle_seed, e))."""
-    answer_format: str = "text"
-    """How the final reply becomes the answer: "text" (stripped), "last_integer", or "normalized"
-    (lower case, no punctuation or articles; the reference is normalised the same way)."""
-    tool: bool = False
-    """The agent has a calculator tool; the episode ends at its first reply without a tool call."""
-    max_turns: int = 1
-    """Turns before the episode ends unanswered (only matters with tool)."""
-
-    def validate(self) -> None:
-        if not self.path:
-            raise ValueError("path is required: a .jsonl or .parquet file or a save_to_disk directory")
-        _one_of("format", self.format, FORMATS)
-        _one_of("split", self.split, SPLITS)
-        _one_of("answer_format", self.answer_format, ANSWER_FORMATS)
-        if not (self.prompt_field or self.messages_field):
-            raise ValueError("set prompt_field or messages_field")
-        if not self.answer_field:
-            raise ValueError("answer_field is required")
-        check_range("eval_fraction", self.eval_fraction, 0.0, 1.0)
-        if self.split != "all" and not 0 < self.eval_fraction < 1:
-            raise ValueError(f"split {self.split!r} needs eval_fraction in (0, 1); for separate train and "
-                             "eval files use split 'all' and a different path for evaluation")
-        check_range("max_turns", self.max_turns, 1, MAX_TURNS)
-
-    @property
-    def metadata_columns(self) -> tuple[str, ...]:
-        return tuple(f.strip() for f in self.metadata_fields.split(",") if f.strip())
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
 DESCRIPTION = ("Tasks from a dataset file (JSONL, Parquet or a datasets save_to_disk directory) with a field "

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-FORMATS = ("auto", "jsonl", "parquet", "hf")
+from arlo.config import DATASET_FORMATS
+
+FORMATS = DATASET_FORMATS
 MAX_JSONL_BYTES = 1 << 30
 _CACHED_DATASETS = 8
 _CACHED_ORDERS = 64
@@ -142,17 +144,45 @@ def epoch_order(n: int, epoch: int, shuffle_seed: int) -> list[int]:
     return order
 
 
-class DatasetStore:
-    """Loaded datasets, their splits and epoch orders, shared by the sessions of a gateway."""
+ROOTS_SETTING = "env_gateway.dataset_roots"
 
-    def __init__(self) -> None:
+
+class DatasetRoots:
+    """The directories a gateway reads datasets from. The path comes from a client's config JSON,
+    so without this any token holder could have the gateway read any file it can reach; a path
+    is checked after symlinks and `..` are resolved (before it is even stat'ed: a refusal says
+    nothing about whether the file exists). A dataset directory's own contents are trusted."""
+
+    def __init__(self, roots: Sequence[str | Path]) -> None:
+        self.roots: tuple[Path, ...] = tuple(Path(r).expanduser().resolve() for r in roots)
+        for given, root in zip(roots, self.roots, strict=True):
+            if not root.is_dir():
+                raise ValueError(f"{ROOTS_SETTING}: {str(given)!r} ({root}) is not a directory")
+
+    def resolve(self, path: str) -> Path:
+        """`path` (relative to the working directory) resolved, or ValueError naming the setting."""
+        p = Path(path).expanduser().resolve()
+        if not any(p.is_relative_to(root) for root in self.roots):
+            allowed = [str(r) for r in self.roots]
+            raise ValueError(f"path {path!r} is outside the directories the gateway reads datasets from "
+                             f"({ROOTS_SETTING}: {allowed}); move the dataset under one of them, or add "
+                             f"its directory to {ROOTS_SETTING} in the gateway's config")
+        return p
+
+
+class DatasetStore:
+    """Loaded datasets, their splits and epoch orders, shared by the sessions of a gateway; only
+    paths under `roots` are read."""
+
+    def __init__(self, roots: DatasetRoots) -> None:
+        self._roots = roots
         self._lock = threading.Lock()
         self._rows: OrderedDict[tuple[Any, ...], Rows] = OrderedDict()
         self._splits: OrderedDict[tuple[Any, ...], tuple[int, ...]] = OrderedDict()
         self._orders: OrderedDict[tuple[Any, ...], list[int]] = OrderedDict()
 
     def rows(self, path: str, fmt: str, hf_split: str) -> tuple[tuple[Any, ...], Rows]:
-        p = Path(path).expanduser().resolve()
+        p = self._roots.resolve(path)
         try:
             stat = p.stat()
         except OSError:
