@@ -10,7 +10,9 @@ Measured, each in a fresh subprocess where memory matters:
   dtype) and what the trainer loads (its float32 master copy), against the checkpoint's bytes;
 - decode tokens/s at each --batches size, arlo's engine (float32 compute) against transformers
   `generate` (greedy, fixed length, the same prompts) in its faster dtype on this CPU, measured
-  at batch 1 with a short run: `decode_over_hf_b16`, `decode_over_hf_b64`;
+  at batch 1 with a short run: `decode_over_hf_b16`, `decode_over_hf_b64`; beside them the
+  weight-matmul floor (every weight matrix multiplied once per step, one jitted call): how far
+  arlo is from it, and how far ahead of transformers any engine could be on this CPU;
 - one GRPO step of --groups x --group-size samples x --step-tokens new tokens, in process, split
   into generation, intake (batch building), train step, publish (serialise + sha256) and swap
   (deserialise + engine swap), with bytes per publish in the serving dtype.
@@ -125,6 +127,37 @@ def hf_decode(model: Any, batch_prompts: list[list[int]], new_tokens: int) -> fl
     return ids.shape[0] * new_tokens / (time.perf_counter() - t0)
 
 
+def weight_matmul_floor_s(shape: dict[str, int], batch: int, repeats: int = 3) -> float:
+    """Seconds per decode step for the model's weight matmuls alone, in float32, one jitted call.
+
+    One token per row multiplies every weight matrix once (q, k, v, o, gate, up, down per layer,
+    then the lm_head), so no implementation built on the same GEMM kernels decodes a step faster:
+    tokens/s at this floor over transformers' tokens/s is the most any engine can be ahead of it
+    on this CPU (attention over a short cache and the sampling add to both sides).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    h, inter, heads, kv = (shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"],
+                           shape["num_key_value_heads"])
+    kv_width = h // heads * kv
+    layer = [(h, h), (h, kv_width), (h, kv_width), (h, h), (h, inter), (h, inter), (inter, h)]
+    dims = layer * shape["num_hidden_layers"] + [(h, shape["vocab_size"])]
+    keys = jax.random.split(jax.random.key(0), len(dims))
+    weights = [jax.random.normal(k, d, jnp.float32) * 0.02 for k, d in zip(keys, dims, strict=True)]
+    xs = {d_in: jnp.ones((batch, d_in), jnp.float32) for d_in, _ in dims}
+
+    @jax.jit
+    def step(xs: dict[int, jax.Array], weights: list[jax.Array]) -> jax.Array:
+        return sum(jnp.sum(xs[w.shape[0]] @ w) for w in weights)  # summed: nothing is dead code
+
+    step(xs, weights).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step(xs, weights).block_until_ready()
+    return (time.perf_counter() - t0) / repeats
+
+
 def decode_figures(path: Path, args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
     import torch
     import transformers
@@ -155,7 +188,10 @@ def decode_figures(path: Path, args: argparse.Namespace, batches: list[int]) -> 
             arlo_decode(engine, batch_prompts, args.new_tokens)  # compile every window bucket of this length
             ours = arlo_decode(engine, batch_prompts, args.new_tokens)
             theirs = hf_decode(hf, batch_prompts, args.new_tokens)
-            rows[b] = {"arlo_tokens_per_s": ours, "hf_tokens_per_s": theirs, "over_hf": ours / theirs}
+            floor = b / weight_matmul_floor_s(SHAPES[args.shape], b)
+            rows[b] = {"arlo_tokens_per_s": ours, "hf_tokens_per_s": theirs, "over_hf": ours / theirs,
+                       "matmul_floor_tokens_per_s": floor, "arlo_of_floor": ours / floor,
+                       "ceiling_over_hf": floor / theirs}
     finally:
         engine.close()
     return {"hf_dtype": hf_dtype, "hf_b1_tokens_per_s_by_dtype": dtypes, "decode": rows}
@@ -255,8 +291,10 @@ def main(argv: list[str] | None = None) -> None:
                   figures[f"load_{r}"]["model_bytes"] / 1e6, figures[f"load_{r}"]["peak_over_model"]]
                  for r in ("inference_bf16", "trainer_f32_master")])
     print_table(f"decode, {args.new_tokens} new tokens (transformers in {figures['hf_dtype']})",
-                ["batch", "arlo tok/s", "transformers tok/s", "arlo / transformers"],
-                [[b, r["arlo_tokens_per_s"], r["hf_tokens_per_s"], r["over_hf"]] for b, r in figures["decode"].items()])
+                ["batch", "arlo tok/s", "transformers tok/s", "arlo / transformers", "matmul floor tok/s",
+                 "arlo / floor", "floor / transformers"],
+                [[b, r["arlo_tokens_per_s"], r["hf_tokens_per_s"], r["over_hf"], r["matmul_floor_tokens_per_s"],
+                  r["arlo_of_floor"], r["ceiling_over_hf"]] for b, r in figures["decode"].items()])
     if "grpo_step" in figures:
         print_table(f"one GRPO step ({args.groups}x{args.group_size}x{args.step_tokens}, params {args.param_dtype})",
                     ["phase", "value"], [[k, v] for k, v in figures["grpo_step"].items()])

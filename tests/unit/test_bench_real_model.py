@@ -21,6 +21,7 @@ def test_real_model_bench_writes_its_figures(tmp_path: Path) -> None:
                     "--step-tokens", "8", "--json", str(out)], cwd=ROOT, check=True, timeout=360)
     figures = json.loads(out.read_text())
     assert figures["decode_over_hf_b16"] > 0 and set(figures["decode"]) == {"1", "16"}
+    assert all(r["matmul_floor_tokens_per_s"] > 0 and r["ceiling_over_hf"] > 0 for r in figures["decode"].values())
     assert figures["load_inference_bf16"]["peak_over_base_bytes"] > 0
     step = figures["grpo_step"]
     assert step["loss_finite"] == 1.0 and step["bytes_per_publish"] > 0
