@@ -39,6 +39,7 @@ def arlo(*args: str, home: Path, **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "arlo.app.cli", *args], env=env, capture_output=True, text=True, **kw)
 
 
+@pytest.mark.slow  # ~6 min on an idle 2-core machine: 600 SFT steps, 30 RL steps, 5 evaluations
 @pytest.mark.timeout(1600)  # above the demo's own 1500 s limit: never cut short by the suite's default
 def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str, run_id: str) -> None:
     """The built-in demo's config (SFT warm start, then RL), shortened to 30 RL steps: every
