@@ -216,7 +216,7 @@ class Engine:
     def _request(self, req: SamplingRequest) -> Request:
         seed = req.seed if req.seed is not None else secrets.randbits(64)  # never a shared stream
         stop_ids = tuple(req.stop_token_ids) or (() if req.ignore_eos else (self.tokenizer.eos_id,))
-        return Request(id=next(self._ids), params=req, seed=seed, stop_ids=stop_ids)
+        return Request(id=next(self._ids), params=req, seed=seed, stop_ids=stop_ids, submitted_at=time.perf_counter())
 
     def cancel(self, request_id: int) -> None:
         """Frees the request's slots at the next chunk boundary (thread-safe, idempotent)."""
@@ -288,6 +288,9 @@ class Engine:
     def _step(self) -> None:
         policy = self._policy  # read once: the whole step runs under one version
         admitted = self.scheduler.schedule(policy.version)
+        now = time.perf_counter()
+        for req in admitted:
+            req.admitted_at = now
         if admitted:
             self.stats.prefills += 1
             for em in self.runner.prefill(policy.state, admitted):
@@ -338,7 +341,10 @@ class Engine:
     def _complete(self, req: Request) -> None:
         handle = self._handles.pop(req.id, None)
         if handle is not None:
-            handle._done([_sample(seq) for seq in req.seqs])
+            now = time.perf_counter()
+            queue_s = (req.admitted_at or now) - req.submitted_at  # an abort may come before admission
+            engine_s = now - req.admitted_at if req.admitted_at else 0.0
+            handle._done([_sample(seq, queue_s, engine_s) for seq in req.seqs])
 
     def _abort(self, request_id: int) -> None:
         req = self.scheduler.abort(request_id)
@@ -364,9 +370,9 @@ class Engine:
             handle._done(error)
 
 
-def _sample(seq: Seq) -> Sample:
+def _sample(seq: Seq, queue_s: float, engine_s: float) -> Sample:
     return Sample(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs), policy_versions=list(seq.versions),
-                  finish_reason=seq.finish_reason or "abort")
+                  finish_reason=seq.finish_reason or "abort", queue_s=queue_s, engine_s=engine_s)
 
 
 def _num_slots(config: InferenceConfig, model_cfg: ModelConfig) -> int:

@@ -15,6 +15,7 @@ import jax
 
 from arlo.background import TaskGroup
 from arlo.compile_cache import enable_compile_cache
+from arlo.compile_watch import CompileWatch
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.coord.metrics import MetricsStream
@@ -39,8 +40,12 @@ from services.trainer.server import TrainerServicer
 from services.trainer.warmstart import WarmStart
 
 
-async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, TrainingLoop]:
+async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
+                        compiles: CompileWatch | None = None) -> tuple[RunningServer, TrainingLoop]:
+    """`compiles`: this process's compile counter (installed before any JAX work); its figures go
+    into the heartbeat, and every compile after the warm-up is logged."""
     tc = cfg.trainer
+    compiles = compiles or CompileWatch().install()
     redis = await connect(cfg.redis)
     instance = f"{socket.gethostname()}-{os.getpid()}"
     # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
@@ -49,6 +54,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
     source = cfg.model.source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
+    compiles.mark_warm()
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
@@ -84,7 +90,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
         **loop.fault_counters(), "loop_restarts": sum(tasks.restarts.values()),
         "staleness_max": loop.state.last_staleness_max, "generated_tokens": loop.state.generated_tokens,
-        "skipped_steps": loop.state.skipped_steps,
+        "skipped_steps": loop.state.skipped_steps, **compiles.metrics(),
         **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}))
     return running, loop
 
@@ -134,11 +140,12 @@ def main() -> None:
     if jax.process_index() > 0:
         run_follower(cfg)
         return
+    compiles = CompileWatch().install()
     tasks = TaskGroup()
     loops: list[TrainingLoop] = []
 
     async def start() -> RunningServer:
-        running, loop = await start_trainer(cfg, tasks)
+        running, loop = await start_trainer(cfg, tasks, compiles)
         loops.append(loop)
         return running
 

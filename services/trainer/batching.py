@@ -113,6 +113,9 @@ def oldest_version(traj: common_pb2.Trajectory) -> int:
 class ReadyGroup:
     trajectories: list[common_pb2.Trajectory]
     entry_ids: list[str]
+    read_at: float = 0.0
+    """Unix time the read that completed the group returned, and when intake had judged it ready."""
+    ready_at: float = 0.0
 
 
 @dataclass(kw_only=True)
