@@ -37,6 +37,7 @@ class CompileWatch:
         self.late_names: deque[str] = deque(maxlen=RECENT)
         self._lock = threading.Lock()  # compiles happen on any thread (the engine's, to_thread's)
         self._installed = False
+        self._log_compiles: bool | None = None  # jax_log_compiles before mark_warm, restored by close
 
     def install(self) -> CompileWatch:
         import jax.monitoring
@@ -54,6 +55,9 @@ class CompileWatch:
             jax.monitoring.unregister_event_duration_listener(self._on_duration)
             jax.monitoring.unregister_event_listener(self._on_event)
             self._installed = False
+        if self._log_compiles is not None:
+            jax.config.update("jax_log_compiles", self._log_compiles)
+            self._log_compiles = None
 
     def mark_warm(self) -> None:
         """Warm-up is over: from now on every compile is a late one (logged, with its shapes)."""
@@ -61,6 +65,8 @@ class CompileWatch:
 
         with self._lock:
             self.warm_at = time.monotonic()
+        if self._log_compiles is None:
+            self._log_compiles = bool(jax.config.jax_log_compiles)
         jax.config.update("jax_log_compiles", True)  # JAX then logs each compile's shapes at WARNING
         log.info("warm-up done: %d programs compiled or loaded in %.1fs (%d from the persistent cache)",
                  self.compiles, self.compile_s, self.cache_hits,

@@ -23,6 +23,7 @@ from arlo.compile_watch import CompileWatch
 from arlo.config import MeshConfig, RunConfig
 from arlo.coord import Heartbeat, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
+from arlo.model.weights import nonfinite_param
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.rpc import (
     RunningServer,
@@ -50,6 +51,10 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup,
     compiles = compiles or CompileWatch().install()
     source = cfg.model.source()
     engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh))
+    # Every program the limits allow, and the check a pulled version goes through, compile now:
+    # a run then compiles nothing (each late compile is logged and counted).
+    await asyncio.to_thread(engine.warm_up)
+    await asyncio.to_thread(nonfinite_param, engine.state)
     compiles.mark_warm()
     redis = await connect(cfg.redis)
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,

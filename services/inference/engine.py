@@ -148,7 +148,7 @@ class Engine:
         self.num_slots = _num_slots(self.config, self.model_cfg)
         self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
                              decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows,
-                             mesh=mesh)
+                             max_n=self.config.max_n, mesh=mesh)
         self.scheduler = Scheduler(num_slots=self.num_slots, prefill_tokens=self.config.prefill_tokens)
         self.stats = EngineStats()
         self.timeline: deque[ChunkRecord] = deque(maxlen=4096)
@@ -232,6 +232,26 @@ class Engine:
         """Distinct bucketed shapes run so far: the programs this engine needed."""
         return len(self.runner.shapes)
 
+    def warm_up(self) -> int:
+        """Compiles every program a request within this engine's limits can need, when they are
+        at most `inference.warmup_programs` (before the engine takes traffic: the loop must not be
+        running); returns how many it compiled. The limits decide the count: `max_prompt_tokens`,
+        `max_tokens`, `max_batch`, `max_n` and `max_prefill_rows`."""
+        limit = self.max_seq_len - 1
+        keys = self.runner.program_set(max_prompt=min(self.config.max_prompt_tokens, limit),
+                                       max_tokens=min(self.config.max_tokens, limit))
+        if len(keys) > self.config.warmup_programs:
+            log.warning("warm-up skipped: the limits allow %d programs (inference.warmup_programs = %d); they "
+                        "compile on first use, mid-run. Tighten max_prompt_tokens, max_tokens, max_batch or "
+                        "max_prefill_rows to the workload", len(keys), self.config.warmup_programs,
+                        extra={"programs": len(keys)})
+            return 0
+        started = time.perf_counter()
+        self.runner.warm_up(self.state, keys)
+        log.info("warm-up: %d programs compiled in %.1fs", len(keys), time.perf_counter() - started,
+                 extra={"programs": len(keys)})
+        return len(keys)
+
     def metrics(self) -> dict[str, int | float]:
         """A snapshot for heartbeats and /metrics (read from another thread: plain ints only)."""
         s, sessions = self.stats, self.scheduler.sessions.stats
@@ -245,6 +265,7 @@ class Engine:
             "aborted": s.aborted, "busy_s": round(s.busy_s, 3), "session_hits": sessions.hits, "session_misses": sessions.misses,
             "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
             "prefill_rows": self.runner.prefill_rows, "shared_prefills": self.runner.shared_prefills,
+            "warm_programs": len(self.runner.warm or ()), "late_programs": len(self.runner.late),
         }
 
     # ----- the loop -----

@@ -7,6 +7,7 @@ one host; the others only replay its JAX work (services/trainer/lockstep.py) and
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -38,6 +39,9 @@ from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 from services.trainer.warmstart import WarmStart
+from services.trainer.warmup import length_buckets, warm_up_learner
+
+log = logging.getLogger(__name__)
 
 
 async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
@@ -54,6 +58,13 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
     source = cfg.model.source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
+    lengths = length_buckets(cfg.rollout.max_episode_tokens, learner.model_cfg.max_seq_len)
+    if len(lengths) <= tc.warmup_programs:
+        await asyncio.to_thread(warm_up_learner, learner, lengths=lengths, groups=tc.groups_per_step,
+                                group_size=cfg.rollout.group_size)
+    else:
+        log.warning("warm-up skipped: %d batch lengths %s (trainer.warmup_programs = %d); each compiles on first "
+                    "use, mid-run", len(lengths), lengths, tc.warmup_programs)
     compiles.mark_warm()
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
