@@ -58,14 +58,18 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
     source = cfg.model.source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
-    lengths = length_buckets(cfg.rollout.max_episode_tokens, learner.model_cfg.max_seq_len)
-    if len(lengths) <= tc.warmup_programs:
-        await asyncio.to_thread(warm_up_learner, learner, lengths=lengths, groups=tc.groups_per_step,
-                                group_size=cfg.rollout.group_size)
-    else:
-        log.warning("warm-up skipped: %d batch lengths %s (trainer.warmup_programs = %d); each compiles on first "
-                    "use, mid-run", len(lengths), lengths, tc.warmup_programs)
-    compiles.mark_warm()
+
+    async def warm_up() -> None:
+        lengths = length_buckets(cfg.rollout.max_episode_tokens, learner.model_cfg.max_seq_len)
+        if len(lengths) <= tc.warmup_programs:
+            async with loop.jax_lock:
+                await asyncio.to_thread(warm_up_learner, learner, lengths=lengths, groups=tc.groups_per_step,
+                                        group_size=cfg.rollout.group_size)
+        else:
+            log.warning("warm-up skipped: %d batch lengths %s (trainer.warmup_programs = %d); each compiles on "
+                        "first use, mid-run", len(lengths), lengths, tc.warmup_programs)
+        compiles.mark_warm()
+
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
@@ -76,7 +80,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
         pad_id=tok.pad_id, filter_zero_variance=tc.algorithm.filter_zero_variance,
         overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                   if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
-        warm_start=warm_start, start_paused=tc.start_paused,
+        warm_start=warm_start, start_paused=tc.start_paused, before_run=warm_up,
     )
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [

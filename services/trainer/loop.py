@@ -62,7 +62,11 @@ class TrainingLoop:
         checkpoint_dir: str = "", checkpoint_every: int = 0, pad_id: int = ByteTokenizer.pad_id,
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, start_paused: bool = False, on_step: Sequence[OnStep] = (),
+        before_run: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up: it
+        compiles while the rest of the fleet comes up, and the first step finds its programs)."""
+        self.before_run = before_run
         self.on_step = list(on_step)
         self.max_staleness = max_staleness
         self.warm_start = warm_start
@@ -111,6 +115,11 @@ class TrainingLoop:
             await self._publish()
 
     @property
+    def jax_lock(self) -> asyncio.Lock:
+        """Held around every JAX call the loop makes (steps, publishes, checkpoints)."""
+        return self._jax_lock
+
+    @property
     def sft_steps(self) -> int:
         return self.warm_start.steps if self.warm_start else 0
 
@@ -125,6 +134,9 @@ class TrainingLoop:
         return self.state.paused
 
     async def run(self) -> None:
+        if self.before_run is not None:
+            before, self.before_run = self.before_run, None  # once, even if the loop restarts
+            await before()
         while self.phase == "sft":
             if self.state.paused:
                 await asyncio.sleep(0.2)
