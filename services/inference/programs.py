@@ -59,7 +59,7 @@ class Buckets:
     @property
     def samples(self) -> int:
         """Sampled rows of every prefill call: room for one request's n, at least MIN_ROWS, within the slots."""
-        return min(pow2(self.max_n, MIN_ROWS), max(pow2(self.num_slots), pow2(self.max_n)))
+        return min(pow2(self.max_n, MIN_ROWS), pow2(self.num_slots))  # the engine holds slots >= max_n
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -115,7 +115,7 @@ def _reused_prefix_shapes(b: Buckets, length: int) -> set[tuple[int, int]]:
     time: its starts form an interval, so start + t does, and so do the windows over it."""
     out: set[tuple[int, int]] = set()
     t = MIN_TOKEN_BUCKET
-    while t // 2 < length - 1 or t == MIN_TOKEN_BUCKET:
+    while True:
         low, high = (1 if t == MIN_TOKEN_BUCKET else t // 2 + 1), min(t, length - 1)
         if low <= high:  # the remainders (length - start) that land in bucket t
             first, last = length - high + t, length - low + t  # start + t over those starts
@@ -125,7 +125,7 @@ def _reused_prefix_shapes(b: Buckets, length: int) -> set[tuple[int, int]]:
             if last > b.cache_len:  # reuse given up: the whole prompt from 0
                 fallback = min(pow2(length, MIN_TOKEN_BUCKET), b.cache_len)
                 out.add((fallback, b.window(fallback)))
-        if t >= length:
+        if t >= length - 1:
             break
         t *= 2
     return out
