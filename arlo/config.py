@@ -274,9 +274,15 @@ class InferenceConfig:
     """Calls recorded per episode at most; later ones are served but counted as dropped."""
     openai_episode_ttl_s: float = 1800.0
     """An episode record nobody fetched (GetEpisode) or extended for this long is dropped."""
+    warmup_programs: int = 16
+    """At start, compile every program the limits above allow (max_prompt_tokens, max_tokens,
+    max_batch, max_prefill_rows) when they allow at most this many, before serving, so a run
+    compiles nothing mid-run; a larger set compiles on first use (the start-up log gives its
+    size: tighten the limits to the workload to bring it under). 0: never."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
+        _check(f"{path}.warmup_programs", self.warmup_programs >= 0, "must be >= 0")
         _check(f"{path}.openai_port", -1 <= self.openai_port < 65536, "must be in [-1, 65535] (0 = free, -1 = off)")
         _check(f"{path}.openai_max_episodes", self.openai_max_episodes >= 1, "must be >= 1")
         _check(f"{path}.openai_max_calls", self.openai_max_calls >= 1, "must be >= 1")
@@ -443,10 +449,15 @@ class TrainerConfig:
     start_paused: bool = False
     """Take no step until a Resume RPC: `arlo up`/`demo` set it, so that `arlo train` drives the run
     (evaluation first, then the warm start, then RL). False: train as soon as data arrives."""
+    warmup_programs: int = 3
+    """At start, compile the RL step for every batch length bucket up to the longest episode
+    (`rollout.max_episode_tokens`, within the model's context) when there are at most this many
+    buckets, so no step compiles mid-run; more buckets compile on first use (each logged). 0: never."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         self.sft.validate(f"{path}.sft")
+        _check(f"{path}.warmup_programs", self.warmup_programs >= 0, "must be >= 0")
         _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
         _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
         self.mesh.validate(f"{path}.mesh")

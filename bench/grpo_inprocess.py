@@ -73,6 +73,7 @@ def step_batch(tok: ByteTokenizer, tasks: list[tuple[int, int]], samples: int, c
         answer = parse_answer(tok.decode([t for t in out[:n] if t != tok.eos_id]))
         rewards[r // samples, r % samples] = float(answer == str(a * b))
     return Batch(tokens_bt=tokens_bt, behaviour_logprobs_bt=lp_bt, mask_bt=mask_bt, rewards_gk=rewards,
+                 token_rewards_bt=np.zeros_like(lp_bt),
                  trajectory_ids=tuple(str(i) for i in range(rows)), num_tokens=int(mask_bt.sum())), generated
 
 

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -30,8 +31,10 @@ from typing import Any
 
 from arlo.app.driver import run_training
 from arlo.app.local import INFRA_SERVICES, prepare_cluster
+from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
 from arlo.config import RunConfig, load_config
 from arlo.coord import Keys, connect, read_statuses
+from arlo.coord.metrics import MetricsStream
 from arlo.data import resource_path
 from bench.common import machine, print_table, write_json
 from bench.pipeline import parse_cpus
@@ -58,16 +61,21 @@ WORKLOADS = {w.name: w for w in (Workload("76k", "qwen3-76k", 4, 4, 16), Workloa
 # the workload's (no stop token is forced: a random policy rarely emits EOS, so most run to it).
 ENV_CONFIG = '{"op": "*", "max_operand": 30, "tool": false, "max_turns": 1}'
 LEARNING_RATE = 0.002
+PROMPT_TOKENS = 16
+"""The chat-templated "a*b=" prompt fits in 16 tokens (the baseline pads its prompts to 16 as well)."""
 
 
 def service_config(w: Workload, staleness: int, run_id: str) -> RunConfig:
     return load_config(DEMO_CONFIG, {
         "run_id": run_id, "model": {"name": w.model},
-        "inference": {"max_tokens": w.tokens, "max_n": w.samples, "max_batch": max(64, 2 * w.completions)},
+        # Limits sized to the workload, as a user sizes them: they bound the engine's program set.
+        "inference": {"max_tokens": w.tokens, "max_n": w.samples, "max_batch": 2 * w.completions,
+                      "max_prompt_tokens": PROMPT_TOKENS},
         "trainer": {"max_staleness": staleness, "groups_per_step": w.prompts, "learning_rate": LEARNING_RATE,
                     "sft": {"steps": 0}},
         "rollout": {"env_config_json": ENV_CONFIG, "group_size": w.samples, "max_turns": 1,
-                    "max_episode_tokens": w.tokens, "concurrent_groups": 2 * w.prompts,
+                    # The episode budget counts the prompt too: prompt + the workload's completion.
+                    "max_episode_tokens": PROMPT_TOKENS + w.tokens, "concurrent_groups": 2 * w.prompts,
                     "sampling": {"temperature": 1.0, "max_tokens": w.tokens}, "eval": {"every_versions": 0}}})
 
 
@@ -93,7 +101,30 @@ async def counters(cfg: RunConfig) -> dict[str, dict[str, Any]]:
         await redis.aclose()
 
 
-async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any) -> tuple[dict[int, float], dict]:
+async def metric_records(cfg: RunConfig) -> list[dict[str, Any]]:
+    """Every step record the trainer wrote to the run's metrics stream, oldest first."""
+    redis = await connect(cfg.redis)
+    try:
+        stream, out, last = MetricsStream(redis, cfg.run_id), [], "0-0"
+        while batch := await stream.after(last):
+            last = batch[-1][0]
+            out += [r for _, r in batch]
+        return out
+    finally:
+        await redis.aclose()
+
+
+@dataclass
+class ServiceRun:
+    """What one run through the services left: pointer stamps, heartbeats, step records, where its logs are."""
+
+    stamps: dict[int, float]
+    status: dict[str, dict[str, Any]]
+    records: list[dict[str, Any]]
+    home: Path
+
+
+async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any) -> tuple[dict[int, float], dict, list]:
     stamps: dict[int, float] = {}
     ready = asyncio.Event()
     stamper = asyncio.create_task(stamp_versions(cfg, stamps, ready))
@@ -102,23 +133,31 @@ async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any) -> tu
         await run_training(cfg, token, steps=steps, on_progress=lambda row: None, check_children=check,
                            evaluate=False, eval_tags=())
         await asyncio.sleep(2.5)  # one heartbeat period: the counters are fresh
-        return stamps, await counters(cfg)
+        return stamps, await counters(cfg), await metric_records(cfg)
     finally:
         stamper.cancel()
 
 
-def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = service_config(w, staleness, f"bench-grpo-{w.name}-s{staleness}")
-    cluster = prepare_cluster(cfg, home=Path(args.home).resolve() / f"{w.name}-s{staleness}", free_ports=True,
-                              fresh_run=True)
+def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: int, tag: str = "grpo") -> ServiceRun:
+    """The workload through the services (local processes, CPU shares from --cpus) for `steps` RL steps."""
+    cfg = service_config(w, staleness, f"bench-{tag}-{w.name}-s{staleness}")
+    home = Path(args.home).resolve() / f"{w.name}-s{staleness}"
+    # One compile cache for every run of the bench (a user's runs share $ARLO_HOME's the same way).
+    os.environ.setdefault(COMPILE_CACHE_ENV, str(Path(args.home).resolve() / "jax-cache"))
+    cluster = prepare_cluster(cfg, home=home, free_ports=True, fresh_run=True)
     cluster.cpu_shares = parse_cpus(args.cpus)
     try:
         cluster.start(INFRA_SERVICES)
         cluster.start(("rollout",))
-        stamps, status = asyncio.run(drive(cluster.cfg, cluster.token, args.warmup + args.steps,
-                                           cluster.supervisor.check))
+        stamps, status, records = asyncio.run(drive(cluster.cfg, cluster.token, steps, cluster.supervisor.check))
     finally:
         cluster.stop()
+    return ServiceRun(stamps=stamps, status=status, records=records, home=home)
+
+
+def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
+    run = run_services(w, staleness, args, args.warmup + args.steps)
+    stamps, status = run.stamps, run.status
     versions = sorted(v for v in stamps if v >= args.warmup)
     first, last = args.warmup, versions[-1]
     wall = stamps[last] - stamps[first]
@@ -127,16 +166,20 @@ def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str,
     # median step shows the steady state beside the mean that includes them.
     intervals = [stamps[v] - stamps[v - 1] for v in versions if v - 1 in stamps and v > first]
     inference = status.get("inference", {})
-    generated, requests = float(inference.get("generated_tokens", 0)), float(inference.get("requests", 1))
+    requests = float(inference.get("requests", 1))
     trainer = status.get("trainer", {})
+    # Model tokens of the trajectories trained in the timed window (the records' running total).
+    generated = {r["version"]: r["generated_tokens"] for r in run.records if r.get("phase") == "rl"}
     return {"workload": w.name, "side": "arlo sync" if staleness == 0 else f"arlo async (staleness {staleness})",
             "staleness": staleness, "steps_timed": last - first, "wall_s": wall, "steps_per_s": steps_per_s,
             "completions_per_s": steps_per_s * w.completions,
-            # tokens per completion over the whole run (single turn: one request per completion)
-            "generated_tokens_per_s": steps_per_s * w.completions * generated / max(requests, 1.0),
+            "generated_tokens_per_s": (generated[last] - generated[first]) / wall,
             "median_step_s": statistics.median(intervals), "max_step_s": max(intervals),
             "shared_prefill_fraction": float(inference.get("shared_prefills", 0)) / max(requests, 1.0),
             "inference_programs": int(float(inference.get("programs", 0))),
+            # XLA compiles after each service's warm-up (stalls on the critical path; 0 is the goal).
+            "late_compiles_inference": int(float(inference.get("late_compiles", 0))),
+            "late_compiles_trainer": int(float(trainer.get("late_compiles", 0))),
             "dropped_stale": int(float(trainer.get("dropped_stale", 0))),
             "consumed": int(float(trainer.get("consumed", 0)))}
 

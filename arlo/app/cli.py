@@ -22,7 +22,6 @@ from rich.console import Console
 from rich.table import Table
 
 from arlo.app.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
-from arlo.app.export import ExportError, export_run
 from arlo.app.live import LiveRun, eval_text
 from arlo.app.local import (
     INFRA_SERVICES,
@@ -174,12 +173,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _export_at_end(cfg, token, out: str | None) -> None:
     if out:
+        from arlo.app.export import export_run  # JAX and Flax: only a command that exports pays for them
+
         with console.status(f"exporting the policy to {out}..."):
             result = export_run(cfg, out, token=token)
         console.print(f"exported the policy to {result.out}")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from arlo.app.export import ExportError, export_run
     if args.version and args.checkpoint:
         console.print("arlo export: give --version or --checkpoint, not both")
         return 2

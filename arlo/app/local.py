@@ -90,12 +90,12 @@ class LocalCluster:
         return env
 
     def start(self, names: tuple[str, ...], timeout_s: float = 180.0) -> None:
-        for name in names:
-            section = getattr(self.cfg, name)
-            self.supervisor.specs.append(service_spec(name, self.config_path, section.server.address,
-                                                      self.home / "logs", self.service_env(name)))
-        for spec in self.supervisor.specs[-len(names):]:
-            self.supervisor.start(spec, timeout_s)
+        """Starts `names` together (they come up in parallel: imports, model load and warm-up
+        overlap) and returns once every one is healthy; callers start dependents afterwards."""
+        specs = [service_spec(name, self.config_path, getattr(self.cfg, name).server.address, self.home / "logs",
+                              self.service_env(name)) for name in names]
+        self.supervisor.specs += specs
+        self.supervisor.start_many(specs, timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         return self.supervisor.stop_all(grace_s)

@@ -21,7 +21,7 @@ from typing import Any
 
 THROUGHPUT_SCALARS = ("trajectories_per_s", "tokens_per_s")
 EVAL_SCALARS = ("greedy_reward", "sampled_reward", "pass_at_k")
-NESTED = ("reward_components", "dropped", "finish_reasons", "reward_by_env", "trajectories_by_env")
+NESTED = ("reward_components", "dropped", "finish_reasons", "reward_by_env", "trajectories_by_env", "timing")
 """Per-name breakdowns in a step row, logged as `<group>/<name>`."""
 NOT_SCALARS = frozenset({"step", "version", "phase", "time", "kind", "sft_steps", "until_step", "elapsed_s"})
 

@@ -119,10 +119,15 @@ class Supervisor:
         self.wait_healthy(spec.name, timeout_s)
 
     def start_all(self, timeout_s: float = 120.0) -> None:
-        for spec in self.specs:
+        self.start_many(self.specs, timeout_s)
+
+    def start_many(self, specs: Sequence[ProcessSpec], timeout_s: float = 120.0) -> None:
+        """Spawns every spec, then waits for each to be healthy (one deadline for all)."""
+        for spec in specs:
             self.children[spec.name] = _Child(spec=spec, process=self._spawn(spec))
-        for spec in self.specs:
-            self.wait_healthy(spec.name, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for spec in specs:
+            self.wait_healthy(spec.name, max(deadline - time.monotonic(), 1.0))
 
     def wait_healthy(self, name: str, timeout_s: float) -> None:
         child = self.children[name]

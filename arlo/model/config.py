@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-import jax.numpy as jnp
-
 from arlo.choices import Dtype
 from arlo.model.rope import RopeScaling
 
@@ -94,7 +92,10 @@ class ModelConfig:
         return cls.from_hf_config(read_hf_config(path), **overrides)
 
     @property
-    def compute_dtype(self) -> jnp.dtype:
+    def compute_dtype(self) -> Any:
+        """The jnp dtype (JAX is imported here, not with the module: tokenizer-only processes skip it)."""
+        import jax.numpy as jnp
+
         return jnp.dtype(self.dtype)
 
     def num_params(self) -> int:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 ROPE_KINDS = ("linear", "llama3", "yarn")
 
@@ -78,6 +80,8 @@ def attention_factor(scaling: RopeScaling | None) -> float:
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float,
                scaling: RopeScaling | None = None) -> jax.Array:
     """Rotate pairs (i, i + half) of every head by position * frequency_i."""
+    import jax.numpy as jnp  # here: the config loads RopeScaling, and config loading must not import JAX
+
     inv_freq_h = jnp.asarray(inverse_frequencies(x_btnh.shape[-1], theta, scaling))
     angle_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h
     mscale = attention_factor(scaling)

@@ -22,7 +22,7 @@ from flax import nnx
 from arlo.model.config import ModelConfig
 from arlo.model.hf import INDEX_FILE, SINGLE_FILE, load_hf_state
 from arlo.model.hf_config import CONFIG_FILE, SUPPORTED_MODEL_TYPES, read_hf_config
-from arlo.model.tokenizer import Tokenizer, get_tokenizer
+from arlo.model.tokenizer import Tokenizer, get_tokenizer, tokenizer_name
 from arlo.model.transformer import abstract_model, create_model
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -107,14 +107,14 @@ def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str
     """`path` (an HF directory) wins over the preset `name`; its tokenizer is the directory's
     own unless `tokenizer` names another. `max_seq_len` > 0 caps the sequence length (an HF
     config's max_position_embeddings is often far longer than a run needs)."""
+    root: Path | None = None
     if path:
         root = Path(path)
         check_model_dir(root)
         cfg = ModelConfig.from_hf_dir(root, dtype=dtype)
-        tok = str(root) if tokenizer in ("", "byte") else tokenizer
     else:
         cfg = dataclasses.replace(ModelConfig.named(name), dtype=dtype)
-        tok, root = tokenizer or "byte", None
+    tok = tokenizer_name(path=str(root) if root is not None else "", tokenizer=tokenizer)
     if max_seq_len:
         cfg = dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, max_seq_len))
     return ModelSource(cfg=cfg, checkpoint=root, tokenizer_name=tok, seed=seed, param_dtype=param_dtype,

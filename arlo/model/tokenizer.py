@@ -120,6 +120,14 @@ def message_dict(message: Any) -> dict[str, Any]:
     return out
 
 
+def tokenizer_name(*, path: str, tokenizer: str) -> str:
+    """The tokenizer a model section names: `tokenizer`, else the checkpoint directory's own
+    (`path`), else "byte" (model.tokenizer and model.path of the run config)."""
+    if path:
+        return path if tokenizer in ("", ByteTokenizer.name) else tokenizer
+    return tokenizer or ByteTokenizer.name
+
+
 def get_tokenizer(name: str) -> Tokenizer:
     """"byte", or the path of a Hugging Face model/tokenizer directory (an HFTokenizer)."""
     if name == ByteTokenizer.name:

@@ -88,6 +88,8 @@ INFERENCE_COUNTERS = {
     "aborted": "Requests cancelled or failed.",
     "session_hits": "Turns that reused a parked KV prefix.",
     "session_reused_tokens": "Prompt tokens whose KV was reused instead of prefilled.",
+    "compiles": "XLA programs compiled or loaded from the persistent cache (arlo.compile_watch).",
+    "late_compiles": "XLA compiles after the warm-up: stalls of the engine loop (a run should have none).",
 }
 INFERENCE_GAUGES = {
     "weight_version": "Policy version being served.",
@@ -99,6 +101,7 @@ INFERENCE_GAUGES = {
     "kv_slots_used": "KV slots holding a sequence (running or a parked session's prefix).",
     "kv_use": "kv_slots_used / slots.",
     "last_swap_seconds": "Wall time of the last weight pull + verify + swap.",
+    "programs": "Bucketed program shapes the engine has run.",
 }
 
 

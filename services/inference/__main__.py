@@ -19,9 +19,11 @@ from jax.sharding import Mesh
 
 from arlo.background import TaskGroup
 from arlo.compile_cache import enable_compile_cache
+from arlo.compile_watch import CompileWatch
 from arlo.config import MeshConfig, RunConfig
 from arlo.coord import Heartbeat, WeightPointer, connect
 from arlo.distributed import initialize_from_env, make_mesh
+from arlo.model.weights import nonfinite_param
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.rpc import (
     RunningServer,
@@ -41,10 +43,19 @@ from services.inference.server import InferenceServicer
 from services.inference.weights import WeightSync
 
 
-async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, Engine]:
+async def start_inference(cfg: RunConfig, tasks: TaskGroup,
+                          compiles: CompileWatch | None = None) -> tuple[RunningServer, Engine]:
+    """`compiles`: this process's compile counter (installed before any JAX work); its figures go
+    into the heartbeat and /metrics, and every compile after the warm-up is logged."""
     ic = cfg.inference
+    compiles = compiles or CompileWatch().install()
     source = cfg.model.source()
     engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh))
+    # Every program the limits allow, and the check a pulled version goes through, compile now:
+    # a run then compiles nothing (each late compile is logged and counted).
+    await asyncio.to_thread(engine.warm_up)
+    await asyncio.to_thread(nonfinite_param, engine.state)
+    compiles.mark_warm()
     redis = await connect(cfg.redis)
     sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,
                       poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
@@ -56,7 +67,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
                        servicer=servicer)])
     running.registry.register(inference_collector(
-        lambda: {**engine.metrics(), "last_swap_seconds": sync.stats.last_swap_s}))
+        lambda: {**engine.metrics(), **compiles.metrics(), "last_swap_seconds": sync.stats.last_swap_s}))
     host = advertise_host(ic.server.host)
     if ic.openai_port >= 0:
         servicer.openai_url = start_openai(cfg, engine, recorder, tasks, host)
@@ -64,7 +75,8 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServ
     tasks.spawn("engine", lambda: run_engine(engine))
     tasks.spawn("weight-sync", sync.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "address": f"{host}:{running.port}", "openai_url": servicer.openai_url, **engine.metrics()}))
+        "address": f"{host}:{running.port}", "openai_url": servicer.openai_url, **engine.metrics(),
+        **compiles.metrics()}))
     return running, engine
 
 
@@ -99,11 +111,12 @@ def main() -> None:
     cfg = parse_service_config("inference")
     setup_logging("inference")
     enable_compile_cache()  # before the first compile: a restart reads the programs back
+    compiles = CompileWatch().install()
     initialize_from_env()  # multi-host (JobSet/TPU slice) before any JAX work; a no-op on one host
     tasks = TaskGroup()
 
     async def start() -> RunningServer:
-        running, _ = await start_inference(cfg, tasks)
+        running, _ = await start_inference(cfg, tasks, compiles)
         return running
 
     run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.inference.server.grace_s)

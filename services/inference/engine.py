@@ -148,7 +148,7 @@ class Engine:
         self.num_slots = _num_slots(self.config, self.model_cfg)
         self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
                              decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows,
-                             mesh=mesh)
+                             max_n=self.config.max_n, mesh=mesh)
         self.scheduler = Scheduler(num_slots=self.num_slots, prefill_tokens=self.config.prefill_tokens)
         self.stats = EngineStats()
         self.timeline: deque[ChunkRecord] = deque(maxlen=4096)
@@ -216,7 +216,7 @@ class Engine:
     def _request(self, req: SamplingRequest) -> Request:
         seed = req.seed if req.seed is not None else secrets.randbits(64)  # never a shared stream
         stop_ids = tuple(req.stop_token_ids) or (() if req.ignore_eos else (self.tokenizer.eos_id,))
-        return Request(id=next(self._ids), params=req, seed=seed, stop_ids=stop_ids)
+        return Request(id=next(self._ids), params=req, seed=seed, stop_ids=stop_ids, submitted_at=time.perf_counter())
 
     def cancel(self, request_id: int) -> None:
         """Frees the request's slots at the next chunk boundary (thread-safe, idempotent)."""
@@ -232,6 +232,26 @@ class Engine:
         """Distinct bucketed shapes run so far: the programs this engine needed."""
         return len(self.runner.shapes)
 
+    def warm_up(self) -> int:
+        """Compiles every program a request within this engine's limits can need, when they are
+        at most `inference.warmup_programs` (before the engine takes traffic: the loop must not be
+        running); returns how many it compiled. The limits decide the count: `max_prompt_tokens`,
+        `max_tokens`, `max_batch`, `max_n` and `max_prefill_rows`."""
+        limit = self.max_seq_len - 1
+        keys = self.runner.program_set(max_prompt=min(self.config.max_prompt_tokens, limit),
+                                       max_tokens=min(self.config.max_tokens, limit))
+        if len(keys) > self.config.warmup_programs:
+            log.warning("warm-up skipped: the limits allow %d programs (inference.warmup_programs = %d); they "
+                        "compile on first use, mid-run. Tighten max_prompt_tokens, max_tokens, max_batch or "
+                        "max_prefill_rows to the workload", len(keys), self.config.warmup_programs,
+                        extra={"programs": len(keys)})
+            return 0
+        started = time.perf_counter()
+        self.runner.warm_up(self.state, keys)
+        log.info("warm-up: %d programs compiled in %.1fs", len(keys), time.perf_counter() - started,
+                 extra={"programs": len(keys)})
+        return len(keys)
+
     def metrics(self) -> dict[str, int | float]:
         """A snapshot for heartbeats and /metrics (read from another thread: plain ints only)."""
         s, sessions = self.stats, self.scheduler.sessions.stats
@@ -245,6 +265,7 @@ class Engine:
             "aborted": s.aborted, "busy_s": round(s.busy_s, 3), "session_hits": sessions.hits, "session_misses": sessions.misses,
             "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
             "prefill_rows": self.runner.prefill_rows, "shared_prefills": self.runner.shared_prefills,
+            "warm_programs": len(self.runner.warm or ()), "late_programs": len(self.runner.late),
         }
 
     # ----- the loop -----
@@ -288,6 +309,9 @@ class Engine:
     def _step(self) -> None:
         policy = self._policy  # read once: the whole step runs under one version
         admitted = self.scheduler.schedule(policy.version)
+        now = time.perf_counter()
+        for req in admitted:
+            req.admitted_at = now
         if admitted:
             self.stats.prefills += 1
             for em in self.runner.prefill(policy.state, admitted):
@@ -338,7 +362,10 @@ class Engine:
     def _complete(self, req: Request) -> None:
         handle = self._handles.pop(req.id, None)
         if handle is not None:
-            handle._done([_sample(seq) for seq in req.seqs])
+            now = time.perf_counter()
+            queue_s = (req.admitted_at or now) - req.submitted_at  # an abort may come before admission
+            engine_s = now - req.admitted_at if req.admitted_at else 0.0
+            handle._done([_sample(seq, queue_s, engine_s) for seq in req.seqs])
 
     def _abort(self, request_id: int) -> None:
         req = self.scheduler.abort(request_id)
@@ -364,9 +391,9 @@ class Engine:
             handle._done(error)
 
 
-def _sample(seq: Seq) -> Sample:
+def _sample(seq: Seq, queue_s: float, engine_s: float) -> Sample:
     return Sample(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs), policy_versions=list(seq.versions),
-                  finish_reason=seq.finish_reason or "abort")
+                  finish_reason=seq.finish_reason or "abort", queue_s=queue_s, engine_s=engine_s)
 
 
 def _num_slots(config: InferenceConfig, model_cfg: ModelConfig) -> int:

@@ -43,6 +43,10 @@ class Sample:
     logprobs: list[float]
     policy_versions: list[int]
     finish_reason: str  # one of FINISH_REASONS
+    queue_s: float = 0.0
+    """Seconds the request waited before its samples were admitted to slots."""
+    engine_s: float = 0.0
+    """Seconds from admission to the request's completion (prefill and decode)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

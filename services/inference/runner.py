@@ -19,13 +19,15 @@ write is an in-place update; on a mesh every program hands it back sharded as it
   ids and max tokens are applied on the device with per-row parameters, so a round trip
   costs one host sync per chunk, not per token.
 
-Every dimension is bucketed (powers of two; windows also at 1.5x), so the programs are a
-small known set compiled on first use. Weights are a traced argument: a swap never
+Every dimension is bucketed (services/inference/programs.py), so the programs are a small
+known set: `warm_up` compiles all of them before the service takes traffic, and a shape
+outside it is logged as a late compile. Weights are a traced argument: a swap never
 recompiles as long as the new state has the same tree, shapes and dtypes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,28 +50,12 @@ from arlo.model.kv_cache import (
 )
 from arlo.model.sampling import sample
 from arlo.model.sharding import BATCH_AXES
+from services.inference.programs import Buckets, Key, pack_calls, program_set
 from services.inference.requests import MAX_STOP_IDS
 from services.inference.scheduler import Request
 from services.inference.scheduler import Sequence as Seq
 
-MIN_TOKEN_BUCKET = 16
-MIN_WINDOW = 16
-
-
-def pow2(size: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(size, minimum)."""
-    return 1 << (max(size, minimum) - 1).bit_length()
-
-
-def window_buckets(cache_len: int) -> tuple[int, ...]:
-    """16, 24, 32, 48, 64, 96, ... (at most 1.5x waste instead of 2x), then cache_len itself."""
-    sizes = {cache_len}
-    size = MIN_WINDOW
-    while size < cache_len:
-        sizes.update(s for s in (size, size * 3 // 2) if s < cache_len)
-        size *= 2
-    return tuple(sorted(sizes))
-
+log = logging.getLogger(__name__)
 
 class SampleParams(NamedTuple):
     """Per-row sampling knobs; rows may all differ, one program serves them."""
@@ -114,7 +100,7 @@ class Emitted:
 
 class Runner:
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, num_slots: int, slot_len: int,
-                 decode_steps: int, max_prefill_rows: int, mesh: Mesh | None = None) -> None:
+                 decode_steps: int, max_prefill_rows: int, max_n: int = 1, mesh: Mesh | None = None) -> None:
         self.graphdef = graphdef
         self.mesh = mesh
         self.num_slots = num_slots
@@ -123,7 +109,9 @@ class Runner:
         self.max_prefill_rows = max_prefill_rows
         # The band a decode chunk writes back may reach `steps` positions past a slot's end.
         self.cache_len = slot_len + decode_steps
-        self.windows = window_buckets(self.cache_len)
+        self.buckets = Buckets(num_slots=num_slots, cache_len=self.cache_len, max_prefill_rows=max_prefill_rows,
+                               max_n=max_n)
+        self.windows = self.buckets.windows
         self._model_cfg = model_cfg
         # Slots + the scratch row, rounded up so the rows split evenly over the data axes.
         ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
@@ -135,8 +123,12 @@ class Runner:
         """Prompts prefilled so far (n samples of one prompt count once)."""
         self.shared_prefills = 0
         """Requests whose prompt rode on another request's prefill row (same prompt, same step)."""
-        self.shapes: set[tuple[str | int, ...]] = set()
+        self.shapes: set[Key] = set()
         """Bucketed shapes run so far: one compiled program each."""
+        self.warm: set[Key] | None = None
+        """The programs `warm_up` compiled; None before it ran (every shape then compiles on first use)."""
+        self.late: list[Key] = []
+        """Shapes run after the warm-up that it did not cover (each one compiled mid-run)."""
 
     def reset_cache(self) -> None:
         self.cache = self._new_cache()
@@ -151,7 +143,36 @@ class Runner:
         return self.cache.nbytes()
 
     def window(self, length: int) -> int:
-        return next(w for w in self.windows if w >= length)
+        return self.buckets.window(length)
+
+    def program_set(self, *, max_prompt: int, max_tokens: int) -> set[Key]:
+        """Every program key requests within these limits can need (services/inference/programs.py)."""
+        return program_set(self.buckets, max_prompt=max_prompt, max_tokens=max_tokens,
+                           max_seq_len=self.cache_len - self.decode_steps)
+
+    def warm_up(self, state: nnx.State, keys: set[Key]) -> None:
+        """Compiles every program in `keys` ahead of time (nothing runs: the cache is untouched),
+        so the jitted calls that need them later find them compiled."""
+        for key in sorted(keys, key=str):
+            kind, *dims = key
+            if kind == "decode":
+                b, w = dims
+                _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, self.cache,
+                                  _decode_batch([], int(b), self.scratch)).compile()
+            else:
+                m, t, w, j = (int(d) for d in dims)
+                _prefill_jit.lower(self.graphdef, w, self.cache_sharding, state, self.cache,
+                                   _prefill_batch([], [], m, t, j, self.scratch)).compile()
+        self.warm = set(keys)
+
+    def _note(self, key: Key) -> None:
+        if key in self.shapes:
+            return
+        self.shapes.add(key)
+        if self.warm is not None and key not in self.warm:
+            self.late.append(key)
+            log.warning("program %s ran after the warm-up without being in it: it compiles now", key,
+                        extra={"late_program": list(key)})
 
     def prefill(self, state: nnx.State, requests: Sequence[Request]) -> list[Emitted]:
         """Prefills the admitted requests (grouped by shape) and samples each sample's first token."""
@@ -166,16 +187,17 @@ class Runner:
         for (t, w), by_prompt in sorted(groups.items()):
             members = list(by_prompt.values())
             self.shared_prefills += sum(len(same) - 1 for same in members)
-            for i in range(0, len(members), self.max_prefill_rows):
-                out += self._prefill_call(state, members[i: i + self.max_prefill_rows], t, w)
+            for call in pack_calls(members, rows=self.buckets.prefill_rows_cap(), samples=self.buckets.samples,
+                                   size=lambda req: req.params.n):
+                out += self._prefill_call(state, call, t, w)
         return out
 
     def decode(self, state: nnx.State, seqs: Sequence[Seq]) -> list[Emitted]:
         """One chunk of `decode_steps` tokens for every running sequence."""
-        b = min(pow2(len(seqs)), max(self.num_slots, len(seqs)))
+        b = self.buckets.decode_rows(len(seqs))
         batch = _decode_batch(seqs, b, self.scratch)
         w = self.window(int(batch.pos.max()))  # the chunk's own tokens live in a buffer beside it
-        self.shapes.add(("decode", b, w))
+        self._note(("decode", b, w))
         self.cache, (tok_kb, lp_kb, emit_kb) = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding,
                                                             state, self.cache, batch)
         tok_kb, lp_kb, emit_kb = jax.device_get((tok_kb, lp_kb, emit_kb))
@@ -184,39 +206,42 @@ class Runner:
 
     def _prefill_shape(self, req: Request) -> tuple[int, int]:
         """(start, token bucket); a reused prefix is given up when the bucket would overrun the slot."""
-        length = len(req.params.prompt)
-        start = req.reuse
-        t = pow2(length - start, MIN_TOKEN_BUCKET)
-        if start + t > self.cache_len:
-            req.reuse = start = 0  # recompute the prefix: slower, never wrong
-            t = min(pow2(length, MIN_TOKEN_BUCKET), self.cache_len)
+        start, t = self.buckets.prefill_shape(len(req.params.prompt), req.reuse)
+        req.reuse = start  # 0 when given up: the prefix is recomputed (slower, never wrong)
         return start, t
 
     def _prefill_call(self, state: nnx.State, members: list[list[tuple[Request, int]]], t: int,
                       w: int) -> list[Emitted]:
         """One prefill program: a row per distinct prompt, every sample of every request on it."""
-        m = pow2(len(members))
+        m = self.buckets.prefill_rows(len(members), t)
         self.prefill_rows += len(members)
         seqs = [(row, seq) for row, same in enumerate(members) for req, _ in same for seq in req.seqs]
-        j = pow2(len(seqs), m)
-        self.shapes.add(("prefill", m, t, w, j))
-        tokens = np.zeros((m, t), np.int32)
-        lengths, starts = np.ones((m,), np.int32), np.zeros((m,), np.int32)
-        src_slot = np.full((m,), self.scratch, np.int32)
-        for row, ((req, start), *_) in enumerate(members):
-            chunk = req.params.prompt[start:]
-            tokens[row, : len(chunk)] = chunk
-            lengths[row], starts[row], src_slot[row] = len(chunk), start, req.seqs[0].slot
-        dst_slot = np.full((j,), self.scratch, np.int32)
-        src_row = np.zeros((j,), np.int32)
-        for i, (row, seq) in enumerate(seqs):
-            dst_slot[i], src_row[i] = seq.slot, row
-        batch = PrefillBatch(src_slot=src_slot, tokens=tokens, lengths=lengths, starts=starts, dst_slot=dst_slot,
-                             src_row=src_row, params=_sample_params([s for _, s in seqs], j))
+        j = self.buckets.samples
+        self._note(("prefill", m, t, w, j))
+        batch = _prefill_batch([same[0] for same in members], seqs, m, t, j, self.scratch)
         self.cache, (tok_j, lp_j) = _prefill_jit(self.graphdef, w, self.cache_sharding, state, self.cache, batch)
         tok_j, lp_j = jax.device_get((tok_j, lp_j))
         return [Emitted(seq=seq, token_ids=[int(tok_j[i])], logprobs=[float(lp_j[i])])
                 for i, (_, seq) in enumerate(seqs)]
+
+
+def _prefill_batch(rows: Sequence[tuple[Request, int]], seqs: Sequence[tuple[int, Seq]], m: int, t: int, j: int,
+                   scratch: int) -> PrefillBatch:
+    """`rows`: (request, start) per prompt row; `seqs`: (row, sequence) per sample. Padding rows
+    and samples point at the scratch slot."""
+    tokens = np.zeros((m, t), np.int32)
+    lengths, starts = np.ones((m,), np.int32), np.zeros((m,), np.int32)
+    src_slot = np.full((m,), scratch, np.int32)
+    for row, (req, start) in enumerate(rows):
+        chunk = req.params.prompt[start:]
+        tokens[row, : len(chunk)] = chunk
+        lengths[row], starts[row], src_slot[row] = len(chunk), start, req.seqs[0].slot
+    dst_slot = np.full((j,), scratch, np.int32)
+    src_row = np.zeros((j,), np.int32)
+    for i, (row, seq) in enumerate(seqs):
+        dst_slot[i], src_row[i] = seq.slot, row
+    return PrefillBatch(src_slot=src_slot, tokens=tokens, lengths=lengths, starts=starts, dst_slot=dst_slot,
+                        src_row=src_row, params=_sample_params([s for _, s in seqs], j))
 
 
 def _sample_params(seqs: Sequence[Seq], rows: int) -> SampleParams:

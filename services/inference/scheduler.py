@@ -55,6 +55,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     reuse: int = 0
     """Prompt tokens whose KV came from the session's parked slot: prefill starts here."""
+    submitted_at: float = 0.0
+    """time.perf_counter() when the engine took the request, and when a step admitted it."""
+    admitted_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.seqs = [Sequence(request=self, index=i) for i in range(self.params.n)]

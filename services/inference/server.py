@@ -78,7 +78,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {result}")
         first = result[0].policy_versions[:1] if result else []
         return inference_pb2.GenerateResponse(completions=[to_completion(s) for s in result],
-                                              policy_version=first[0] if first else self.engine.version)
+                                              policy_version=first[0] if first else self.engine.version,
+                                              queue_s=result[0].queue_s if result else 0.0,
+                                              engine_s=result[0].engine_s if result else 0.0)
 
     async def GenerateStream(  # noqa: N802
         self, request: inference_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import grpc
 from redis.exceptions import RedisError
@@ -36,6 +37,9 @@ class SyncStats:
     refused_nonfinite: int = 0
     """Versions whose sha matched but which held NaN or inf: refused, old weights kept."""
     last_swap_s: float = 0.0
+    last_sync: dict[str, float] = field(default_factory=dict)
+    """The last installed version's marks: version; notified_at, served_at (Unix s); pull_s, verify_s
+    (restore and the finiteness check) and swap_s. Logged with every swap (bench/step_anatomy.py)."""
 
 
 async def pull_weights(target: str, version: int, *, token: str | None, timeout_s: float = 120.0,
@@ -94,7 +98,7 @@ class WeightSync:
             if newer is None:
                 continue
             try:
-                await self.sync_to(newer)
+                await self.sync_to(newer, notified_at=time.time())
                 backoff = 0.5
             except (WeightPullError, grpc.aio.AioRpcError, ValueError) as e:
                 self.stats.failures += 1
@@ -103,7 +107,9 @@ class WeightSync:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
 
-    async def sync_to(self, pointer: WeightPointerState) -> None:
+    async def sync_to(self, pointer: WeightPointerState, *, notified_at: float = 0.0) -> None:
+        """Pulls, verifies and installs `pointer`'s version; `notified_at`: when the new version was seen."""
+        notified_at = notified_at or time.time()
         if self._refused == (pointer.version, pointer.sha256):
             raise WeightPullError(f"version {pointer.version} was refused: it holds NaN or inf")
         if not pointer.source.startswith("grpc://"):
@@ -114,6 +120,7 @@ class WeightSync:
                                        token=self.token, max_message_bytes=self.max_message_bytes, tls=self.tls)
         if sha != pointer.sha256:
             raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
+        pulled = loop.time()
         state = await asyncio.to_thread(state_from_bytes, data, self.engine.state)
         # A checksum proves the bytes are the trainer's, not that they are usable: a NaN
         # version would make the replica emit token 0 forever.
@@ -125,10 +132,15 @@ class WeightSync:
                       self.engine.version, extra={"refused_version": pointer.version})
             raise WeightPullError(f"version {pointer.version}: parameter {bad!r} holds NaN or inf")
         if pointer.version > self.engine.version:
+            verified = loop.time()
             self.engine.swap(state, pointer.version)
             self.stats.pulls += 1
             self.stats.last_swap_s = loop.time() - started
-            log.info("serving version %d (%d bytes, %.3fs)", pointer.version, len(data), self.stats.last_swap_s)
+            self.stats.last_sync = {"version": pointer.version, "notified_at": notified_at, "served_at": time.time(),
+                                    "pull_s": pulled - started, "verify_s": verified - pulled,
+                                    "swap_s": loop.time() - verified}
+            log.info("serving version %d (%d bytes, %.3fs)", pointer.version, len(data), self.stats.last_swap_s,
+                     extra={"weight_sync": self.stats.last_sync})
             try:
                 await self.pointer.announce_served(pointer.version)
             except (RedisError, OSError) as e:  # the gates re-check on their own poll

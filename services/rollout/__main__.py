@@ -14,6 +14,7 @@ from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
+from arlo.model.tokenizer import get_tokenizer, tokenizer_name
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.rpc.metrics import rollout_collector
 from arlo.rpc.replicas import ReplicaSet
@@ -35,7 +36,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     # One inference replica per episode, so its KV prefix is reused across turns.
     inference = ReplicaSet(cfg.inference.server.address,
                            lambda address: make_channel(address, token=token, tls=cfg.auth.tls), service="inference")
-    tok = cfg.model.source().tokenizer()
+    # The tokenizer only: resolving the whole model source would import JAX (seconds at start).
+    tok = get_tokenizer(tokenizer_name(path=cfg.model.path, tokenizer=cfg.model.tokenizer))
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()

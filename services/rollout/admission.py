@@ -17,6 +17,13 @@ rule assumed (on-policy, every such trajectory is dropped as stale).
 Waiting is event-driven: the gate wakes on the pointer's pub/sub channel and on the run's
 admission channel (stale drops, finished groups, a replica serving a new version), and re-checks
 every `poll_s` in case an event was lost while disconnected.
+
+One check reads the pointer, the counters, the other workers' running counts and the served
+version (Redis round trips and an RPC); the headroom it finds is kept for `poll_s`, so the
+groups a worker starts in one burst (all of them, right after a swap in synchronous mode) pay
+for one check, not one each. Every event only raises the headroom (a finished group, a newer
+version, a stale drop), so the kept figure errs on the safe side, except for other workers'
+starts, which the check itself only sees through heartbeats.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
@@ -41,7 +49,14 @@ def may_start(*, running: int, accepted: int, group_size: int, trainer_version: 
     """The admission rule, as a pure function. Trajectories the trainer dropped as stale after
     they were accepted (e.g. generated before a trainer restart) are given back to the budget;
     otherwise each such drop would shrink it for good and could stop every worker."""
-    return running + accepted - dropped_stale + group_size <= (max_staleness + trainer_version + 1) * batch_size
+    return headroom(running=running, accepted=accepted, trainer_version=trainer_version, max_staleness=max_staleness,
+                    batch_size=batch_size, dropped_stale=dropped_stale) >= group_size
+
+
+def headroom(*, running: int, accepted: int, trainer_version: int, max_staleness: int, batch_size: int,
+             dropped_stale: int = 0) -> int:
+    """Trajectories that may still start under the rule (`may_start` is headroom >= group_size)."""
+    return (max_staleness + trainer_version + 1) * batch_size - (running + accepted - dropped_stale)
 
 
 class AdmissionGate:
@@ -70,6 +85,8 @@ class AdmissionGate:
         self._acquiring = asyncio.Lock()
         self._wake = asyncio.Event()
         self._listener: asyncio.Task[None] | None = None
+        self._headroom = 0  # what the last check allowed, less the groups started on it since
+        self._checked_at = 0.0
 
     async def aclose(self) -> None:
         if self._listener is not None:
@@ -109,17 +126,25 @@ class AdmissionGate:
             self._listener = asyncio.create_task(self._listen(), name="admission-events")
         waited = False
         while True:
-            self._wake.clear()  # before the reads: an event during them makes the wait return at once
-            if await self._may_start(group_size):
+            if self._headroom >= group_size and time.monotonic() - self._checked_at < self.poll_s:
+                self._headroom -= group_size  # the last check's figure still holds (see the module docstring)
                 self.running += group_size
                 return
+            self._wake.clear()  # before the reads: an event during them makes the wait return at once
+            room = await self._room()
+            self._headroom, self._checked_at = room - group_size, time.monotonic()
+            if room >= group_size:
+                self.running += group_size
+                return
+            self._headroom = 0
             if not waited:
                 self.waits += 1
                 waited = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
 
-    async def _may_start(self, group_size: int) -> bool:
+    async def _room(self) -> int:
+        """The rule's headroom now: trajectories that may start (negative when over)."""
         # Our own count first, then the counter: `finish` raises the counter before it lowers
         # the count, so this order never sees a finished group in neither.
         own_running = self.running
@@ -127,24 +152,22 @@ class AdmissionGate:
         counters = await AdmissionCounters.read(self.redis, self.run_id)
         running = own_running + await self.others_running()
 
-        def ok(version: int) -> bool:
-            return may_start(running=running, accepted=counters.accepted, group_size=group_size,
-                             trainer_version=version, max_staleness=self.max_staleness, batch_size=self.batch_size,
-                             dropped_stale=counters.dropped_stale)
+        def room(version: int) -> int:
+            return headroom(running=running, accepted=counters.accepted, trainer_version=version,
+                            max_staleness=self.max_staleness, batch_size=self.batch_size,
+                            dropped_stale=counters.dropped_stale)
 
         version = pointer.version if pointer else 0
         # The rule is monotone in the version and the replicas serve at most the pointer's, so
         # only a start the pointer allows needs the (RPC) served version.
-        if not ok(version):
-            return False
-        if self.served_version is None or version == 0:
-            return True
+        if room(version) <= 0 or self.served_version is None or version == 0:
+            return room(version)
         try:
             served = await self.served_version()
         except BackendError as e:  # inference unreachable: its episodes fail anyway; trust the pointer
             log.debug("served version unknown (%s); admitting on the pointer", e)
-            return True
-        return ok(min(version, served))
+            return room(version)
+        return room(min(version, served))
 
     async def finish(self, group_size: int, written: int) -> None:
         """The group is over: it no longer runs, and `written` trajectories were accepted."""

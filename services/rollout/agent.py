@@ -34,6 +34,10 @@ class Turn:
     logprobs: list[float]
     policy_versions: list[int]
     finished_by_stop: bool
+    queue_s: float = 0.0
+    """The generator's own account of the call, when it gives one: time queued before a slot
+    took it, and time from then to its last token (the rest of the call is transport)."""
+    engine_s: float = 0.0
 
 
 class Generator(Protocol):
@@ -126,8 +130,9 @@ async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: En
     """Runs one episode to a Trajectory; backend errors propagate (the worker decides retry or mask)."""
     started = time.monotonic()
     episode_id = uuid.uuid4().hex  # the trajectory id, and the engine session that keeps its KV prefix
-    timings = common_pb2.Timings()
+    timings = common_pb2.Timings(started_at=time.time())
     reset = await env.reset(spec.env_name, spec.env_config_json, spec.seed)
+    timings.reset_s = time.monotonic() - started
     finish, answer, reference, turns = "max_turns", "", "", 0
     b = _Builder()
     try:
@@ -147,6 +152,8 @@ async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: En
             seed = None if spec.sampling_seed is None else derive_seed(spec.sampling_seed, turns)
             turn = await gen.generate(b.tokens, max_tokens=budget, session_id=episode_id, seed=seed)
             timings.generate_s += time.monotonic() - t0
+            timings.generate_queue_s += turn.queue_s
+            timings.generate_engine_s += turn.engine_s
             b.add_model(turn)
             turn_end = len(b.tokens)
             if not turn.token_ids or turn.token_ids[-1] not in tok.stop_token_ids:
@@ -165,7 +172,9 @@ async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: En
             b.add_context(tok.encode_messages(step.observation, add_generation_prompt=True, add_bos=False,
                                               tools=tools))
     finally:
+        t0 = time.monotonic()
         await env.close(reset.session_id)
+        timings.env_s += time.monotonic() - t0
     t0 = time.monotonic()
     score = await scorer.score(spec.reward_fn, answer, reference, reset.metadata_json) if finish == "done" else None
     timings.reward_s = time.monotonic() - t0

@@ -122,7 +122,8 @@ class InferenceClient:
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                     policy_versions=list(c.policy_versions),
-                    finished_by_stop=c.finish_reason == inference_pb2.FINISH_REASON_STOP)
+                    finished_by_stop=c.finish_reason == inference_pb2.FINISH_REASON_STOP,
+                    queue_s=resp.queue_s, engine_s=resp.engine_s)
 
 
 class EnvironmentClient:

@@ -7,6 +7,7 @@ one host; the others only replay its JAX work (services/trainer/lockstep.py) and
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -15,6 +16,7 @@ import jax
 
 from arlo.background import TaskGroup
 from arlo.compile_cache import enable_compile_cache
+from arlo.compile_watch import CompileWatch
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.coord.metrics import MetricsStream
@@ -37,10 +39,17 @@ from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 from services.trainer.warmstart import WarmStart
+from services.trainer.warmup import length_buckets, warm_up_learner
+
+log = logging.getLogger(__name__)
 
 
-async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, TrainingLoop]:
+async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
+                        compiles: CompileWatch | None = None) -> tuple[RunningServer, TrainingLoop]:
+    """`compiles`: this process's compile counter (installed before any JAX work); its figures go
+    into the heartbeat, and every compile after the warm-up is logged."""
     tc = cfg.trainer
+    compiles = compiles or CompileWatch().install()
     redis = await connect(cfg.redis)
     instance = f"{socket.gethostname()}-{os.getpid()}"
     # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
@@ -49,6 +58,18 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
     mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
     source = cfg.model.source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
+
+    async def warm_up() -> None:
+        lengths = length_buckets(cfg.rollout.max_episode_tokens, learner.model_cfg.max_seq_len)
+        if len(lengths) <= tc.warmup_programs:
+            async with loop.jax_lock:
+                await asyncio.to_thread(warm_up_learner, learner, lengths=lengths, groups=tc.groups_per_step,
+                                        group_size=cfg.rollout.group_size)
+        else:
+            log.warning("warm-up skipped: %d batch lengths %s (trainer.warmup_programs = %d); each compiles on "
+                        "first use, mid-run", len(lengths), lengths, tc.warmup_programs)
+        compiles.mark_warm()
+
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
@@ -59,7 +80,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         pad_id=tok.pad_id, filter_zero_variance=tc.algorithm.filter_zero_variance,
         overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                   if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
-        warm_start=warm_start, start_paused=tc.start_paused,
+        warm_start=warm_start, start_paused=tc.start_paused, before_run=warm_up,
     )
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [
@@ -84,7 +105,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
         **loop.fault_counters(), "loop_restarts": sum(tasks.restarts.values()),
         "staleness_max": loop.state.last_staleness_max, "generated_tokens": loop.state.generated_tokens,
-        "skipped_steps": loop.state.skipped_steps,
+        "skipped_steps": loop.state.skipped_steps, **compiles.metrics(),
         **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}))
     return running, loop
 
@@ -134,11 +155,12 @@ def main() -> None:
     if jax.process_index() > 0:
         run_follower(cfg)
         return
+    compiles = CompileWatch().install()
     tasks = TaskGroup()
     loops: list[TrainingLoop] = []
 
     async def start() -> RunningServer:
-        running, loop = await start_trainer(cfg, tasks)
+        running, loop = await start_trainer(cfg, tasks, compiles)
         loops.append(loop)
         return running
 

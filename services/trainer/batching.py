@@ -113,6 +113,9 @@ def oldest_version(traj: common_pb2.Trajectory) -> int:
 class ReadyGroup:
     trajectories: list[common_pb2.Trajectory]
     entry_ids: list[str]
+    read_at: float = 0.0
+    """Unix time the read that completed the group returned, and when intake had judged it ready."""
+    ready_at: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -228,6 +231,14 @@ def has_reward_spread(group: ReadyGroup, atol: float = REWARD_ATOL) -> bool:
     return groups.has_reward_spread([t.reward for t in group.trajectories], atol)
 
 
+def trained_length(traj: common_pb2.Trajectory) -> int:
+    """Tokens up to and including the last model token (all of them when it has none)."""
+    for i in range(len(traj.loss_mask) - 1, -1, -1):
+        if traj.loss_mask[i]:
+            return i + 1
+    return max(len(traj.token_ids), 1)
+
+
 def bucket_length(n: int, minimum: int = 16) -> int:
     """Next power of two >= n: a small, known set of compiled train steps."""
     length = minimum
@@ -246,7 +257,9 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
         raise ValueError("all groups in a batch must have the same size")
-    longest = min(max(len(t.token_ids) for t in trajs), max_seq_len)
+    # Context after a row's last model token (the end-of-turn a budget cut adds, a last
+    # observation) carries no loss: left out, so an episode of max_episode_tokens fits its bucket.
+    longest = min(max(trained_length(t) for t in trajs), max_seq_len)
     length = min(bucket_length(longest), max_seq_len)
     tokens = np.full((len(trajs), length), pad_id, np.int32)
     logprobs = np.zeros((len(trajs), length), np.float32)

@@ -68,10 +68,12 @@ def trajectory_stats(trajs: Sequence[common_pb2.Trajectory]) -> dict[str, Any]:
 
 def step_record(*, phase: str, step: int, version: int, metrics: StepMetrics, counters: Mapping[str, Any],
                 trajectories: Sequence[common_pb2.Trajectory] = (), trained_from: int = 0,
-                now: float | None = None) -> dict[str, Any]:
+                now: float | None = None, timing: Mapping[str, float] | None = None,
+                anatomy: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`counters`: the loop's cumulative figures (tokens_trained, generated_tokens, consumed,
     skipped_steps, queue_depth, dropped by reason). `trained_from`: the version the step's
-    gradients were taken at (its staleness reference)."""
+    gradients were taken at (its staleness reference). `timing` and `anatomy`: where the step's
+    time went (services/trainer/anatomy.py), kept as the record's `timing` and `anatomy`."""
     record: dict[str, Any] = {
         "step": step, "version": version, "phase": phase, "time": time.time() if now is None else now,
         "loss": metrics.loss, "grad_norm": metrics.grad_norm, "num_tokens": metrics.num_tokens,
@@ -82,6 +84,10 @@ def step_record(*, phase: str, step: int, version: int, metrics: StepMetrics, co
         record.update(reward_mean=metrics.reward_mean, clip_fraction=metrics.clip_fraction,
                       approx_kl=metrics.approx_kl, staleness_mean=mean, staleness_max=worst,
                       num_trajectories=len(trajectories), **trajectory_stats(trajectories))
+    if timing:
+        record["timing"] = dict(timing)
+    if anatomy:
+        record["anatomy"] = dict(anatomy)
     for name, value in metrics.extra.items():
         record.setdefault(RENAMED.get(name, name), value)
     return record

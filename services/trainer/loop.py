@@ -11,6 +11,7 @@ next step; a publish refused because the pointer holds a version this trainer di
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,7 +21,9 @@ from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights
+from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
 from services.trainer.batching import (
+    Batch,
     GroupAssembler,
     ReadyGroup,
     build_batch,
@@ -59,7 +62,11 @@ class TrainingLoop:
         checkpoint_dir: str = "", checkpoint_every: int = 0, pad_id: int = ByteTokenizer.pad_id,
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, start_paused: bool = False, on_step: Sequence[OnStep] = (),
+        before_run: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up: it
+        compiles while the rest of the fleet comes up, and the first step finds its programs)."""
+        self.before_run = before_run
         self.on_step = list(on_step)
         self.max_staleness = max_staleness
         self.warm_start = warm_start
@@ -81,6 +88,7 @@ class TrainingLoop:
         self.pad_id = pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness, vocab_size=learner.model_cfg.vocab_size)
         self.state = TrainerState(paused=start_paused)
+        self.clock = StepClock()  # where each RL step's time goes (services/trainer/anatomy.py)
         self._ready: list[ReadyGroup] = []
         self._repeats = 0
         self._nonfinite = 0  # trajectories of refused steps
@@ -107,6 +115,11 @@ class TrainingLoop:
             await self._publish()
 
     @property
+    def jax_lock(self) -> asyncio.Lock:
+        """Held around every JAX call the loop makes (steps, publishes, checkpoints)."""
+        return self._jax_lock
+
+    @property
     def sft_steps(self) -> int:
         return self.warm_start.steps if self.warm_start else 0
 
@@ -121,6 +134,9 @@ class TrainingLoop:
         return self.state.paused
 
     async def run(self) -> None:
+        if self.before_run is not None:
+            before, self.before_run = self.before_run, None  # once, even if the loop restarts
+            await before()
         while self.phase == "sft":
             if self.state.paused:
                 await asyncio.sleep(0.2)
@@ -139,12 +155,15 @@ class TrainingLoop:
             if not entries:
                 entries = await self.stream.read(count=READ_COUNT, block_ms=self.read_block_ms)
                 started = time.perf_counter()
+            read_at = time.time()
             if time.monotonic() - last_claim > CLAIM_EVERY_S:
                 entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
                 last_claim = time.monotonic()
             if entries:
-                await self._admit(entries)
-                self.state.io_s += time.perf_counter() - started
+                await self._admit(entries, read_at=read_at)
+                intake = time.perf_counter() - started
+                self.state.io_s += intake
+                self.clock.add_intake(intake)
             await self._catch_up()
             await self._train_ready()
 
@@ -237,7 +256,7 @@ class TrainingLoop:
         if total:
             log.info("re-read %d unacknowledged trajectory entries", total, extra={"pending_entries": total})
 
-    async def _admit(self, entries: Sequence[StreamEntry]) -> None:
+    async def _admit(self, entries: Sequence[StreamEntry], *, read_at: float = 0.0) -> None:
         held_entries, held_trajs = self._held()
         # XAUTOCLAIM and the pending re-read also return entries this loop still holds (waiting
         # for their group, their batch or a checkpoint): taking them again would train them twice.
@@ -259,7 +278,8 @@ class TrainingLoop:
             ready = [g for g in ready if has_reward_spread(g)]
             self.state.zero_variance += sum(len(g.entry_ids) for g in flat)
             dropped += [e for g in flat for e in g.entry_ids]
-        self._ready.extend(ready)
+        now = time.time()
+        self._ready.extend(dataclasses.replace(g, read_at=read_at or now, ready_at=now) for g in ready)
         if dropped:
             # A dropped group is finished with: acknowledge it now, or it pins the backlog.
             await self.stream.ack(dropped)
@@ -332,13 +352,16 @@ class TrainingLoop:
         if self._publish_due:
             await self._publish_newest()  # raises while it keeps failing: no step past an unpublished one
         groups = self._take_batch_groups()
+        batch_at = time.time()
         try:
             batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
                                 overlong=self.overlong)
             started = time.perf_counter()
+            train_at = time.time()
             async with self._jax_lock:
                 metrics = await asyncio.to_thread(self.replica.step, batch)
             self.state.busy_s += time.perf_counter() - started
+            trained_at = time.time()
         except Exception as e:
             await self._step_failed(groups, e)
             raise
@@ -362,25 +385,39 @@ class TrainingLoop:
             self.state.publish_failures += 1
             log.exception("publishing version %d failed; retrying before the next step", self.state.version,
                           extra={"publish_failures": self.state.publish_failures})
+        marks = StepMarks(read_at=0.0, ready_at=0.0, batch_at=batch_at, train_at=train_at, trained_at=trained_at,
+                          published_at=time.time())
+        await self._finish_step(groups, batch, metrics, marks, published=published)
+        self.state.io_s += time.perf_counter() - started
+        self.clock.tail_done()
+        return metrics
+
+    async def _finish_step(self, groups: Sequence[ReadyGroup], batch: Batch, metrics: StepMetrics, marks: StepMarks, *,
+                           published: bool) -> None:
+        """A published (or publish-pending) step: counters, its record, its log line, its acks."""
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         self.state.tokens_trained += batch.num_tokens
         trajs = [t for g in groups for t in g.trajectories]
         self.state.generated_tokens += sum(sum(t.loss_mask) for t in trajs)
         self.state.last_staleness, self.state.last_staleness_max = staleness_stats(trajs, self.state.version - 1)
+        last = max(groups, key=lambda g: g.ready_at)
+        marks = dataclasses.replace(marks, read_at=last.read_at, ready_at=last.ready_at)
+        read_at = [g.read_at for g in groups for _ in g.entry_ids]
+        entry_ids = tuple(e for g in groups for e in g.entry_ids)
+        timing = step_timing(self.clock, marks, trajs, read_at, entry_ids)
+        anatomy = step_anatomy(self.clock, marks, trajs, read_at, entry_ids)
+        self.clock.step_done(marks.published_at)
         await self._report(step_record(phase="rl", step=self.learner.step_count, version=self.state.version,
                                        metrics=metrics, counters=await self._counters(), trajectories=trajs,
-                                       trained_from=self.state.version - 1))
+                                       trained_from=self.state.version - 1, timing=timing, anatomy=anatomy))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", self.learner.step_count,
                  self.state.version, metrics.loss, metrics.reward_mean, metrics.num_tokens,
                  extra={"step": self.learner.step_count, "version": self.state.version,
                         "trajectory_ids": list(batch.trajectory_ids)})
-        entry_ids = tuple(e for g in groups for e in g.entry_ids)
         await self.durable.trained(TrainedStep(version=self.state.version, entry_ids=entry_ids,
                                                trajectory_ids=batch.trajectory_ids), published=published)
-        self.state.io_s += time.perf_counter() - started
-        return metrics
 
     async def _step_failed(self, groups: Sequence[ReadyGroup], error: Exception) -> None:
         """A step that raised before its update applied: its groups go back to the front, or, after

@@ -121,3 +121,33 @@ async def test_gate_wakes_on_another_workers_finished_group(redis_url: str, run_
     finally:
         await delete_run(redis, run_id)
         await redis.aclose()
+
+
+async def test_a_burst_of_groups_pays_for_one_check(redis_url: str, run_id: str) -> None:
+    # Synchronous, version 1 served, version 0's batch accepted: the next batch of 4 groups x 4
+    # may start. The first group's check
+    # (Redis reads and the served-version RPC) admits the other three as well.
+    redis = await connect(RedisConfig(url=redis_url))
+    checks = 0
+
+    async def served_version() -> int:
+        nonlocal checks
+        checks += 1
+        return 1
+
+    try:
+        await WeightPointer(redis, run_id).publish(1, source="grpc://x:1", sha256="0" * 64)
+        await redis.set(f"arlo:{run_id}:rollout:accepted", 16)
+        gate = AdmissionGate(redis, run_id, instance="w1", max_staleness=0, batch_size=16, poll_s=60.0,
+                             served_version=served_version)
+        for _ in range(4):
+            await asyncio.wait_for(gate.acquire(4), 5)
+        assert gate.running == 16 and checks == 1
+        blocked = asyncio.create_task(gate.acquire(4))  # a fifth would be stale: a fresh check says no
+        await asyncio.sleep(0.2)
+        assert not blocked.done() and checks == 1  # the pointer alone refuses it, no RPC needed
+        blocked.cancel()
+        await gate.aclose()
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()

@@ -8,6 +8,7 @@ import asyncio
 import urllib.request
 import uuid
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from arlo.background import TaskGroup
@@ -80,6 +81,12 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         assert second["dropped"]["stale"] == 0  # dropped after step 2, before a third could take it
         assert all(r["approx_kl"] > 0 and r["grad_norm"] > 0 and r["logprob_mismatch"] >= 0 for r in records)
         assert await MetricsStream(redis, run_id).latest() == second
+        # Where each step's time went (services/trainer/anatomy.py): the second step's interval
+        # starts where the first one's pointer moved.
+        assert first["timing"]["train_s"] > 0 and "step_s" not in first["timing"]
+        assert second["anatomy"]["prev_published_at"] == first["anatomy"]["published_at"]
+        assert second["timing"]["step_s"] == pytest.approx(
+            second["anatomy"]["published_at"] - first["anatomy"]["published_at"])
         metrics = await asyncio.to_thread(scrape, running.metrics_port)
         assert metrics["arlo_trainer_version"] == 2 and metrics["arlo_trainer_step"] == 2
         assert metrics["arlo_trainer_loss{phase=rl}"] == second["loss"]

@@ -59,8 +59,9 @@ def stack(redis_url: str) -> Iterator[Stack]:
     server = {"port": 0, "metrics_port": -1, "grace_s": 0.2, "max_message_bytes": MAX_MESSAGE}
     cfg = load_config(overrides={
         "run_id": f"fuzz-{uuid.uuid4().hex[:8]}", "redis": {"url": redis_url}, "auth": {"token_env": TOKEN_ENV},
+        # No start-up warm-up: fuzzing needs the servers, not every program compiled ahead.
         "inference": {"server": server, "max_n": 4, "max_tokens": 8, "max_prompt_tokens": 64, "max_batch": 8,
-                      "weight_poll_s": 0.2},
+                      "weight_poll_s": 0.2, "warmup_programs": 0},
         "trainer": {"server": server, "groups_per_step": 1, "read_block_ms": 100, "max_staleness": 1000},
         "env_gateway": {"server": server}, "reward": {"server": server}})
     s = Stack(cfg)

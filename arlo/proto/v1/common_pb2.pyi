@@ -151,10 +151,24 @@ class Timings(_message.Message):
     ENV_S_FIELD_NUMBER: _builtins.int
     REWARD_S_FIELD_NUMBER: _builtins.int
     TOTAL_S_FIELD_NUMBER: _builtins.int
+    RESET_S_FIELD_NUMBER: _builtins.int
+    GENERATE_QUEUE_S_FIELD_NUMBER: _builtins.int
+    GENERATE_ENGINE_S_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
     generate_s: _builtins.float
     env_s: _builtins.float
     reward_s: _builtins.float
     total_s: _builtins.float
+    reset_s: _builtins.float
+    """Environment.Reset (the episode's first call)."""
+    generate_queue_s: _builtins.float
+    """Of generate_s: time the requests waited in the engine before a slot took them (the engine's own
+    figure, GenerateResponse.queue_s); generate_s - queue - engine is the RPC round trip.
+    """
+    generate_engine_s: _builtins.float
+    """Of generate_s: time from admission to the last token (prefill and decode, GenerateResponse.engine_s)."""
+    started_at: _builtins.float
+    """Unix time (seconds) at which the episode started (before its Reset)."""
     def __init__(
         self,
         *,
@@ -162,10 +176,14 @@ class Timings(_message.Message):
         env_s: _builtins.float = ...,
         reward_s: _builtins.float = ...,
         total_s: _builtins.float = ...,
+        reset_s: _builtins.float = ...,
+        generate_queue_s: _builtins.float = ...,
+        generate_engine_s: _builtins.float = ...,
+        started_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env_s", b"env_s", "generate_s", b"generate_s", "reward_s", b"reward_s", "total_s", b"total_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env_s", b"env_s", "generate_engine_s", b"generate_engine_s", "generate_queue_s", b"generate_queue_s", "generate_s", b"generate_s", "reset_s", b"reset_s", "reward_s", b"reward_s", "started_at", b"started_at", "total_s", b"total_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

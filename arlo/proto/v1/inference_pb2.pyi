@@ -131,8 +131,16 @@ class GenerateResponse(_message.Message):
 
     COMPLETIONS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    QUEUE_S_FIELD_NUMBER: _builtins.int
+    ENGINE_S_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     """Policy version at the start of generation."""
+    queue_s: _builtins.float
+    """Seconds the request waited in the engine's queue before its samples were admitted to slots."""
+    engine_s: _builtins.float
+    """Seconds from admission to the last sample's last token (prefill and decode, shared with the
+    other sequences of every batch it rode in).
+    """
     @_builtins.property
     def completions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Completion]:
         """n completions, in sample order."""
@@ -142,10 +150,12 @@ class GenerateResponse(_message.Message):
         *,
         completions: _abc.Iterable[Global___Completion] | None = ...,
         policy_version: _builtins.int = ...,
+        queue_s: _builtins.float = ...,
+        engine_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completions", b"completions", "policy_version", b"policy_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completions", b"completions", "engine_s", b"engine_s", "policy_version", b"policy_version", "queue_s", b"queue_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

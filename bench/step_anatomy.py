@@ -1,0 +1,186 @@
+"""The critical path of an RL step through the services, synchronous and asynchronous.
+
+Runs bench/grpo_tiny.py's workload (76k by default, `--workload 596k`) through the services and
+lays each RL step, the interval between two pointer moves, along its critical path from what
+the services record anyway:
+
+- the trainer's step record (`arlo:{run}:metrics`, services/trainer/anatomy.py): its tail
+  (record, acks), waiting for data, intake, batch, train step and publish, the marks of each,
+  and the timings of the step's *critical* trajectory (the last to complete the batch);
+- that trajectory's own timings (Trajectory.timings): Reset, Generate (the engine's queue and
+  compute, the rest being the RPC), Step, Score, and its XADD time (the stream entry id);
+- inference's log line of each installed version: when it saw the version, pull, verify, swap.
+
+A step whose trainer waited for data is data-bound: the path runs back from the read that
+completed the batch through the critical trajectory (Redis wait, XADD, Score, Step, Generate,
+Reset, admission) and, when that episode started after the previous version was served,
+through the swap chain (publish -> notify, pull, verify, swap). Everything is clipped to the
+step's interval, so what overlapped the previous step is not counted. A step whose trainer
+never waited is trainer-bound: the path is the trainer's own phases.
+
+Platform overhead = everything on the path but generation (the engine's compute for the
+critical trajectory) and the train step, as a fraction of the step. Reported per phase: mean
+milliseconds on the path and share of the mean step (they add up to the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, print_table, write_json
+from bench.grpo_tiny import DEFAULT_CPUS, WORKLOADS, run_services
+
+PHASES = ("trainer tail", "publish -> notify", "pull", "verify", "swap", "admission", "reset", "generate: queue",
+          "generate: engine", "generate: rpc", "env step", "score", "episode other", "group wait + xadd",
+          "redis wait", "intake", "trainer other", "batch", "train", "publish")
+WORK = ("generate: engine", "train")
+"""What is not platform overhead."""
+WAITED_S = 1e-3
+"""A step whose trainer waited less than this for data is trainer-bound."""
+
+
+def inference_syncs(log_path: Path) -> dict[int, dict[str, float]]:
+    """Version -> inference's marks for it (notified_at, pull_s, verify_s, swap_s, served_at)."""
+    out: dict[int, dict[str, float]] = {}
+    if not log_path.is_file():
+        return out
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"weight_sync"' not in line:
+            continue
+        try:
+            sync = json.loads(line)["weight_sync"]
+        except (json.JSONDecodeError, KeyError):
+            continue
+        out[int(sync["version"])] = sync
+    return out
+
+
+def _clipped(segments: Iterable[tuple[str, float, float]], lo: float, hi: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for label, start, end in segments:
+        length = min(end, hi) - max(start, lo)
+        if length > 0:
+            out[label] = out.get(label, 0.0) + length
+    return out
+
+
+def rollout_chain(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, float]]) -> list[tuple[str, float, float]]:
+    """The data's path into a step, as (phase, start, end) in Unix seconds: from the previous
+    publish (when the critical episode started after that version was served) or the episode's
+    start, to the trainer's read of it."""
+    a = record["anatomy"]
+    c, start = a["critical"], a["prev_published_at"]
+    began = c["started_at"]
+    segments: list[tuple[str, float, float]] = []
+    sync = syncs.get(record["version"] - 1)
+    if sync is not None and began >= sync["served_at"]:
+        pulled = sync["notified_at"] + sync["pull_s"]
+        segments += [("publish -> notify", start, sync["notified_at"]), ("pull", sync["notified_at"], pulled),
+                     ("verify", pulled, pulled + sync["verify_s"]), ("swap", pulled + sync["verify_s"], sync["served_at"]),
+                     ("admission", sync["served_at"], began)]
+    else:
+        segments.append(("admission", start, began))
+    at = began
+    rpc = c["generate_s"] - c["generate_queue_s"] - c["generate_engine_s"]
+    for label, seconds in (("reset", c["reset_s"]), ("generate: queue", c["generate_queue_s"]),
+                           ("generate: engine", c["generate_engine_s"]), ("generate: rpc", rpc),
+                           ("env step", c["env_s"]), ("score", c["reward_s"])):
+        segments.append((label, at, at + max(seconds, 0.0)))
+        at += max(seconds, 0.0)
+    ended = began + c["total_s"]
+    segments += [("episode other", at, ended), ("group wait + xadd", ended, c["xadd_at"]),
+                 ("redis wait", c["xadd_at"], a["read_at"])]
+    return segments
+
+
+def critical_path(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, float]]) -> dict[str, float] | None:
+    """Phase -> seconds on one RL step's critical path (they sum to the step); None for the first step."""
+    a, t = record.get("anatomy") or {}, record.get("timing") or {}
+    start, end = a.get("prev_published_at"), a.get("published_at")
+    if not start or not end or "critical" not in a:
+        return None
+    trainer = {"intake": a["ready_at"] - a["read_at"], "trainer other": a["batch_at"] - a["ready_at"],
+               "batch": t["batch_s"], "train": t["train_s"], "publish": t["publish_s"]}
+    if t.get("wait_s", 0.0) < WAITED_S:
+        # Trainer-bound: from the previous step's tail straight to reads that found data.
+        trainer["intake"] += max(a["read_at"] - start - t["tail_s"], 0.0)
+        return {"trainer tail": t["tail_s"], **trainer}
+    # Data-bound: up to the read, the data's path (the trainer's tail ran beside it).
+    return {**_clipped(rollout_chain(record, syncs), start, a["read_at"]), **trainer}
+
+
+def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, float]], warmup: int) -> dict[str, Any]:
+    """Mean seconds per phase over the timed RL steps, the step, and the overhead fraction."""
+    paths, steps = [], []
+    for r in records:
+        if r.get("phase") != "rl" or r["version"] <= warmup:
+            continue
+        path = critical_path(r, syncs)
+        if path is None:
+            continue
+        paths.append(path)
+        steps.append(r["anatomy"]["published_at"] - r["anatomy"]["prev_published_at"])
+    if not paths:
+        return {"steps": 0}
+    n = len(paths)
+    mean = {p: sum(path.get(p, 0.0) for path in paths) / n for p in PHASES}
+    step = sum(steps) / n
+    work = sum(mean[p] for p in WORK)
+    return {"steps": n, "step_s": step, "median_step_s": statistics.median(steps), "steps_per_s": 1 / step,
+            "phases_s": mean, "unattributed_s": step - sum(mean.values()),
+            "data_bound_fraction": sum(1 for r in records if r.get("phase") == "rl" and r["version"] > warmup
+                                       and (r.get("timing") or {}).get("wait_s", 0.0) >= WAITED_S) / n,
+            "platform_overhead": (step - work) / step}
+
+
+def run_mode(workload: str, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
+    w = WORKLOADS[workload]
+    run = run_services(w, staleness, args, args.warmup + args.steps, tag="anatomy")
+    syncs = inference_syncs(run.home / "logs" / "inference.log")
+    summary = summarise(run.records, syncs, args.warmup)
+    return {"workload": workload, "staleness": staleness, **summary,
+            "late_compiles": {s: int(float(run.status.get(s, {}).get("late_compiles", 0)))
+                              for s in ("inference", "trainer")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="76k", choices=sorted(WORKLOADS))
+    parser.add_argument("--modes", default="0,1", help="max_staleness values; 0 is synchronous")
+    parser.add_argument("--warmup", type=int, default=5, help="RL steps left out (the first publishes)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per mode")
+    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="service=cpus[+cpus] shares (one XLA thread per cpu)")
+    parser.add_argument("--home", default=".arlo/bench-anatomy", help="logs and state of the runs")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    modes = [run_mode(args.workload, int(m), args) for m in args.modes.split(",")]
+    names = [("sync" if m["staleness"] == 0 else f"async s={m['staleness']}") for m in modes]
+    rows = []
+    for phase in PHASES:
+        row: list[Any] = [phase]
+        for m in modes:
+            seconds = m.get("phases_s", {}).get(phase, 0.0)
+            row += [seconds * 1e3, 100 * seconds / m["step_s"] if m.get("step_s") else 0.0]
+        rows.append(row)
+    rows.append(["step (mean)", *[v for m in modes for v in (m.get("step_s", 0.0) * 1e3, 100.0)]])
+    columns = ["phase on the critical path", *[f"{n} {u}" for n in names for u in ("ms", "%")]]
+    print_table(f"RL step anatomy, {args.workload}: {args.steps} steps after {args.warmup}; cpus {args.cpus}",
+                columns, rows)
+    for name, m in zip(names, modes, strict=True):
+        if m.get("steps"):
+            print(f"{name}: {m['steps_per_s']:.2f} steps/s (median step {m['median_step_s'] * 1e3:.0f} ms), "
+                  f"platform overhead {m['platform_overhead']:.1%}, data-bound steps {m['data_bound_fraction']:.0%}, "
+                  f"late compiles {m['late_compiles']}")
+    write_json(args.json, {"workload": args.workload, "modes": modes, "cpus": args.cpus, "warmup": args.warmup,
+                           "steps": args.steps, "machine": machine()})
+
+
+if __name__ == "__main__":
+    main()

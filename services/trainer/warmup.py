@@ -1,0 +1,66 @@
+"""The trainer's start-up warm-up: every RL step program a run can need, compiled before it trains.
+
+An RL batch has a fixed number of rows (groups_per_step x group_size) and a power-of-two length
+bucket (services/trainer/batching.py), so the programs are one per bucket up to the longest
+episode. Compiling one takes seconds to tens of seconds on a CPU host; compiled at first use it
+stalls the step that needed it (the 5-19 s pauses seen mid-run when completions got shorter or
+longer). Here each is compiled ahead of time (`jit(...).lower(...).compile()`: nothing runs, the
+weights and optimizer state are untouched), with the small eager conversions a step makes on
+the way, and the finiteness check every publish runs. One process only: a multi-host trainer
+compiles on first use (its programs are collectives all processes must enter together).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from arlo.model.weights import nonfinite_param
+from services.trainer.batching import Batch, bucket_length
+from services.trainer.learner import Learner
+
+log = logging.getLogger(__name__)
+
+
+def length_buckets(longest: int, max_seq_len: int) -> list[int]:
+    """The batch lengths episodes of up to `longest` tokens can take (build_batch's buckets)."""
+    top = min(bucket_length(min(longest, max_seq_len)), max_seq_len)
+    out, length = [], bucket_length(1)
+    while length < top:
+        out.append(length)
+        length *= 2
+    return [*out, top]
+
+
+def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, group_size: int) -> int:
+    """Compiles the RL step (and the critic's, with GAE) for batches of groups x group_size rows
+    at each length; returns the number of lengths compiled (0 with several JAX processes)."""
+    if jax.process_count() > 1:
+        return 0
+    started = time.perf_counter()
+    rows = groups * group_size
+    mini = min(learner.cfg.mini_batches, rows)
+    for length in lengths:
+        zeros = np.zeros((rows, length), np.float32)
+        batch = Batch(tokens_bt=np.zeros((rows, length), np.int32), behaviour_logprobs_bt=zeros, mask_bt=zeros,
+                      rewards_gk=np.zeros((groups, group_size), np.float32), token_rewards_bt=zeros,
+                      trajectory_ids=(), num_tokens=0)
+        # The same conversions Learner.step makes (each compiles a small program per shape).
+        device_rows = learner._device_rows(batch, mini_batches=mini)
+        key = learner._replicated(jax.random.key_data(jax.random.key(learner.step_count)))
+        rewards = learner._replicated(batch.rewards_gk)
+        if learner.critic is not None:  # not donating: safe to run on the zeros
+            device_rows, _ = learner._prepare_gae(learner.critic, learner.state, learner.ref_state, device_rows,
+                                                  rewards)
+            learner._critic_step.lower(learner.critic, learner.critic_opt_state, device_rows, rewards, key,
+                                       mini).compile()
+        learner._rl_step.lower(learner.state, learner.opt_state, learner.ref_state, device_rows, rewards, key,
+                               mini).compile()
+    nonfinite_param(learner.serving_state())  # every publish checks the weights it sends
+    log.info("warm-up: RL step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
+             extra={"programs": len(lengths)})
+    return len(lengths)

@@ -1,0 +1,39 @@
+"""The engine's start-up warm-up compiles exactly the programs its limits allow: afterwards a mix
+of requests within those limits (every prompt length, n, completion length, a reused session
+prefix, concurrent arrivals) compiles nothing, and uses every program the warm-up made."""
+
+from __future__ import annotations
+
+import pytest
+
+from arlo.compile_watch import CompileWatch
+from arlo.config import InferenceConfig
+from arlo.model.source import preset_source
+from services.inference.engine import Engine, SamplingRequest
+
+# Tight limits, as a workload would set them: two programs (one prefill, one decode).
+CONFIG = InferenceConfig(max_n=4, max_tokens=8, max_prompt_tokens=16, max_batch=16, max_prefill_rows=4,
+                         decode_steps=4, max_seq_len=32)
+
+
+@pytest.mark.timeout(300)
+def test_after_the_warm_up_a_mix_of_requests_compiles_nothing() -> None:
+    watch = CompileWatch().install()
+    engine = Engine(preset_source("tiny"), config=CONFIG)
+    try:
+        assert engine.warm_up() == 2 and watch.compiles >= 2
+        watch.mark_warm()
+        requests = [SamplingRequest(prompt=tuple(range(1, length + 1)), n=n, max_tokens=tokens, temperature=1.0,
+                                    seed=length)
+                    for length in (1, 5, 9, 16) for n in (1, 4) for tokens in (1, 8)]
+        for handle in engine.submit_many(requests):  # arrive together: shared and split prefills
+            handle.result(120)
+        first = engine.generate(SamplingRequest(prompt=(1, 2, 3), max_tokens=4, session_id="s"), 120)[0]
+        turn = (1, 2, 3, *first.token_ids, 7)  # the next turn reuses the session's KV prefix
+        engine.generate(SamplingRequest(prompt=turn, max_tokens=8, session_id="s"), 120)
+        assert engine.scheduler.sessions.stats.hits == 1
+        assert (watch.late, engine.runner.late) == (0, [])
+        assert engine.runner.shapes == engine.runner.warm  # the set is exact: every program was needed
+    finally:
+        engine.close()
+        watch.close()
