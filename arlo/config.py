@@ -613,7 +613,7 @@ class EnvGatewayConfig:
     """Directories the dataset environment may read from (relative ones from the gateway's working
     directory at start; each must exist). A dataset path outside all of them, after resolving
     symlinks and "..", is refused with INVALID_ARGUMENT: the path comes from clients; so is a file
-    a save_to_disk directory names.
+    a save_to_disk directory names, and anything in $ARLO_HOME (unless a root is inside it).
     Default: the working directory only; [] allows no dataset files."""
     plugins: tuple[EnvPluginConfig, ...] = ()
     """Environments from your own package (see docs/environments.md); a broken one stops start-up."""

@@ -266,3 +266,24 @@ def test_a_directory_swapped_for_a_symlink_after_the_check_is_refused_once_open(
     with roots.open(checked) as f:
         assert b"in?" in f.read()
 
+
+def test_arlos_state_directory_is_never_read_under_a_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`arlo up` keeps its token, config and JSON-line logs in ./.arlo, inside the default root
+    ".": a log line is a JSON object, so it would be served as a task's prompt."""
+    from arlo.config import EnvGatewayConfig
+    from services.env_gateway.registry import default_registry
+    from services.env_gateway.spec import EnvContext
+
+    home = tmp_path / ".arlo"
+    (home / "logs").mkdir(parents=True)
+    log = write_jsonl(home / "logs" / "trainer.log", [{"message": "a private log line", "service": "trainer"}])
+    write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "in?", "answer": "1"}])
+    monkeypatch.setenv("ARLO_HOME", str(home))
+    registry = default_registry(EnvContext(EnvGatewayConfig(dataset_roots=(str(tmp_path),))))
+    env = registry.create(registry.get("dataset"))
+    assert env.reset(0, {"path": str(tmp_path / "ok.jsonl")}).observation[0].content == "in?"
+    with pytest.raises(ValueError, match=r"in arlo's own state directory .*\$ARLO_HOME") as e:
+        env.reset(0, {"path": str(log), "format": "jsonl", "prompt_field": "message", "answer_field": "service"})
+    assert "a private log line" not in str(e.value)
+    listed = DatasetEnv(DatasetStore(DatasetRoots([tmp_path, home / "logs"], private=[home])))  # on purpose
+    assert listed.reset(0, {"path": str(log), "format": "jsonl", "prompt_field": "message", "answer_field": "service"}).observation

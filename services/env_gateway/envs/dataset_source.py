@@ -197,13 +197,16 @@ class DatasetRoots:
     """The directories a gateway reads datasets from. The path comes from a client's config JSON,
     so without this any token holder could have the gateway read any file it can reach; a path
     is checked after symlinks and `..` are resolved (before it is even stat'ed: a refusal says
-    nothing about whether the file exists), and so is every file a save_to_disk directory names."""
+    nothing about whether the file exists), and so is every file a save_to_disk directory names.
+    `private` directories (arlo's state: token, config, logs) are refused even under a root,
+    unless a root is at or inside them (listed on purpose)."""
 
-    def __init__(self, roots: Sequence[str | Path]) -> None:
+    def __init__(self, roots: Sequence[str | Path], *, private: Sequence[str | Path] = ()) -> None:
         self.roots: tuple[Path, ...] = tuple(Path(r).expanduser().resolve() for r in roots)
         for given, root in zip(roots, self.roots, strict=True):
             if not root.is_dir():
                 raise ValueError(f"{ROOTS_SETTING}: {str(given)!r} ({root}) is not a directory")
+        self.private: tuple[Path, ...] = tuple(Path(d).expanduser().resolve() for d in private)
 
     def resolve(self, path: str | Path) -> Path:
         """`path` (relative to the working directory) resolved, or ValueError naming the setting."""
@@ -214,7 +217,13 @@ class DatasetRoots:
             raise ValueError(f"path {str(path)!r} is outside the directories the gateway reads datasets from "
                              f"({ROOTS_SETTING}: {allowed}); move the dataset under one of them, or add "
                              f"its directory to {ROOTS_SETTING} in the gateway's config")
+        if all(self._in_private(p, root) for root in under):
+            raise ValueError(f"path {str(path)!r} is in arlo's own state directory ({self._in_private(p, under[0])}, "
+                             f"$ARLO_HOME), which the gateway never reads datasets from")
         return p
+
+    def _in_private(self, p: Path, root: Path) -> Path | None:
+        return next((d for d in self.private if p.is_relative_to(d) and d != root and d.is_relative_to(root)), None)
 
     def open(self, path: Path) -> BinaryIO:
         """`path`, as `resolve` gave it, opened for reading, and checked again once open: had a
