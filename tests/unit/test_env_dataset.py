@@ -150,6 +150,17 @@ def test_a_rewritten_file_is_read_again(tmp_path: Path) -> None:
     assert env.reset(0, {"path": str(path)}).observation[0].content == "bb?"
 
 
+def test_a_save_to_disk_directory_saved_again_in_place_is_read_again(tmp_path: Path) -> None:
+    """save_to_disk over the same directory rewrites its files in place: the directory's own
+    mtime and size stay the same, so they alone would keep serving the old rows."""
+    store, path = DatasetStore(DatasetRoots([tmp_path])), tmp_path / "ds"
+    write_hf(path, [{"prompt": "a?", "answer": "1"}])
+    env = DatasetEnv(store)
+    assert env.reset(0, {"path": str(path)}).observation[0].content == "a?"
+    write_hf(path, [{"prompt": "bb?", "answer": "2"}, {"prompt": "bb?", "answer": "2"}])
+    assert env.reset(0, {"path": str(path)}).observation[0].content == "bb?"
+
+
 def test_dataset_dict_needs_a_split_name(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets", reason="the `data` extra (datasets) is not installed")
     rows = [{"prompt": "p?", "answer": "1"}]

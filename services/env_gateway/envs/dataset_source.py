@@ -240,6 +240,22 @@ class DatasetRoots:
         return f
 
 
+def _version(p: Path, stat: os.stat_result) -> tuple[Any, ...]:
+    """What changes when the dataset at `p` is rewritten: a file's mtime and size; for a directory
+    also those of the JSON files in it and in its splits, since save_to_disk over an existing
+    directory rewrites its files in place and leaves the directory's own mtime and size alone."""
+    out: list[Any] = [stat.st_mtime_ns, stat.st_size]
+    if p.is_dir():
+        for d in (p, *sorted(c for c in p.iterdir() if c.is_dir())):
+            for name in HF_JSON_FILES:
+                try:
+                    member = (d / name).stat()
+                except OSError:
+                    continue
+                out.append((d.name, name, member.st_mtime_ns, member.st_size))
+    return tuple(out)
+
+
 class DatasetStore:
     """Loaded datasets, their splits and epoch orders, shared by the sessions of a gateway; only
     paths under `roots` are read."""
@@ -257,7 +273,7 @@ class DatasetStore:
             stat = p.stat()
         except OSError:
             raise ValueError(f"path {path!r} does not exist") from None
-        key = (str(p), stat.st_mtime_ns, stat.st_size, fmt, hf_split)
+        key = (str(p), *_version(p, stat), fmt, hf_split)
         with self._lock:  # one load per file even when many sessions start at once
             if key not in self._rows:
                 self._put(self._rows, key, read_rows(self._roots, p, fmt, hf_split), _CACHED_DATASETS)
