@@ -874,10 +874,14 @@ class TasksConfig(DatasetConfig):
     "eval" part of the same partition; with split "all", rollout.eval.env_config_json applies."""
 
     def validate(self, path: str = "rollout.tasks") -> None:
-        if not self.path:
-            _check(f"{path}.path", not self.eval_path, "must be set when eval_path is")
+        if not self.path:  # off: any other key set means a forgotten path, and a run on arith
+            given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+            _check(f"{path}.path", not given, f"must be set when {', '.join(given)} "
+                   f"{'is' if len(given) == 1 else 'are'} (without a path rollout.tasks is off)")
             return
         super(TasksConfig, self).validate(path)  # noqa: UP008 (a slotted dataclass has no __class__ cell)
+        _check(f"{path}.split", self.split != "eval", "'eval' would train on the held-out tasks (and evaluate "
+               "on them too): use 'train', and evaluation takes the 'eval' part")
         _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
         _check(f"{path}.eval_path", not self.eval_path or self.split == "all",
                f"is a separate held-out file: use it with split 'all', not {self.split!r}")
