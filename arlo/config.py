@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -737,6 +738,13 @@ class EvalConfig:
 
 
 TASK_SEEDS = ("auto", "random", "cursor")
+_LABEL = re.compile(r"[-\w.]*")
+
+
+def _check_label(path: str, label: str) -> None:
+    """A label names TensorBoard tags (`eval/<label>/...`: TensorBoard turns anything else into
+    '_', so "a b" and "a_b" would be one series, and a '/' nests), metric keys and a Redis key."""
+    _check(path, bool(_LABEL.fullmatch(label)), f"must be letters, digits, '_', '-' or '.', got {label!r}")
 
 
 @_frozen
@@ -753,7 +761,8 @@ class RolloutEnvConfig:
     """Share of groups drawn from this entry: weight / sum of weights."""
     label: str = ""
     """Name of this entry in trajectories (Trajectory.env_name), metrics and its task cursor; empty
-    means `name`. Set it when two entries use the same environment (two datasets)."""
+    means `name`. Set it when two entries use the same environment (two datasets). Letters,
+    digits, '_', '-' and '.' only: it names TensorBoard tags."""
     seeds: str = "auto"
     """How group seeds are chosen: "cursor" takes the next one from a durable Redis counter
     (every task once per epoch, across restarts), "random" draws one; "auto" is "cursor" for the
@@ -770,7 +779,7 @@ class RolloutEnvConfig:
         _check(f"{path}.name", bool(self.name), "must be set")
         _check(f"{path}.weight", 0 < self.weight < float("inf"), "must be > 0")
         _check(f"{path}.seeds", self.seeds in TASK_SEEDS, f"must be one of {', '.join(TASK_SEEDS)}")
-        _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
+        _check_label(f"{path}.label", self.label)
         for name in ("config_json", "eval_config_json"):
             try:
                 parse_json_object(getattr(self, name).strip(), f"{path}.{name}")
@@ -868,7 +877,8 @@ class TasksConfig(DatasetConfig):
     reward_fn: str = "exact_match"
     """Reward function the reward service scores the answers with (a built-in or a plugin)."""
     label: str = ""
-    """Name of the tasks in trajectories, metrics and the task cursor; empty means "dataset"."""
+    """Name of the tasks in trajectories, metrics and the task cursor; empty means "dataset".
+    Letters, digits, '_', '-' and '.' only."""
     eval_path: str = ""
     """A separate held-out file (with split "all"). Empty: with split "train", evaluation takes the
     "eval" part of the same partition; with split "all", rollout.eval.env_config_json applies."""
@@ -882,7 +892,7 @@ class TasksConfig(DatasetConfig):
         super(TasksConfig, self).validate(path)  # noqa: UP008 (a slotted dataclass has no __class__ cell)
         _check(f"{path}.split", self.split != "eval", "'eval' would train on the held-out tasks (and evaluate "
                "on them too): use 'train', and evaluation takes the 'eval' part")
-        _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
+        _check_label(f"{path}.label", self.label)
         _check(f"{path}.eval_path", not self.eval_path or self.split == "all",
                f"is a separate held-out file: use it with split 'all', not {self.split!r}")
 
