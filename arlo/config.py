@@ -724,7 +724,9 @@ class EvalConfig:
     """`arlo train`/`demo` request an evaluation whenever the version passes a multiple of this
     (and always at the start and the end); 0: start and end only."""
     timeout_s: float = 600.0
-    """Deadline of one evaluation; past it the request reports an error."""
+    """Deadline of one evaluation, all the mixture's entries together (num_tasks x (1 + samples)
+    episodes each): past it the request reports an error and no figures, so raise it with the
+    number of entries."""
 
     def validate(self, path: str) -> None:
         try:
