@@ -206,6 +206,9 @@ def test_relative_paths_and_roots_are_from_the_working_directory(tmp_path: Path,
         env.reset(0, {"path": "../top.jsonl"})
     with pytest.raises(ValueError, match=r"env_gateway.dataset_roots: 'nowhere' .* is not a directory"):
         DatasetRoots(["nowhere"])
+    (tmp_path / "data" / "loop").symlink_to("loop")  # a ValueError (INVALID_ARGUMENT), not INTERNAL
+    with pytest.raises(ValueError, match=r"path 'loop/t.jsonl' cannot be resolved: Symlink loop"):
+        env.reset(0, {"path": "loop/t.jsonl"})
     nothing = DatasetEnv(DatasetStore(DatasetRoots([])))  # dataset_roots: [] reads no file at all
     with pytest.raises(ValueError, match="outside"):
         nothing.reset(0, {"path": "t.jsonl"})

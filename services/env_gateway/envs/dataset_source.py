@@ -196,8 +196,9 @@ ROOTS_SETTING = "env_gateway.dataset_roots"
 class DatasetRoots:
     """The directories a gateway reads datasets from. The path comes from a client's config JSON,
     so without this any token holder could have the gateway read any file it can reach; a path
-    is checked after symlinks and `..` are resolved (before it is even stat'ed: a refusal says
-    nothing about whether the file exists), and so is every file a save_to_disk directory names.
+    is checked after symlinks and `..` are resolved (resolving reads the links on the way, but a
+    refusal says nothing about whether the file exists; a symlink loop is a ValueError too), and
+    so is every file a save_to_disk directory names.
     `private` directories (arlo's state: token, config, logs) are refused even under a root,
     unless a root is at or inside them (listed on purpose)."""
 
@@ -210,7 +211,10 @@ class DatasetRoots:
 
     def resolve(self, path: str | Path) -> Path:
         """`path` (relative to the working directory) resolved, or ValueError naming the setting."""
-        p = Path(path).expanduser().resolve()
+        try:
+            p = Path(path).expanduser().resolve()
+        except RuntimeError as e:  # a symlink loop: the client's mistake, not the gateway's
+            raise ValueError(f"path {str(path)!r} cannot be resolved: {e}") from None
         under = [root for root in self.roots if p.is_relative_to(root)]
         if not under:
             allowed = [str(r) for r in self.roots]
