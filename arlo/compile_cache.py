@@ -14,6 +14,8 @@ import logging
 import os
 from pathlib import Path
 
+from arlo.private_files import arlo_home
+
 log = logging.getLogger(__name__)
 
 ENV = "ARLO_COMPILE_CACHE_DIR"
@@ -26,7 +28,7 @@ def cache_dir() -> Path | None:
         return None
     if configured:
         return Path(configured)
-    return Path(os.environ.get("ARLO_HOME", ".arlo")).resolve() / "jax-cache"
+    return arlo_home() / "jax-cache"
 
 
 def enable_compile_cache() -> Path | None:

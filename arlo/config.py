@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -623,8 +624,9 @@ class EnvGatewayConfig:
     dataset_roots: tuple[str, ...] = (".",)
     """Directories the dataset environment may read from (relative ones from the gateway's working
     directory at start; each must exist). A dataset path outside all of them, after resolving
-    symlinks and "..", is refused with INVALID_ARGUMENT: the path comes from clients. Default: the
-    working directory only; [] allows no dataset files."""
+    symlinks and "..", is refused with INVALID_ARGUMENT: the path comes from clients; so is a file
+    a save_to_disk directory names, and anything in $ARLO_HOME (unless a root is inside it).
+    Default: the working directory only; [] allows no dataset files."""
     plugins: tuple[EnvPluginConfig, ...] = ()
     """Environments from your own package (see docs/environments.md); a broken one stops start-up."""
     mcp_servers: tuple[McpServerConfig, ...] = ()
@@ -733,7 +735,9 @@ class EvalConfig:
     """`arlo train`/`demo` request an evaluation whenever the version passes a multiple of this
     (and always at the start and the end); 0: start and end only."""
     timeout_s: float = 600.0
-    """Deadline of one evaluation; past it the request reports an error."""
+    """Deadline of one evaluation, all the mixture's entries together (num_tasks x (1 + samples)
+    episodes each): past it the request reports an error and no figures, so raise it with the
+    number of entries."""
 
     def validate(self, path: str) -> None:
         try:
@@ -747,6 +751,13 @@ class EvalConfig:
 
 
 TASK_SEEDS = ("auto", "random", "cursor")
+_LABEL = re.compile(r"[-\w.]*")
+
+
+def _check_label(path: str, label: str) -> None:
+    """A label names TensorBoard tags (`eval/<label>/...`: TensorBoard turns anything else into
+    '_', so "a b" and "a_b" would be one series, and a '/' nests), metric keys and a Redis key."""
+    _check(path, bool(_LABEL.fullmatch(label)), f"must be letters, digits, '_', '-' or '.', got {label!r}")
 
 
 @_frozen
@@ -763,7 +774,8 @@ class RolloutEnvConfig:
     """Share of groups drawn from this entry: weight / sum of weights."""
     label: str = ""
     """Name of this entry in trajectories (Trajectory.env_name), metrics and its task cursor; empty
-    means `name`. Set it when two entries use the same environment (two datasets)."""
+    means `name`. Set it when two entries use the same environment (two datasets). Letters,
+    digits, '_', '-' and '.' only: it names TensorBoard tags."""
     seeds: str = "auto"
     """How group seeds are chosen: "cursor" takes the next one from a durable Redis counter
     (every task once per epoch, across restarts), "random" draws one; "auto" is "cursor" for the
@@ -780,7 +792,7 @@ class RolloutEnvConfig:
         _check(f"{path}.name", bool(self.name), "must be set")
         _check(f"{path}.weight", 0 < self.weight < float("inf"), "must be > 0")
         _check(f"{path}.seeds", self.seeds in TASK_SEEDS, f"must be one of {', '.join(TASK_SEEDS)}")
-        _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
+        _check_label(f"{path}.label", self.label)
         for name in ("config_json", "eval_config_json"):
             try:
                 parse_json_object(getattr(self, name).strip(), f"{path}.{name}")
@@ -878,17 +890,22 @@ class TasksConfig(DatasetConfig):
     reward_fn: str = "exact_match"
     """Reward function the reward service scores the answers with (a built-in or a plugin)."""
     label: str = ""
-    """Name of the tasks in trajectories, metrics and the task cursor; empty means "dataset"."""
+    """Name of the tasks in trajectories, metrics and the task cursor; empty means "dataset".
+    Letters, digits, '_', '-' and '.' only."""
     eval_path: str = ""
     """A separate held-out file (with split "all"). Empty: with split "train", evaluation takes the
     "eval" part of the same partition; with split "all", rollout.eval.env_config_json applies."""
 
     def validate(self, path: str = "rollout.tasks") -> None:
-        if not self.path:
-            _check(f"{path}.path", not self.eval_path, "must be set when eval_path is")
+        if not self.path:  # off: any other key set means a forgotten path, and a run on arith
+            given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+            _check(f"{path}.path", not given, f"must be set when {', '.join(given)} "
+                   f"{'is' if len(given) == 1 else 'are'} (without a path rollout.tasks is off)")
             return
         super(TasksConfig, self).validate(path)  # noqa: UP008 (a slotted dataclass has no __class__ cell)
-        _check(f"{path}.label", ":" not in self.label, "must not contain ':'")
+        _check(f"{path}.split", self.split != "eval", "'eval' would train on the held-out tasks (and evaluate "
+               "on them too): use 'train', and evaluation takes the 'eval' part")
+        _check_label(f"{path}.label", self.label)
         _check(f"{path}.eval_path", not self.eval_path or self.split == "all",
                f"is a separate held-out file: use it with split 'all', not {self.split!r}")
 

@@ -16,6 +16,12 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
+def arlo_home() -> Path:
+    """arlo's own state directory, $ARLO_HOME (default ./.arlo): the token, the resolved config,
+    the logs and local checkpoints. Made 0700 by `arlo up`; the gateway never serves files from it."""
+    return Path(os.environ.get("ARLO_HOME", ".arlo")).resolve()
+
+
 def private_dir(path: str | Path) -> Path:
     """Creates `path` (and parents) if needed and makes it 0700."""
     path = Path(path)

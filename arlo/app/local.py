@@ -20,17 +20,13 @@ from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
 from arlo.config import RunConfig, dump_config, load_config, replace_config
 from arlo.hostmem import merged_tunables
-from arlo.private_files import private_dir, write_private
+from arlo.private_files import arlo_home, private_dir, write_private
 
 log = logging.getLogger(__name__)
 
 # Dependencies first: inference and the trainer need nothing else; rollout needs all four.
 INFRA_SERVICES = ("env_gateway", "reward", "inference", "trainer")
 SERVICE_SECTIONS = (*INFRA_SERVICES, "rollout")
-
-
-def arlo_home() -> Path:
-    return Path(os.environ.get("ARLO_HOME", ".arlo")).resolve()
 
 
 def resolved_config_path(home: Path | None = None) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from arlo.private_files import arlo_home
 from services.env_gateway.envs import arith, calculator, dataset, guess_number, python_exec, retrieval
 from services.env_gateway.envs.base import Environment
 from services.env_gateway.envs.dataset_source import DatasetRoots, DatasetStore
@@ -44,7 +45,8 @@ def builtin_specs(context: EnvContext) -> list[EnvSpec]:
     except ValueError as e:
         raise ValueError(f"env_gateway.retrieval_docs_dir: {e}") from e
     # One copy of each dataset for all sessions; relative roots are from the working directory now.
-    store = DatasetStore(DatasetRoots(context.config.dataset_roots))
+    # arlo's state directory (token, config, JSON-line logs) sits in the default root "." of `arlo up`.
+    store = DatasetStore(DatasetRoots(context.config.dataset_roots, private=(arlo_home(),)))
     return [
         EnvSpec(name=dataset.NAME, description=dataset.DESCRIPTION, factory=lambda ctx: dataset.DatasetEnv(store),
                 config_type=dataset.DatasetConfig, tools=dataset.TOOLS, max_turns=dataset.MAX_TURNS,

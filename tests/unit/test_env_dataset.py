@@ -4,6 +4,7 @@ written by `datasets.save_to_disk`; field mapping, held-out split, epoch order, 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,17 @@ def test_a_rewritten_file_is_read_again(tmp_path: Path) -> None:
     assert env.reset(0, {"path": str(path)}).observation[0].content == "bb?"
 
 
+def test_a_save_to_disk_directory_saved_again_in_place_is_read_again(tmp_path: Path) -> None:
+    """save_to_disk over the same directory rewrites its files in place: the directory's own
+    mtime and size stay the same, so they alone would keep serving the old rows."""
+    store, path = DatasetStore(DatasetRoots([tmp_path])), tmp_path / "ds"
+    write_hf(path, [{"prompt": "a?", "answer": "1"}])
+    env = DatasetEnv(store)
+    assert env.reset(0, {"path": str(path)}).observation[0].content == "a?"
+    write_hf(path, [{"prompt": "bb?", "answer": "2"}, {"prompt": "bb?", "answer": "2"}])
+    assert env.reset(0, {"path": str(path)}).observation[0].content == "bb?"
+
+
 def test_dataset_dict_needs_a_split_name(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets", reason="the `data` extra (datasets) is not installed")
     rows = [{"prompt": "p?", "answer": "1"}]
@@ -194,6 +206,98 @@ def test_relative_paths_and_roots_are_from_the_working_directory(tmp_path: Path,
         env.reset(0, {"path": "../top.jsonl"})
     with pytest.raises(ValueError, match=r"env_gateway.dataset_roots: 'nowhere' .* is not a directory"):
         DatasetRoots(["nowhere"])
+    (tmp_path / "data" / "loop").symlink_to("loop")  # a ValueError (INVALID_ARGUMENT), not INTERNAL
+    with pytest.raises(ValueError, match=r"path 'loop/t.jsonl' cannot be resolved: Symlink loop"):
+        env.reset(0, {"path": "loop/t.jsonl"})
     nothing = DatasetEnv(DatasetStore(DatasetRoots([])))  # dataset_roots: [] reads no file at all
     with pytest.raises(ValueError, match="outside"):
         nothing.reset(0, {"path": "t.jsonl"})
+
+
+def test_save_to_disk_members_leading_out_of_the_roots_are_refused(tmp_path: Path) -> None:
+    """load_from_disk opens the files a save_to_disk directory's JSON names, joined as they are:
+    a data file named `../..`, a split named `../x`, a symlinked member or JSON file, or a
+    directory read as Parquet (pyarrow reads every file in it) must not lead out of the roots."""
+    root, outside = tmp_path / "data", tmp_path / "private"
+    root.mkdir()
+    secret = write_hf(outside / "secret", [{"prompt": "the secret", "answer": "s"}])
+    arrow = next(secret.glob("*.arrow"))
+    env = DatasetEnv(DatasetStore(DatasetRoots([root])))
+
+    def refused(path: Path, match: str = "refers to a file outside") -> None:
+        with pytest.raises(ValueError, match=match) as e:
+            env.reset(0, {"path": str(path)})
+        assert "the secret" not in str(e.value)
+
+    for i, name in enumerate((f"../../private/secret/{arrow.name}", str(arrow))):
+        named = write_hf(root / f"named{i}", [{"prompt": "in?", "answer": "1"}])
+        state = json.loads((named / "state.json").read_text())
+        (named / "state.json").write_text(json.dumps({**state, "_data_files": [{"filename": name}]}))
+        refused(named, "is not a file name in its directory")
+    linked = write_hf(root / "linked", [{"prompt": "in?", "answer": "1"}])
+    member = next(linked.glob("*.arrow"))
+    member.unlink()
+    member.symlink_to(arrow)
+    refused(linked)
+    json_link = write_hf(root / "json_link", [{"prompt": "in?", "answer": "1"}])
+    (json_link / "state.json").unlink()
+    (json_link / "state.json").symlink_to(secret / "state.json")
+    refused(json_link)
+    datasets = pytest.importorskip("datasets")
+    for split in ("../../private/secret", "train"):
+        dd = root / f"dd{len(split)}"
+        datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "in?", "answer": "1"}])}).save_to_disk(str(dd))
+        assert env.reset(0, {"path": str(dd)}).observation[0].content == "in?"  # as saved: read
+        env = DatasetEnv(DatasetStore(DatasetRoots([root])))  # a fresh gateway: nothing cached
+        (dd / "dataset_dict.json").write_text(json.dumps({"splits": [split]}))
+        if split == "train":
+            shutil.rmtree(dd / "train")
+            (dd / "train").symlink_to(secret, target_is_directory=True)
+        refused(dd, "refers to a file outside" if split == "train" else "is not a split name")
+    parquet_dir = root / "pq"
+    parquet_dir.mkdir()
+    (parquet_dir / "a.parquet").symlink_to(write_parquet(outside / "s.parquet", [{"prompt": "the secret", "answer": "s"}]))
+    with pytest.raises(ValueError, match="is a directory: format 'parquet' reads a file") as e:
+        env.reset(0, {"path": str(parquet_dir), "format": "parquet"})
+    assert "the secret" not in str(e.value)
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_check_is_refused_once_open(tmp_path: Path) -> None:
+    """Checked, then opened: the open file is checked again against where the path leads now."""
+    root, outside = tmp_path / "data", tmp_path / "private"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    write_jsonl(root / "sub" / "t.jsonl", [{"prompt": "in?", "answer": "1"}])
+    write_jsonl(outside / "t.jsonl", [{"prompt": "the secret", "answer": "s"}])
+    roots = DatasetRoots([root])
+    checked = roots.resolve(root / "sub" / "t.jsonl")
+    (root / "sub").rename(root / "old")
+    (root / "sub").symlink_to(outside, target_is_directory=True)  # the swap, between check and open
+    with pytest.raises(ValueError, match="outside"):
+        roots.open(checked)
+    (root / "sub").unlink()
+    (root / "old").rename(root / "sub")
+    with roots.open(checked) as f:
+        assert b"in?" in f.read()
+
+
+def test_arlos_state_directory_is_never_read_under_a_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`arlo up` keeps its token, config and JSON-line logs in ./.arlo, inside the default root
+    ".": a log line is a JSON object, so it would be served as a task's prompt."""
+    from arlo.config import EnvGatewayConfig
+    from services.env_gateway.registry import default_registry
+    from services.env_gateway.spec import EnvContext
+
+    home = tmp_path / ".arlo"
+    (home / "logs").mkdir(parents=True)
+    log = write_jsonl(home / "logs" / "trainer.log", [{"message": "a private log line", "service": "trainer"}])
+    write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "in?", "answer": "1"}])
+    monkeypatch.setenv("ARLO_HOME", str(home))
+    registry = default_registry(EnvContext(EnvGatewayConfig(dataset_roots=(str(tmp_path),))))
+    env = registry.create(registry.get("dataset"))
+    assert env.reset(0, {"path": str(tmp_path / "ok.jsonl")}).observation[0].content == "in?"
+    with pytest.raises(ValueError, match=r"in arlo's own state directory .*\$ARLO_HOME") as e:
+        env.reset(0, {"path": str(log), "format": "jsonl", "prompt_field": "message", "answer_field": "service"})
+    assert "a private log line" not in str(e.value)
+    listed = DatasetEnv(DatasetStore(DatasetRoots([tmp_path, home / "logs"], private=[home])))  # on purpose
+    assert listed.reset(0, {"path": str(log), "format": "jsonl", "prompt_field": "message", "answer_field": "service"}).observation

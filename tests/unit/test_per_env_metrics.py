@@ -4,8 +4,12 @@ always had; the live view and `arlo status` show each environment's evaluation a
 
 from __future__ import annotations
 
+import pytest
+
 from arlo.app.cli import _diagnostics_line
 from arlo.app.live import eval_text
+from arlo.app.run_record import eval_scalars
+from arlo.config import ConfigError, load_config
 from arlo.proto.v1 import common_pb2
 from services.trainer.diagnostics import UNNAMED_ENV, step_record
 from services.trainer.learner import StepMetrics
@@ -47,3 +51,22 @@ def test_the_displays_show_each_environment() -> None:
                               "reward_by_env": {"arith": 0.0, "squares": 0.75},
                               "trajectories_by_env": {"arith": 2, "squares": 4}})
     assert line.endswith("reward by environment (trajectories): arith 0.000 (2), squares 0.750 (4)")
+
+
+@pytest.mark.parametrize("label", ["a b", "gsm8k/train", "[red]x", "x:y", "tab\t"])
+def test_a_label_tensorboard_would_rewrite_is_refused(label: str) -> None:
+    """A label names TensorBoard tags, which keep only [-/\\w.]: "a b" would be logged as "a_b",
+    one series with an entry labelled a_b; "/" nests the tag; "[" is rich markup in the displays."""
+    for rollout, where in (({"envs": [{"name": "arith", "label": label}]}, r"rollout.envs\[0\].label"),
+                           ({"tasks": {"path": "t.jsonl", "label": label}}, r"rollout.tasks.label")):
+        with pytest.raises(ConfigError, match=where + r": must be letters, digits, '_', '-' or '.'"):
+            load_config(overrides={"rollout": rollout})
+
+
+def test_labels_with_dots_and_dashes_are_tags_as_they_are() -> None:
+    cfg = load_config(overrides={"rollout": {"envs": [{"name": "arith", "label": "arith-v1.2"},
+                                                      {"name": "arith", "label": "arith_hard"}]}})
+    assert [e.key for e in cfg.rollout.mixture] == ["arith-v1.2", "arith_hard"]
+    figures = {"greedy_reward": 1.0, "sampled_reward": 1.0, "pass_at_k": 1.0}
+    tags = eval_scalars({**figures, "envs": {"arith-v1.2": figures, "arith_hard": figures}})
+    assert {"eval/arith-v1.2/greedy_reward", "eval/arith_hard/pass_at_k"} <= set(tags)

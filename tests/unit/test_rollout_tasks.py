@@ -67,7 +67,9 @@ def test_conflicting_environment_settings_are_refused(rollout: dict, match: str)
 @pytest.mark.parametrize(("tasks", "match"), [
     ({"path": "t.jsonl", "split": "train"}, r"rollout.tasks: split 'train' needs eval_fraction in \(0, 1\)"),
     ({**TASKS, "eval_path": "e.jsonl"}, r"rollout.tasks.eval_path: is a separate held-out file: use it with split 'all'"),
-    ({"eval_path": "e.jsonl"}, r"rollout.tasks.path: must be set when eval_path is"),
+    ({"eval_path": "e.jsonl"}, r"rollout.tasks.path: must be set when eval_path is \(without a path"),
+    ({"prompt_field": "q", "reward_fn": "math"}, r"rollout.tasks.path: must be set when prompt_field, reward_fn are"),
+    ({**TASKS, "split": "eval"}, r"rollout.tasks.split: 'eval' would train on the held-out tasks"),
     ({**TASKS, "answer_format": "words"}, r"rollout.tasks: answer_format must be one of"),
     ({**TASKS, "bogus": 1}, r"rollout.tasks: unknown field\(s\) \['bogus'\]"),
 ])

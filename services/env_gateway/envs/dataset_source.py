@@ -9,15 +9,18 @@ gateway replica, before or after a restart, maps a seed to the same task.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import random
+import re
 import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from arlo.config import DATASET_FORMATS
 
@@ -72,30 +75,29 @@ def detect_format(path: Path) -> str:
                      f"{list(FORMATS[1:])}")
 
 
-def read_jsonl(path: Path) -> ListRows:
-    if path.stat().st_size > MAX_JSONL_BYTES:
+def read_jsonl(path: Path, f: BinaryIO) -> ListRows:
+    if os.fstat(f.fileno()).st_size > MAX_JSONL_BYTES:
         raise ValueError(f"{path} is larger than {MAX_JSONL_BYTES} bytes: convert it to Parquet")
     rows: list[dict[str, Any]] = []
     columns: dict[str, None] = {}
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
-            if not isinstance(item, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(item).__name__}")
-            rows.append(item)
-            columns.update(dict.fromkeys(item))
+    for n, line in enumerate(io.TextIOWrapper(f, encoding="utf-8"), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object, got {type(item).__name__}")
+        rows.append(item)
+        columns.update(dict.fromkeys(item))
     return ListRows(columns=tuple(columns), rows=tuple(rows))
 
 
-def read_parquet(path: Path) -> ArrowRows:
+def read_parquet(f: BinaryIO) -> ArrowRows:
     import pyarrow.parquet as pq  # the `data` extra: only datasets from files need it
 
-    table = pq.read_table(path)
+    table = pq.read_table(f)  # an open file, never a directory (pyarrow would read all of one)
     return ArrowRows(table, table.column_names, lambda t, i: t.slice(i, 1).to_pylist()[0])
 
 
@@ -116,16 +118,60 @@ def read_hf(path: Path, hf_split: str) -> ArrowRows:
     return ArrowRows(loaded, loaded.column_names, lambda d, i: d[i])
 
 
-def read_rows(path: Path, fmt: str, hf_split: str) -> Rows:
-    if not path.exists():
-        raise ValueError(f"path {str(path)!r} does not exist")
+HF_JSON_FILES = ("dataset_dict.json", "state.json", "dataset_info.json")
+SPLIT_NAME = re.compile(r"\w+(\.\w+)*")  # datasets' own rule for a split's name
+
+
+def check_hf_dir(roots: DatasetRoots, path: Path, *, nested: bool = False) -> None:
+    """ValueError unless every file `datasets.load_from_disk(path)` may open is under `roots`:
+    it joins the names its JSON files give to the directory as they are, so a data file named
+    with `..` or an absolute path, a split named `../x`, or a symlinked member would lead out.
+    Each JSON file is checked before it is read."""
+
+    def inside(member: Path) -> Path:
+        try:
+            return roots.resolve(member)
+        except ValueError as e:
+            raise ValueError(f"save_to_disk directory {str(path)!r} refers to a file outside: {e}") from None
+
+    for name in HF_JSON_FILES:
+        if (path / name).exists():
+            inside(path / name)
+    if (path / "state.json").exists():
+        entries = _json_list(roots, path / "state.json", "_data_files")
+        names = [e.get("filename") if isinstance(e, dict) else None for e in entries]
+        for name in names:
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                raise ValueError(f"{path / 'state.json'}: data file {name!r} is not a file name in its directory")
+            inside(path / name)
+    if (path / "dataset_dict.json").exists() and not nested:  # a DatasetDict's splits are Datasets
+        for split in _json_list(roots, path / "dataset_dict.json", "splits"):
+            if not isinstance(split, str) or not SPLIT_NAME.fullmatch(split):
+                raise ValueError(f"{path / 'dataset_dict.json'}: {split!r} is not a split name")
+            inside(path / split)
+            check_hf_dir(roots, path / split, nested=True)
+
+
+def _json_list(roots: DatasetRoots, path: Path, key: str) -> list[Any]:
+    with roots.open(path) as f:
+        data = json.loads(f.read())
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise ValueError(f"{path}: expected a JSON object with a list {key!r}")
+    return data[key]
+
+
+def read_rows(roots: DatasetRoots, path: Path, fmt: str, hf_split: str) -> Rows:
+    """`path`, as `roots.resolve` gave it, read as `fmt`; ValueError saying why not."""
     fmt = detect_format(path) if fmt == "auto" else fmt
+    if path.is_dir() != (fmt == "hf"):
+        raise ValueError(f"path {str(path)!r} is a {'directory' if path.is_dir() else 'file'}: format {fmt!r} "
+                         f"reads {'a save_to_disk directory' if fmt == 'hf' else 'a file'}")
     try:
-        if fmt == "jsonl":
-            return read_jsonl(path)
-        if fmt == "parquet":
-            return read_parquet(path)
-        return read_hf(path, hf_split)
+        if fmt == "hf":
+            check_hf_dir(roots, path)
+            return read_hf(path, hf_split)
+        with roots.open(path) as f:
+            return read_jsonl(path, f) if fmt == "jsonl" else read_parquet(f)
     except ImportError as e:
         raise ValueError(f"format {fmt!r} needs the `data` extra (pip install 'arlo[data]'): {e}") from None
     except (OSError, UnicodeDecodeError) as e:  # pyarrow's ArrowInvalid is an OSError... or a ValueError
@@ -150,24 +196,68 @@ ROOTS_SETTING = "env_gateway.dataset_roots"
 class DatasetRoots:
     """The directories a gateway reads datasets from. The path comes from a client's config JSON,
     so without this any token holder could have the gateway read any file it can reach; a path
-    is checked after symlinks and `..` are resolved (before it is even stat'ed: a refusal says
-    nothing about whether the file exists). A dataset directory's own contents are trusted."""
+    is checked after symlinks and `..` are resolved (resolving reads the links on the way, but a
+    refusal says nothing about whether the file exists; a symlink loop is a ValueError too), and
+    so is every file a save_to_disk directory names.
+    `private` directories (arlo's state: token, config, logs) are refused even under a root,
+    unless a root is at or inside them (listed on purpose)."""
 
-    def __init__(self, roots: Sequence[str | Path]) -> None:
+    def __init__(self, roots: Sequence[str | Path], *, private: Sequence[str | Path] = ()) -> None:
         self.roots: tuple[Path, ...] = tuple(Path(r).expanduser().resolve() for r in roots)
         for given, root in zip(roots, self.roots, strict=True):
             if not root.is_dir():
                 raise ValueError(f"{ROOTS_SETTING}: {str(given)!r} ({root}) is not a directory")
+        self.private: tuple[Path, ...] = tuple(Path(d).expanduser().resolve() for d in private)
 
-    def resolve(self, path: str) -> Path:
+    def resolve(self, path: str | Path) -> Path:
         """`path` (relative to the working directory) resolved, or ValueError naming the setting."""
-        p = Path(path).expanduser().resolve()
-        if not any(p.is_relative_to(root) for root in self.roots):
+        try:
+            p = Path(path).expanduser().resolve()
+        except RuntimeError as e:  # a symlink loop: the client's mistake, not the gateway's
+            raise ValueError(f"path {str(path)!r} cannot be resolved: {e}") from None
+        under = [root for root in self.roots if p.is_relative_to(root)]
+        if not under:
             allowed = [str(r) for r in self.roots]
-            raise ValueError(f"path {path!r} is outside the directories the gateway reads datasets from "
+            raise ValueError(f"path {str(path)!r} is outside the directories the gateway reads datasets from "
                              f"({ROOTS_SETTING}: {allowed}); move the dataset under one of them, or add "
                              f"its directory to {ROOTS_SETTING} in the gateway's config")
+        if all(self._in_private(p, root) for root in under):
+            raise ValueError(f"path {str(path)!r} is in arlo's own state directory ({self._in_private(p, under[0])}, "
+                             f"$ARLO_HOME), which the gateway never reads datasets from")
         return p
+
+    def _in_private(self, p: Path, root: Path) -> Path | None:
+        return next((d for d in self.private if p.is_relative_to(d) and d != root and d.is_relative_to(root)), None)
+
+    def open(self, path: Path) -> BinaryIO:
+        """`path`, as `resolve` gave it, opened for reading, and checked again once open: had a
+        directory on the way been swapped for a symlink out of the roots since `resolve`, the
+        open file is not the one the path leads to now, and it is refused."""
+        f = path.open("rb")
+        try:
+            opened, now = os.fstat(f.fileno()), self.resolve(path).stat()
+            if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):
+                raise ValueError(f"path {str(path)!r} changed while it was opened; try again")
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+
+def _version(p: Path, stat: os.stat_result) -> tuple[Any, ...]:
+    """What changes when the dataset at `p` is rewritten: a file's mtime and size; for a directory
+    also those of the JSON files in it and in its splits, since save_to_disk over an existing
+    directory rewrites its files in place and leaves the directory's own mtime and size alone."""
+    out: list[Any] = [stat.st_mtime_ns, stat.st_size]
+    if p.is_dir():
+        for d in (p, *sorted(c for c in p.iterdir() if c.is_dir())):
+            for name in HF_JSON_FILES:
+                try:
+                    member = (d / name).stat()
+                except OSError:
+                    continue
+                out.append((d.name, name, member.st_mtime_ns, member.st_size))
+    return tuple(out)
 
 
 class DatasetStore:
@@ -187,10 +277,10 @@ class DatasetStore:
             stat = p.stat()
         except OSError:
             raise ValueError(f"path {path!r} does not exist") from None
-        key = (str(p), stat.st_mtime_ns, stat.st_size, fmt, hf_split)
+        key = (str(p), *_version(p, stat), fmt, hf_split)
         with self._lock:  # one load per file even when many sessions start at once
             if key not in self._rows:
-                self._put(self._rows, key, read_rows(p, fmt, hf_split), _CACHED_DATASETS)
+                self._put(self._rows, key, read_rows(self._roots, p, fmt, hf_split), _CACHED_DATASETS)
             self._rows.move_to_end(key)
             return key, self._rows[key]
 
