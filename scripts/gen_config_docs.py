@@ -1,9 +1,9 @@
-"""Writes docs/configuration.md from arlo/config.py, so the reference cannot drift from the code.
+"""Writes docs/configuration.md from the arlo/config/ package, so the reference cannot drift from the code.
 
-Field descriptions are the string literals that follow each field in the dataclass body
-(read with `ast`); defaults come from the dataclasses themselves. Every field must have one:
-the script fails, naming them, when a field has none, and `--check` fails when the committed
-file is stale (tests run both).
+Field descriptions are the string literals that follow each field in the dataclass body (read
+with `ast` from every module of the package); defaults come from the dataclasses themselves.
+Every field must have one: the script fails, naming them, when a field has none, and `--check`
+fails when the committed file is stale (tests run both).
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ sys.path.insert(0, str(ROOT))
 from arlo import config as config_module  # noqa: E402
 
 OUT = ROOT / "docs" / "configuration.md"
+PACKAGE = Path(config_module.__file__).parent
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """{class name: {field name: docstring}} from the module source."""
-    tree = ast.parse(Path(config_module.__file__).read_text())
+    """{class name: {field name: docstring}} from the source of every module of the package
+    (class names are unique across them: arlo.config re-exports them all)."""
     docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
+    for node in (node for module in sorted(PACKAGE.glob("*.py")) for node in ast.parse(module.read_text()).body):
         if not isinstance(node, ast.ClassDef):
             continue
         fields: dict[str, str] = {}
@@ -51,15 +52,17 @@ def class_docs(docs: dict[str, dict[str, str]], cls: type) -> dict[str, str]:
 
 
 def undocumented() -> list[str]:
-    """"Class.field" for every dataclass field of arlo/config.py without a docstring."""
+    """"Class.field" for every dataclass field of arlo/config/ without a docstring."""
     docs = field_docs()
     return [f"{cls.__name__}.{f.name}" for cls in config_classes() for f in dataclasses.fields(cls)
             if f.name not in class_docs(docs, cls)]
 
 
 def config_classes() -> list[type]:
+    """The config dataclasses arlo.config exports (each declared in one of its modules)."""
     return [obj for obj in vars(config_module).values()
-            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == config_module.__name__]
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj)
+            and obj.__module__.startswith(config_module.__name__ + ".")]
 
 
 def default_of(f: dataclasses.Field) -> object:
@@ -74,7 +77,7 @@ def default_of(f: dataclasses.Field) -> object:
 def render() -> str:
     docs = field_docs()
     lines = ["# Configuration reference", "",
-             "Generated from `arlo/config.py` by `scripts/gen_config_docs.py`; do not edit by hand.",
+             "Generated from `arlo/config/` by `scripts/gen_config_docs.py`; do not edit by hand.",
              "A run is one YAML file; every section and field below is optional unless marked required.", ""]
 
     def section(cls: type, path: str, instance: object | None) -> None:
@@ -112,7 +115,7 @@ def main() -> int:
     args = parser.parse_args()
     missing = undocumented()
     if missing:
-        print(f"fields without a docstring in arlo/config.py: {', '.join(missing)}", file=sys.stderr)
+        print(f"fields without a docstring in arlo/config/: {', '.join(missing)}", file=sys.stderr)
         return 1
     text = render()
     if args.check:

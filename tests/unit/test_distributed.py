@@ -137,7 +137,7 @@ def test_multislice_splits_the_dcn_axis_across_slices() -> None:
 
 
 def test_mesh_config_loads_from_yaml_shaped_data() -> None:
-    """The shape config.py's from_dict builds (tuples from YAML lists), as RunConfig will embed it."""
+    """The shape arlo.config's from_dict builds (tuples from YAML lists), as RunConfig will embed it."""
     from arlo.config import from_dict
 
     cfg = from_dict(MeshConfig, {"axis_names": ["data", "tensor"], "axis_sizes": [-1, 2]})

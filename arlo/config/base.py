@@ -1,0 +1,173 @@
+"""The config basics: ConfigError, the frozen-dataclass decorator, the run-id rule, and the
+sections every service shares (redis, auth and TLS, where a server listens, the device mesh)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_RUN_ID_EXTRA = frozenset("-_.")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or out of range."""
+
+
+def _frozen(cls: type[T]) -> type[T]:
+    return dataclass(frozen=True, kw_only=True, slots=True)(cls)
+
+
+def check_run_id(run_id: str, path: str = "run_id") -> None:
+    """The one rule for run ids: non-empty, ASCII letters, digits, '-', '_' and '.' (they name Redis
+    keys, and keep glob characters out of SCAN patterns). Raises ConfigError naming `path`."""
+    ok = bool(run_id) and all((c.isascii() and c.isalnum()) or c in _RUN_ID_EXTRA for c in run_id)
+    _check(path, ok, f"must be non-empty and use only letters, digits, '-', '_' and '.', got {run_id!r}")
+
+
+def _check(path: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {message}")
+
+
+@_frozen
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL; `arlo up` starts a local, persistent redis-server at this port when nothing answers here."""
+    socket_timeout_s: float = 10.0
+    """Socket timeout; blocking reads always block for less than this (redis-py raises otherwise)."""
+    max_backlog: int = 4096
+    """Unread trajectories allowed in the stream before producers are told to back off."""
+    reconnect_max_s: float = 5.0
+    """Cap of the exponential reconnect backoff."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.url", self.url.startswith(("redis://", "rediss://", "unix://")), "must be a redis:// URL")
+        _check(f"{path}.max_backlog", self.max_backlog >= 1, "must be >= 1")
+
+
+@_frozen
+class TlsConfig:
+    """TLS for every server and client channel (PEM files; a pod mounts its own at these paths)."""
+
+    enabled: bool = False
+    """Serve and dial TLS instead of plaintext."""
+    cert_file: str = ""
+    """Certificate chain this process presents: as a server, and as a client under mTLS."""
+    key_file: str = ""
+    """Private key of cert_file."""
+    ca_file: str = ""
+    """CA bundle that verifies peers: servers for clients (empty: system roots), clients for mTLS servers."""
+    require_client_cert: bool = False
+    """mTLS: servers refuse clients without a certificate signed by ca_file."""
+    server_name: str = ""
+    """Name clients check in the server certificate instead of the target host (e.g. a shared service cert)."""
+
+    def validate(self, path: str) -> None:
+        if not self.enabled:
+            return
+        _check(f"{path}.cert_file", bool(self.cert_file), "must be set when tls is enabled")
+        _check(f"{path}.key_file", bool(self.key_file), "must be set when tls is enabled")
+        _check(f"{path}.ca_file", not self.require_client_cert or bool(self.ca_file),
+               "must be set with require_client_cert (it verifies client certificates)")
+
+
+@_frozen
+class AuthConfig:
+    token_env: str = "ARLO_TOKEN"
+    """Environment variable holding the bearer token."""
+    token_file: str = ""
+    """File holding the token (used when the variable is unset)."""
+    disabled: bool = False
+    """Serve without auth. Only ever on when set explicitly."""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """Transport security of every RPC (the token alone travels in the clear without it)."""
+
+    def validate(self, path: str) -> None:
+        self.tls.validate(f"{path}.tls")
+
+
+@_frozen
+class ServerConfig:
+    """Where one service listens. Port 0 picks a free port (tests)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; 0.0.0.0 for all (others then dial $ARLO_ADVERTISE_HOST or the host name)."""
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int = 0
+    """Prometheus /metrics port; 0 picks a free port, -1 disables it."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest gRPC message sent or received (weights travel in chunks below it)."""
+    grace_s: float = 5.0
+    """On SIGTERM: NOT_SERVING, then this long for in-flight RPCs to finish."""
+    max_concurrent_rpcs: int = 0
+    """RPCs in flight on the whole server (health included); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
+    max_rpcs_per_client: int = 1024
+    """RPCs in flight from one client connection (health exempt); the excess gets RESOURCE_EXHAUSTED. 0 = no cap."""
+    max_health_watches: int = 256
+    """Open grpc.health.v1 Watch streams on the server (unauthenticated, long-lived); the excess gets RESOURCE_EXHAUSTED."""
+    max_health_watches_per_client: int = 16
+    """Open health Watch streams from one client host (all its connections); the excess gets RESOURCE_EXHAUSTED."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.port", 0 <= self.port < 65536, "must be in [0, 65535]")
+        _check(f"{path}.metrics_port", -1 <= self.metrics_port < 65536, "must be in [-1, 65535]")
+        _check(f"{path}.max_message_bytes", 1024 <= self.max_message_bytes < 2**31, "must be in [1 KiB, 2 GiB)")
+        _check(f"{path}.max_concurrent_rpcs", self.max_concurrent_rpcs >= 0, "must be >= 0 (0 = no cap)")
+        _check(f"{path}.max_rpcs_per_client", self.max_rpcs_per_client >= 0, "must be >= 0 (0 = no cap)")
+        _check(f"{path}.max_health_watches", self.max_health_watches >= 1, "must be >= 1")
+        _check(f"{path}.max_health_watches_per_client", self.max_health_watches_per_client >= 1, "must be >= 1")
+
+
+@_frozen
+class MeshConfig:
+    """Named device mesh axes, e.g. data x fsdp x tensor.
+
+    One size may be -1: "all the devices the other axes leave". The defaults put every
+    device on `data` (pure data parallelism), which is right on one device too.
+    """
+
+    axis_names: tuple[str, ...] = ("data", "fsdp", "tensor")
+    """Names of the mesh axes, outermost first."""
+    axis_sizes: tuple[int, ...] = (-1, 1, 1)
+    """Size of each axis; one may be -1 (all the devices the others leave)."""
+    dcn_axis: str = "data"
+    """With devices of several TPU slices (multislice), this axis is split across slices
+    (over the data-centre network); the others stay inside a slice (ICI)."""
+
+    def validate(self, path: str = "mesh") -> None:
+        if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
+            raise ConfigError(f"{path}.axis_sizes: needs one size per axis name "
+                              f"({len(self.axis_names)} names, {len(self.axis_sizes)} sizes)")
+        if len(set(self.axis_names)) != len(self.axis_names) or not all(self.axis_names):
+            raise ConfigError(f"{path}.axis_names: must be distinct and non-empty, got {list(self.axis_names)}")
+        if any(s == 0 or s < -1 for s in self.axis_sizes):
+            raise ConfigError(f"{path}.axis_sizes: each must be >= 1 or -1 (the rest), got {list(self.axis_sizes)}")
+        if list(self.axis_sizes).count(-1) > 1:
+            raise ConfigError(f"{path}.axis_sizes: at most one -1, got {list(self.axis_sizes)}")
+        if self.dcn_axis not in self.axis_names:
+            raise ConfigError(f"{path}.dcn_axis: {self.dcn_axis!r} is not one of {list(self.axis_names)}")
+
+    def shape(self, num_devices: int) -> tuple[int, ...]:
+        """The concrete axis sizes for `num_devices` devices (-1 resolved); ValueError if they don't fit."""
+        self.validate()
+        known = math.prod(s for s in self.axis_sizes if s != -1)
+        if -1 in self.axis_sizes:
+            if num_devices % known:
+                raise ValueError(f"mesh {self._describe()} does not divide {num_devices} devices "
+                                 f"(the fixed axes need a multiple of {known})")
+            return tuple(num_devices // known if s == -1 else s for s in self.axis_sizes)
+        if known != num_devices:
+            raise ValueError(f"mesh {self._describe()} has {known} devices, but there are {num_devices}; "
+                             "make one axis -1 to take the rest")
+        return tuple(self.axis_sizes)
+
+    def _describe(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))

@@ -1,0 +1,60 @@
+"""`model`: the policy every service builds (a preset or a Hugging Face checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from arlo.choices import Dtype
+from arlo.config.base import ConfigError, _check, _frozen
+
+
+@_frozen
+class ModelSpec:
+    """The policy: a named preset (random init from `seed`) or a local Hugging Face checkpoint."""
+
+    name: str = "tiny"
+    """Preset name (tiny, demo, small; see arlo.model.config), used when `path` is empty."""
+    path: str = ""
+    """A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
+    tokenizer_config.json with a chat_template); wins over `name`, and its weights are version 0."""
+    tokenizer: str = "byte"
+    """Tokenizer of a preset ("byte") or a Hugging Face directory holding tokenizer.json; with
+    `path` set, "byte" (the default) means the checkpoint's own tokenizer."""
+    seed: int = 0
+    """Seed of a preset's initial weights (trainer and a cold inference server agree on it)."""
+    dtype: Dtype = "float32"
+    """Compute dtype of the forward pass (matmuls); norms and softmax run in float32."""
+    param_dtype: Dtype = "float32"
+    """Dtype of the stored parameters that inference serves and every publish carries
+    (bfloat16 halves the bytes); the trainer keeps a float32 master copy either way."""
+    max_seq_len: int = 0
+    """Longest sequence (prompt + generated); 0 = the preset's or the checkpoint's
+    max_position_embeddings (often far more than a run needs: cap it)."""
+
+    def validate(self, path: str) -> None:
+        _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's own)")
+        if self.path:
+            from arlo.model.source import check_model_dir
+
+            try:
+                check_model_dir(Path(self.path))
+            except ValueError as e:
+                raise ConfigError(f"{path}.path: {e}") from None
+        else:
+            from arlo.model import ModelConfig
+
+            try:
+                ModelConfig.named(self.name)
+            except ValueError as e:
+                raise ConfigError(f"{path}.name: {e}") from None
+            if self.tokenizer != "byte" and not Path(self.tokenizer).is_dir():
+                raise ConfigError(f"{path}.tokenizer: must be 'byte' or a Hugging Face directory, "
+                                  f"got {self.tokenizer!r}")
+
+    def source(self) -> Any:
+        """The arlo.model.source ModelSource every service builds its model and tokenizer from."""
+        from arlo.model.source import resolve_model
+
+        return resolve_model(name=self.name, path=self.path, tokenizer=self.tokenizer, seed=self.seed,
+                             dtype=self.dtype, param_dtype=self.param_dtype, max_seq_len=self.max_seq_len)

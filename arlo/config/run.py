@@ -1,0 +1,176 @@
+"""`RunConfig`, the whole run, and the loader: YAML in, typed and validated config out (and back)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from arlo.config.base import AuthConfig, ConfigError, RedisConfig, T, _frozen, check_run_id
+from arlo.config.env import EnvGatewayConfig, RewardConfig
+from arlo.config.inference import InferenceConfig
+from arlo.config.model import ModelSpec
+from arlo.config.rollout import RolloutConfig
+from arlo.config.trainer import TrainerConfig
+from arlo.private_files import write_private
+
+
+@_frozen
+class RunConfig:
+    run_id: str = "default"
+    """Namespace of every Redis key (`arlo:{run_id}:...`)."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """The policy model, shared by trainer and inference."""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    """The Redis that holds the trajectory stream, weight pointer and heartbeats."""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    """Bearer-token auth of every RPC but health."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """The inference service: request limits, batching, KV cache."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer service: optimizer, RL objective, checkpoints."""
+    env_gateway: EnvGatewayConfig = field(default_factory=EnvGatewayConfig)
+    """The environment gateway: sessions, sandbox, remote environments."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward service: verifier deadline, plugins, sandbox."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers: the task, group sampling, episode limits."""
+
+    def validate(self, path: str = "") -> None:
+        check_run_id(self.run_id)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if hasattr(value, "validate"):
+                value.validate(f.name)
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Builds dataclass `cls` from plain data, checking keys and types; errors name the field."""
+    where = path or "<root>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{path}.{name}" if path else name)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        # `type(value) is type(a)`: YAML's `true` must not pass as 1, nor 1 as 1.0.
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(f"{path}: must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{path}: must be set (null is not allowed)")
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _coerce(options[0], value, path)
+        for option in options:  # the first alternative that takes the value
+            try:
+                return _coerce(option, value, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: expected {' or '.join(type_name(o) for o in options)}, got {value!r}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(key_type, k, f"{path} key"): _coerce(value_type, v, f"{path}.{k}") for k, v in value.items()}
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def type_name(tp: Any) -> str:
+    """A field type as the docs and errors show it: `int`, `list of str`, `one of "a", "b"`, `float or null`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        return f"map of {type_name(key_type)} to {type_name(value_type)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain data (lists, not tuples) that YAML can write and `from_dict` reads back."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Loads a YAML run config (the built-in one when `path` is None) and validates it."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    if overrides:
+        data = _merge(data, overrides)
+    cfg = from_dict(RunConfig, data)
+    cfg.validate()
+    return cfg
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Written 0600 (atomically): redis.url may carry a password."""
+    write_private(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def replace_config(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """A copy of `cfg` with nested `overrides` applied, validated like a loaded config."""
+    new = from_dict(RunConfig, _merge(to_dict(cfg), overrides))
+    new.validate()
+    return new
