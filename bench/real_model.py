@@ -9,8 +9,8 @@ Measured, each in a fresh subprocess where memory matters:
 - load: seconds and peak RSS above the process baseline for what inference loads (the serving
   dtype) and what the trainer loads (its float32 master copy), against the checkpoint's bytes;
 - decode tokens/s at each --batches size, arlo's engine (float32 compute) against transformers
-  `generate` (greedy, fixed length, the same prompts) in its faster dtype on this CPU, measured
-  at batch 1 with a short run: `decode_over_hf_b16`, `decode_over_hf_b64`; beside them the
+  `generate` (greedy, fixed length, the same prompts) in its faster dtype at each batch (float32 and
+  bfloat16 both run): `decode_over_hf_b16`, `decode_over_hf_b64`; beside them the
   weight-matmul floor (every weight matrix multiplied once per step, one jitted call): how far
   arlo is from it, and how far ahead of transformers any engine could be on this CPU;
 - one GRPO step of --groups x --group-size samples x --step-tokens new tokens, in process, split
@@ -167,15 +167,12 @@ def decode_figures(path: Path, args: argparse.Namespace, batches: list[int]) -> 
     from services.inference.engine import Engine
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    dtypes = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # Both dtypes stay loaded: bf16 is transformers' faster one at batch 1 on some CPUs and far
+    # slower at batch 16+ on CPUs without bf16 arithmetic (AVX2), so each batch takes its faster.
+    hf_models = {name: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+                 for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    for model in hf_models.values():
         hf_decode(model, prompts(1, args.prompt, 2000, 0), 4)  # warm up
-        dtypes[name] = hf_decode(model, prompts(1, args.prompt, 2000, 0), 16)
-        del model
-    hf_dtype = max(dtypes, key=dtypes.__getitem__)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, hf_dtype)).eval()
     source = resolve_model(name="", path=str(path), tokenizer="", seed=0, max_seq_len=args.prompt + args.new_tokens)
     engine = Engine(source, config=InferenceConfig(
         max_n=1, max_batch=max(batches), max_tokens=args.new_tokens, max_prompt_tokens=args.prompt,
@@ -187,14 +184,17 @@ def decode_figures(path: Path, args: argparse.Namespace, batches: list[int]) -> 
             batch_prompts = prompts(b, args.prompt, 2000, b)
             arlo_decode(engine, batch_prompts, args.new_tokens)  # compile every window bucket of this length
             ours = arlo_decode(engine, batch_prompts, args.new_tokens)
-            theirs = hf_decode(hf, batch_prompts, args.new_tokens)
+            by_dtype = {name: hf_decode(model, batch_prompts, args.new_tokens) for name, model in hf_models.items()}
+            hf_dtype = max(by_dtype, key=by_dtype.__getitem__)
+            theirs = by_dtype[hf_dtype]
             floor = b / weight_matmul_floor_s(SHAPES[args.shape], b)
-            rows[b] = {"arlo_tokens_per_s": ours, "hf_tokens_per_s": theirs, "over_hf": ours / theirs,
+            rows[b] = {"arlo_tokens_per_s": ours, "hf_tokens_per_s": theirs, "hf_dtype": hf_dtype,
+                       "hf_tokens_per_s_by_dtype": by_dtype, "over_hf": ours / theirs,
                        "matmul_floor_tokens_per_s": floor, "arlo_of_floor": ours / floor,
                        "ceiling_over_hf": floor / theirs}
     finally:
         engine.close()
-    return {"hf_dtype": hf_dtype, "hf_b1_tokens_per_s_by_dtype": dtypes, "decode": rows}
+    return {"decode": rows}
 
 
 def grpo_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -269,13 +269,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-tokens", type=int, default=128)
     parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-step", action="store_true", help="no GRPO step (load and decode only)")
+    parser.add_argument("--skip-load", action="store_true", help="no load figures (decode, and the step unless skipped)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     path = write_checkpoint(Path(args.dir), args.shape)
     on_disk = checkpoint_bytes(path)
     figures: dict[str, Any] = {"checkpoint_bytes": on_disk}
-    for role, dtype in (("inference_bf16", "bfloat16"), ("trainer_f32_master", "float32")):
+    for role, dtype in (("inference_bf16", "bfloat16"), ("trainer_f32_master", "float32"))[:0 if args.skip_load else 2]:
         load = measure_load(path, dtype)
         model_bytes = on_disk * (2 if dtype == "float32" else 1)  # the checkpoint is bf16 on disk
         figures[f"load_{role}"] = {**load, "model_bytes": model_bytes,
@@ -289,11 +290,12 @@ def main(argv: list[str] | None = None) -> None:
     print_table("load", ["role", "seconds", "peak RSS over base (MB)", "model (MB)", "ratio"],
                 [[r, figures[f"load_{r}"]["load_s"], figures[f"load_{r}"]["peak_over_base_bytes"] / 1e6,
                   figures[f"load_{r}"]["model_bytes"] / 1e6, figures[f"load_{r}"]["peak_over_model"]]
-                 for r in ("inference_bf16", "trainer_f32_master")])
-    print_table(f"decode, {args.new_tokens} new tokens (transformers in {figures['hf_dtype']})",
-                ["batch", "arlo tok/s", "transformers tok/s", "arlo / transformers", "matmul floor tok/s",
+                 for r in ("inference_bf16", "trainer_f32_master") if f"load_{r}" in figures])
+    print_table(f"decode, {args.new_tokens} new tokens (transformers in its faster dtype at each batch)",
+                ["batch", "arlo tok/s", "transformers tok/s", "its dtype", "arlo / transformers", "matmul floor tok/s",
                  "arlo / floor", "floor / transformers"],
-                [[b, r["arlo_tokens_per_s"], r["hf_tokens_per_s"], r["over_hf"], r["matmul_floor_tokens_per_s"],
+                [[b, r["arlo_tokens_per_s"], r["hf_tokens_per_s"], r["hf_dtype"], r["over_hf"],
+                  r["matmul_floor_tokens_per_s"],
                   r["arlo_of_floor"], r["ceiling_over_hf"]] for b, r in figures["decode"].items()])
     if "grpo_step" in figures:
         print_table(f"one GRPO step ({args.groups}x{args.group_size}x{args.step_tokens}, params {args.param_dtype})",
