@@ -440,13 +440,15 @@ class TrainingLoop:
 
     async def _refuse_step(self, groups: Sequence[ReadyGroup], reason: str) -> None:
         """A step that would corrupt the weights: nothing published, its groups dead-lettered."""
-        self.state.skipped_steps += 1
         items = [(e, t, reason) for g in groups for e, t in zip(g.entry_ids, g.trajectories, strict=True)]
+        await self.stream.dead_letter(items)
+        # Both counters move once the dead letters are durable, together: a reader that sees the
+        # skipped step sees its dead letters and their count too.
+        self.state.skipped_steps += 1
+        self._nonfinite += len(items)
         log.error("step refused (%s); %d trajectories moved to %s, version stays %d", reason, len(items),
                   self.stream.keys.traj_dead, self.state.version,
                   extra={"skipped_steps": self.state.skipped_steps, "version": self.state.version})
-        await self.stream.dead_letter(items)
-        self._nonfinite += len(items)  # after the move, as in _step_failed
 
     def _take_batch_groups(self) -> list[ReadyGroup]:
         # A batch needs one group size; groups of another size wait for their own batch.
