@@ -287,10 +287,11 @@ def main(argv: list[str] | None = None) -> None:
             figures[f"decode_over_hf_b{b}"] = figures["decode"][b]["over_hf"]
     if not args.skip_step:
         figures["grpo_step"] = grpo_step(path, args)
-    print_table("load", ["role", "seconds", "peak RSS over base (MB)", "model (MB)", "ratio"],
-                [[r, figures[f"load_{r}"]["load_s"], figures[f"load_{r}"]["peak_over_base_bytes"] / 1e6,
-                  figures[f"load_{r}"]["model_bytes"] / 1e6, figures[f"load_{r}"]["peak_over_model"]]
-                 for r in ("inference_bf16", "trainer_f32_master") if f"load_{r}" in figures])
+    if any(k.startswith("load_") for k in figures):
+        print_table("load", ["role", "seconds", "peak RSS over base (MB)", "model (MB)", "ratio"],
+                    [[r, figures[f"load_{r}"]["load_s"], figures[f"load_{r}"]["peak_over_base_bytes"] / 1e6,
+                      figures[f"load_{r}"]["model_bytes"] / 1e6, figures[f"load_{r}"]["peak_over_model"]]
+                     for r in ("inference_bf16", "trainer_f32_master") if f"load_{r}" in figures])
     print_table(f"decode, {args.new_tokens} new tokens (transformers in its faster dtype at each batch)",
                 ["batch", "arlo tok/s", "transformers tok/s", "its dtype", "arlo / transformers", "matmul floor tok/s",
                  "arlo / floor", "floor / transformers"],
