@@ -94,12 +94,14 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
     env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
     env.pop("ARLO_TOKEN", None)
     up = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "up", "-c", str(config)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          # A file, not a pipe nobody reads: once `arlo up` had written 64 KiB its writes
+                          # blocked, and so did its shutdown (CI: no exit 60 s after SIGINT).
+                          stdout=open(tmp_path / "up.out", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
     try:
         deadline = time.monotonic() + 300
         status: dict = {}
         while time.monotonic() < deadline:
-            assert up.poll() is None, up.stdout.read() if up.stdout else ""
+            assert up.poll() is None, (tmp_path / "up.out").read_text()[-4000:]
             result = arlo("status", "--json", home=home, timeout=60)
             if result.returncode == 0:
                 status = json.loads(result.stdout)
