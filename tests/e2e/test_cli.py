@@ -129,7 +129,7 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
     finally:
         up.send_signal(signal.SIGINT)
         try:
-            code = up.wait(timeout=60)
+            code = up.wait(timeout=90)  # its stop is bounded at 2 x 15 s grace, plus a loaded machine
         except subprocess.TimeoutExpired:
             up.kill()
             raise
