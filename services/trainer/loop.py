@@ -87,6 +87,9 @@ class TrainingLoop:
         self.replica = Replica(learner, self.checkpointer, channel)
         self.pad_id = pad_id
         self.assembler = GroupAssembler(max_staleness=max_staleness, vocab_size=learner.model_cfg.vocab_size)
+        # The intake's dead-lettered counts (malformed, poisoned) as of its last durable move: the
+        # assembler counts at intake, before `traj:dead` holds them, and a reader must see both or neither.
+        self._dead_lettered = dataclasses.replace(self.assembler.drops)
         self.state = TrainerState(paused=start_paused)
         self.clock = StepClock()  # where each RL step's time goes (services/trainer/anatomy.py)
         self._ready: list[ReadyGroup] = []
@@ -228,10 +231,10 @@ class TrainingLoop:
 
     def dropped(self) -> dict[str, int]:
         """Trajectories not trained on, by reason."""
-        drops = self.assembler.drops
-        return {"stale": drops.stale, "failed": drops.failed, "malformed": drops.malformed + self.stream.malformed,
+        drops, dead = self.assembler.drops, self._dead_lettered
+        return {"stale": drops.stale, "failed": drops.failed, "malformed": dead.malformed + self.stream.malformed,
                 "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance,
-                "poisoned": drops.poisoned, "nonfinite_step": self._nonfinite, "step_error": self._step_errors}
+                "poisoned": dead.poisoned, "nonfinite_step": self._nonfinite, "step_error": self._step_errors}
 
     def fault_counters(self) -> dict[str, int | str]:
         """Faults survived, for the heartbeat (`arlo status`)."""
@@ -271,6 +274,7 @@ class TrainingLoop:
         stale_before = self.assembler.drops.stale
         ready, dropped = self.assembler.take_ready(self.state.version)
         await self.stream.dead_letter(self.assembler.take_dead())  # acknowledged with it
+        self._dead_lettered = dataclasses.replace(self.assembler.drops)
         if self.assembler.drops.stale > stale_before:
             await self.stream.count_stale(self.assembler.drops.stale - stale_before)
         if self.filter_zero_variance:

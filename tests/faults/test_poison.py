@@ -151,3 +151,20 @@ async def test_nan_weights_are_never_published_nor_installed(stack: dict) -> Non
     assert engine.version == 0 and sync.stats.refused_nonfinite == 1
     assert state_to_bytes(engine.state) == before
     assert np.isfinite(np.asarray(jax.tree.leaves(engine.state)[0])).all()
+
+
+async def test_a_dead_letter_count_is_never_seen_before_its_dead_letters(stack: dict) -> None:
+    """Counters a reader polls (dropped(), the heartbeat) move only once `traj:dead` holds what they count."""
+    loop, stream = stack["loop"], stack["stream"]
+    seen_during_moves: list[int] = []
+    real_dead_letter = loop.stream.dead_letter
+
+    async def observed(items):
+        seen_during_moves.append(loop.dropped()["poisoned"])  # before the move is durable
+        await real_dead_letter(items)
+
+    loop.stream.dead_letter = observed
+    await stream.add_group([traj("bad", **{"reward": 1.0, **next(iter(POISONS.values()))}), traj("bad", 0.0)])
+    await wait_for(lambda: loop.dropped()["poisoned"] == 2)
+    assert len(await dead_reasons(stack)) == 1
+    assert seen_during_moves and all(n == 0 for n in seen_during_moves)
