@@ -42,6 +42,11 @@ class InferenceConfig:
     """Calls recorded per episode at most; later ones are served but counted as dropped."""
     openai_episode_ttl_s: float = 1800.0
     """An episode record nobody fetched (GetEpisode) or extended for this long is dropped."""
+    min_rows: int = 0
+    """Fewest rows a decode step or a prefill's sampling runs (a power of two; fewer sequences are
+    padded up to it): a higher floor means fewer programs to compile. 0 = automatic: 16, where a
+    step costs the same at 1 and 16 rows (accelerators; small models anywhere), and 1 on a CPU
+    with a model of 16.8M parameters or more, where a step costs in proportion to its rows."""
     warmup_programs: int = 16
     """At start, compile every program the limits above allow (max_prompt_tokens, max_tokens,
     max_batch, max_prefill_rows) when they allow at most this many, before serving, so a run
@@ -51,6 +56,8 @@ class InferenceConfig:
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
         _check(f"{path}.warmup_programs", self.warmup_programs >= 0, "must be >= 0")
+        _check(f"{path}.min_rows", self.min_rows >= 0 and self.min_rows & (self.min_rows - 1) == 0,
+               "must be 0 (automatic) or a power of two")
         _check(f"{path}.openai_port", -1 <= self.openai_port < 65536, "must be in [-1, 65535] (0 = free, -1 = off)")
         _check(f"{path}.openai_max_episodes", self.openai_max_episodes >= 1, "must be >= 1")
         _check(f"{path}.openai_max_calls", self.openai_max_calls >= 1, "must be >= 1")

@@ -32,6 +32,7 @@ from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, abstract_model
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource
+from services.inference.programs import row_floor
 from services.inference.requests import (
     MAX_STOP_IDS,
     MAX_STOP_STRING_BYTES,
@@ -146,9 +147,11 @@ class Engine:
         self.mesh = mesh
         self._policy = _Policy(state=source.initial_state(placement), version=0)
         self.num_slots = _num_slots(self.config, self.model_cfg)
+        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        min_rows = row_floor(self.config.min_rows, platform=device.platform, params=base.num_params())
         self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
                              decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows,
-                             max_n=self.config.max_n, mesh=mesh)
+                             max_n=self.config.max_n, min_rows=min_rows, mesh=mesh)
         self.scheduler = Scheduler(num_slots=self.num_slots, prefill_tokens=self.config.prefill_tokens)
         self.stats = EngineStats()
         self.timeline: deque[ChunkRecord] = deque(maxlen=4096)

@@ -8,10 +8,13 @@ Every jitted call of the runner is keyed by a bucketed shape, one compiled progr
   splits the admitted prompts over calls instead;
 - `("decode", b, w)`: b rows over a window of w positions.
 
-Buckets are powers of two (windows also at 1.5x), with floors: below `MIN_ROWS` rows, a
-`MIN_PREFILL_TOKENS` prefill or a `MIN_WINDOW` window a device does the same work for less
-(decode reads every weight once a step whatever the batch; a short prefill or attention span
-costs its fixed overhead), so smaller buckets would only add programs and compile stalls.
+Buckets are powers of two (windows also at 1.5x), with floors: below a `MIN_PREFILL_TOKENS`
+prefill or a `MIN_WINDOW` window a device does the same work for less (a short prefill or
+attention span costs its fixed overhead), so smaller buckets would only add programs and compile
+stalls. The row floor (`row_floor`) is the same argument for decode: an accelerator reads every
+weight once a step whatever the batch, far past 16 rows, and so does any device when the model
+is small enough that a step is all fixed cost. A CPU running a large model is compute-bound
+from the first row (a 16-row step of a 0.5B model costs ~4x a 1-row step there), so its floor is 1.
 
 `program_set` enumerates every key the runner can produce under the engine's limits (prompt
 and completion lengths, slots, prefill rows), so the warm-up compiles exactly that set before
@@ -28,8 +31,20 @@ MIN_TOKEN_BUCKET = 16
 MIN_WINDOW = 64
 MIN_ROWS = 16
 MIN_PREFILL_TOKENS = 128
+CPU_COMPUTE_BOUND_PARAMS = 1 << 24
+"""From this many parameters a CPU decode step costs in proportion to its rows. Measured here
+(bench.real_model.weight_matmul_floor_s, 16 rows over 1): 1.5M params 1.8x (+0.4 ms, below a
+step's fixed cost), 6M 4.8x (+4.7 ms), 40M 3.4x (+18 ms), 411M 5.9x (+309 ms)."""
 
 Key = tuple[str | int, ...]
+
+
+def row_floor(setting: int, *, platform: str, params: int) -> int:
+    """Fewest rows of a decode or sampling call: `setting` when set (inference.min_rows), else
+    MIN_ROWS, except 1 on a CPU with a model of at least CPU_COMPUTE_BOUND_PARAMS parameters."""
+    if setting:
+        return setting
+    return 1 if platform == "cpu" and params >= CPU_COMPUTE_BOUND_PARAMS else MIN_ROWS
 
 
 def pow2(size: int, minimum: int = 1) -> int:
@@ -55,11 +70,13 @@ class Buckets:
     cache_len: int
     max_prefill_rows: int
     max_n: int = 1
+    min_rows: int = MIN_ROWS
+    """Fewest rows of a decode or sampling call (`row_floor`)."""
 
     @property
     def samples(self) -> int:
-        """Sampled rows of every prefill call: room for one request's n, at least MIN_ROWS, within the slots."""
-        return min(pow2(self.max_n, MIN_ROWS), pow2(self.num_slots))  # the engine holds slots >= max_n
+        """Sampled rows of every prefill call: room for one request's n, at least min_rows, within the slots."""
+        return min(pow2(self.max_n, self.min_rows), pow2(self.num_slots))  # the engine holds slots >= max_n
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -70,7 +87,7 @@ class Buckets:
 
     def decode_rows(self, n: int) -> int:
         """Rows of a decode chunk over n running sequences (never above the slots)."""
-        return min(pow2(n, MIN_ROWS), max(self.num_slots, n))
+        return min(pow2(n, self.min_rows), max(self.num_slots, n))
 
     def prefill_rows(self, prompts: int, t: int) -> int:
         """Rows of a prefill call over `prompts` distinct prompts of bucket t."""

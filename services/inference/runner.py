@@ -50,7 +50,7 @@ from arlo.model.kv_cache import (
 )
 from arlo.model.sampling import sample
 from arlo.model.sharding import BATCH_AXES
-from services.inference.programs import Buckets, Key, pack_calls, program_set
+from services.inference.programs import MIN_ROWS, Buckets, Key, pack_calls, program_set
 from services.inference.requests import MAX_STOP_IDS
 from services.inference.scheduler import Request
 from services.inference.scheduler import Sequence as Seq
@@ -100,7 +100,8 @@ class Emitted:
 
 class Runner:
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, num_slots: int, slot_len: int,
-                 decode_steps: int, max_prefill_rows: int, max_n: int = 1, mesh: Mesh | None = None) -> None:
+                 decode_steps: int, max_prefill_rows: int, max_n: int = 1, min_rows: int = MIN_ROWS,
+                 mesh: Mesh | None = None) -> None:
         self.graphdef = graphdef
         self.mesh = mesh
         self.num_slots = num_slots
@@ -110,7 +111,7 @@ class Runner:
         # The band a decode chunk writes back may reach `steps` positions past a slot's end.
         self.cache_len = slot_len + decode_steps
         self.buckets = Buckets(num_slots=num_slots, cache_len=self.cache_len, max_prefill_rows=max_prefill_rows,
-                               max_n=max_n)
+                               max_n=max_n, min_rows=min_rows)
         self.windows = self.buckets.windows
         self._model_cfg = model_cfg
         # Slots + the scratch row, rounded up so the rows split evenly over the data axes.

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.programs import Buckets, pack_calls, program_set
+from services.inference.programs import (
+    CPU_COMPUTE_BOUND_PARAMS,
+    MIN_ROWS,
+    Buckets,
+    pack_calls,
+    program_set,
+    row_floor,
+)
 
 
 @pytest.mark.parametrize(("cache_len", "max_prompt"), [(132, 16), (132, 112), (36, 20), (68, 60)])
@@ -40,3 +47,25 @@ def test_calls_hold_at_most_the_sample_count() -> None:
     assert all(s <= 16 for s in sizes) and sum(sizes) == 22
     assert all(len(call) <= 4 for call in calls)
     assert sum(len(piece) for call in calls for piece in call) == 7  # every request once
+
+
+def test_the_row_floor_is_one_only_where_a_step_costs_in_proportion_to_its_rows() -> None:
+    big, small = CPU_COMPUTE_BOUND_PARAMS, CPU_COMPUTE_BOUND_PARAMS - 1
+    assert row_floor(0, platform="cpu", params=big) == 1
+    assert row_floor(0, platform="cpu", params=small) == MIN_ROWS
+    assert row_floor(0, platform="gpu", params=500_000_000) == MIN_ROWS
+    assert row_floor(0, platform="tpu", params=500_000_000) == MIN_ROWS
+    assert row_floor(4, platform="gpu", params=big) == 4  # the setting wins everywhere
+    assert row_floor(32, platform="cpu", params=big) == 32
+
+
+def test_a_floor_of_one_decodes_one_sequence_in_one_row() -> None:
+    floor1 = Buckets(num_slots=64, cache_len=132, max_prefill_rows=16, max_n=4, min_rows=1)
+    floor16 = Buckets(num_slots=64, cache_len=132, max_prefill_rows=16, max_n=4)
+    assert [floor1.decode_rows(n) for n in (1, 2, 3, 5, 17)] == [1, 2, 4, 8, 32]
+    assert [floor16.decode_rows(n) for n in (1, 2, 3, 5, 17)] == [16, 16, 16, 16, 32]
+    assert (floor1.samples, floor16.samples) == (4, 16)
+    # Every decode row count the runner can produce is in the program set, at either floor.
+    for b in (floor1, floor16):
+        keys = program_set(b, max_prompt=16, max_tokens=16, max_seq_len=128)
+        assert {k[1] for k in keys if k[0] == "decode"} == {b.decode_rows(n) for n in range(1, 65)}
