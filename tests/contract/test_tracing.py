@@ -1,0 +1,89 @@
+"""Trace context across a real gRPC call: the reward server on an ephemeral port and a client
+channel, each with its own tracing (its own provider and span file, as two processes have)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from arlo.config import AuthConfig, ConfigError, RewardConfig, RunConfig, ServerConfig, TracingConfig
+from arlo.proto.v1 import reward_pb2, reward_pb2_grpc
+from arlo.rpc import make_channel
+from arlo.tracing import span, start_tracing
+from arlo.tracing.summary import read_spans, summarize
+from services.reward.__main__ import start_reward
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_client_and_server_spans_share_the_trace_with_the_right_parents(tmp_path: Path) -> None:
+    cfg = TracingConfig(enabled=True, dir=str(tmp_path))
+    server_tracing = start_tracing(cfg, service="reward", run_id="r1")
+    client_tracing = start_tracing(cfg, service="rollout", run_id="r1")
+    assert server_tracing is not None and client_tracing is not None
+    run = RunConfig(
+        auth=AuthConfig(disabled=True), reward=RewardConfig(server=ServerConfig(port=0, metrics_port=-1))
+    )
+    server = await start_reward(run, server_tracing)
+    try:
+        async with make_channel(f"127.0.0.1:{server.port}", token=None, tracing=client_tracing) as channel:
+            stub = reward_pb2_grpc.RewardStub(channel)
+            with span(client_tracing.tracer("test"), "test.episode"):
+                reply = await stub.Score(
+                    reward_pb2.ScoreRequest(reward_fn="exact_match", response="4", reference="4")
+                )
+            assert reply.reward == 1.0
+    finally:
+        await server.stop(None)
+    # Nothing is on disk before the flush that a graceful stop does (the batch delay is 5 s).
+    client_tracing.shutdown()
+    server_tracing.shutdown()
+
+    (episode, client) = sorted(lines(tmp_path / "rollout.jsonl"), key=lambda s: s["start_ns"])
+    (served,) = lines(tmp_path / "reward.jsonl")  # health and reflection are not traced
+    assert episode["name"] == "test.episode" and episode["parent_id"] is None
+    assert client["name"] == served["name"] == "/arlo.v1.Reward/Score"
+    assert (client["kind"], served["kind"]) == ("CLIENT", "SERVER")
+    assert episode["trace_id"] == client["trace_id"] == served["trace_id"]
+    assert client["parent_id"] == episode["span_id"] and served["parent_id"] == client["span_id"]
+    assert (client["service"], served["service"]) == ("rollout", "reward")
+    assert served["start_ns"] >= client["start_ns"] and served["end_ns"] <= client["end_ns"]
+
+    summary = summarize(read_spans(tmp_path))
+    assert (summary.traces, summary.spans, summary.multi_service_traces) == (1, 3, 1)
+    assert {(n.service, n.name, n.count) for n in summary.names} == {
+        ("rollout", "test.episode", 1),
+        ("rollout", "/arlo.v1.Reward/Score", 1),
+        ("reward", "/arlo.v1.Reward/Score", 1),
+    }
+
+
+def test_sampling_ratio_zero_records_nothing_and_children_follow_the_parent(tmp_path: Path) -> None:
+    tracing = start_tracing(
+        TracingConfig(enabled=True, dir=str(tmp_path), sample_ratio=0.0), service="rollout", run_id="r1"
+    )
+    assert tracing is not None
+    with span(tracing.tracer("test"), "root") as root, span(tracing.tracer("test"), "child") as child:
+        assert root is not None and child is not None
+        assert not root.get_span_context().trace_flags.sampled and not child.is_recording()
+    tracing.shutdown()
+    assert (tmp_path / "rollout.jsonl").read_text() == ""
+
+
+def test_on_with_nowhere_to_send_spans_is_an_error_naming_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    with pytest.raises(ConfigError, match=r"tracing\.dir or tracing\.otlp_endpoint"):
+        start_tracing(TracingConfig(enabled=True), service="reward", run_id="r1")
+
+
+def test_config_checks_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"^tracing\.sample_ratio: must be in \[0, 1\]"):
+        TracingConfig(sample_ratio=1.5).validate("tracing")
+    with pytest.raises(ConfigError, match=r"^tracing\.otlp_endpoint: must start with http:// or https://"):
+        TracingConfig(otlp_endpoint="collector:4317").validate("tracing")
