@@ -19,7 +19,7 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
     ctx = span.get_span_context()
     assert ctx is not None, "an ended SDK span has a context"
     parent = span.parent
-    return {
+    record = {
         "trace_id": f"{ctx.trace_id:032x}",
         "span_id": f"{ctx.span_id:016x}",
         "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
@@ -31,6 +31,12 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "status": span.status.status_code.name,
         "attributes": dict(span.attributes or {}),
     }
+    if span.links:  # e.g. a StepBatch's span names the episodes whose steps it carried
+        record["links"] = [
+            {"trace_id": f"{k.context.trace_id:032x}", "span_id": f"{k.context.span_id:016x}"}
+            for k in span.links
+        ]
+    return record
 
 
 class JsonlSpanExporter(SpanExporter):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +21,7 @@ from arlo.config import ConfigError, TracingConfig
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span, SpanContext, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +146,28 @@ def service_tracing(cfg: TracingConfig, *, service: str, run_id: str) -> Iterato
 
 
 def span(
-    tracer: Tracer | None, name: str, attributes: Mapping[str, Any] | None = None
+    tracer: Tracer | None,
+    name: str,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    links: Sequence[SpanContext] = (),
 ) -> AbstractContextManager[Span | None]:
     """`tracer`'s span `name`, current for the block (RPCs made in it are its children); with no
-    tracer, nothing (yields None)."""
+    tracer, nothing (yields None). `links`: spans of other traces this one serves (a batch's callers)."""
     if tracer is None:
         return nullcontext()
+    if links:
+        from opentelemetry.trace import Link
+
+        return tracer.start_as_current_span(name, attributes=attributes, links=[Link(c) for c in links])
     return tracer.start_as_current_span(name, attributes=attributes)
+
+
+def current_span_context(tracer: Tracer | None) -> SpanContext | None:
+    """The span current here, to link to from work done later on others' behalf; None untraced."""
+    if tracer is None:
+        return None
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span().get_span_context()
+    return ctx if ctx.is_valid else None

@@ -37,6 +37,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     """`tracing`: each episode is a span, the parent of its RPCs' spans in every service it calls."""
     rc = cfg.rollout
     token = load_token(cfg.auth)
+    tracer = tracing.tracer("services.rollout") if tracing is not None else None
 
     def channel(address: str) -> grpc.aio.Channel:
         return make_channel(address, token=token, tls=cfg.auth.tls, tracing=tracing)
@@ -59,14 +60,15 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
         filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance, gen=gen,
         # One gateway replica per episode: sessions live in the memory of the replica that made them.
-        env=AffinityEnvironmentClient(cfg.env_gateway.server.address, channel, timeout_s=rc.rpc_timeout_s),
+        env=AffinityEnvironmentClient(cfg.env_gateway.server.address, channel, timeout_s=rc.rpc_timeout_s,
+                                      tracer=tracer),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
         tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
         **({"episode_fn": BlackBoxRunner(agent=load_agent(rc.agent), token=token, timeout_s=rc.episode_timeout_s,
                                          client_timeout_s=rc.rpc_timeout_s,
                                          recordings=GrpcRecordings(inference, timeout_s=rc.rpc_timeout_s))}
            if rc.agent else {}),
-        tracer=tracing.tracer("services.rollout") if tracing is not None else None,
+        tracer=tracer,
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)

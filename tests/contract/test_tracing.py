@@ -3,17 +3,28 @@ channel, each with its own tracing (its own provider and span file, as two proce
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from arlo.config import AuthConfig, ConfigError, RewardConfig, RunConfig, ServerConfig, TracingConfig
+from arlo.config import (
+    AuthConfig,
+    ConfigError,
+    EnvGatewayConfig,
+    RewardConfig,
+    RunConfig,
+    ServerConfig,
+    TracingConfig,
+)
 from arlo.proto.v1 import reward_pb2, reward_pb2_grpc
 from arlo.rpc import make_channel
 from arlo.tracing import span, start_tracing
 from arlo.tracing.summary import read_spans, summarize
+from services.env_gateway.__main__ import start_env_gateway
 from services.reward.__main__ import start_reward
+from services.rollout.env_affinity import AffinityEnvironmentClient
 
 
 def lines(path: Path) -> list[dict]:
@@ -87,3 +98,60 @@ def test_config_checks_name_the_field() -> None:
         TracingConfig(sample_ratio=1.5).validate("tracing")
     with pytest.raises(ConfigError, match=r"^tracing\.otlp_endpoint: must start with http:// or https://"):
         TracingConfig(otlp_endpoint="collector:4317").validate("tracing")
+
+
+async def test_a_step_batch_is_a_root_linked_to_the_episodes_it_carried(tmp_path: Path) -> None:
+    """Steps that wait for a busy replica leave together in one StepBatch: it belongs to none of the
+    episodes' traces, so it is a root span of its own, linked to each of theirs."""
+    cfg = TracingConfig(enabled=True, dir=str(tmp_path))
+    server_tracing = start_tracing(cfg, service="env_gateway", run_id="r1")
+    client_tracing = start_tracing(cfg, service="rollout", run_id="r1")
+    assert server_tracing is not None and client_tracing is not None
+    run = RunConfig(
+        auth=AuthConfig(disabled=True),
+        env_gateway=EnvGatewayConfig(server=ServerConfig(port=0, metrics_port=-1)),
+    )
+    server = await start_env_gateway(run, tracing=server_tracing)
+    tracer = client_tracing.tracer("test")
+    env = AffinityEnvironmentClient(
+        f"ipv4:127.0.0.1:{server.port}",
+        lambda a: make_channel(a, token=None, tracing=client_tracing),
+        timeout_s=5,
+        tracer=tracer,
+    )
+
+    async def episode(seed: int) -> str:
+        with span(tracer, "test.episode") as current:
+            started = await env.reset("arith", "", seed)
+            await env.step(started.session_id, "x")
+            return f"{current.get_span_context().span_id:016x}"
+
+    try:
+        episode_ids = await asyncio.gather(*(episode(seed) for seed in range(8)))
+    finally:
+        await env.aclose()
+        await server.stop(None)
+    client_tracing.shutdown()
+    server_tracing.shutdown()
+
+    assert env.calls["StepBatch"] >= 1
+    spans = read_spans(tmp_path)
+    batches = [s for s in spans if s["name"] == "rollout.step_batch"]
+    assert len(batches) == env.calls["StepBatch"]
+    linked = [link["span_id"] for b in batches for link in b["links"]]
+    assert len(linked) == len(set(linked)) == env.calls["batched_steps"] and set(linked) <= set(episode_ids)
+    episode_traces = {s["trace_id"] for s in spans if s["name"] == "test.episode"}
+    for batch in batches:
+        assert batch["parent_id"] is None and batch["trace_id"] not in episode_traces
+        assert batch["attributes"]["arlo.steps"] == len(batch["links"])
+        (call,) = [s for s in spans if s["parent_id"] == batch["span_id"]]
+        (served,) = [s for s in spans if s["parent_id"] == call["span_id"]]
+        assert (call["name"], call["kind"], served["kind"]) == (
+            "/arlo.v1.Environment/StepBatch",
+            "CLIENT",
+            "SERVER",
+        )
+        assert served["service"] == "env_gateway" and served["trace_id"] == batch["trace_id"]
+    # The steps that went alone are children of their episodes.
+    alone = [s for s in spans if s["name"] == "/arlo.v1.Environment/Step" and s["kind"] == "CLIENT"]
+    assert {s["parent_id"] for s in alone} == set(episode_ids) - set(linked)
