@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 """The standard variable; OpenTelemetry's exporter also reads the rest of OTEL_EXPORTER_OTLP_* itself."""
+OTLP_TIMEOUT_ENV = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
 FLUSH_TIMEOUT_S = 5.0
 """What a graceful stop waits for the last spans to be written (or sent to the collector)."""
 
@@ -124,9 +125,13 @@ def start_tracing(cfg: TracingConfig, *, service: str, run_id: str) -> Tracing |
 def _otlp_exporter(endpoint: str) -> Any:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    # Not configured here: the exporter reads $OTEL_EXPORTER_OTLP_ENDPOINT (and its headers,
-    # certificate and timeout variables) itself.
-    return OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+    # Unset here, the exporter reads $OTEL_EXPORTER_OTLP_ENDPOINT (and its headers, certificate
+    # and timeout variables) itself. Its default timeout (10 s, retries included) would let a
+    # collector that never answers hold a stop for 5 s of flush plus 10 s of export.
+    kwargs: dict[str, Any] = {"endpoint": endpoint} if endpoint else {}
+    if not any(v in os.environ for v in OTLP_TIMEOUT_ENV):
+        kwargs["timeout"] = FLUSH_TIMEOUT_S
+    return OTLPSpanExporter(**kwargs)
 
 
 @contextmanager

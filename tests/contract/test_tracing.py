@@ -1,13 +1,17 @@
-"""Trace context across a real gRPC call: the reward server on an ephemeral port and a client
-channel, each with its own tracing (its own provider and span file, as two processes have)."""
+"""Trace context across real gRPC calls: servers on ephemeral ports and client channels, each with
+its own tracing (its own provider and span file, as two processes have); a StepBatch's links; and
+export to a real OTLP/gRPC collector."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from arlo.config import (
     AuthConfig,
@@ -155,3 +159,46 @@ async def test_a_step_batch_is_a_root_linked_to_the_episodes_it_carried(tmp_path
     # The steps that went alone are children of their episodes.
     alone = [s for s in spans if s["name"] == "/arlo.v1.Environment/Step" and s["kind"] == "CLIENT"]
     assert {s["parent_id"] for s in alone} == set(episode_ids) - set(linked)
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """A real OTLP/gRPC endpoint that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+
+    def Export(self, request, context):  # noqa: N802 (the generated name)
+        self.requests.append(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_spans_go_to_an_otlp_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, from_env: bool
+) -> None:
+    collector = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        if from_env:  # the standard variable, as a collector's sidecar or operator sets it
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+            cfg = TracingConfig(enabled=True)
+        else:
+            monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+            cfg = TracingConfig(enabled=True, otlp_endpoint=endpoint)
+        tracing = start_tracing(cfg, service="trainer", run_id="r7")
+        assert tracing is not None
+        with span(tracing.tracer("test"), "trainer.step", {"arlo.version": 3}):
+            pass
+        tracing.shutdown()
+    finally:
+        server.stop(None)
+    assert not list(tmp_path.iterdir())  # no directory configured: no file
+    (resource_spans,) = [rs for r in collector.requests for rs in r.resource_spans]
+    resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert (resource["service.name"], resource["service.namespace"]) == ("trainer", "r7")
+    (sent,) = [s for ss in resource_spans.scope_spans for s in ss.spans]
+    assert sent.name == "trainer.step" and sent.attributes[0].value.int_value == 3
