@@ -182,7 +182,7 @@ class RolloutWorker:
         with span(self.tracer, "rollout.episode", {"arlo.env": spec.env_name, "arlo.group_id": spec.group_id,
                                                     "arlo.task_seed": spec.seed}) as current:
             traj = await self._attempts(spec, gen)
-            if current is not None:
+            if current is not None and current.is_recording():  # not sampled: nothing to record
                 record_episode(current, traj)
             return traj
 
