@@ -128,9 +128,9 @@ def default_checkpoints(cfg: RunConfig, home: Path) -> dict[str, object]:
 
 
 def default_tracing(cfg: RunConfig, home: Path) -> dict[str, object]:
-    """Local runs trace by default, one span file per service under $ARLO_HOME/traces (docs/
-    architecture.md, Traces); `tracing.enabled: false` turns it off, a configured directory is kept."""
-    if cfg.tracing.enabled is False:
+    """A local run with `tracing.enabled` writes one span file per service under $ARLO_HOME/traces
+    (docs/architecture.md, Traces) unless the config names a directory or a collector."""
+    if not cfg.tracing.enabled:
         return {}
     return {"enabled": True, **({} if cfg.tracing.dir else {"dir": str(home / "traces")})}
 

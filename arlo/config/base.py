@@ -94,8 +94,10 @@ class TracingConfig:
     """OpenTelemetry traces: a span per RPC on both ends, per rollout episode and per RL step
     (docs/architecture.md, Traces). Off, no tracing code is loaded at all."""
 
-    enabled: bool | None = None
-    """Record traces. null: on under `arlo up` and `arlo demo` (files in $ARLO_HOME/traces), off for a service started on its own."""
+    enabled: bool = False
+    """Record traces. Opt-in: a traced RPC costs ~0.4 ms more on both ends (a pipeline bench of short
+    episodes ran 153 trajectories/s untraced, 106 traced). Under `arlo up` and `arlo demo` the span
+    files go to $ARLO_HOME/traces unless `dir` is set."""
     dir: str = ""
     """Directory of span files, `<service>.jsonl` (one JSON line per span); empty: no files. `arlo up` and `demo` default it to $ARLO_HOME/traces."""
     otlp_endpoint: str = ""

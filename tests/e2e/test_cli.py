@@ -91,6 +91,7 @@ def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str
 @pytest.mark.timeout(1200)  # the waits inside: 300 s for health, 600 s for training, 60 s each for the rest
 def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_id: str) -> None:
     config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=True)
+    config.write_text(config.read_text() + "tracing:\n  enabled: true\n")
     home = tmp_path / "home"
     env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
     env.pop("ARLO_TOKEN", None)
@@ -135,7 +136,7 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
             up.kill()
             raise
     assert code == 0
-    # `arlo up` traces by default: a span file per service, flushed by the services' graceful stop.
+    # With tracing.enabled, `arlo up` writes a span file per service, flushed by the services' graceful stop.
     traces = home / "traces"
     assert sorted(p.name for p in traces.iterdir()) == sorted(f"{name}.jsonl" for name in SERVICES)
     spans = read_spans(traces)

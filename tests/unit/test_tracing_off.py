@@ -44,14 +44,13 @@ def test_tracing_off_installs_no_provider_loads_no_sdk_and_writes_nothing(tmp_pa
     assert out.stdout.split("\n")[-2] == "ProxyTracerProvider [] no dir"
 
 
-def test_local_runs_trace_by_default_and_keep_what_the_config_says(tmp_path: Path) -> None:
+def test_local_runs_trace_when_asked_and_keep_what_the_config_says(tmp_path: Path) -> None:
     cfg = RunConfig()
-    assert cfg.tracing.enabled is None  # a service started on its own: off
-    assert default_tracing(cfg, tmp_path) == {"enabled": True, "dir": str(tmp_path / "traces")}
-    off = replace_config(cfg, {"tracing": {"enabled": False}})
-    assert default_tracing(off, tmp_path) == {}
+    assert cfg.tracing.enabled is False and default_tracing(cfg, tmp_path) == {}  # opt-in: it costs per RPC
+    on = replace_config(cfg, {"tracing": {"enabled": True}})
+    assert default_tracing(on, tmp_path) == {"enabled": True, "dir": str(tmp_path / "traces")}
     elsewhere = replace_config(
-        cfg, {"tracing": {"dir": "/data/spans", "otlp_endpoint": "http://collector:4317"}}
+        cfg, {"tracing": {"enabled": True, "dir": "/data/spans", "otlp_endpoint": "http://collector:4317"}}
     )
     assert default_tracing(elsewhere, tmp_path) == {"enabled": True}
     assert replace_config(
