@@ -1,7 +1,7 @@
 """The embedded default: every service as a local process beside a local Redis.
 
 State lives in $ARLO_HOME (default ./.arlo): the resolved config the services run with,
-the bearer token (mode 0600) and one log file per service, so `arlo train` and
+the bearer token (mode 0600), one log file and one span file (traces/) per service, so `arlo train` and
 `arlo status` in another terminal find what `arlo up` started.
 """
 
@@ -127,6 +127,14 @@ def default_checkpoints(cfg: RunConfig, home: Path) -> dict[str, object]:
     return out
 
 
+def default_tracing(cfg: RunConfig, home: Path) -> dict[str, object]:
+    """A local run with `tracing.enabled` writes one span file per service under $ARLO_HOME/traces
+    (docs/architecture.md, Traces) unless the config names a directory or a collector."""
+    if not cfg.tracing.enabled:
+        return {}
+    return {"enabled": True, **({} if cfg.tracing.dir else {"dir": str(home / "traces")})}
+
+
 def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: bool = False) -> LocalCluster:
     """Starts Redis if none answers, settles ports and the token, writes the resolved config.
 
@@ -147,6 +155,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     # The driver (`arlo train`/`demo`) resumes the trainer phase by phase; until then it waits.
     overrides.setdefault("trainer", {})["start_paused"] = True
     overrides["trainer"].update(default_checkpoints(cfg, home))
+    overrides["tracing"] = default_tracing(cfg, home)
     token = None
     if not cfg.auth.disabled:
         token = resolve_token(cfg, home) or secrets.token_urlsafe(32)

@@ -19,6 +19,7 @@ from arlo.config.base import (
     RedisConfig,
     ServerConfig,
     TlsConfig,
+    TracingConfig,
     check_run_id,
 )
 from arlo.config.env import (
@@ -52,7 +53,8 @@ __all__ = [
     # the Literal choices the fields are typed with (arlo.choices), importable from here too
     "Advantage", "Aggregation", "Dtype", "Isolation", "KlKind", "RatioLevel", "Reference", "Remat",
     # base
-    "AuthConfig", "ConfigError", "MeshConfig", "RedisConfig", "ServerConfig", "TlsConfig", "check_run_id",
+    "AuthConfig", "ConfigError", "MeshConfig", "RedisConfig", "ServerConfig", "TlsConfig", "TracingConfig",
+    "check_run_id",
     # model, inference, trainer
     "ModelSpec", "InferenceConfig", "AlgorithmConfig", "SFTConfig", "TrainerConfig",
     # env gateway and reward

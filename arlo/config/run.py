@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import yaml
 
-from arlo.config.base import AuthConfig, ConfigError, RedisConfig, T, _frozen, check_run_id
+from arlo.config.base import AuthConfig, ConfigError, RedisConfig, T, TracingConfig, _frozen, check_run_id
 from arlo.config.env import EnvGatewayConfig, RewardConfig
 from arlo.config.inference import InferenceConfig
 from arlo.config.model import ModelSpec
@@ -30,6 +30,8 @@ class RunConfig:
     """The Redis that holds the trajectory stream, weight pointer and heartbeats."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """Bearer-token auth of every RPC but health."""
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    """OpenTelemetry traces of every service: where spans go, how many traces are kept."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """The inference service: request limits, batching, KV cache."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,16 +1,20 @@
-"""Client channels to arlo services: bearer token, request-id forwarding, round-robin LB, TLS."""
+"""Client channels to arlo services: bearer token, request-id forwarding, round-robin LB, TLS,
+and trace context when the caller traces."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from arlo.config import TlsConfig
 from arlo.rpc.logs import REQUEST_ID_HEADER, current_request_id
 from arlo.rpc.tls import channel_credentials, channel_options
+
+if TYPE_CHECKING:
+    from arlo.tracing import Tracing
 
 # pick_first (the default) sent every call to one of three servers; round_robin spreads a
 # dns:/// target's addresses (a headless Service's pods).
@@ -63,18 +67,21 @@ class _StreamStream(_CallMetadata, grpc.aio.StreamStreamClientInterceptor):
 
 
 def make_channel(target: str, *, token: str | None, max_message_bytes: int = 64 * 1024 * 1024,
-                 tls: TlsConfig | None = None) -> grpc.aio.Channel:
+                 tls: TlsConfig | None = None, tracing: Tracing | None = None) -> grpc.aio.Channel:
     """An aio channel to `target` ("host:port" or "dns:///name:port"); TLS when `tls.enabled`.
 
     Create it inside the running event loop that will use it (grpc.aio binds to that loop),
-    and after any child processes are started (gRPC does not survive fork).
+    and after any child processes are started (gRPC does not survive fork). With `tracing`, each
+    call is a client span and carries its context to the server.
     """
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.service_config", SERVICE_CONFIG),
     ]
-    interceptors = [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    interceptors: list[Any] = [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    if tracing is not None:
+        interceptors += tracing.client_interceptors()
     if tls is not None and tls.enabled:
         return grpc.aio.secure_channel(target, channel_credentials(tls), options=options + channel_options(tls),
                                        interceptors=interceptors)

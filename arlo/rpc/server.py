@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -24,6 +24,9 @@ from arlo.rpc.concurrency import ClientLimitInterceptor, WatchLimitInterceptor
 from arlo.rpc.interceptors import ErrorInterceptor, MetricsInterceptor, RequestIdInterceptor
 from arlo.rpc.metrics import MetricsHttpServer, RpcMetrics
 from arlo.rpc.tls import server_credentials
+
+if TYPE_CHECKING:
+    from arlo.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +112,9 @@ def _check_bindings(bindings: Sequence[ServiceBinding]) -> None:
 
 async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
                        bindings: Sequence[ServiceBinding], *,
-                       registry: CollectorRegistry | None = None) -> RunningServer:
+                       registry: CollectorRegistry | None = None, tracing: Tracing | None = None) -> RunningServer:
     """Starts serving `bindings` plus health and reflection; returns once the port is bound.
+    With `tracing`, every call but health and reflection is a span (a child of the caller's).
 
     Raises ConfigError when auth is on and no token is found, OSError when a port is busy.
     """
@@ -118,6 +122,8 @@ async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
     token = load_token(auth)
     registry = registry if registry is not None else CollectorRegistry()
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestIdInterceptor(), MetricsInterceptor(RpcMetrics(registry, service))]
+    if tracing is not None:
+        interceptors.insert(0, tracing.server_interceptor())  # outermost: its span covers the rest
     if token is not None:
         interceptors.append(AuthInterceptor(token))
     if server_cfg.max_rpcs_per_client:

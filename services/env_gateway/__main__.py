@@ -7,6 +7,7 @@ from arlo.proto.v1 import env_pb2_grpc
 from arlo.rpc import RunningServer, ServiceBinding, load_token, run_until_signal, setup_logging, start_server
 from arlo.sandbox.hardening import make_undumpable
 from arlo.service_args import parse_service_config
+from arlo.tracing import Tracing, service_tracing
 from services.env_gateway.gateway import Gateway
 from services.env_gateway.mcp_envs import McpEnvs
 from services.env_gateway.plugins import load_env_plugin
@@ -55,11 +56,12 @@ async def build_servicer(cfg: RunConfig, gateway: Gateway | None = None) -> Envi
     return EnvironmentServicer(gateway, remotes, mcp)
 
 
-async def start_env_gateway(cfg: RunConfig, servicer: EnvironmentServicer | None = None) -> RunningServer:
+async def start_env_gateway(cfg: RunConfig, servicer: EnvironmentServicer | None = None,
+                            tracing: Tracing | None = None) -> RunningServer:
     servicer = servicer if servicer is not None else await build_servicer(cfg)
     binding = ServiceBinding(name=SERVICE_NAME, add_to_server=env_pb2_grpc.add_EnvironmentServicer_to_server,
                              servicer=servicer)
-    return await start_server("env_gateway", cfg.env_gateway.server, cfg.auth, [binding])
+    return await start_server("env_gateway", cfg.env_gateway.server, cfg.auth, [binding], tracing=tracing)
 
 
 def main() -> None:
@@ -67,16 +69,17 @@ def main() -> None:
     setup_logging("env_gateway")
     make_undumpable()  # sandboxed code must not read our environment (the token) via /proc
     servicers: list[EnvironmentServicer] = []
+    with service_tracing(cfg.tracing, service="env_gateway", run_id=cfg.run_id) as tracing:
 
-    async def start() -> RunningServer:
-        servicers.append(await build_servicer(cfg))
-        return await start_env_gateway(cfg, servicers[-1])
+        async def start() -> RunningServer:
+            servicers.append(await build_servicer(cfg))
+            return await start_env_gateway(cfg, servicers[-1], tracing)
 
-    async def stop() -> None:
-        for servicer in servicers:
-            await servicer.aclose()
+        async def stop() -> None:
+            for servicer in servicers:
+                await servicer.aclose()
 
-    run_until_signal(start, on_stop=stop, grace_s=cfg.env_gateway.server.grace_s)
+        run_until_signal(start, on_stop=stop, grace_s=cfg.env_gateway.server.grace_s)
 
 
 if __name__ == "__main__":

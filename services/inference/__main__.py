@@ -36,6 +36,7 @@ from arlo.rpc import (
 )
 from arlo.rpc.metrics import inference_collector
 from arlo.service_args import parse_service_config
+from arlo.tracing import Tracing, service_tracing
 from services.inference.engine import Engine
 from services.inference.episodes import EpisodeRecorder
 from services.inference.openai_http import OpenAIEndpoint, bind, serve_openai
@@ -43,8 +44,8 @@ from services.inference.server import InferenceServicer
 from services.inference.weights import WeightSync
 
 
-async def start_inference(cfg: RunConfig, tasks: TaskGroup,
-                          compiles: CompileWatch | None = None) -> tuple[RunningServer, Engine]:
+async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch | None = None,
+                          tracing: Tracing | None = None) -> tuple[RunningServer, Engine]:
     """`compiles`: this process's compile counter (installed before any JAX work); its figures go
     into the heartbeat and /metrics, and every compile after the warm-up is logged."""
     ic = cfg.inference
@@ -65,7 +66,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup,
     servicer = InferenceServicer(engine, source.tokenizer_name, recorder=recorder)
     running = await start_server("inference", ic.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
-                       servicer=servicer)])
+                       servicer=servicer)], tracing=tracing)
     running.registry.register(inference_collector(
         lambda: {**engine.metrics(), **compiles.metrics(), "last_swap_seconds": sync.stats.last_swap_s}))
     host = advertise_host(ic.server.host)
@@ -114,12 +115,13 @@ def main() -> None:
     compiles = CompileWatch().install()
     initialize_from_env()  # multi-host (JobSet/TPU slice) before any JAX work; a no-op on one host
     tasks = TaskGroup()
+    with service_tracing(cfg.tracing, service="inference", run_id=cfg.run_id) as tracing:
 
-    async def start() -> RunningServer:
-        running, _ = await start_inference(cfg, tasks, compiles)
-        return running
+        async def start() -> RunningServer:
+            running, _ = await start_inference(cfg, tasks, compiles, tracing)
+            return running
 
-    run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.inference.server.grace_s)
+        run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.inference.server.grace_s)
 
 
 if __name__ == "__main__":

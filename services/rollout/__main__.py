@@ -10,6 +10,8 @@ import os
 import random
 import socket
 
+import grpc
+
 from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
@@ -19,6 +21,7 @@ from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, 
 from arlo.rpc.metrics import rollout_collector
 from arlo.rpc.replicas import ReplicaSet
 from arlo.service_args import parse_service_config
+from arlo.tracing import Tracing, service_tracing
 from services.rollout.admission import AdmissionGate
 from services.rollout.blackbox import BlackBoxRunner, load_agent
 from services.rollout.clients import InferenceClient, RewardClient
@@ -29,13 +32,19 @@ from services.rollout.recorded import GrpcRecordings
 from services.rollout.worker import RolloutWorker
 
 
-async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer, RolloutWorker]:
+async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
+                        tracing: Tracing | None = None) -> tuple[RunningServer, RolloutWorker]:
+    """`tracing`: each episode is a span, the parent of its RPCs' spans in every service it calls."""
     rc = cfg.rollout
     token = load_token(cfg.auth)
-    channels = {"reward": make_channel(cfg.reward.server.address, token=token, tls=cfg.auth.tls)}
+    tracer = tracing.tracer("services.rollout") if tracing is not None else None
+
+    def channel(address: str) -> grpc.aio.Channel:
+        return make_channel(address, token=token, tls=cfg.auth.tls, tracing=tracing)
+
+    channels = {"reward": channel(cfg.reward.server.address)}
     # One inference replica per episode, so its KV prefix is reused across turns.
-    inference = ReplicaSet(cfg.inference.server.address,
-                           lambda address: make_channel(address, token=token, tls=cfg.auth.tls), service="inference")
+    inference = ReplicaSet(cfg.inference.server.address, channel, service="inference")
     # The tokenizer only: resolving the whole model source would import JAX (seconds at start).
     tok = get_tokenizer(tokenizer_name(path=cfg.model.path, tokenizer=cfg.model.tokenizer))
     redis = await connect(cfg.redis)
@@ -51,21 +60,21 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup) -> tuple[RunningServer
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
         filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance, gen=gen,
         # One gateway replica per episode: sessions live in the memory of the replica that made them.
-        env=AffinityEnvironmentClient(cfg.env_gateway.server.address,
-                                      lambda address: make_channel(address, token=token, tls=cfg.auth.tls),
-                                      timeout_s=rc.rpc_timeout_s),
+        env=AffinityEnvironmentClient(cfg.env_gateway.server.address, channel, timeout_s=rc.rpc_timeout_s,
+                                      tracer=tracer),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
         tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
         **({"episode_fn": BlackBoxRunner(agent=load_agent(rc.agent), token=token, timeout_s=rc.episode_timeout_s,
                                          client_timeout_s=rc.rpc_timeout_s,
                                          recordings=GrpcRecordings(inference, timeout_s=rc.rpc_timeout_s))}
            if rc.agent else {}),
+        tracer=tracer,
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
-    running = await start_server("rollout", rc.server, cfg.auth, [])
+    running = await start_server("rollout", rc.server, cfg.auth, [], tracing=tracing)
     running.registry.register(rollout_collector(worker.stats.snapshot))
     heartbeat = Heartbeat(redis, cfg.run_id, service=RolloutStatus.SERVICE, instance=instance)
     tasks.spawn("rollout", worker.run)
@@ -81,12 +90,13 @@ def main() -> None:
     cfg = parse_service_config("rollout")
     setup_logging("rollout")
     tasks = TaskGroup()
+    with service_tracing(cfg.tracing, service="rollout", run_id=cfg.run_id) as tracing:
 
-    async def start() -> RunningServer:
-        running, _ = await start_rollout(cfg, tasks)
-        return running
+        async def start() -> RunningServer:
+            running, _ = await start_rollout(cfg, tasks, tracing)
+            return running
 
-    run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.rollout.server.grace_s)
+        run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.rollout.server.grace_s)
 
 
 if __name__ == "__main__":

@@ -19,24 +19,33 @@ are in flight to its replica, so a lone episode pays no added latency; Steps tha
 while the replica is busy wait for the next free call and leave together as one StepBatch.
 Many concurrent episodes then cost a few calls per round instead of one each (bench/env.py
 `--episodes` measures both ways). 0 turns coalescing off (one Step call per step).
+
+Traced (`tracer`), a StepBatch carries several episodes' steps, so it belongs to none of their
+traces: it runs as a `rollout.step_batch` root span linked to each of those episodes' spans.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc.replicas import REFRESH_S, ResolvedTarget
+from arlo.tracing import current_span_context, span
 from services.rollout.clients import backend_error, reset_result, step_result, translated
 from services.rollout.types import ResetResult, StepResult
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +58,34 @@ MAX_BATCH_STEPS = 256
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    request: env_pb2.StepRequest
+    result: asyncio.Future[StepResult]
+    caller: SpanContext | None = None
+    """The waiting episode's span (traced only): the batch that carries the step links to it."""
+
+
 @dataclass(eq=False)
 class _Lane:
     """The Steps bound for one replica: how many calls are in flight, and who waits for the next."""
 
     in_flight: int = 0
-    waiting: list[tuple[env_pb2.StepRequest, asyncio.Future[StepResult]]] = field(default_factory=list)
+    waiting: list[_Waiting] = field(default_factory=list)
 
 
 class AffinityEnvironmentClient:
     """The agent loop's Environment over several env_gateway replicas, one replica per episode."""
 
     def __init__(self, target: str, channel_factory: Callable[[str], grpc.aio.Channel], *, timeout_s: float,
-                 refresh_s: float = REFRESH_S, max_tracked: int = MAX_TRACKED_SESSIONS, max_in_flight: int = 1) -> None:
+                 refresh_s: float = REFRESH_S, max_tracked: int = MAX_TRACKED_SESSIONS, max_in_flight: int = 1,
+                 tracer: Tracer | None = None) -> None:
         if max_in_flight < 0:
             raise ValueError(f"max_in_flight: must be >= 0 (0: no coalescing), got {max_in_flight}")
         self.target = target
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
+        self.tracer = tracer
         self._factory = channel_factory
         self._resolved = ResolvedTarget(target, service="env_gateway", refresh_s=refresh_s)
         self._max_tracked = max_tracked
@@ -119,7 +138,7 @@ class AffinityEnvironmentClient:
         lane = self._lanes.setdefault(address, _Lane())
         if self.max_in_flight and lane.in_flight >= self.max_in_flight:
             waiter: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-            lane.waiting.append((request, waiter))
+            lane.waiting.append(_Waiting(request, waiter, current_span_context(self.tracer)))
             return await waiter
         lane.in_flight += 1
         try:
@@ -132,23 +151,27 @@ class AffinityEnvironmentClient:
     def _pump(self, address: str, lane: _Lane) -> None:
         """Sends the waiting Steps (one StepBatch of up to MAX_BATCH_STEPS) while a call is free."""
         while lane.waiting and lane.in_flight < max(self.max_in_flight, 1):
-            batch = [(r, f) for r, f in lane.waiting[:MAX_BATCH_STEPS] if not f.done()]  # done: caller gave up
+            batch = [w for w in lane.waiting[:MAX_BATCH_STEPS] if not w.result.done()]  # done: caller gave up
             del lane.waiting[:MAX_BATCH_STEPS]
             if not batch:
                 continue
             lane.in_flight += 1
-            task = asyncio.get_running_loop().create_task(self._send_batch(address, lane, batch))
+            # A context of its own: run from whichever episode's call just ended, the batch would
+            # otherwise count as that episode's (its trace, its request id).
+            task = asyncio.get_running_loop().create_task(self._send_batch(address, lane, batch),
+                                                          context=contextvars.Context())
             self._batches.add(task)  # held until done: a task nobody references may be collected
             task.add_done_callback(self._batches.discard)
 
-    async def _send_batch(self, address: str, lane: _Lane,
-                          batch: list[tuple[env_pb2.StepRequest, asyncio.Future[StepResult]]]) -> None:
+    async def _send_batch(self, address: str, lane: _Lane, batch: list[_Waiting]) -> None:
         try:
             self.calls["StepBatch"] += 1
             self.calls["batched_steps"] += len(batch)
-            reply = await self._stub(address).StepBatch(env_pb2.StepBatchRequest(steps=[r for r, _ in batch]),
-                                                        timeout=self.timeout_s)
-            for (_, waiter), result in zip(batch, reply.results, strict=True):
+            links = [w.caller for w in batch if w.caller is not None]
+            with span(self.tracer, "rollout.step_batch", {"arlo.steps": len(batch)}, links=links):
+                reply = await self._stub(address).StepBatch(env_pb2.StepBatchRequest(steps=[w.request for w in batch]),
+                                                            timeout=self.timeout_s)
+            for waiter, result in zip((w.result for w in batch), reply.results, strict=True):
                 if waiter.done():
                     continue
                 if result.code:
@@ -159,9 +182,9 @@ class AffinityEnvironmentClient:
         except Exception as e:  # the whole call failed (or a reply of the wrong length): every step did
             error = backend_error("env_gateway", e.code(), e.details() or "") \
                 if isinstance(e, grpc.aio.AioRpcError) else e
-            for _, waiter in batch:
-                if not waiter.done():
-                    waiter.set_exception(error)
+            for w in batch:
+                if not w.result.done():
+                    w.result.set_exception(error)
         finally:
             lane.in_flight -= 1
             self._pump(address, lane)

@@ -14,17 +14,21 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arlo.config import RolloutConfig, RolloutEnvConfig
 from arlo.coord import BacklogFull, TrajectoryStream
 from arlo.groups import trainable_count
 from arlo.model.tokenizer import Tokenizer
 from arlo.proto.v1 import common_pb2
+from arlo.tracing import span
 from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, derive_seed, run_episode
 from services.rollout.mixture import TaskPicker
 from services.rollout.types import RetryableError
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +65,28 @@ class WorkerStats:
             self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
 
 
+def record_episode(current: Span, traj: common_pb2.Trajectory) -> None:
+    """What the episode came to, on its span (ids and reward, not its tokens)."""
+    versions = [v for v in traj.policy_versions if v >= 0]
+    current.set_attributes({
+        "arlo.episode_id": traj.id, "arlo.turns": traj.num_turns, "arlo.reward": traj.reward,
+        "arlo.finish_reason": traj.finish_reason, "arlo.status": common_pb2.TrajectoryStatus.Name(traj.status),
+        "arlo.policy_version": max(versions, default=-1), "arlo.policy_version_min": min(versions, default=-1),
+        "arlo.tokens": len(traj.token_ids),
+    })
+
+
 class RolloutWorker:
     def __init__(self, cfg: RolloutConfig, *, run_id: str, tokenizer: Tokenizer, gen: Generator,
                  env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None,
                  gate: AdmissionGate | None = None, filter_zero_variance: bool = False,
-                 tasks: TaskPicker | None = None, episode_fn: EpisodeFn = run_episode) -> None:
+                 tasks: TaskPicker | None = None, episode_fn: EpisodeFn = run_episode,
+                 tracer: Tracer | None = None) -> None:
         """`episode_fn`: how one episode runs (the built-in turn loop, or a black-box agent's
-        runner, services.rollout.blackbox)."""
+        runner, services.rollout.blackbox). `tracer`: each episode is a `rollout.episode` span, the
+        parent of its RPCs (None: no tracing)."""
         self.episode_fn = episode_fn
+        self.tracer = tracer
         self.gate = gate
         self.filter_zero_variance = filter_zero_variance
         self.cfg = cfg
@@ -161,6 +179,14 @@ class RolloutWorker:
 
     async def episode(self, spec: EpisodeSpec, gen: Generator) -> common_pb2.Trajectory:
         """One episode with `gen` (training's sampler, or evaluation's), retrying retryable errors."""
+        with span(self.tracer, "rollout.episode", {"arlo.env": spec.env_name, "arlo.group_id": spec.group_id,
+                                                    "arlo.task_seed": spec.seed}) as current:
+            traj = await self._attempts(spec, gen)
+            if current is not None and current.is_recording():  # not sampled: nothing to record
+                record_episode(current, traj)
+            return traj
+
+    async def _attempts(self, spec: EpisodeSpec, gen: Generator) -> common_pb2.Trajectory:
         for attempt in range(MAX_EPISODE_ATTEMPTS):
             try:
                 # The wall-time limit ends an episode between turns (a recorded finish reason, still

@@ -32,20 +32,22 @@ from arlo.rpc import (
 )
 from arlo.rpc.metrics import TrainerMetrics
 from arlo.service_args import parse_service_config
+from arlo.tracing import Tracing, service_tracing
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.learner import Learner
 from services.trainer.lockstep import Replica, channel_for_this_process, follow
 from services.trainer.loop import TrainingLoop
 from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
+from services.trainer.step_spans import StepSpans
 from services.trainer.warmstart import WarmStart
 from services.trainer.warmup import length_buckets, warm_up_learner
 
 log = logging.getLogger(__name__)
 
 
-async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
-                        compiles: CompileWatch | None = None) -> tuple[RunningServer, TrainingLoop]:
+async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch | None = None,
+                        tracing: Tracing | None = None) -> tuple[RunningServer, TrainingLoop]:
     """`compiles`: this process's compile counter (installed before any JAX work); its figures go
     into the heartbeat, and every compile after the warm-up is logged."""
     tc = cfg.trainer
@@ -85,7 +87,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=trainer_pb2_grpc.add_TrainerServicer_to_server,
-                       servicer=TrainerServicer(loop))])
+                       servicer=TrainerServicer(loop))], tracing=tracing)
     loop.source = f"grpc://{advertise_host(tc.server.host)}:{running.port}"
     # Every applied step's diagnostics: on the run's metrics stream (for `arlo train`, `arlo status`)
     # and as Prometheus gauges on this server's /metrics.
@@ -95,6 +97,8 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup,
         prometheus.observe(record)
 
     loop.on_step += [MetricsStream(redis, cfg.run_id).add, observe]
+    if tracing is not None:  # each RL step as a trace of its phases (services/trainer/step_spans.py)
+        loop.on_step.append(StepSpans(tracing.tracer("services.trainer")).add)
     await loop.start()
     heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
     tasks.spawn("training-loop", loop.run)
@@ -158,18 +162,19 @@ def main() -> None:
     compiles = CompileWatch().install()
     tasks = TaskGroup()
     loops: list[TrainingLoop] = []
+    with service_tracing(cfg.tracing, service="trainer", run_id=cfg.run_id) as tracing:
 
-    async def start() -> RunningServer:
-        running, loop = await start_trainer(cfg, tasks, compiles)
-        loops.append(loop)
-        return running
+        async def start() -> RunningServer:
+            running, loop = await start_trainer(cfg, tasks, compiles, tracing)
+            loops.append(loop)
+            return running
 
-    async def stop() -> None:
-        await tasks.cancel_all()
-        for loop in loops:
-            await loop.close()  # a checkpoint in flight completes rather than being left partial
+        async def stop() -> None:
+            await tasks.cancel_all()
+            for loop in loops:
+                await loop.close()  # a checkpoint in flight completes rather than being left partial
 
-    run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s)
+        run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s)
 
 
 if __name__ == "__main__":

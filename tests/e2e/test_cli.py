@@ -16,6 +16,7 @@ import redis
 import yaml
 
 from arlo.app.redis_server import free_port
+from arlo.tracing.summary import read_spans
 
 pytestmark = pytest.mark.e2e
 
@@ -90,6 +91,7 @@ def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str
 @pytest.mark.timeout(1200)  # the waits inside: 300 s for health, 600 s for training, 60 s each for the rest
 def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_id: str) -> None:
     config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=True)
+    config.write_text(config.read_text() + "tracing:\n  enabled: true\n")
     home = tmp_path / "home"
     env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
     env.pop("ARLO_TOKEN", None)
@@ -134,3 +136,14 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
             up.kill()
             raise
     assert code == 0
+    # With tracing.enabled, `arlo up` writes a span file per service, flushed by the services' graceful stop.
+    traces = home / "traces"
+    assert sorted(p.name for p in traces.iterdir()) == sorted(f"{name}.jsonl" for name in SERVICES)
+    spans = read_spans(traces)
+    steps = [s for s in spans if s["name"] == "trainer.step"]
+    assert len(steps) >= 2 and all(s["service"] == "trainer" and s["parent_id"] is None for s in steps)
+    assert {s["name"] for s in spans if s["parent_id"] in {x["span_id"] for x in steps}} >= {
+        "trainer.batch", "trainer.train", "trainer.publish"}
+    episode_traces = {s["trace_id"] for s in spans if s["name"] == "rollout.episode"}
+    assert any(s["service"] == "inference" and s["kind"] == "SERVER" and s["trace_id"] in episode_traces
+               for s in spans)
