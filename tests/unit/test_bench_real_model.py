@@ -18,7 +18,7 @@ def test_real_model_bench_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     subprocess.run([sys.executable, "-m", "bench.real_model", "--shape", "tiny", "--dir", str(tmp_path / "ckpt"),
                     "--batches", "1,16", "--new-tokens", "8", "--groups", "2", "--group-size", "2",
-                    "--step-tokens", "8", "--json", str(out)], cwd=ROOT, check=True, timeout=360)
+                    "--step-tokens", "8", "--step-in-process", "--json", str(out)], cwd=ROOT, check=True, timeout=360)
     figures = json.loads(out.read_text())
     assert figures["decode_over_hf_b16"] > 0 and set(figures["decode"]) == {"1", "16"}
     assert all(r["matmul_floor_tokens_per_s"] > 0 and r["ceiling_over_hf"] > 0 for r in figures["decode"].values())
