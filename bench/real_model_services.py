@@ -114,7 +114,10 @@ def service_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     steps = [step_split(r, syncs) for r in run.records if r.get("phase") == "rl" and r.get("anatomy", {}).get("critical")]
     publishes = {s["bytes_per_publish"] for s in steps if s.get("bytes_per_publish")}
     param_bytes = serving_param_bytes(path, args.param_dtype)
-    out: dict[str, Any] = {"steps": steps, "serving_param_bytes": param_bytes,
+    workload = {k: getattr(args, k) for k in ("groups", "group_size", "step_tokens", "micro_batch", "param_dtype",
+                                              "rl_steps", "step_cpus")}
+    out: dict[str, Any] = {"workload": {**workload, "max_staleness": 0, "remat": "full"},
+                           "steps": steps, "serving_param_bytes": param_bytes,
                            "peak_rss_bytes": run.peak_rss, "logs": str(home / "logs"),
                            "late_compiles": {s: int(float(run.status.get(s, {}).get("late_compiles", 0)))
                                              for s in ("inference", "trainer")}}
