@@ -25,12 +25,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arlo.app.driver import run_training
+from arlo.app.driver import RunDriver
 from arlo.app.local import INFRA_SERVICES, prepare_cluster
+from arlo.app.supervisor import Supervisor
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
 from arlo.config import RunConfig, load_config
 from arlo.coord import Keys, connect, read_statuses
@@ -116,43 +117,68 @@ async def metric_records(cfg: RunConfig) -> list[dict[str, Any]]:
 
 @dataclass
 class ServiceRun:
-    """What one run through the services left: pointer stamps, heartbeats, step records, where its logs are."""
+    """What one run through the services left: pointer stamps, heartbeats, step records, where its
+    logs are, and each service's peak RSS (VmHWM, bytes) read just before the stop."""
 
     stamps: dict[int, float]
     status: dict[str, dict[str, Any]]
     records: list[dict[str, Any]]
     home: Path
+    peak_rss: dict[str, int] = field(default_factory=dict)
 
 
-async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any) -> tuple[dict[int, float], dict, list]:
+async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any,
+                stall_s: float = 300.0) -> tuple[dict[int, float], dict, list]:
+    """`steps` RL steps, as `arlo train` drives them; `stall_s`: the longest a step may take."""
     stamps: dict[int, float] = {}
     ready = asyncio.Event()
     stamper = asyncio.create_task(stamp_versions(cfg, stamps, ready))
     await ready.wait()
     try:
-        await run_training(cfg, token, steps=steps, on_progress=lambda row: None, check_children=check,
-                           evaluate=False, eval_tags=())
+        await RunDriver(cfg, token, on_progress=lambda row: None, check_children=check, evaluate=False,
+                        eval_tags=(), stall_s=stall_s).run(steps)
         await asyncio.sleep(2.5)  # one heartbeat period: the counters are fresh
         return stamps, await counters(cfg), await metric_records(cfg)
     finally:
         stamper.cancel()
 
 
+def peak_rss(supervisor: Supervisor) -> dict[str, int]:
+    """Service -> its peak resident set (VmHWM) so far, in bytes; a service already gone is left out."""
+    out = {}
+    for name, child in supervisor.children.items():
+        try:
+            status = Path(f"/proc/{child.process.pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                out[name] = int(line.split()[1]) * 1024
+    return out
+
+
+def run_cluster(cfg: RunConfig, home: Path, cpus: dict[str, str] | None, steps: int, *,
+                start_timeout_s: float = 180.0, stall_s: float = 300.0) -> ServiceRun:
+    """`cfg` through the services as local processes (a fresh run under `home`) for `steps` RL steps."""
+    cluster = prepare_cluster(cfg, home=home, free_ports=True, fresh_run=True)
+    cluster.cpu_shares = cpus
+    try:
+        cluster.start(INFRA_SERVICES, timeout_s=start_timeout_s)
+        cluster.start(("rollout",), timeout_s=start_timeout_s)
+        stamps, status, records = asyncio.run(drive(cluster.cfg, cluster.token, steps, cluster.supervisor.check,
+                                                    stall_s=stall_s))
+        peaks = peak_rss(cluster.supervisor)
+    finally:
+        cluster.stop()
+    return ServiceRun(stamps=stamps, status=status, records=records, home=home, peak_rss=peaks)
+
+
 def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: int, tag: str = "grpo") -> ServiceRun:
     """The workload through the services (local processes, CPU shares from --cpus) for `steps` RL steps."""
     cfg = service_config(w, staleness, f"bench-{tag}-{w.name}-s{staleness}")
-    home = Path(args.home).resolve() / f"{w.name}-s{staleness}"
     # One compile cache for every run of the bench (a user's runs share $ARLO_HOME's the same way).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(Path(args.home).resolve() / "jax-cache"))
-    cluster = prepare_cluster(cfg, home=home, free_ports=True, fresh_run=True)
-    cluster.cpu_shares = parse_cpus(args.cpus)
-    try:
-        cluster.start(INFRA_SERVICES)
-        cluster.start(("rollout",))
-        stamps, status, records = asyncio.run(drive(cluster.cfg, cluster.token, steps, cluster.supervisor.check))
-    finally:
-        cluster.stop()
-    return ServiceRun(stamps=stamps, status=status, records=records, home=home)
+    return run_cluster(cfg, Path(args.home).resolve() / f"{w.name}-s{staleness}", parse_cpus(args.cpus), steps)
 
 
 def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str, Any]:

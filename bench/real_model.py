@@ -13,12 +13,19 @@ Measured, each in a fresh subprocess where memory matters:
   bfloat16 both run): `decode_over_hf_b16`, `decode_over_hf_b64`; beside them the
   weight-matmul floor (every weight matrix multiplied once per step, one jitted call): how far
   arlo is from it, and how far ahead of transformers any engine could be on this CPU;
-- one GRPO step of --groups x --group-size samples x --step-tokens new tokens, in process, split
-  into generation, intake (batch building), train step, publish (serialise + sha256) and swap
-  (deserialise + engine swap), with bytes per publish in the serving dtype.
+- GRPO steps of --groups x --group-size samples x up to --step-tokens new tokens:
+  - through the services (the default, `--step-through-services`; bench/real_model_services.py):
+    the checkpoint as `model.path` of a synchronous run of the local services, --rl-steps RL steps
+    (the first carries the compiles), each split from what the services record into generation
+    (and the engine's share), intake, batch, train step, publish, pull + verify + swap, publish-to-
+    serving latency, bytes per publish, with each service's peak RSS (`service_step` in the JSON);
+  - in process (`--step-in-process`, for comparison: the same calls without the services):
+    generation, intake (batch building), train step, publish (serialise + sha256) and swap
+    (deserialise + engine swap), with bytes per publish in the serving dtype (`grpo_step`).
 
-`python -m bench.real_model [--json PATH] [--dir DIR] [--batches 1,16,64] [--new-tokens 64]`.
-Expect several minutes on 2 CPU cores (the GRPO step alone trains a 0.5B model on 32 sequences).
+`python -m bench.real_model [--json PATH] [--dir DIR] [--batches 1,16,64] [--new-tokens 64]
+[--skip-load] [--skip-decode] [--step-in-process | --skip-step] [--rl-steps 2]`. Expect several
+minutes on 2 CPU cores for each part (a GRPO step trains a 0.5B model on 32 sequences).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import print_table, write_json
+from bench.real_model_services import print_service_step, service_step
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -216,7 +224,8 @@ def grpo_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(source, config=InferenceConfig(max_n=args.group_size, max_batch=rows, max_tokens=args.step_tokens,
                                                    max_prompt_tokens=args.prompt, max_seq_len=seq, decode_steps=8,
                                                    prefill_tokens=rows * args.prompt))
-    learner = Learner(source, cfg=TrainerConfig(groups_per_step=args.groups, remat="full", micro_batch_size=8))
+    learner = Learner(source, cfg=TrainerConfig(groups_per_step=args.groups, remat="full",
+                                                micro_batch_size=args.micro_batch))
     figures: dict[str, float] = {}
     try:
         group_prompts = prompts(args.groups, args.prompt, 2000, 7)
@@ -257,7 +266,7 @@ def grpo_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=".arlo/bench/qwen2.5-0.5b-shape", help="where the checkpoint is written")
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -268,11 +277,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--step-tokens", type=int, default=128)
     parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--skip-step", action="store_true", help="no GRPO step (load and decode only)")
-    parser.add_argument("--skip-load", action="store_true", help="no load figures (decode, and the step unless skipped)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="trainer rows per micro-batch (remat is full)")
+    step = parser.add_mutually_exclusive_group()
+    step.add_argument("--step-through-services", dest="step", action="store_const", const="services",
+                      default="services", help="the GRPO step through the local services (the default)")
+    step.add_argument("--step-in-process", dest="step", action="store_const", const="in-process",
+                      help="the GRPO step in this process, no services (for comparison)")
+    step.add_argument("--skip-step", dest="step", action="store_const", const="none", help="no GRPO step")
+    parser.add_argument("--rl-steps", type=int, default=2, help="RL steps through the services (the first compiles)")
+    parser.add_argument("--step-cpus", default="", help="service=cpus[+cpus] shares ('' = the OS schedules)")
+    parser.add_argument("--step-home", default=".arlo/bench/real-model-step", help="the services' logs and state")
+    parser.add_argument("--skip-load", action="store_true", help="no load figures")
+    parser.add_argument("--skip-decode", action="store_true", help="no decode figures")
     parser.add_argument("--json")
-    args = parser.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     path = write_checkpoint(Path(args.dir), args.shape)
     on_disk = checkpoint_bytes(path)
     figures: dict[str, Any] = {"checkpoint_bytes": on_disk}
@@ -281,27 +303,38 @@ def main(argv: list[str] | None = None) -> None:
         model_bytes = on_disk * (2 if dtype == "float32" else 1)  # the checkpoint is bf16 on disk
         figures[f"load_{role}"] = {**load, "model_bytes": model_bytes,
                                    "peak_over_model": load["peak_over_base_bytes"] / model_bytes}
-    figures.update(decode_figures(path, args, batches))
-    for b in (16, 64):
-        if b in figures["decode"]:
-            figures[f"decode_over_hf_b{b}"] = figures["decode"][b]["over_hf"]
-    if not args.skip_step:
+    if not args.skip_decode:
+        figures.update(decode_figures(path, args, [int(b) for b in args.batches.split(",")]))
+        for b in (16, 64):
+            if b in figures["decode"]:
+                figures[f"decode_over_hf_b{b}"] = figures["decode"][b]["over_hf"]
+    if args.step == "in-process":
         figures["grpo_step"] = grpo_step(path, args)
+    elif args.step == "services":
+        figures["service_step"] = service_step(path, args)
+    print_figures(figures, args)
+    write_json(args.json, figures)
+
+
+def print_figures(figures: dict[str, Any], args: argparse.Namespace) -> None:
     if any(k.startswith("load_") for k in figures):
         print_table("load", ["role", "seconds", "peak RSS over base (MB)", "model (MB)", "ratio"],
                     [[r, figures[f"load_{r}"]["load_s"], figures[f"load_{r}"]["peak_over_base_bytes"] / 1e6,
                       figures[f"load_{r}"]["model_bytes"] / 1e6, figures[f"load_{r}"]["peak_over_model"]]
                      for r in ("inference_bf16", "trainer_f32_master") if f"load_{r}" in figures])
-    print_table(f"decode, {args.new_tokens} new tokens (transformers in its faster dtype at each batch)",
-                ["batch", "arlo tok/s", "transformers tok/s", "its dtype", "arlo / transformers", "matmul floor tok/s",
-                 "arlo / floor", "floor / transformers"],
-                [[b, r["arlo_tokens_per_s"], r["hf_tokens_per_s"], r["hf_dtype"], r["over_hf"],
-                  r["matmul_floor_tokens_per_s"],
-                  r["arlo_of_floor"], r["ceiling_over_hf"]] for b, r in figures["decode"].items()])
+    if "decode" in figures:
+        print_table(f"decode, {args.new_tokens} new tokens (transformers in its faster dtype at each batch)",
+                    ["batch", "arlo tok/s", "transformers tok/s", "its dtype", "arlo / transformers",
+                     "matmul floor tok/s", "arlo / floor", "floor / transformers"],
+                    [[b, r["arlo_tokens_per_s"], r["hf_tokens_per_s"], r["hf_dtype"], r["over_hf"],
+                      r["matmul_floor_tokens_per_s"], r["arlo_of_floor"], r["ceiling_over_hf"]]
+                     for b, r in figures["decode"].items()])
+    shape = f"{args.groups}x{args.group_size}x{args.step_tokens}, params {args.param_dtype}"
     if "grpo_step" in figures:
-        print_table(f"one GRPO step ({args.groups}x{args.group_size}x{args.step_tokens}, params {args.param_dtype})",
-                    ["phase", "value"], [[k, v] for k, v in figures["grpo_step"].items()])
-    write_json(args.json, figures)
+        print_table(f"one GRPO step in process ({shape})", ["phase", "value"],
+                    [[k, v] for k, v in figures["grpo_step"].items()])
+    if "service_step" in figures:
+        print_service_step(figures["service_step"], f"GRPO steps through the services ({shape}, sync)")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ class SyncStats:
     last_swap_s: float = 0.0
     last_sync: dict[str, float] = field(default_factory=dict)
     """The last installed version's marks: version; notified_at, served_at (Unix s); pull_s, verify_s
-    (restore and the finiteness check) and swap_s. Logged with every swap (bench/step_anatomy.py)."""
+    (restore and the finiteness check) and swap_s; bytes, the payload pulled (the serving dtype's).
+    Logged with every swap (bench/step_anatomy.py, bench/real_model_services.py)."""
 
 
 async def pull_weights(target: str, version: int, *, token: str | None, timeout_s: float = 120.0,
@@ -138,7 +139,7 @@ class WeightSync:
             self.stats.last_swap_s = loop.time() - started
             self.stats.last_sync = {"version": pointer.version, "notified_at": notified_at, "served_at": time.time(),
                                     "pull_s": pulled - started, "verify_s": verified - pulled,
-                                    "swap_s": loop.time() - verified}
+                                    "swap_s": loop.time() - verified, "bytes": len(data)}
             log.info("serving version %d (%d bytes, %.3fs)", pointer.version, len(data), self.stats.last_swap_s,
                      extra={"weight_sync": self.stats.last_sync})
             try:
