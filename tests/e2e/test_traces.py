@@ -120,7 +120,11 @@ def test_an_episode_is_one_trace_across_rollout_inference_env_and_reward(
     assert sorted(p.name for p in traces.iterdir()) == sorted(f"{n}.jsonl" for n in SERVICES)
     spans = read_spans(traces)
     episodes = [s for s in spans if s["name"] == "rollout.episode" and s["service"] == "rollout"]
-    assert len(episodes) >= 4 and all(e["parent_id"] is None for e in episodes)
+    assert all(e["parent_id"] is None for e in episodes)
+    # Episodes in flight at the SIGTERM end cancelled (no result attributes, no later RPCs): the
+    # checks below are of the finished ones, of which the stream held at least four.
+    episodes = [e for e in episodes if "arlo.status" in e["attributes"]]
+    assert len(episodes) >= 4
     batches = [s for s in spans if s["name"] == "rollout.step_batch"]
     assert all(b["parent_id"] is None and b["links"] for b in batches)
     assert all(
