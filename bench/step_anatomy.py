@@ -105,14 +105,17 @@ def critical_path(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, fl
     start, end = a.get("prev_published_at"), a.get("published_at")
     if not start or not end or "critical" not in a:
         return None
-    trainer = {"intake": a["ready_at"] - a["read_at"], "trainer other": a["batch_at"] - a["ready_at"],
-               "batch": t["batch_s"], "train": t["train_s"], "publish": t["publish_s"]}
+    work = {"batch": t["batch_s"], "train": t["train_s"], "publish": t["publish_s"]}
     if t.get("wait_s", 0.0) < WAITED_S:
-        # Trainer-bound: from the previous step's tail straight to reads that found data.
-        trainer["intake"] += max(a["read_at"] - start - t["tail_s"], 0.0)
-        return {"trainer tail": t["tail_s"], **trainer}
+        # Trainer-bound: the previous step's tail, then the loop's own intake (what it read while
+        # that step trained is not on the path: services/trainer/reader.py), then the batch.
+        intake = t.get("intake_s", 0.0)
+        other = max(a["batch_at"] - start - t["tail_s"] - intake, 0.0)
+        return {"trainer tail": t["tail_s"], "intake": intake, "trainer other": other, **work}
     # Data-bound: up to the read, the data's path (the trainer's tail ran beside it).
-    return {**_clipped(rollout_chain(record, syncs), start, a["read_at"]), **trainer}
+    read_at, ready_at = max(a["read_at"], start), max(a["ready_at"], start)
+    return {**_clipped(rollout_chain(record, syncs), start, read_at), "intake": ready_at - read_at,
+            "trainer other": a["batch_at"] - ready_at, **work}
 
 
 def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, float]], warmup: int) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from services.trainer.durability import Durability
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
+from services.trainer.reader import READ_COUNT, StreamReader
 from services.trainer.state import TrainedStep, TrainerState
 from services.trainer.warmstart import WarmStart
 
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
-READ_COUNT = 256
 CLOSE_WAIT_S = 60.0
 STEP_ATTEMPTS = 3
 """Tries of a batch whose step raises before its groups are dead-lettered with the error."""
@@ -93,6 +93,9 @@ class TrainingLoop:
         self.state = TrainerState(paused=start_paused)
         self.clock = StepClock()  # where each RL step's time goes (services/trainer/anatomy.py)
         self._ready: list[ReadyGroup] = []
+        self._in_step: list[ReadyGroup] = []  # taken by the step in flight, not yet held by `durable`
+        self._reader = StreamReader(stream, block_ms=read_block_ms)
+        self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
         self._repeats = 0
         self._nonfinite = 0  # trajectories of refused steps
         self._step_errors = 0  # trajectories dead-lettered after STEP_ATTEMPTS failed steps
@@ -146,18 +149,28 @@ class TrainingLoop:
                 continue
             await self.sft_once()
         await self._reread_pending()
+        try:
+            await self._run_rl()
+        finally:
+            await self._reader.close()  # what it was delivered, the next run re-reads first
+
+    async def _run_rl(self) -> None:
         last_claim = 0.0  # a dead consumer of another name may have left entries: claim at once
         while True:
             if self.state.paused:
                 await asyncio.sleep(0.2)
                 continue
             # A read that finds data at once counts as platform time; one that has to wait for
-            # data is idle time (only its intake afterwards counts).
+            # data is idle time (only its intake afterwards counts). A read started during the
+            # previous step (reader.py) counts from when it returned or from now, the later.
             started = time.perf_counter()
-            entries = await self.stream.read(count=READ_COUNT, block_ms=0)
-            if not entries:
-                entries = await self.stream.read(count=READ_COUNT, block_ms=self.read_block_ms)
-                started = time.perf_counter()
+            read = await self._reader.read(block=False)
+            if read.background:
+                started = max(started, read.returned_at)
+            if not read.entries:
+                read = await self._reader.read(block=True)
+                started = read.returned_at
+            entries = list(read.entries)
             read_at = time.time()
             if time.monotonic() - last_claim > CLAIM_EVERY_S:
                 entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
@@ -168,7 +181,12 @@ class TrainingLoop:
                 self.state.io_s += intake
                 self.clock.add_intake(intake)
             await self._catch_up()
-            await self._train_ready()
+            await self._train_ready(overlap_intake=True)
+            if self._intake_error is not None:
+                # Entries that intake lost hold are in this consumer's pending list: the restarted
+                # loop re-reads them first (`_reread_pending`).
+                error, self._intake_error = self._intake_error, None
+                raise error
 
     async def pause(self) -> None:
         """Returns once no step is in flight, so a status read after it is final."""
@@ -176,9 +194,11 @@ class TrainingLoop:
         async with self._step_lock:
             pass
 
-    async def train_once(self) -> StepMetrics:
+    async def train_once(self, *, overlap_intake: bool = False) -> StepMetrics:
+        """One RL step from the ready groups. `overlap_intake`: read and group the stream's new
+        entries while the step trains (the run loop's own steps; see reader.py)."""
         async with self._step_lock:
-            metrics = await self._train_once()
+            metrics = await self._train_once(overlap_intake=overlap_intake)
             self._pause_if_due()
             return metrics
 
@@ -295,7 +315,7 @@ class TrainingLoop:
         for members in self.assembler.pending.values():
             entries.update(members)
             trajs.update(t.id for t in members.values())
-        for group in self._ready:
+        for group in (*self._ready, *self._in_step):
             entries.update(group.entry_ids)
             trajs.update(t.id for t in group.trajectories)
         for step in self.durable.held():
@@ -305,12 +325,12 @@ class TrainingLoop:
 
     # -- steps ------------------------------------------------------------------------------
 
-    async def _train_ready(self) -> None:
-        while not self.state.paused:
+    async def _train_ready(self, *, overlap_intake: bool = False) -> None:
+        while not self.state.paused and self._intake_error is None:
             await self._drop_stale_ready()
             if len(self._ready) < self.groups_per_step:
                 return
-            await self.train_once()
+            await self.train_once(overlap_intake=overlap_intake)
 
     async def _catch_up(self) -> None:
         """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
@@ -352,20 +372,51 @@ class TrainingLoop:
             except Exception:
                 log.exception("step %s: diagnostics not exported", record.get("step"))
 
-    async def _train_once(self) -> StepMetrics:
+    async def _train_once(self, *, overlap_intake: bool = False) -> StepMetrics:
         if self._publish_due:
             await self._publish_newest()  # raises while it keeps failing: no step past an unpublished one
-        groups = self._take_batch_groups()
+        groups = self._in_step = self._take_batch_groups()
+        try:
+            return await self._train_groups(groups, overlap_intake=overlap_intake)
+        finally:
+            self._in_step = []
+
+    async def _jitted_step(self, batch: Batch) -> tuple[StepMetrics, float]:
+        """The update, on a worker thread; returns its metrics and when it finished (Unix seconds)."""
+        started = time.perf_counter()
+        async with self._jax_lock:
+            metrics = await asyncio.to_thread(self.replica.step, batch)
+        self.state.busy_s += time.perf_counter() - started
+        return metrics, time.time()
+
+    async def _intake_during(self, step: asyncio.Task[Any]) -> None:
+        """Reads and groups new entries while `step` trains, until the next batch is ready."""
+        while not step.done() and len(self._ready) < self.groups_per_step and not self.state.paused:
+            read = self._reader.background()
+            await asyncio.wait({step, read}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                return  # the step finished first: the loop's next read takes this one's reply
+            try:
+                entries = self._reader.take().entries
+                if entries:
+                    started = time.perf_counter()
+                    await self._admit(entries, read_at=time.time())
+                    self.clock.add_overlapped_intake(time.perf_counter() - started)
+            except Exception as e:  # the step in flight must still publish: the loop raises it after
+                log.exception("intake during step %d failed; the loop restarts after the step", self.learner.step_count)
+                self._intake_error = e
+                return
+
+    async def _train_groups(self, groups: list[ReadyGroup], *, overlap_intake: bool) -> StepMetrics:
         batch_at = time.time()
         try:
             batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
                                 overlong=self.overlong)
-            started = time.perf_counter()
             train_at = time.time()
-            async with self._jax_lock:
-                metrics = await asyncio.to_thread(self.replica.step, batch)
-            self.state.busy_s += time.perf_counter() - started
-            trained_at = time.time()
+            step = asyncio.create_task(self._jitted_step(batch), name="trainer-step")
+            if overlap_intake:
+                await self._intake_during(step)
+            metrics, trained_at = await step
         except Exception as e:
             await self._step_failed(groups, e)
             raise

@@ -1,12 +1,16 @@
 """Faults inside a running trainer (real gRPC server, real Redis, real Orbax on a real filesystem):
 a step that raises, a weight pointer the trainer did not write, a checkpoint disk that fills up
-(a size-limited tmpfs) and then frees, and damaged checkpoint pieces at restore."""
+(a size-limited tmpfs) and then frees, damaged checkpoint pieces at restore, and the intake that
+runs while a step trains (services/trainer/reader.py): a producer's retry of the step's own
+trajectories, and an intake failure mid-step."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -201,3 +205,78 @@ async def test_damaged_optimizer_state_or_metadata_falls_back_to_an_older_checkp
             report = await status(again)
             assert again.learner.step_count == 1 and report.checkpoint_version == 1
             assert report.checkpoint_fallbacks == 2 and again.state.version == 4  # numbered above all
+
+
+@asynccontextmanager
+async def slow_steps(loop: TrainingLoop, seconds: float = 1.0) -> AsyncIterator[tuple[list, threading.Event]]:
+    """Each update takes `seconds` longer (its batches' trajectory ids are recorded; the event is set
+    once the first one is training), so the test can act while a step is in flight."""
+    real_step, trained, training = loop.replica.step, [], threading.Event()
+
+    def slow(batch):
+        trained.append(batch.trajectory_ids)
+        training.set()
+        time.sleep(seconds)
+        return real_step(batch)
+
+    loop.replica.step = slow
+    yield trained, training
+
+
+async def test_the_next_batch_is_read_and_grouped_while_a_step_trains(redis_url: str, run_id: str) -> None:
+    async with trainer(redis_url, run_id) as (loop, _, io), slow_steps(loop) as (trained, training):
+        records: list[dict] = []
+
+        async def keep(record: dict) -> None:
+            records.append(record)
+
+        loop.on_step.append(keep)
+        first = await add_group(io["stream"])
+        await wait_for(training.is_set)
+        second = await add_group(io["stream"])  # arrives while step 1 trains
+        await wait_for(lambda: loop.state.version >= 2)
+        await drained(io["stream"])
+        assert [set(ids) for ids in trained] == [set(first), set(second)]  # each once, in order
+        rl = [r for r in records if r["phase"] == "rl"]
+        assert rl[0]["timing"]["intake_overlapped_s"] > 0  # the second group was taken in during step 1
+        assert rl[1]["timing"]["intake_s"] == 0.0  # so step 2 started without reading anything
+
+
+async def test_a_producer_retry_of_the_training_steps_trajectories_is_not_trained_again(
+        redis_url: str, run_id: str) -> None:
+    async with trainer(redis_url, run_id) as (loop, _, io), slow_steps(loop) as (trained, training):
+        group = uuid.uuid4().hex
+        trajs = [traj(group, 1.0), traj(group, 0.0)]
+        await io["stream"].add_group(trajs)
+        await wait_for(training.is_set)
+        # The producer's first XADD landed but its reply was lost: it sends the same trajectories
+        # again, as new entries, while the step that trains them is in flight (held by no list but
+        # the step's own until the step records them).
+        await io["stream"].add_group(trajs)
+        await wait_for(lambda: loop.dropped()["duplicate"] == 2)
+        await drained(io["stream"])
+        await asyncio.sleep(1.5)  # a second step, were one taken, would have begun by now
+        assert len(trained) == 1 and loop.state.version == 1
+
+
+async def test_an_intake_failure_during_a_step_publishes_the_step_then_rereads_what_it_lost(
+        redis_url: str, run_id: str) -> None:
+    async with trainer(redis_url, run_id) as (loop, tasks, io), slow_steps(loop) as (trained, training):
+        real_filter, failures = loop.stream.filter_unseen, []
+
+        async def failing_filter(entries):
+            if training.is_set() and not failures:
+                failures.append(len(entries))
+                raise ConnectionError("injected: Redis went away during intake")
+            return await real_filter(entries)
+
+        loop.stream.filter_unseen = failing_filter
+        first = await add_group(io["stream"])
+        await wait_for(training.is_set)
+        second = await add_group(io["stream"])  # read during step 1; its intake fails
+        await wait_for(lambda: loop.state.version >= 2)
+        await drained(io["stream"])
+        assert len(failures) == 1 and tasks.restarts["training-loop"] == 1
+        # Step 1 published despite the failure; the restarted loop re-read the second group's entries.
+        assert [set(ids) for ids in trained] == [set(first), set(second)]
+        assert sum(loop.dropped().values()) == 0

@@ -98,3 +98,15 @@ def test_a_trainer_bound_step_is_the_trainers_own_phases() -> None:
     assert sum(path.values()) == pytest.approx(0.42, **APPROX)
     summary = summarise([record(wait_s=0.0, started=T0 - 1.0)], SYNCS, warmup=0)
     assert summary["platform_overhead"] == pytest.approx(1 - 0.1 / 0.42, **APPROX)
+
+
+def test_a_batch_read_while_the_previous_step_trained_puts_no_intake_on_the_path() -> None:
+    # The loop read and grouped this batch during the previous step's update (services/trainer/reader.py):
+    # its read and ready marks fall before the interval, and the loop's own intake was nil.
+    r = record(wait_s=0.0, started=T0 - 1.0)
+    r["anatomy"].update(read_at=T0 - 0.05, ready_at=T0 - 0.04)
+    r["timing"]["intake_s"] = 0.0
+    path = critical_path(r, SYNCS)
+    assert path is not None and path["intake"] == 0.0
+    assert path["trainer other"] == pytest.approx(0.29 - 0.01, **APPROX)
+    assert sum(path.values()) == pytest.approx(0.42, **APPROX)
