@@ -7,10 +7,11 @@ Each step record carries (services/trainer/diagnostics.py):
   step's tail (its record, log and acknowledgements after its publish), waiting for data,
   intake (stream reads that returned data, decode, de-duplication, grouping), building the
   batch, the jitted step, and publishing (serialise, store, move the pointer). `wait_s` is what
-  is left: the loop had nothing to train on. `intake_overlapped_s` is intake done while the
-  jitted step ran (the next batch's), off the critical path and in none of the above. The means over the batch's trajectories of their
-  rollout phases (Trajectory.timings) and of their Redis wait (XADD to the trainer's read) are
-  beside them.
+  is left: the loop had nothing to train on. `intake_overlapped_s` (the next batch's intake) and
+  `tail_overlapped_s` (the previous step's record and acknowledgements) ran while the jitted
+  step did, off the critical path and in none of the above. The means over the batch's
+  trajectories of their rollout phases (Trajectory.timings) and of their Redis wait (XADD to
+  the trainer's read) are beside them.
 - `anatomy`: the step's wall-clock marks (Unix seconds) and the timings of its *critical*
   trajectory (the member of the last group to complete the batch that finished last), so a
   reader can lay the step's critical path across services (bench/step_anatomy.py).
@@ -56,12 +57,19 @@ class StepClock:
     def add_intake(self, seconds: float) -> None:
         self.intake_s += seconds
 
+    overlapped_tail_s: float = 0.0
+    """The previous step's tail, run while this step trained (services/trainer/tail.py)."""
+
     def add_overlapped_intake(self, seconds: float) -> None:
         self.overlapped_intake_s += seconds
 
+    def add_overlapped_tail(self, seconds: float) -> None:
+        self.overlapped_tail_s += seconds
+
     def step_done(self, published_at: float) -> None:
         """The step's pointer moved at `published_at`; its tail and the next intake start now."""
-        self.published_at, self.intake_s, self.tail_s, self.overlapped_intake_s = published_at, 0.0, 0.0, 0.0
+        self.published_at, self.intake_s, self.tail_s = published_at, 0.0, 0.0
+        self.overlapped_intake_s = self.overlapped_tail_s = 0.0
 
     def tail_done(self) -> None:
         if self.published_at:
@@ -90,7 +98,8 @@ def step_timing(clock: StepClock, marks: StepMarks, trajectories: Sequence[commo
     batch_s, train_s = marks.train_at - marks.batch_at, marks.trained_at - marks.train_at
     publish_s = marks.published_at - marks.trained_at
     out = {"batch_s": batch_s, "train_s": train_s, "publish_s": publish_s, "intake_s": clock.intake_s,
-           "tail_s": clock.tail_s, "intake_overlapped_s": clock.overlapped_intake_s}
+           "tail_s": clock.tail_s, "intake_overlapped_s": clock.overlapped_intake_s,
+           "tail_overlapped_s": clock.overlapped_tail_s}
     if clock.published_at:
         step_s = marks.published_at - clock.published_at
         out["step_s"] = step_s

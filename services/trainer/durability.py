@@ -89,15 +89,22 @@ class Durability:
 
     # -- acknowledgement --------------------------------------------------------------------
 
-    async def trained(self, step: TrainedStep, *, published: bool) -> None:
-        """Records a step whose update applied (step lock held); acknowledges what the rule allows."""
+    def hold(self, step: TrainedStep) -> None:
+        """Holds a step whose update applied (step lock held) until `acknowledge` says what may go."""
         self._awaiting.append(step)
         self._count_held()
+
+    def checkpoint_due(self, version: int) -> bool:
+        """`acknowledge(version)` would start a checkpoint (which copies the arrays a step donates)."""
+        return self.checkpointer is not None and version % self.every == 0 and time.monotonic() >= self._retry_at
+
+    async def acknowledge(self, step: TrainedStep, *, published: bool) -> None:
+        """After `hold(step)`: acknowledges what the rule allows; starts the checkpoint when due."""
         if self.checkpointer is None:
             if published:
                 await self.published(step.version)
             return
-        if step.version % self.every == 0 and time.monotonic() >= self._retry_at:
+        if self.checkpoint_due(step.version):
             await self.try_checkpoint()
         elif self._failing and self.state.held_entries > self.max_held and published:
             await self._ack_undurable(step.version)

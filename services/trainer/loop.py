@@ -35,9 +35,10 @@ from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.durability import Durability
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
-from services.trainer.publish import VersionStore
+from services.trainer.publish import VersionStore, sha256_hex
 from services.trainer.reader import READ_COUNT, StreamReader
 from services.trainer.state import TrainedStep, TrainerState
+from services.trainer.tail import StepTails
 from services.trainer.warmstart import WarmStart
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class TrainingLoop:
         self._in_step: list[ReadyGroup] = []  # taken by the step in flight, not yet held by `durable`
         self._reader = StreamReader(stream, block_ms=read_block_ms)
         self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
+        self._tails = StepTails()  # steps' records and acks, run beside the next step (tail.py)
         self._repeats = 0
         self._nonfinite = 0  # trajectories of refused steps
         self._step_errors = 0  # trajectories dead-lettered after STEP_ATTEMPTS failed steps
@@ -153,6 +155,7 @@ class TrainingLoop:
             await self._run_rl()
         finally:
             await self._reader.close()  # what it was delivered, the next run re-reads first
+            await self._tails.settle(CLOSE_WAIT_S)  # one chain of tails at a time, across restarts
 
     async def _run_rl(self) -> None:
         last_claim = 0.0  # a dead consumer of another name may have left entries: claim at once
@@ -182,17 +185,25 @@ class TrainingLoop:
                 self.clock.add_intake(intake)
             await self._catch_up()
             await self._train_ready(overlap_intake=True)
-            if self._intake_error is not None:
-                # Entries that intake lost hold are in this consumer's pending list: the restarted
-                # loop re-reads them first (`_reread_pending`).
-                error, self._intake_error = self._intake_error, None
-                raise error
+            self._raise_background_error()
+
+    def _background_failed(self) -> bool:
+        return self._intake_error is not None or self._tails.error is not None
+
+    def _raise_background_error(self) -> None:
+        """An intake during a step or a deferred tail failed: the loop restarts. Entries that lost
+        their hold are in this consumer's pending list, and the restarted loop re-reads them first
+        (`_reread_pending`); acknowledgements left undone go with the next publish or checkpoint."""
+        intake, self._intake_error = self._intake_error, None
+        tail = self._tails.take_error()
+        if intake is not None or tail is not None:
+            raise intake or tail  # type: ignore[misc]
 
     async def pause(self) -> None:
         """Returns once no step is in flight, so a status read after it is final."""
         self.state.paused = True
         async with self._step_lock:
-            pass
+            await self._tails.settle()
 
     async def train_once(self, *, overlap_intake: bool = False) -> StepMetrics:
         """One RL step from the ready groups. `overlap_intake`: read and group the stream's new
@@ -231,8 +242,11 @@ class TrainingLoop:
             self._pause_if_due()
             return metrics
 
+    def _pause_due(self) -> bool:
+        return bool(self.state.until_step) and self.learner.step_count >= self.state.until_step
+
     def _pause_if_due(self) -> None:
-        if self.state.until_step and self.learner.step_count >= self.state.until_step:
+        if self._pause_due():
             self.state.paused = True
 
     async def checkpoint(self) -> tuple[int, str]:
@@ -242,7 +256,9 @@ class TrainingLoop:
         return await asyncio.shield(job)  # a caller's deadline must not abandon the write
 
     async def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
-        """Lets a checkpoint in flight complete (bounded), so a clean stop leaves no partial one."""
+        """Lets a step's tail and a checkpoint in flight complete (bounded), so a clean stop leaves
+        no partial checkpoint and every acknowledgement it could make."""
+        await self._tails.settle(timeout_s)
         await self.durable.close(timeout_s)
         async with self._jax_lock:
             self.replica.stop()  # other processes: finish your checkpoint writes and return
@@ -326,7 +342,7 @@ class TrainingLoop:
     # -- steps ------------------------------------------------------------------------------
 
     async def _train_ready(self, *, overlap_intake: bool = False) -> None:
-        while not self.state.paused and self._intake_error is None:
+        while not self.state.paused and not self._background_failed():
             await self._drop_stale_ready()
             if len(self._ready) < self.groups_per_step:
                 return
@@ -356,12 +372,14 @@ class TrainingLoop:
         await self.stream.count_stale(len(entry_ids))
         await self.stream.ack(entry_ids)
 
-    async def _counters(self) -> dict[str, Any]:
-        """The loop's cumulative figures, for a step record."""
+    def _counters_now(self) -> dict[str, Any]:
+        """The loop's cumulative figures, for a step record (the stream's backlog aside)."""
         return {"tokens_trained": self.state.tokens_trained, "generated_tokens": self.state.generated_tokens,
                 "consumed": self.state.consumed, "skipped_steps": self.state.skipped_steps,
-                "queue_depth": await self.stream.backlog(), "ready_groups": len(self._ready),
-                "dropped": self.dropped()}
+                "ready_groups": len(self._ready), "dropped": self.dropped()}
+
+    async def _counters(self) -> dict[str, Any]:
+        return {**self._counters_now(), "queue_depth": await self.stream.backlog()}
 
     async def _report(self, record: dict[str, Any]) -> None:
         """Hands the record on; a failing consumer (Redis down) costs the record, never the step."""
@@ -442,14 +460,15 @@ class TrainingLoop:
                           extra={"publish_failures": self.state.publish_failures})
         marks = StepMarks(read_at=0.0, ready_at=0.0, batch_at=batch_at, train_at=train_at, trained_at=trained_at,
                           published_at=time.time())
-        await self._finish_step(groups, batch, metrics, marks, published=published)
+        await self._finish_step(groups, batch, metrics, marks, published=published, defer_tail=overlap_intake)
         self.state.io_s += time.perf_counter() - started
         self.clock.tail_done()
         return metrics
 
     async def _finish_step(self, groups: Sequence[ReadyGroup], batch: Batch, metrics: StepMetrics, marks: StepMarks, *,
-                           published: bool) -> None:
-        """A published (or publish-pending) step: counters, its record, its log line, its acks."""
+                           published: bool, defer_tail: bool = False) -> None:
+        """A published (or publish-pending) step: counters and hold now; its record, log line and
+        acks in its tail, which `defer_tail` runs beside the next step (tail.py)."""
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         self.state.tokens_trained += batch.num_tokens
@@ -460,19 +479,30 @@ class TrainingLoop:
         marks = dataclasses.replace(marks, read_at=last.read_at, ready_at=last.ready_at)
         read_at = [g.read_at for g in groups for _ in g.entry_ids]
         entry_ids = tuple(e for g in groups for e in g.entry_ids)
-        timing = step_timing(self.clock, marks, trajs, read_at, entry_ids)
-        anatomy = step_anatomy(self.clock, marks, trajs, read_at, entry_ids)
+        record = dict(phase="rl", step=self.learner.step_count, version=self.state.version, metrics=metrics,
+                      trajectories=trajs, trained_from=self.state.version - 1,
+                      timing=step_timing(self.clock, marks, trajs, read_at, entry_ids),
+                      anatomy=step_anatomy(self.clock, marks, trajs, read_at, entry_ids), now=time.time())
         self.clock.step_done(marks.published_at)
-        await self._report(step_record(phase="rl", step=self.learner.step_count, version=self.state.version,
-                                       metrics=metrics, counters=await self._counters(), trajectories=trajs,
-                                       trained_from=self.state.version - 1, timing=timing, anatomy=anatomy))
+        step = TrainedStep(version=self.state.version, entry_ids=entry_ids, trajectory_ids=batch.trajectory_ids)
+        self.durable.hold(step)  # from here a producer's retry of these trajectories is a repeat
+        tail = self._step_tail(record, self._counters_now(), step, published=published)
+        if defer_tail and not self.durable.checkpoint_due(step.version) and not self._pause_due():
+            self._tails.defer(tail, on_done=self.clock.add_overlapped_tail)
+        else:
+            await self._tails.settle()  # records and acks stay in step order
+            await tail
+
+    async def _step_tail(self, record: dict[str, Any], counters: dict[str, Any], step: TrainedStep, *,
+                         published: bool) -> None:
+        counters = {**counters, "queue_depth": await self.stream.backlog()}
+        await self._report(step_record(**record, counters=counters))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
-        log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", self.learner.step_count,
-                 self.state.version, metrics.loss, metrics.reward_mean, metrics.num_tokens,
-                 extra={"step": self.learner.step_count, "version": self.state.version,
-                        "trajectory_ids": list(batch.trajectory_ids)})
-        await self.durable.trained(TrainedStep(version=self.state.version, entry_ids=entry_ids,
-                                               trajectory_ids=batch.trajectory_ids), published=published)
+        metrics = record["metrics"]
+        log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", record["step"], step.version,
+                 metrics.loss, metrics.reward_mean, metrics.num_tokens,
+                 extra={"step": record["step"], "version": step.version, "trajectory_ids": list(step.trajectory_ids)})
+        await self.durable.acknowledge(step, published=published)
 
     async def _step_failed(self, groups: Sequence[ReadyGroup], error: Exception) -> None:
         """A step that raised before its update applied: its groups go back to the front, or, after
@@ -524,7 +554,9 @@ class TrainingLoop:
             if published is None:
                 async with self._jax_lock:
                     data = await asyncio.to_thread(self.replica.state_bytes)
-                published = self.store.put(self.state.version, data)
+                # Hashed off the event loop: a second or more at 0.5B, with pulls to serve meanwhile.
+                digest = await asyncio.to_thread(sha256_hex, data)
+                published = self.store.put(self.state.version, data, sha256=digest)
             if await self.pointer.publish(published.version, source=self.source, sha256=published.sha256):
                 await self.durable.published(published.version)
                 return
@@ -538,5 +570,5 @@ class TrainingLoop:
                       current.sha256, published.version, current.version + 1,
                       extra={"pointer_conflicts": self.state.pointer_conflicts, "pointer_version": current.version})
             self.state.version = max(self.state.version, current.version) + 1
-            self.store.put(self.state.version, published.data)
+            self.store.put(self.state.version, published.data, sha256=published.sha256)
         raise RuntimeError(f"the weight pointer kept moving ahead of version {self.state.version}")

@@ -28,6 +28,10 @@ class Chunk:
     sha256: str
 
 
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 class VersionStore:
     """The newest `keep` versions; older ones are released (a puller then gets NOT_FOUND)."""
 
@@ -37,10 +41,11 @@ class VersionStore:
         self._keep = keep
         self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()
 
-    def put(self, version: int, data: bytes) -> PublishedVersion:
+    def put(self, version: int, data: bytes, *, sha256: str = "") -> PublishedVersion:
+        """`sha256`: the data's digest when the caller has it (computed off the event loop)."""
         if self._versions and version <= next(reversed(self._versions)):
             raise ValueError(f"version {version} is not newer than {next(reversed(self._versions))}")
-        pv = PublishedVersion(version=version, data=data, sha256=hashlib.sha256(data).hexdigest(), time=time.time())
+        pv = PublishedVersion(version=version, data=data, sha256=sha256 or sha256_hex(data), time=time.time())
         self._versions[version] = pv
         while len(self._versions) > self._keep:
             self._versions.popitem(last=False)

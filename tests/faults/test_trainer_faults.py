@@ -240,6 +240,31 @@ async def test_the_next_batch_is_read_and_grouped_while_a_step_trains(redis_url:
         rl = [r for r in records if r["phase"] == "rl"]
         assert rl[0]["timing"]["intake_overlapped_s"] > 0  # the second group was taken in during step 1
         assert rl[1]["timing"]["intake_s"] == 0.0  # so step 2 started without reading anything
+        # Step 1's record and acks ran beside step 2 (services/trainer/tail.py), in step order.
+        assert rl[1]["timing"]["tail_overlapped_s"] > 0
+        assert [r["version"] for r in rl] == [1, 2]
+
+
+async def test_a_failed_acknowledgement_in_a_deferred_tail_is_retried_and_nothing_trains_twice(
+        redis_url: str, run_id: str) -> None:
+    async with trainer(redis_url, run_id) as (loop, tasks, io), slow_steps(loop) as (trained, training):
+        real_ack, failures = loop.stream.ack, []
+
+        async def failing_ack(entry_ids):
+            if entry_ids and not failures:
+                failures.append(list(entry_ids))
+                raise ConnectionError("injected: Redis went away during step 1's acknowledgement")
+            return await real_ack(entry_ids)
+
+        loop.stream.ack = failing_ack
+        first = await add_group(io["stream"])
+        await wait_for(training.is_set)
+        second = await add_group(io["stream"])  # trains while step 1's tail runs (and fails)
+        await wait_for(lambda: loop.state.version >= 2)
+        await drained(io["stream"])  # step 1's entries went with step 2's acknowledgement
+        assert len(failures) == 1 and tasks.restarts["training-loop"] == 1
+        assert [set(ids) for ids in trained] == [set(first), set(second)]  # the restart re-read; none retrained
+        assert sum(loop.dropped().values()) == 0 and loop.state.held_entries == 0
 
 
 async def test_a_producer_retry_of_the_training_steps_trajectories_is_not_trained_again(
