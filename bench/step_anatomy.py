@@ -120,7 +120,7 @@ def critical_path(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, fl
 
 def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, float]], warmup: int) -> dict[str, Any]:
     """Mean seconds per phase over the timed RL steps, the step, and the overhead fraction."""
-    paths, steps = [], []
+    paths, steps, per_step = [], [], []
     for r in records:
         if r.get("phase") != "rl" or r["version"] <= warmup:
             continue
@@ -129,6 +129,7 @@ def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, fl
             continue
         paths.append(path)
         steps.append(r["anatomy"]["published_at"] - r["anatomy"]["prev_published_at"])
+        per_step.append({"version": r["version"], "step_s": steps[-1], **path})
     if not paths:
         return {"steps": 0}
     n = len(paths)
@@ -139,7 +140,7 @@ def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, fl
             "phases_s": mean, "unattributed_s": step - sum(mean.values()),
             "data_bound_fraction": sum(1 for r in records if r.get("phase") == "rl" and r["version"] > warmup
                                        and (r.get("timing") or {}).get("wait_s", 0.0) >= WAITED_S) / n,
-            "platform_overhead": (step - work) / step}
+            "platform_overhead": (step - work) / step, "per_step": per_step}
 
 
 def run_mode(workload: str, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
