@@ -57,7 +57,7 @@ def step_config(path: Path, args: argparse.Namespace, run_id: str) -> RunConfig:
         "inference": {"max_tokens": tokens, "max_n": args.group_size, "max_batch": rows,
                       "max_prompt_tokens": PROMPT_TOKENS, "decode_steps": 8, "warmup_programs": 0},
         "trainer": {"max_staleness": 0, "groups_per_step": args.groups, "remat": "full",
-                    "micro_batch_size": args.micro_batch, "warmup_programs": 0, "sft": {"steps": 0}},
+                    "micro_batch_size": args.micro_batch, "logprob_chunk": args.logprob_chunk, "warmup_programs": 0, "sft": {"steps": 0}},
         "rollout": {"env_name": "arith", "env_config_json": ENV_CONFIG, "group_size": args.group_size,
                     "max_turns": 1, "max_episode_tokens": PROMPT_TOKENS + tokens, "concurrent_groups": args.groups,
                     "sampling": {"temperature": 1.0, "max_tokens": tokens}, "eval": {"every_versions": 0},
@@ -114,7 +114,7 @@ def service_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     steps = [step_split(r, syncs) for r in run.records if r.get("phase") == "rl" and r.get("anatomy", {}).get("critical")]
     publishes = {s["bytes_per_publish"] for s in steps if s.get("bytes_per_publish")}
     param_bytes = serving_param_bytes(path, args.param_dtype)
-    workload = {k: getattr(args, k) for k in ("groups", "group_size", "step_tokens", "micro_batch", "param_dtype",
+    workload = {k: getattr(args, k) for k in ("groups", "group_size", "step_tokens", "micro_batch", "logprob_chunk", "param_dtype",
                                               "rl_steps", "step_cpus")}
     out: dict[str, Any] = {"workload": {**workload, "max_staleness": 0, "remat": "full"},
                            "steps": steps, "serving_param_bytes": param_bytes,

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from arlo.model.source import cast_state
 from arlo.model.weights import check_finite, state_to_bytes
 
 
@@ -24,10 +25,14 @@ def host_state(state: Any) -> Any:
     return multihost_utils.process_allgather(state, tiled=True)
 
 
-def state_bytes(state: nnx.State) -> bytes:
-    """`state_to_bytes` of the whole state, from any process (all processes call it together).
+def state_bytes(state: nnx.State, dtype: str | None = None) -> bytes:
+    """`state_to_bytes` of the whole state with its floating arrays in `dtype` (the serving
+    dtype), from any process (all processes call it together).
 
     Raises NonFiniteWeights (on every process alike, before any gather) when a parameter holds
-    NaN or inf: such a version must never reach the fleet."""
-    check_finite(state)
-    return state_to_bytes(host_state(state))
+    NaN or inf in that dtype: such a version must never reach the fleet. One process casts each
+    array as it packs it; several gather the state cast as a whole (the gather moves whole arrays)."""
+    check_finite(state, dtype)
+    if jax.process_count() > 1 and dtype is not None:
+        state = cast_state(state, dtype)
+    return state_to_bytes(host_state(state), dtype)

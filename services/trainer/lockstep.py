@@ -152,7 +152,7 @@ class Replica:
 
     def state_bytes(self) -> bytes:
         self.channel.announce("publish", {})
-        return state_bytes(self.learner.serving_state())
+        return state_bytes(self.learner.state, self.learner.param_dtype)
 
     def set_reference(self) -> None:
         self.channel.announce("set_reference", {})
@@ -233,7 +233,7 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
             learner.sft_step(_broadcast_batch(_sft_placeholder(op.header), SFT_BATCH_FIELDS))
         elif op.name == "publish":
             try:
-                state_bytes(learner.serving_state())
+                state_bytes(learner.state, learner.param_dtype)
             except NonFiniteWeights:
                 pass  # the leader refuses that publish too (same global check) and goes on
         elif op.name == "set_reference":

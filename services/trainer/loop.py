@@ -20,7 +20,7 @@ from typing import Any
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
 from arlo.model.tokenizer import ByteTokenizer
-from arlo.model.weights import NonFiniteWeights
+from arlo.model.weights import NonFiniteWeights, sha256_hex
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
 from services.trainer.batching import (
     Batch,
@@ -35,7 +35,7 @@ from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.durability import Durability
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
-from services.trainer.publish import VersionStore, sha256_hex
+from services.trainer.publish import VersionStore
 from services.trainer.reader import READ_COUNT, StreamReader
 from services.trainer.state import TrainedStep, TrainerState
 from services.trainer.tail import StepTails

@@ -8,6 +8,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from arlo.model.weights import sha256_hex
+
 DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 4 << 20
@@ -26,10 +28,6 @@ class Chunk:
     offset: int
     data: bytes
     sha256: str
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class VersionStore:

@@ -60,7 +60,7 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
                                        mini).compile()
         learner._rl_step.lower(learner.state, learner.opt_state, learner.ref_state, device_rows, rewards, key,
                                mini).compile()
-    nonfinite_param(learner.serving_state())  # every publish checks the weights it sends
+    nonfinite_param(learner.state, learner.param_dtype)  # every publish checks the weights it sends
     log.info("warm-up: RL step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
              extra={"programs": len(lengths)})
     return len(lengths)

@@ -74,3 +74,45 @@ def test_mismatches_name_the_path(state: nnx.State, data: bytes) -> None:
     tree["params"]["final_norm/scale"] = tree["params"]["final_norm/scale"].astype(np.float16)
     with pytest.raises(ValueError, match="final_norm/scale.*float16"):
         state_from_bytes(serialization.msgpack_serialize(tree), state)
+
+
+def flax_bytes(state: nnx.State, dtype: str | None = None) -> bytes:
+    """The format as flax writes it, from the whole state cast at once (what publishes did before)."""
+    from arlo.model.source import cast_state
+    from arlo.model.weights import FORMAT, _flat, _key
+
+    if dtype is not None:
+        state = cast_state(state, dtype)
+    params = {_key(path): np.asarray(jax.device_get(var.get_value())) for path, var in _flat(state)}
+    return serialization.msgpack_serialize({"format": FORMAT, "params": dict(sorted(params.items()))})
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_streamed_bytes_equal_flax_msgpack_serialize(state: nnx.State, dtype: str | None) -> None:
+    # Inference restores with flax's msgpack_restore and the pointer carries the bytes' sha256:
+    # the array-at-a-time writer must give exactly flax's bytes, cast included.
+    assert state_to_bytes(state, dtype) == flax_bytes(state, dtype)
+
+
+def test_arrays_past_flax_chunk_size_are_written_chunked_as_flax_does(state: nnx.State, monkeypatch) -> None:
+    import arlo.model.weights as weights
+
+    small = 4096  # bytes: the tiny model's bigger matrices become several chunks
+    monkeypatch.setattr(weights, "CHUNKED_ABOVE", small)
+    monkeypatch.setattr(serialization, "MAX_CHUNK_SIZE", small)
+    data = state_to_bytes(state)
+    assert data == flax_bytes(state)
+    restored = state_from_bytes(data, state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_weight_that_overflows_the_serving_dtype_is_not_finite(state: nnx.State) -> None:
+    from arlo.model.weights import nonfinite_param
+
+    flat = list(nnx.to_flat_state(state))
+    path, var = next((p, v) for p, v in flat if v.get_value().ndim == 2)
+    big = var.get_value().at[0, 0].set(3.4e38)  # finite in float32, inf once rounded to bfloat16
+    broken = nnx.from_flat_state([(p, v.copy(big) if p == path else v) for p, v in flat])
+    assert nonfinite_param(broken) is None
+    assert nonfinite_param(broken, "bfloat16") == "/".join(str(k) for k in path)
