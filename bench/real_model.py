@@ -11,8 +11,9 @@ Measured, each in a fresh subprocess where memory matters:
 - decode tokens/s at each --batches size, arlo's engine (float32 compute) against transformers
   `generate` (greedy, fixed length, the same prompts) in its faster dtype at each batch (float32 and
   bfloat16 both run): `decode_over_hf_b16`, `decode_over_hf_b64`; beside them the
-  weight-matmul floor (every weight matrix multiplied once per step, one jitted call): how far
-  arlo is from it, and how far ahead of transformers any engine could be on this CPU;
+  weight-matmul floor of the same requests (every weight matrix multiplied by the prefill's
+  tokens, then once per decode step, in float32 jitted calls): how far arlo is from it, and how
+  far ahead of transformers any engine could be on this CPU;
 - GRPO steps of --groups x --group-size samples x up to --step-tokens new tokens:
   - through the services (the default, `--step-through-services`; bench/real_model_services.py):
     the checkpoint as `model.path` of a synchronous run of the local services, --rl-steps RL steps
@@ -135,11 +136,23 @@ def hf_decode(model: Any, batch_prompts: list[list[int]], new_tokens: int) -> fl
     return ids.shape[0] * new_tokens / (time.perf_counter() - t0)
 
 
-def weight_matmul_floor_s(shape: dict[str, int], batch: int, repeats: int = 3) -> float:
-    """Seconds per decode step for the model's weight matmuls alone, in float32, one jitted call.
+def request_floor_s(shape: dict[str, int], batch: int, prompt: int, new_tokens: int) -> float:
+    """The weight-matmul floor of what a decode measurement times: the prefill (every layer over
+    batch x prompt tokens, the lm_head over the last one per row) then `new_tokens` - 1 decode
+    steps of `batch` rows (the prefill samples the first). Both arlo's and transformers' tokens/s
+    include their prefill, so the floor must too: at 32-token prompts and 16 new tokens the
+    prefill is two thirds of the matmul work, so a floor of decode steps alone understated how
+    close arlo runs to the hardware."""
+    prefill = weight_matmul_floor_s(shape, batch * prompt, head_rows=batch)
+    return prefill + (new_tokens - 1) * weight_matmul_floor_s(shape, batch)
+
+
+def weight_matmul_floor_s(shape: dict[str, int], batch: int, repeats: int = 3, *, head_rows: int = 0) -> float:
+    """Seconds for the model's weight matmuls alone over `batch` token rows, in float32, one
+    jitted call (the lm_head over `head_rows` of them; 0 = all, as in a decode step).
 
     One token per row multiplies every weight matrix once (q, k, v, o, gate, up, down per layer,
-    then the lm_head), so no implementation built on the same GEMM kernels decodes a step faster:
+    then the lm_head), so no implementation built on the same GEMM kernels does that work faster:
     tokens/s at this floor over transformers' tokens/s is the most any engine can be ahead of it
     on this CPU (attention over a short cache and the sampling add to both sides).
     """
@@ -154,15 +167,17 @@ def weight_matmul_floor_s(shape: dict[str, int], batch: int, repeats: int = 3) -
     keys = jax.random.split(jax.random.key(0), len(dims))
     weights = [jax.random.normal(k, d, jnp.float32) * 0.02 for k, d in zip(keys, dims, strict=True)]
     xs = {d_in: jnp.ones((batch, d_in), jnp.float32) for d_in, _ in dims}
+    head_x = jnp.ones((head_rows or batch, h), jnp.float32)
 
     @jax.jit
-    def step(xs: dict[int, jax.Array], weights: list[jax.Array]) -> jax.Array:
-        return sum(jnp.sum(xs[w.shape[0]] @ w) for w in weights)  # summed: nothing is dead code
+    def step(xs: dict[int, jax.Array], head_x: jax.Array, weights: list[jax.Array]) -> jax.Array:
+        body = sum(jnp.sum(xs[w.shape[0]] @ w) for w in weights[:-1])  # summed: nothing is dead code
+        return body + jnp.sum(head_x @ weights[-1])
 
-    step(xs, weights).block_until_ready()
+    step(xs, head_x, weights).block_until_ready()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        step(xs, weights).block_until_ready()
+        step(xs, head_x, weights).block_until_ready()
     return (time.perf_counter() - t0) / repeats
 
 
@@ -195,7 +210,7 @@ def decode_figures(path: Path, args: argparse.Namespace, batches: list[int]) -> 
             by_dtype = {name: hf_decode(model, batch_prompts, args.new_tokens) for name, model in hf_models.items()}
             hf_dtype = max(by_dtype, key=by_dtype.__getitem__)
             theirs = by_dtype[hf_dtype]
-            floor = b / weight_matmul_floor_s(SHAPES[args.shape], b)
+            floor = b * args.new_tokens / request_floor_s(SHAPES[args.shape], b, args.prompt, args.new_tokens)
             rows[b] = {"arlo_tokens_per_s": ours, "hf_tokens_per_s": theirs, "hf_dtype": hf_dtype,
                        "hf_tokens_per_s_by_dtype": by_dtype, "over_hf": ours / theirs,
                        "matmul_floor_tokens_per_s": floor, "arlo_of_floor": ours / floor,

@@ -98,6 +98,12 @@ class Durability:
         """`acknowledge(version)` would start a checkpoint (which copies the arrays a step donates)."""
         return self.checkpointer is not None and version % self.every == 0 and time.monotonic() >= self._retry_at
 
+    def acknowledges_before_next_step(self, version: int) -> bool:
+        """`acknowledge(version)` must finish before the next step starts: it starts a checkpoint,
+        or saves are failing and the hold bound is applied as each step joins the held ones (with
+        acknowledgements deferred, several steps' entries could be above it at once)."""
+        return self.checkpoint_due(version) or bool(self._failing)
+
     async def acknowledge(self, step: TrainedStep, *, published: bool) -> None:
         """After `hold(step)`: acknowledges what the rule allows; starts the checkpoint when due."""
         if self.checkpointer is None:

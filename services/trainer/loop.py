@@ -1,9 +1,10 @@
 """The training loop: stream -> whole groups -> jitted step -> publish version v+1 -> ack.
 
 What may be acknowledged when is services/trainer/durability.py's job (only what a durable
-state covers). A step that raises before its update applied puts its groups back (up to
-`STEP_ATTEMPTS` tries, then they are dead-lettered with the error): nothing is dropped or
-acknowledged untrained. A publish that fails after the update applied is retried before the
+state covers); where a failed step's groups go is services/trainer/failures.py's (back to
+the front, or dead-lettered after `STEP_ATTEMPTS` tries: never dropped, never acknowledged
+untrained). While the jitted step runs, the loop reads the next batch (reader.py) and finishes
+the previous step's tail (tail.py). A publish that fails after the update applied is retried before the
 next step; a publish refused because the pointer holds a version this trainer did not write
 (a hijacked or foreign pointer) is reported and re-numbered above it, as a restart does.
 """
@@ -33,6 +34,7 @@ from services.trainer.batching import (
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.durability import Durability
+from services.trainer.failures import StepFailures
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
@@ -46,8 +48,6 @@ log = logging.getLogger(__name__)
 CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
 CLOSE_WAIT_S = 60.0
-STEP_ATTEMPTS = 3
-"""Tries of a batch whose step raises before its groups are dead-lettered with the error."""
 POINTER_TRIES = 3
 
 __all__ = ["TrainedStep", "TrainerState", "TrainingLoop"]
@@ -99,9 +99,7 @@ class TrainingLoop:
         self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
         self._tails = StepTails()  # steps' records and acks, run beside the next step (tail.py)
         self._repeats = 0
-        self._nonfinite = 0  # trajectories of refused steps
-        self._step_errors = 0  # trajectories dead-lettered after STEP_ATTEMPTS failed steps
-        self._attempts: dict[str, int] = {}  # first entry id of a group -> failed steps it was in
+        self._failures = StepFailures(stream, self.state)
         self._publish_due = False  # the newest version's publish failed: retry before the next step
         self._jax_lock = asyncio.Lock()
         self.durable = Durability(replica=self.replica, checkpointer=self.checkpointer, stream=stream,
@@ -270,7 +268,7 @@ class TrainingLoop:
         drops, dead = self.assembler.drops, self._dead_lettered
         return {"stale": drops.stale, "failed": drops.failed, "malformed": dead.malformed + self.stream.malformed,
                 "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance,
-                "poisoned": dead.poisoned, "nonfinite_step": self._nonfinite, "step_error": self._step_errors}
+                "poisoned": dead.poisoned, "nonfinite_step": self._failures.nonfinite, "step_error": self._failures.step_errors}
 
     def fault_counters(self) -> dict[str, int | str]:
         """Faults survived, for the heartbeat (`arlo status`)."""
@@ -436,12 +434,11 @@ class TrainingLoop:
                 await self._intake_during(step)
             metrics, trained_at = await step
         except Exception as e:
-            await self._step_failed(groups, e)
+            await self._failures.failed(groups, e, put_back=self._put_back)
             raise
-        for g in groups:
-            self._attempts.pop(g.entry_ids[0], None)
+        self._failures.trained(groups)
         if metrics.skipped:
-            await self._refuse_step(groups, f"step skipped: loss {metrics.loss}, grad norm {metrics.grad_norm}")
+            await self._failures.refuse(groups, f"step skipped: loss {metrics.loss}, grad norm {metrics.grad_norm}")
             return metrics
         self.state.version += 1
         started = time.perf_counter()
@@ -450,7 +447,7 @@ class TrainingLoop:
             await self._publish()
         except NonFiniteWeights as e:
             self.state.version -= 1  # nothing was published under it
-            await self._refuse_step(groups, f"not published: {e}")
+            await self._failures.refuse(groups, f"not published: {e}")
             return metrics
         except Exception:
             # The update applied: the step is trained (never retried); its acks wait for a publish.
@@ -487,7 +484,7 @@ class TrainingLoop:
         step = TrainedStep(version=self.state.version, entry_ids=entry_ids, trajectory_ids=batch.trajectory_ids)
         self.durable.hold(step)  # from here a producer's retry of these trajectories is a repeat
         tail = self._step_tail(record, self._counters_now(), step, published=published)
-        if defer_tail and not self.durable.checkpoint_due(step.version) and not self._pause_due():
+        if defer_tail and not self.durable.acknowledges_before_next_step(step.version) and not self._pause_due():
             self._tails.defer(tail, on_done=self.clock.add_overlapped_tail)
         else:
             await self._tails.settle()  # records and acks stay in step order
@@ -504,36 +501,8 @@ class TrainingLoop:
                  extra={"step": record["step"], "version": step.version, "trajectory_ids": list(step.trajectory_ids)})
         await self.durable.acknowledge(step, published=published)
 
-    async def _step_failed(self, groups: Sequence[ReadyGroup], error: Exception) -> None:
-        """A step that raised before its update applied: its groups go back to the front, or, after
-        STEP_ATTEMPTS tries, to the dead letters with the error (never dropped, never acked untrained)."""
-        self.state.failed_steps += 1
-        again, dead = [], []
-        for g in groups:
-            n = self._attempts[g.entry_ids[0]] = self._attempts.get(g.entry_ids[0], 0) + 1
-            (dead if n >= STEP_ATTEMPTS else again).append(g)
-        self._ready[:0] = again
-        log.error("step failed (%s: %s); %d groups put back, %d dead-lettered after %d tries", type(error).__name__,
-                  error, len(again), len(dead), STEP_ATTEMPTS, extra={"failed_steps": self.state.failed_steps})
-        if dead:
-            reason = f"step failed {STEP_ATTEMPTS} times: {type(error).__name__}: {error}"
-            items = [(e, t, reason) for g in dead for e, t in zip(g.entry_ids, g.trajectories, strict=True)]
-            for g in dead:
-                self._attempts.pop(g.entry_ids[0], None)
-            await self.stream.dead_letter(items)
-            self._step_errors += len(items)  # counted once the move is durable, so a reader sees both or neither
-
-    async def _refuse_step(self, groups: Sequence[ReadyGroup], reason: str) -> None:
-        """A step that would corrupt the weights: nothing published, its groups dead-lettered."""
-        items = [(e, t, reason) for g in groups for e, t in zip(g.entry_ids, g.trajectories, strict=True)]
-        await self.stream.dead_letter(items)
-        # Both counters move once the dead letters are durable, together: a reader that sees the
-        # skipped step sees its dead letters and their count too.
-        self.state.skipped_steps += 1
-        self._nonfinite += len(items)
-        log.error("step refused (%s); %d trajectories moved to %s, version stays %d", reason, len(items),
-                  self.stream.keys.traj_dead, self.state.version,
-                  extra={"skipped_steps": self.state.skipped_steps, "version": self.state.version})
+    def _put_back(self, groups: list[ReadyGroup]) -> None:
+        self._ready[:0] = groups
 
     def _take_batch_groups(self) -> list[ReadyGroup]:
         # A batch needs one group size; groups of another size wait for their own batch.

@@ -8,8 +8,9 @@ the next step starts at once and its tail runs while the jitted update holds a w
 What makes that safe: the step's entries are held (`Durability.hold`) before the tail is
 deferred, so a producer's retry of them is a repeat, never a second training; tails run one at
 a time, in step order, so records and acknowledgements keep their order; a tail whose step
-starts a checkpoint or pauses the loop is not deferred (a checkpoint copies the arrays the
-next step donates; a pause promises a final status). A deferred tail that fails keeps its
+starts a checkpoint, pauses the loop, or comes while checkpoint saves fail is not deferred (a
+checkpoint copies the arrays the next step donates; a pause promises a final status; failing
+saves bound the held entries step by step: durability.py). A deferred tail that fails keeps its
 error here; the loop raises it once the step in flight has published, and its restart
 re-reads what is pending (acknowledgements left undone are retried by the next publish or
 checkpoint, as after an inline failure).

@@ -23,7 +23,8 @@ from arlo.config import load_config
 from arlo.coord import TrajectoryStream, WeightPointer, connect, delete_run
 from arlo.proto.v1 import common_pb2, trainer_pb2
 from services.trainer.__main__ import start_trainer
-from services.trainer.loop import STEP_ATTEMPTS, TrainingLoop
+from services.trainer.failures import STEP_ATTEMPTS
+from services.trainer.loop import TrainingLoop
 from services.trainer.server import TrainerServicer
 
 pytestmark = pytest.mark.timeout(300)
