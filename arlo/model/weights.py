@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -33,14 +34,26 @@ def state_to_bytes(state: nnx.State, dtype: str | None = None) -> bytes:
     cast (floating arrays, to `dtype` when given), copied to the host and packed before the next,
     so a publish holds about twice the serving bytes at its peak (the packed pieces, then the
     joined whole), not a cast copy of the whole state plus flax's copies of each array."""
+    return b"".join(_pieces(state, dtype))
+
+
+def state_sha256(state: nnx.State, dtype: str | None = None) -> str:
+    """`sha256_hex(state_to_bytes(state, dtype))`, holding one array's bytes at a time (a
+    checkpoint's checksum of a float32 master copy never materialises its serialisation)."""
+    digest = hashlib.sha256()
+    for piece in _pieces(state, dtype):
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+def _pieces(state: nnx.State, dtype: str | None) -> Iterator[bytes]:
     flat = sorted((_key(path), var) for path, var in _flat(state))
     packer = msgpack.Packer(use_bin_type=True)
-    pieces = [packer.pack_map_header(2), packer.pack("format"), packer.pack(FORMAT), packer.pack("params"),
-              packer.pack_map_header(len(flat))]
+    yield from (packer.pack_map_header(2), packer.pack("format"), packer.pack(FORMAT), packer.pack("params"),
+                packer.pack_map_header(len(flat)))
     for key, var in flat:
-        pieces.append(packer.pack(key))
-        pieces += _packed_array(packer, np.asarray(jax.device_get(_cast(var.get_value(), dtype))))
-    return b"".join(pieces)
+        yield packer.pack(key)
+        yield from _packed_array(packer, np.asarray(jax.device_get(_cast(var.get_value(), dtype))))
 
 
 def _cast(x: Any, dtype: str | None) -> Any:

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from services.trainer.gather import host_state, state_bytes
+from services.trainer.gather import host_state, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +67,18 @@ class Restored:
 
 
 def params_sha256(params: nnx.State) -> str:
-    """With several processes, a collective: every process restoring calls it."""
-    return hashlib.sha256(state_bytes(params)).hexdigest()
+    """sha256 of the params' bytes (`state_to_bytes`); with several processes, a collective:
+    every process restoring calls it."""
+    return state_digest(params)
 
 
 def tree_sha256(tree: Any) -> str:
     """sha256 over every leaf's dtype, shape and bytes, in tree order (a collective with several processes)."""
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(host_state(tree)):
-        arr = np.asarray(leaf)
+        arr = np.ascontiguousarray(leaf)
         digest.update(f"{arr.dtype}{arr.shape}".encode())
-        digest.update(np.ascontiguousarray(arr).tobytes())
+        digest.update(arr.reshape(-1).view(np.uint8).data)  # the array's own bytes, no copy
     return digest.hexdigest()
 
 

@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from arlo.model.source import cast_state
-from arlo.model.weights import check_finite, state_to_bytes
+from arlo.model.weights import check_finite, state_sha256, state_to_bytes
 
 
 def host_state(state: Any) -> Any:
@@ -36,3 +36,9 @@ def state_bytes(state: nnx.State, dtype: str | None = None) -> bytes:
     if jax.process_count() > 1 and dtype is not None:
         state = cast_state(state, dtype)
     return state_to_bytes(host_state(state), dtype)
+
+
+def state_digest(state: nnx.State) -> str:
+    """sha256 of `state_to_bytes` of the whole state, from any process (all call it together),
+    one array's bytes at a time."""
+    return state_sha256(host_state(state))

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -208,6 +209,21 @@ async def test_damaged_optimizer_state_or_metadata_falls_back_to_an_older_checkp
             assert report.checkpoint_fallbacks == 2 and again.state.version == 4  # numbered above all
 
 
+def fail_once(obj: Any, name: str, message: str, *, when: Callable[[Any], bool]) -> list:
+    """`obj.<name>` (an async method of one argument) raises ConnectionError(message) the first
+    time `when(argument)` holds; returns the arguments of the failed calls."""
+    real, failures = getattr(obj, name), []
+
+    async def failing(arg: Any) -> Any:
+        if not failures and when(arg):
+            failures.append(arg)
+            raise ConnectionError(message)
+        return await real(arg)
+
+    setattr(obj, name, failing)
+    return failures
+
+
 @asynccontextmanager
 async def slow_steps(loop: TrainingLoop, seconds: float = 1.0) -> AsyncIterator[tuple[list, threading.Event]]:
     """Each update takes `seconds` longer (its batches' trajectory ids are recorded; the event is set
@@ -249,15 +265,8 @@ async def test_the_next_batch_is_read_and_grouped_while_a_step_trains(redis_url:
 async def test_a_failed_acknowledgement_in_a_deferred_tail_is_retried_and_nothing_trains_twice(
         redis_url: str, run_id: str) -> None:
     async with trainer(redis_url, run_id) as (loop, tasks, io), slow_steps(loop) as (trained, training):
-        real_ack, failures = loop.stream.ack, []
-
-        async def failing_ack(entry_ids):
-            if entry_ids and not failures:
-                failures.append(list(entry_ids))
-                raise ConnectionError("injected: Redis went away during step 1's acknowledgement")
-            return await real_ack(entry_ids)
-
-        loop.stream.ack = failing_ack
+        failures = fail_once(loop.stream, "ack", "injected: Redis went away during step 1's acknowledgement",
+                             when=bool)  # the first ack of any entries
         first = await add_group(io["stream"])
         await wait_for(training.is_set)
         second = await add_group(io["stream"])  # trains while step 1's tail runs (and fails)
@@ -288,15 +297,8 @@ async def test_a_producer_retry_of_the_training_steps_trajectories_is_not_traine
 async def test_an_intake_failure_during_a_step_publishes_the_step_then_rereads_what_it_lost(
         redis_url: str, run_id: str) -> None:
     async with trainer(redis_url, run_id) as (loop, tasks, io), slow_steps(loop) as (trained, training):
-        real_filter, failures = loop.stream.filter_unseen, []
-
-        async def failing_filter(entries):
-            if training.is_set() and not failures:
-                failures.append(len(entries))
-                raise ConnectionError("injected: Redis went away during intake")
-            return await real_filter(entries)
-
-        loop.stream.filter_unseen = failing_filter
+        failures = fail_once(loop.stream, "filter_unseen", "injected: Redis went away during intake",
+                             when=lambda _: training.is_set())
         first = await add_group(io["stream"])
         await wait_for(training.is_set)
         second = await add_group(io["stream"])  # read during step 1; its intake fails

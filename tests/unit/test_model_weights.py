@@ -116,3 +116,10 @@ def test_a_weight_that_overflows_the_serving_dtype_is_not_finite(state: nnx.Stat
     broken = nnx.from_flat_state([(p, v.copy(big) if p == path else v) for p, v in flat])
     assert nonfinite_param(broken) is None
     assert nonfinite_param(broken, "bfloat16") == "/".join(str(k) for k in path)
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_the_streamed_checksum_is_the_bytes_checksum(state: nnx.State, dtype: str | None) -> None:
+    from arlo.model.weights import state_sha256
+
+    assert state_sha256(state, dtype) == sha256_hex(state_to_bytes(state, dtype))
