@@ -43,10 +43,11 @@ class InferenceConfig:
     openai_episode_ttl_s: float = 1800.0
     """An episode record nobody fetched (GetEpisode) or extended for this long is dropped."""
     min_rows: int = 0
-    """Fewest rows a decode step or a prefill's sampling runs (a power of two; fewer sequences are
-    padded up to it): a higher floor means fewer programs to compile. 0 = automatic: 16, where a
-    step costs the same at 1 and 16 rows (accelerators; small models anywhere), and 1 on a CPU
-    with a model of 16.8M parameters or more, where a step costs in proportion to its rows."""
+    """Fewest rows a decode step runs (a power of two; fewer sequences are padded up to it): a
+    higher floor means fewer programs to compile. 0 = automatic: 16, where a step costs the same
+    at 1 and 16 rows (accelerators; small models anywhere), and 1 on a CPU with a model of 16.8M
+    parameters or more, where a step costs in proportion to its rows. A prefill's sampling runs
+    at least 16 rows (or this floor when higher), so one call can prefill that many prompts."""
     warmup_programs: int = 16
     """At start, compile every program the limits above allow (max_prompt_tokens, max_tokens,
     max_batch, max_prefill_rows) when they allow at most this many, before serving, so a run

@@ -64,7 +64,11 @@ def test_a_floor_of_one_decodes_one_sequence_in_one_row() -> None:
     floor16 = Buckets(num_slots=64, cache_len=132, max_prefill_rows=16, max_n=4)
     assert [floor1.decode_rows(n) for n in (1, 2, 3, 5, 17)] == [1, 2, 4, 8, 32]
     assert [floor16.decode_rows(n) for n in (1, 2, 3, 5, 17)] == [16, 16, 16, 16, 32]
-    assert (floor1.samples, floor16.samples) == (4, 16)
+    # A prefill call samples at least MIN_ROWS rows whatever the decode floor, so it still takes
+    # up to max_prefill_rows prompts at once (a floor of 1 had made every prefill one prompt).
+    assert (floor1.samples, floor16.samples) == (16, 16)
+    assert floor1.prefill_rows_cap() == floor16.prefill_rows_cap() == 16
+    assert Buckets(num_slots=64, cache_len=132, max_prefill_rows=64, min_rows=1).prefill_rows_cap() == 16
     # Every decode row count the runner can produce is in the program set, at either floor.
     for b in (floor1, floor16):
         keys = program_set(b, max_prompt=16, max_tokens=16, max_seq_len=128)
