@@ -76,10 +76,11 @@ class Buckets:
     @property
     def samples(self) -> int:
         """Sampled rows of every prefill call: room for one request's n, at least MIN_ROWS (or a
-        higher min_rows), within the slots. Never below MIN_ROWS for a decode floor of 1: a prefill call carries at most this many prompt rows (each
-        row samples), and its samples cost no matmul (the lm_head runs per prompt row). Tied to a
-        decode floor of 1 (a CPU with a large model), it cut prefill to one prompt per call: 64
-        prompts of 32 tokens took 21.2 s at 0.5B against a 6.1 s matmul floor."""
+        higher min_rows), within the slots. Not the decode floor: a prefill call carries at most
+        this many prompt rows (each row samples), and its samples cost no matmul (the lm_head
+        runs per prompt row). Tied to a decode floor of 1 (a CPU with a large model), it cut
+        prefill to one prompt per call: 64 prompts of 32 tokens took 21.2 s at 0.5B against a
+        6.1 s matmul floor."""
         return min(pow2(self.max_n, max(self.min_rows, MIN_ROWS)), pow2(self.num_slots))  # slots >= max_n
 
     @property

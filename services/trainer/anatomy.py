@@ -53,12 +53,11 @@ class StepClock:
     """Stream reads that returned data and their intake, since the previous step."""
     overlapped_intake_s: float = 0.0
     """Intake while this step trained (off the critical path: services/trainer/reader.py)."""
+    overlapped_tail_s: float = 0.0
+    """The previous step's tail, run while this step trained (services/trainer/tail.py)."""
 
     def add_intake(self, seconds: float) -> None:
         self.intake_s += seconds
-
-    overlapped_tail_s: float = 0.0
-    """The previous step's tail, run while this step trained (services/trainer/tail.py)."""
 
     def add_overlapped_intake(self, seconds: float) -> None:
         self.overlapped_intake_s += seconds

@@ -3,9 +3,9 @@
 What may be acknowledged when is services/trainer/durability.py's job (only what a durable
 state covers); where a failed step's groups go is services/trainer/failures.py's (back to
 the front, or dead-lettered after `STEP_ATTEMPTS` tries: never dropped, never acknowledged
-untrained). While the jitted step runs, the loop reads the next batch (reader.py) and finishes
-the previous step's tail (tail.py). A publish that fails after the update applied is retried before the
-next step; a publish refused because the pointer holds a version this trainer did not write
+untrained). While the jitted step runs, the loop reads the next batch (reader.py) and
+finishes the previous step's tail (tail.py). A publish that fails after the update applied is
+retried before the next step; a publish refused because the pointer holds a version this trainer did not write
 (a hijacked or foreign pointer) is reported and re-numbered above it, as a restart does.
 """
 
@@ -182,7 +182,7 @@ class TrainingLoop:
                 self.state.io_s += intake
                 self.clock.add_intake(intake)
             await self._catch_up()
-            await self._train_ready(overlap_intake=True)
+            await self._train_ready(overlap=True)
             self._raise_background_error()
 
     def _background_failed(self) -> bool:
@@ -203,11 +203,12 @@ class TrainingLoop:
         async with self._step_lock:
             await self._tails.settle()
 
-    async def train_once(self, *, overlap_intake: bool = False) -> StepMetrics:
-        """One RL step from the ready groups. `overlap_intake`: read and group the stream's new
-        entries while the step trains (the run loop's own steps; see reader.py)."""
+    async def train_once(self, *, overlap: bool = False) -> StepMetrics:
+        """One RL step from the ready groups. `overlap` (the run loop's own steps): read and group
+        the stream's new entries while the step trains (reader.py), and leave this step's tail to
+        run beside the next one (tail.py)."""
         async with self._step_lock:
-            metrics = await self._train_once(overlap_intake=overlap_intake)
+            metrics = await self._train_once(overlap=overlap)
             self._pause_if_due()
             return metrics
 
@@ -268,7 +269,8 @@ class TrainingLoop:
         drops, dead = self.assembler.drops, self._dead_lettered
         return {"stale": drops.stale, "failed": drops.failed, "malformed": dead.malformed + self.stream.malformed,
                 "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance,
-                "poisoned": dead.poisoned, "nonfinite_step": self._failures.nonfinite, "step_error": self._failures.step_errors}
+                "poisoned": dead.poisoned, "nonfinite_step": self._failures.nonfinite,
+                "step_error": self._failures.step_errors}
 
     def fault_counters(self) -> dict[str, int | str]:
         """Faults survived, for the heartbeat (`arlo status`)."""
@@ -339,12 +341,12 @@ class TrainingLoop:
 
     # -- steps ------------------------------------------------------------------------------
 
-    async def _train_ready(self, *, overlap_intake: bool = False) -> None:
+    async def _train_ready(self, *, overlap: bool = False) -> None:
         while not self.state.paused and not self._background_failed():
             await self._drop_stale_ready()
             if len(self._ready) < self.groups_per_step:
                 return
-            await self.train_once(overlap_intake=overlap_intake)
+            await self.train_once(overlap=overlap)
 
     async def _catch_up(self) -> None:
         """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
@@ -388,12 +390,12 @@ class TrainingLoop:
             except Exception:
                 log.exception("step %s: diagnostics not exported", record.get("step"))
 
-    async def _train_once(self, *, overlap_intake: bool = False) -> StepMetrics:
+    async def _train_once(self, *, overlap: bool = False) -> StepMetrics:
         if self._publish_due:
             await self._publish_newest()  # raises while it keeps failing: no step past an unpublished one
         groups = self._in_step = self._take_batch_groups()
         try:
-            return await self._train_groups(groups, overlap_intake=overlap_intake)
+            return await self._train_groups(groups, overlap=overlap)
         finally:
             self._in_step = []
 
@@ -423,14 +425,14 @@ class TrainingLoop:
                 self._intake_error = e
                 return
 
-    async def _train_groups(self, groups: list[ReadyGroup], *, overlap_intake: bool) -> StepMetrics:
+    async def _train_groups(self, groups: list[ReadyGroup], *, overlap: bool) -> StepMetrics:
         batch_at = time.time()
         try:
             batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
                                 overlong=self.overlong)
             train_at = time.time()
             step = asyncio.create_task(self._jitted_step(batch), name="trainer-step")
-            if overlap_intake:
+            if overlap:
                 await self._intake_during(step)
             metrics, trained_at = await step
         except Exception as e:
@@ -457,7 +459,7 @@ class TrainingLoop:
                           extra={"publish_failures": self.state.publish_failures})
         marks = StepMarks(read_at=0.0, ready_at=0.0, batch_at=batch_at, train_at=train_at, trained_at=trained_at,
                           published_at=time.time())
-        await self._finish_step(groups, batch, metrics, marks, published=published, defer_tail=overlap_intake)
+        await self._finish_step(groups, batch, metrics, marks, published=published, defer_tail=overlap)
         self.state.io_s += time.perf_counter() - started
         self.clock.tail_done()
         return metrics

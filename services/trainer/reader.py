@@ -50,7 +50,8 @@ class StreamReader:
     def background(self) -> asyncio.Task[Read]:
         """The read in flight, started now (waiting up to `block_ms` for data) if none is."""
         if self._in_flight is None:
-            self._in_flight = asyncio.create_task(self._read(self.block_ms, background=True), name="trainer-stream-read")
+            self._in_flight = asyncio.create_task(self._read(self.block_ms, background=True),
+                                                  name="trainer-stream-read")
         return self._in_flight
 
     def take(self) -> Read:
