@@ -33,15 +33,15 @@ from arlo.app.driver import RunDriver
 from arlo.app.local import INFRA_SERVICES, prepare_cluster
 from arlo.app.supervisor import Supervisor
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
-from arlo.config import RunConfig, load_config
+from arlo.config import RunConfig, load_config, replace_config
 from arlo.coord import Keys, connect, read_statuses
 from arlo.coord.metrics import MetricsStream
 from arlo.data import resource_path
 from bench.common import machine, print_table, write_json
-from bench.pipeline import parse_cpus
 
 DEMO_CONFIG = resource_path("demo.yaml")
-DEFAULT_CPUS = "inference=0,trainer=1,rollout=0,env_gateway=1,reward=1"
+DEFAULT_CPUS = "auto"
+"""`local.cpus` of the runs: the layout a user's `arlo demo` gets (arlo/app/cpu_layout.py)."""
 
 
 @dataclass(frozen=True)
@@ -157,11 +157,12 @@ def peak_rss(supervisor: Supervisor) -> dict[str, int]:
     return out
 
 
-def run_cluster(cfg: RunConfig, home: Path, cpus: dict[str, str] | None, steps: int, *,
+def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *,
                 start_timeout_s: float = 180.0, stall_s: float = 300.0) -> ServiceRun:
-    """`cfg` through the services as local processes (a fresh run under `home`) for `steps` RL steps."""
+    """`cfg` through the services as local processes (a fresh run under `home`) for `steps` RL steps;
+    `cpus`: their `local.cpus` ("auto", "off" or explicit shares)."""
+    cfg = replace_config(cfg, {"local": {"cpus": cpus}})
     cluster = prepare_cluster(cfg, home=home, free_ports=True, fresh_run=True)
-    cluster.cpu_shares = cpus
     try:
         cluster.start(INFRA_SERVICES, timeout_s=start_timeout_s)
         cluster.start(("rollout",), timeout_s=start_timeout_s)
@@ -178,7 +179,7 @@ def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: i
     cfg = service_config(w, staleness, f"bench-{tag}-{w.name}-s{staleness}")
     # One compile cache for every run of the bench (a user's runs share $ARLO_HOME's the same way).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(Path(args.home).resolve() / "jax-cache"))
-    return run_cluster(cfg, Path(args.home).resolve() / f"{w.name}-s{staleness}", parse_cpus(args.cpus), steps)
+    return run_cluster(cfg, Path(args.home).resolve() / f"{w.name}-s{staleness}", args.cpus, steps)
 
 
 def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -228,7 +229,7 @@ def main() -> None:
     parser.add_argument("--modes", default="0,1", help="arlo max_staleness values; 0 is synchronous")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compilation)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
-    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="service=cpus[+cpus] shares (one XLA thread per cpu)")
+    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: auto, off or service=cpu[+cpu],...")
     parser.add_argument("--inprocess-cpus", default="0,1", help="taskset CPUs of the baseline ('' = no pinning)")
     parser.add_argument("--no-inprocess", action="store_true", help="arlo only")
     parser.add_argument("--home", default=".arlo/bench-grpo", help="logs and state of the runs")

@@ -44,14 +44,6 @@ DEMO_CONFIG = resource_path("demo.yaml")
 DEFAULT_CPUS = "inference=0,trainer=1,rollout=0,env_gateway=1,reward=1"
 
 
-def parse_cpus(text: str) -> dict[str, str]:
-    shares = {}
-    for item in filter(None, text.split(",")):
-        name, _, cpus = item.partition("=")
-        shares[name.strip()] = cpus.strip().replace("+", ",")
-    return shares
-
-
 async def heartbeat_counters(cfg) -> dict[str, dict[str, Any]]:
     redis = await connect(cfg.redis)
     try:
@@ -87,9 +79,8 @@ def rpc_count(cfg) -> float:
 def run_mode(staleness: int, args: argparse.Namespace, home: Path) -> dict[str, Any]:
     cfg = load_config(DEMO_CONFIG, {"run_id": f"bench-pipeline-s{staleness}",
                                     "trainer": {"max_staleness": staleness, "sft": {"steps": args.sft_steps}},
-                                    "rollout": {"eval": {"every_versions": 0}}})
+                                    "rollout": {"eval": {"every_versions": 0}}, "local": {"cpus": args.cpus}})
     cluster = prepare_cluster(cfg, home=home / f"s{staleness}", free_ports=True, fresh_run=True)
-    cluster.cpu_shares = parse_cpus(args.cpus)
     marks: dict[str, dict[str, Any]] = {}
 
     async def on_phase(phase: str) -> None:
@@ -144,7 +135,7 @@ def main() -> None:
     parser.add_argument("--modes", default="0,1,2,4", help="max_staleness values; 0 is synchronous")
     parser.add_argument("--rl-seconds", type=float, default=120.0, help="RL wall time per mode")
     parser.add_argument("--sft-steps", type=int, default=600, help="warm start before RL, the same in every mode")
-    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="service=cpus[+cpus] shares (one XLA thread per cpu)")
+    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: service=cpu[+cpu],... (or auto, off)")
     parser.add_argument("--home", default=".arlo/bench-pipeline", help="logs and state of the runs")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--plot", default="bench-pipeline.png", help="PNG of the table's main figures")

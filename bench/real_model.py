@@ -304,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="the GRPO step in this process, no services (for comparison)")
     step.add_argument("--skip-step", dest="step", action="store_const", const="none", help="no GRPO step")
     parser.add_argument("--rl-steps", type=int, default=2, help="RL steps through the services (the first compiles)")
-    parser.add_argument("--step-cpus", default="", help="service=cpus[+cpus] shares ('' = the OS schedules)")
+    parser.add_argument("--step-cpus", default="off", help="local.cpus of the step's services (off: the OS schedules)")
     parser.add_argument("--step-home", default=".arlo/bench/real-model-step", help="the services' logs and state")
     parser.add_argument("--skip-load", action="store_true", help="no load figures")
     parser.add_argument("--skip-decode", action="store_true", help="no decode figures")

@@ -38,7 +38,6 @@ from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
 from arlo.config import RunConfig, load_config
 from bench.common import print_table
 from bench.grpo_tiny import run_cluster
-from bench.pipeline import parse_cpus
 from bench.step_anatomy import critical_path, inference_syncs
 
 PROMPT_TOKENS = 32
@@ -108,7 +107,7 @@ def service_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     # The services share one compile cache, as a user's runs share $ARLO_HOME's.
     os.environ.setdefault(COMPILE_CACHE_ENV, str(home / "jax-cache"))
     cfg = step_config(path, args, run_id="bench-real-model-step")
-    run = run_cluster(cfg, home, parse_cpus(args.step_cpus) or None, args.rl_steps, start_timeout_s=900.0,
+    run = run_cluster(cfg, home, args.step_cpus or "off", args.rl_steps, start_timeout_s=900.0,
                       stall_s=SLOW_S)
     syncs = inference_syncs(home / "logs" / "inference.log")
     steps = [step_split(r, syncs) for r in run.records if r.get("phase") == "rl" and r.get("anatomy", {}).get("critical")]

@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--modes", default="0,1", help="max_staleness values; 0 is synchronous")
     parser.add_argument("--warmup", type=int, default=5, help="RL steps left out (the first publishes)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per mode")
-    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="service=cpus[+cpus] shares (one XLA thread per cpu)")
+    parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: auto, off or service=cpu[+cpu],...")
     parser.add_argument("--home", default=".arlo/bench-anatomy", help="logs and state of the runs")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()

@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from arlo.app.cpu_layout import Shares, cpu_shares
 from arlo.app.redis_server import free_port, local_redis_url, redis_answers, redis_spec
 from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
@@ -63,13 +64,13 @@ class LocalCluster:
     redis: ProcessSpec | None
     """The redis-server this cluster started (a supervised child, stopped last), else None."""
     supervisor: Supervisor
-    cpu_shares: dict[str, str] | None = None
+    cpu_shares: Shares | None = None
     """Service name -> the CPUs it may use ("0", "1", "0,1"), applied by the service at start
     (ARLO_CPUS) with one XLA/Eigen thread per CPU, so processes on a small host do not fight over
-    cores. None: the OS schedules everything."""
+    cores (`local.cpus`, arlo/app/cpu_layout.py). None: the OS schedules everything."""
 
     def service_env(self, name: str = "") -> dict[str, str]:
-        env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "PYTHONUNBUFFERED": "1",
+        env = {"JAX_PLATFORMS": services_platform(), "PYTHONUNBUFFERED": "1",
                "GLIBC_TUNABLES": merged_tunables(os.environ.get("GLIBC_TUNABLES"))}
         if self.token:
             env[self.cfg.auth.token_env] = self.token
@@ -95,6 +96,21 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         return self.supervisor.stop_all(grace_s)
+
+
+def services_platform() -> str:
+    """The JAX platform the local services run on (they default to the CPU)."""
+    return os.environ.get("JAX_PLATFORMS", "cpu")
+
+
+def local_cpu_shares(cfg: RunConfig) -> Shares | None:
+    """The CPU shares `local.cpus` gives this run's services on this host (None: unpinned)."""
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    shares = cpu_shares(cfg.local.cpus, cpus=available, synchronous=cfg.trainer.max_staleness == 0,
+                        platform=services_platform())
+    if shares:
+        log.info("CPU layout (local.cpus %s): %s", cfg.local.cpus, ", ".join(f"{k} {v}" for k, v in shares.items()))
+    return shares
 
 
 def wipe_run(cfg: RunConfig) -> int:
@@ -178,7 +194,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
         supervisor.stop_all()
         raise
     return LocalCluster(cfg=resolved, config_path=config_path, home=home, token=token, redis=redis,
-                        supervisor=supervisor)
+                        supervisor=supervisor, cpu_shares=local_cpu_shares(resolved))
 
 
 def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None) -> LocalCluster:
@@ -191,4 +207,5 @@ def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None
         if not path.is_file():
             private_dir(home)
             dump_config(cfg, path)
-    return LocalCluster(cfg=cfg, config_path=path, home=home, token=token, redis=None, supervisor=Supervisor([]))
+    return LocalCluster(cfg=cfg, config_path=path, home=home, token=token, redis=None, supervisor=Supervisor([]),
+                        cpu_shares=local_cpu_shares(cfg))

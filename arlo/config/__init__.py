@@ -15,6 +15,7 @@ from arlo.choices import Advantage, Aggregation, Dtype, Isolation, KlKind, Ratio
 from arlo.config.base import (
     AuthConfig,
     ConfigError,
+    LocalConfig,
     MeshConfig,
     RedisConfig,
     ServerConfig,
@@ -53,7 +54,7 @@ __all__ = [
     # the Literal choices the fields are typed with (arlo.choices), importable from here too
     "Advantage", "Aggregation", "Dtype", "Isolation", "KlKind", "RatioLevel", "Reference", "Remat",
     # base
-    "AuthConfig", "ConfigError", "MeshConfig", "RedisConfig", "ServerConfig", "TlsConfig", "TracingConfig",
+    "AuthConfig", "ConfigError", "LocalConfig", "MeshConfig", "RedisConfig", "ServerConfig", "TlsConfig", "TracingConfig",
     "check_run_id",
     # model, inference, trainer
     "ModelSpec", "InferenceConfig", "AlgorithmConfig", "SFTConfig", "TrainerConfig",

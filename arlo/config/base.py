@@ -193,3 +193,31 @@ class MeshConfig:
 
     def _describe(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
+
+
+LOCAL_SERVICES = ("inference", "trainer", "rollout", "env_gateway", "reward")
+"""The services `arlo up` and `arlo demo` start as local processes (besides Redis)."""
+
+
+@_frozen
+class LocalConfig:
+    """How `arlo up` and `arlo demo` run the services on this host (ignored on Kubernetes, where a
+    pod's resources decide)."""
+
+    cpus: str = "auto"
+    """How the host's CPUs are shared among the local services (arlo/app/cpu_layout.py).
+    "auto": on a CPU platform with 2+ CPUs, a synchronous run (trainer.max_staleness 0) lets
+    inference and the trainer each use every CPU (they take turns), and an asynchronous run gives
+    each half (they run at once: shared cores time-slice both and thrash their thread pools).
+    "off": the OS schedules everything. Or explicit shares, e.g. "inference=0,trainer=1+2,rollout=0"
+    ('+' joins CPUs of one service; a service left out is not pinned)."""
+
+    def validate(self, path: str) -> None:
+        if self.cpus in ("auto", "off"):
+            return
+        for item in self.cpus.split(","):
+            name, sep, cpus = item.partition("=")
+            _check(f"{path}.cpus", bool(sep) and name.strip() in LOCAL_SERVICES,
+                   f"expected 'auto', 'off' or service=cpu[+cpu],... with services of {LOCAL_SERVICES}, got {item!r}")
+            _check(f"{path}.cpus", all(c.strip().isdigit() for c in cpus.split("+")),
+                   f"CPUs are numbers joined by '+', got {cpus!r} for {name.strip()}")

@@ -11,7 +11,16 @@ from typing import Any, Literal
 
 import yaml
 
-from arlo.config.base import AuthConfig, ConfigError, RedisConfig, T, TracingConfig, _frozen, check_run_id
+from arlo.config.base import (
+    AuthConfig,
+    ConfigError,
+    LocalConfig,
+    RedisConfig,
+    T,
+    TracingConfig,
+    _frozen,
+    check_run_id,
+)
 from arlo.config.env import EnvGatewayConfig, RewardConfig
 from arlo.config.inference import InferenceConfig
 from arlo.config.model import ModelSpec
@@ -42,6 +51,8 @@ class RunConfig:
     """The reward service: verifier deadline, plugins, sandbox."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout workers: the task, group sampling, episode limits."""
+    local: LocalConfig = field(default_factory=LocalConfig)
+    """`arlo up` and `arlo demo` only: how the local services share this host's CPUs."""
 
     def validate(self, path: str = "") -> None:
         check_run_id(self.run_id)

@@ -1,0 +1,100 @@
+"""`local.cpus`: the CPU layout of the services `arlo up`/`demo` start (arlo/app/cpu_layout.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from arlo.app.cpu_layout import cpu_shares, parse_shares
+from arlo.config import ConfigError, load_config
+
+BIG = ("inference", "trainer")
+LIGHT = ("rollout", "env_gateway", "reward")
+
+
+def cpu_list(text: str) -> set[int]:
+    """/proc's "0-2,5" form."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def cpus_of(shares: dict[str, str], name: str) -> set[int]:
+    return {int(c) for c in shares[name].split(",")}
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_synchronous_runs_give_inference_and_trainer_every_cpu(n: int) -> None:
+    shares = cpu_shares("auto", cpus=list(range(n)), synchronous=True, platform="cpu")
+    assert shares is not None
+    for name in BIG:
+        assert cpus_of(shares, name) == set(range(n))  # they take turns: each gets the whole host
+    # The light services stay apart: rollout on one half, the env gateway and reward on the other.
+    assert cpus_of(shares, "rollout").isdisjoint(cpus_of(shares, "env_gateway"))
+    assert cpus_of(shares, "env_gateway") == cpus_of(shares, "reward")
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_asynchronous_runs_split_the_cpus_between_inference_and_trainer(n: int) -> None:
+    cpus = [c + 4 for c in range(n)]  # not necessarily from 0 (a cgroup or taskset may leave others)
+    shares = cpu_shares("auto", cpus=cpus, synchronous=False, platform="cpu")
+    assert shares is not None
+    inference, trainer = cpus_of(shares, "inference"), cpus_of(shares, "trainer")
+    assert inference and trainer and inference.isdisjoint(trainer)
+    assert inference | trainer == set(cpus)
+    assert cpus_of(shares, "rollout") == inference  # it feeds inference
+    assert cpus_of(shares, "env_gateway") == cpus_of(shares, "reward") == trainer
+
+
+@pytest.mark.parametrize(("cpus", "platform"), [([0], "cpu"), ([0, 1], "cuda"), ([0, 1, 2, 3], "tpu"), ([], "cpu")])
+def test_auto_pins_nothing_on_one_cpu_or_an_accelerator(cpus: list[int], platform: str) -> None:
+    for synchronous in (True, False):
+        assert cpu_shares("auto", cpus=cpus, synchronous=synchronous, platform=platform) is None
+
+
+def test_off_pins_nothing_and_explicit_shares_are_taken_as_written() -> None:
+    assert cpu_shares("off", cpus=[0, 1], synchronous=False, platform="cpu") is None
+    explicit = "inference=0+1,trainer=1"
+    assert cpu_shares(explicit, cpus=[0, 1], synchronous=True, platform="cuda") == {"inference": "0,1", "trainer": "1"}
+    assert parse_shares(explicit) == {"inference": "0,1", "trainer": "1"}
+
+
+def test_explicit_shares_of_cpus_this_host_lacks_are_refused_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"local.cpus .*\[7\].*available: 0,1"):
+        cpu_shares("inference=0,trainer=7", cpus=[0, 1], synchronous=False, platform="cpu")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("infer=0", "expected 'auto', 'off' or service=cpu"),
+    ("inference", "expected 'auto', 'off' or service=cpu"),
+    ("inference=0+x", "CPUs are numbers joined by '\\+'"),
+    ("trainer=", "CPUs are numbers"),
+])
+def test_bad_settings_are_refused_at_load(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"local.cpus: {message}"):
+        load_config(None, {"local": {"cpus": value}})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2+ CPUs to split")
+def test_a_service_started_by_the_local_cluster_runs_on_its_share(tmp_path: Path) -> None:
+    """The real path: prepare_cluster reads local.cpus, the reward service starts pinned there."""
+    from arlo.app.local import prepare_cluster
+
+    cpus = sorted(os.sched_getaffinity(0))
+    cfg = load_config(None, {"run_id": "test-cpu-layout", "trainer": {"max_staleness": 1}, "auth": {"disabled": True}})
+    cluster = prepare_cluster(cfg, home=tmp_path, free_ports=True)
+    assert cluster.cpu_shares is not None
+    try:
+        cluster.start(("reward",), timeout_s=120.0)
+        pid = cluster.supervisor.children["reward"].process.pid
+        allowed = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("Cpus_allowed_list:")).split()[1]
+    finally:
+        cluster.stop()
+    assert cpu_list(allowed) == set(cpus[len(cpus) // 2:])  # the second half: the env gateway's and reward's
+    assert cluster.service_env("trainer")["ARLO_CPUS"] != cluster.service_env("inference")["ARLO_CPUS"]
