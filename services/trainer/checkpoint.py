@@ -7,6 +7,10 @@ with its own checksum. A checkpoint without that item restores with `Restored.cr
 Saving is asynchronous (orbax's CheckpointManager): `start_save` returns once the arrays
 are copied to host memory; the write and its finalize (an atomic rename of the temporary
 directory) run in a background thread, and `wait` blocks until the checkpoint is complete.
+With one process the trainer goes further (`host_copy`): it copies the arrays to host itself,
+which is all a step must wait for, and calls `start_save` on the copies beside the next step;
+orbax's own start costs 70-110 ms however small the state (a new event loop, a dozen threads,
+serialisation dispatch: 596k parameters, 7 MB), against 2 ms for the copy.
 A crash mid-write leaves only a `*.orbax-checkpoint-tmp` directory, which is never listed
 as a step; a listed step that does not restore, or whose params, optimizer state or record
 do not match the checksums recorded with them, is skipped (logged as an error, reported in
@@ -64,6 +68,26 @@ class Restored:
     """{"params", "opt_state"} of the critic; None when not asked for or not in the checkpoint."""
     skipped: tuple[str, ...] = ()
     """Newer checkpoints passed over as damaged or unreadable ("uri: why"), newest first."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveArrays:
+    """What a checkpoint saves of a learner: params, optimizer state and the critic's
+    {"params", "opt_state"} (None without one)."""
+
+    params: Any
+    opt_state: Any
+    critic: Any = None
+
+
+jax.tree_util.register_dataclass(SaveArrays, data_fields=["params", "opt_state", "critic"], meta_fields=[])
+
+def host_copy(arrays: SaveArrays) -> SaveArrays:
+    """Every array copied into host memory of its own. One process only (its arrays whole).
+
+    A copy of its own, never the live arrays (the next step donates them while the save reads)
+    nor a host view of their buffers (whether one shares memory is up to the platform's runtime)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), arrays)
 
 
 def params_sha256(params: nnx.State) -> str:

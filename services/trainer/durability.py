@@ -25,7 +25,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from services.trainer.checkpoint import Checkpointer, CheckpointMeta
+from services.trainer.checkpoint import Checkpointer, CheckpointMeta, SaveArrays
 from services.trainer.state import TrainedStep, TrainerState
 
 if TYPE_CHECKING:
@@ -191,18 +191,26 @@ class Durability:
         self._saving = covered
         try:
             async with self.jax_lock:  # a step donates the arrays: none may run while they are copied
-                await asyncio.to_thread(self.replica.start_save, meta)
+                snapshot = await asyncio.to_thread(self.replica.save_snapshot)
+                if snapshot is None:  # several processes: the save starts in step order, here
+                    await asyncio.to_thread(self.replica.start_save, meta)
         except BaseException:
             self._awaiting[:0], self._saving = covered, []
             raise
         self._job_version = version
-        self._job = asyncio.create_task(self._finish(version, covered), name=f"checkpoint-{version}")
+        self._job = asyncio.create_task(self._finish(version, covered, meta, snapshot), name=f"checkpoint-{version}")
         return self._job
 
-    async def _finish(self, version: int, covered: list[TrainedStep]) -> tuple[int, str]:
+    async def _finish(self, version: int, covered: list[TrainedStep], meta: CheckpointMeta,
+                      snapshot: SaveArrays | None) -> tuple[int, str]:
+        """Saves `snapshot` (host copies; None: a save already started) beside the next steps and
+        waits for it; then the checkpoint's steps are acknowledged."""
         assert self.checkpointer is not None
         uri = self.checkpointer.uri(version)
         try:
+            if snapshot is not None:
+                await asyncio.to_thread(self.replica.save_from, snapshot, meta)
+                del snapshot  # orbax holds what it still needs; the copies go with the write
             await asyncio.to_thread(self.checkpointer.wait)
         except BaseException as e:
             self._awaiting[:0], self._saving = covered, []

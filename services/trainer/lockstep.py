@@ -30,7 +30,7 @@ import numpy as np
 
 from arlo.model.weights import NonFiniteWeights
 from services.trainer.batching import Batch
-from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored
+from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored, SaveArrays, host_copy
 from services.trainer.gather import state_bytes
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.sft import SFTBatch
@@ -163,6 +163,19 @@ class Replica:
         assert self.checkpointer is not None
         save_learner(self.checkpointer, self.learner, meta)
 
+    def save_snapshot(self) -> SaveArrays | None:
+        """Host copies of what a checkpoint saves (under the step lock), so the save itself
+        (`save_from`) can run beside the next step, which donates the originals. None with
+        several processes: there a save is a collective, made in step order (`start_save`)."""
+        if self.channel is not SINGLE:
+            return None
+        return host_copy(learner_arrays(self.learner))
+
+    def save_from(self, arrays: SaveArrays, meta: CheckpointMeta) -> None:
+        """Starts a save of a `save_snapshot`; needs no lock (nothing of the learner is read)."""
+        assert self.checkpointer is not None
+        self.checkpointer.start_save(arrays.params, arrays.opt_state, meta, critic=arrays.critic)
+
     def restore_newest(self) -> Restored | None:
         """Loads the newest intact checkpoint into the learner; returns it (None: there is none)."""
         self.channel.announce("restore", {})
@@ -174,9 +187,15 @@ class Replica:
         self.channel.announce("stop", {})
 
 
+def learner_arrays(learner: Learner) -> SaveArrays:
+    """Everything the learner trains: policy, optimizer state and critic (if any)."""
+    return SaveArrays(params=learner.state, opt_state=learner.opt_state, critic=learner.critic_checkpoint())
+
+
 def save_learner(checkpointer: Checkpointer, learner: Learner, meta: CheckpointMeta) -> None:
-    """Starts a save of everything the learner trains: policy, optimizer state and critic (if any)."""
-    checkpointer.start_save(learner.state, learner.opt_state, meta, critic=learner.critic_checkpoint())
+    """Starts a save of everything the learner trains (`learner_arrays`)."""
+    arrays = learner_arrays(learner)
+    checkpointer.start_save(arrays.params, arrays.opt_state, meta, critic=arrays.critic)
 
 
 def restore_learner(checkpointer: Checkpointer, learner: Learner) -> Restored | None:
