@@ -239,19 +239,27 @@ def trained_length(traj: common_pb2.Trajectory) -> int:
     return max(len(traj.token_ids), 1)
 
 
-def bucket_length(n: int, minimum: int = 16) -> int:
-    """Next power of two >= n: a small, known set of compiled train steps."""
+def bucket_length(n: int, minimum: int = 16, *, longest_episode: int = 0) -> int:
+    """Next power of two >= n: a small, known set of compiled train steps.
+
+    `longest_episode` > 0 (rollout.max_episode_tokens): the longest batch the rollout can fill,
+    rounded up to a multiple of `minimum`, is a bucket of its own, so no batch pads past it: at
+    issue 17's 596k workload (16-token prompts, 32-token completions) every batch padded 48
+    tokens to 64, a third more train-step work than the episodes hold. Longer rows (another
+    producer's) take the power of two, as before."""
     length = minimum
     while length < n:
         length *= 2
-    return length
+    top = -(-longest_episode // minimum) * minimum
+    return top if n <= top < length else length
 
 
 def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: int, pad_id: int,
-                *, overlong: tuple[int, int] | None = None) -> Batch:
+                *, overlong: tuple[int, int] | None = None, longest_episode: int = 0) -> Batch:
     """Right-pads whole groups into one batch; sequences longer than the model's context are cut.
 
     `overlong` = (max_tokens, buffer_tokens) adds DAPO's soft penalty on generated tokens to rewards.
+    `longest_episode`: rollout.max_episode_tokens, a length bucket of its own (`bucket_length`).
     """
     trajs = [t for g in groups for t in g]
     group_size = len(groups[0])
@@ -260,7 +268,7 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
     # Context after a row's last model token (the end-of-turn a budget cut adds, a last
     # observation) carries no loss: left out, so an episode of max_episode_tokens fits its bucket.
     longest = min(max(trained_length(t) for t in trajs), max_seq_len)
-    length = min(bucket_length(longest), max_seq_len)
+    length = min(bucket_length(longest, longest_episode=longest_episode), max_seq_len)
     tokens = np.full((len(trajs), length), pad_id, np.int32)
     logprobs = np.zeros((len(trajs), length), np.float32)
     mask = np.zeros((len(trajs), length), np.float32)

@@ -63,10 +63,12 @@ class TrainingLoop:
         checkpoint_dir: str = "", checkpoint_every: int = 0, pad_id: int = ByteTokenizer.pad_id,
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, start_paused: bool = False, on_step: Sequence[OnStep] = (),
-        before_run: Callable[[], Awaitable[None]] | None = None,
+        before_run: Callable[[], Awaitable[None]] | None = None, longest_episode: int = 0,
     ) -> None:
         """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up: it
-        compiles while the rest of the fleet comes up, and the first step finds its programs)."""
+        compiles while the rest of the fleet comes up, and the first step finds its programs).
+        `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs."""
+        self.longest_episode = longest_episode
         self.before_run = before_run
         self.on_step = list(on_step)
         self.max_staleness = max_staleness
@@ -429,7 +431,7 @@ class TrainingLoop:
         batch_at = time.time()
         try:
             batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
-                                overlong=self.overlong)
+                                overlong=self.overlong, longest_episode=self.longest_episode)
             train_at = time.time()
             step = asyncio.create_task(self._jitted_step(batch), name="trainer-step")
             if overlap:

@@ -1,8 +1,8 @@
 """The trainer's start-up warm-up: every RL step program a run can need, compiled before it trains.
 
-An RL batch has a fixed number of rows (groups_per_step x group_size) and a power-of-two length
-bucket (services/trainer/batching.py), so the programs are one per bucket up to the longest
-episode. Compiling one takes seconds to tens of seconds on a CPU host; compiled at first use it
+An RL batch has a fixed number of rows (groups_per_step x group_size) and a length bucket (a
+power of two, or the longest episode itself: services/trainer/batching.py), so the programs are
+one per bucket up to the longest episode. Compiling one takes seconds to tens of seconds on a CPU host; compiled at first use it
 stalls the step that needed it (the 5-19 s pauses seen mid-run when completions got shorter or
 longer). Here each is compiled ahead of time (`jit(...).lower(...).compile()`: nothing runs, the
 weights and optimizer state are untouched), with the small eager conversions a step makes on
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def length_buckets(longest: int, max_seq_len: int) -> list[int]:
-    """The batch lengths episodes of up to `longest` tokens can take (build_batch's buckets)."""
-    top = min(bucket_length(min(longest, max_seq_len)), max_seq_len)
+    """The batch lengths episodes of up to `longest` tokens can take (build_batch's buckets,
+    `longest` being the rollout's max_episode_tokens)."""
+    top = min(bucket_length(min(longest, max_seq_len), longest_episode=longest), max_seq_len)
     out, length = [], bucket_length(1)
     while length < top:
         out.append(length)

@@ -72,6 +72,19 @@ def test_bucket_length() -> None:
     assert [bucket_length(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
 
 
+def test_the_longest_episode_is_a_bucket_so_no_batch_pads_past_it() -> None:
+    # 16-token prompts + 32-token completions: 48, never 64 (a third more train-step work).
+    assert [bucket_length(n, longest_episode=48) for n in (1, 17, 33, 48)] == [16, 32, 48, 48]
+    # Rounded up to a multiple of 16 (TPU-friendly shapes); never above the power of two.
+    assert bucket_length(100, longest_episode=100) == bucket_length(97, longest_episode=100) == 112
+    assert bucket_length(64, longest_episode=64) == 64 and bucket_length(20, longest_episode=128) == 32
+    # A row longer than the rollout's budget (another producer's) takes the power of two, as before.
+    assert bucket_length(49, longest_episode=48) == 64
+    groups = [[traj("a", n=40, reward=1.0), traj("a", n=45, reward=0.0)]]
+    assert build_batch(groups, max_seq_len=256, pad_id=256, longest_episode=48).tokens_bt.shape == (2, 48)
+    assert build_batch(groups, max_seq_len=256, pad_id=256).tokens_bt.shape == (2, 64)
+
+
 def test_overlong_penalty_lowers_long_rewards() -> None:
     groups = [[traj("a", n=6, reward=1.0), traj("a", n=30, reward=1.0)]]  # 4 and 28 generated tokens
     b = build_batch(groups, max_seq_len=256, pad_id=256, overlong=(24, 8))

@@ -11,15 +11,21 @@ from arlo.compile_watch import CompileWatch
 from arlo.config import TrainerConfig
 from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
-from services.trainer.batching import build_batch, trained_length
+from services.trainer.batching import bucket_length, build_batch, trained_length
 from services.trainer.learner import Learner
 from services.trainer.warmup import length_buckets, warm_up_learner
 
 
 def test_length_buckets_cover_every_episode_length() -> None:
     assert length_buckets(32, 128) == [16, 32]
-    assert length_buckets(33, 128) == [16, 32, 64]
+    assert length_buckets(33, 128) == [16, 32, 48]  # 33 rounded up to a multiple of 16
     assert length_buckets(1000, 100) == [16, 32, 64, 100]  # cut at the model's context, as build_batch does
+    assert length_buckets(48, 128) == [16, 32, 48]  # the longest episode is a bucket: nothing pads to 64
+    assert length_buckets(100, 1024) == [16, 32, 64, 112]
+    # Every length build_batch can give an episode within the budget is among them.
+    for budget in (17, 48, 100, 256):
+        lengths = set(length_buckets(budget, 128))
+        assert {min(bucket_length(n, longest_episode=budget), 128) for n in range(1, budget + 1)} <= lengths
 
 
 def test_trailing_context_is_not_trained_on_so_it_takes_no_bucket() -> None:
