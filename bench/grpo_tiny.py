@@ -1,17 +1,24 @@
-"""GRPO on tiny Qwen3-shaped policies: arlo's services (sync and async) against an in-process loop.
+"""GRPO on tiny Qwen-shaped policies: arlo's services (sync and async) against an in-process loop.
 
-Issue 17's single-turn workloads, same shapes on both sides:
+Issue 17's workloads, same shapes on both sides:
 
 - `76k`: `qwen3-76k` (qk_norm, grouped KV), 4 prompts x 4 samples x 16 tokens per step;
-- `596k`: `qwen3-596k`, 8 prompts x 4 samples x 32 tokens per step.
+- `596k`: `qwen3-596k`, 8 prompts x 4 samples x 32 tokens per step;
+- `4m`: `qwen2-4m` (q/k/v biases, grouped KV), 8 prompts x 8 samples x 32 tokens per step, with
+  activation rematerialisation (`trainer.remat: full`) on both sides;
+- `agent`: `qwen3-76k`, 4 prompts x 4 samples, arith multi-turn: 3 model turns of 16 tokens per
+  episode (a random policy is wrong each turn, so the env answers and it tries again). Two
+  baselines: turns batched across episodes, and Tunix-style batch-1 generate calls
+  (bench/grpo_inprocess_agent.py); `arlo_over_batch1_agent` is arlo async over the latter.
 
 arlo runs the demo's services as local processes (the arith task, one turn, no tool, no warm
 start, no evaluation) and is timed between the trainer's pointer moves: the bench subscribes to
 the weights channel and stamps each new version, so the first `--warmup` steps (compilation)
 are left out and no polling blurs the figures. The in-process baseline (bench/grpo_inprocess.py)
 is one process: jitted KV-cache generation of the whole batch, the reward, the Learner's jitted
-GRPO step. Reported: steps/s, completions/s, generated tokens/s, trajectories dropped as stale,
-and `arlo_over_inprocess` (arlo async steps/s over the baseline's).
+GRPO step. Reported: steps/s, completions/s, generated tokens/s (every turn's model tokens),
+model turns per episode, trajectories dropped as stale, and `arlo_over_inprocess` (arlo async
+steps/s over the baseline's).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +45,8 @@ from arlo.config import RunConfig, load_config, replace_config
 from arlo.coord import Keys, connect, read_statuses
 from arlo.coord.metrics import MetricsStream
 from arlo.data import resource_path
+from arlo.model.tokenizer import ByteTokenizer
+from bench.arith_turns import env_config, env_config_json, episode_tokens, turn_prompt_tokens
 from bench.common import machine, print_table, write_json
 
 DEMO_CONFIG = resource_path("demo.yaml")
@@ -51,32 +61,61 @@ class Workload:
     prompts: int
     samples: int
     tokens: int
+    """New tokens per model turn."""
+    turns: int = 1
+    """Model turns per episode (the arith env's max_turns and the rollout's)."""
+    remat: str = "none"
+    """The trainer's activation rematerialisation, on both sides."""
 
     @property
     def completions(self) -> int:
         return self.prompts * self.samples
 
 
-WORKLOADS = {w.name: w for w in (Workload("76k", "qwen3-76k", 4, 4, 16), Workload("596k", "qwen3-596k", 8, 4, 32))}
-# One turn of "a*b=": the model answers at once; exact match scores it. The completion budget is
-# the workload's (no stop token is forced: a random policy rarely emits EOS, so most run to it).
-ENV_CONFIG = '{"op": "*", "max_operand": 30, "tool": false, "max_turns": 1}'
+# max_turns 3 for `agent`: its longest episode (106 tokens, bench/arith_turns.py) still fits the
+# 76k policy's 128-token context, so no turn is cut short; a fourth turn would need 146.
+WORKLOADS = {w.name: w for w in (Workload("76k", "qwen3-76k", 4, 4, 16), Workload("596k", "qwen3-596k", 8, 4, 32),
+                                 Workload("4m", "qwen2-4m", 8, 8, 32, remat="full"),
+                                 Workload("agent", "qwen3-76k", 4, 4, 16, turns=3))}
+# "a*b=": exact match scores the answer. A turn's budget is the workload's (no stop token is
+# forced: a random policy rarely emits EOS, so most turns run to it).
 LEARNING_RATE = 0.002
 PROMPT_TOKENS = 16
 """The chat-templated "a*b=" prompt fits in 16 tokens (the baseline pads its prompts to 16 as well)."""
 
 
+def token_limits(w: Workload) -> tuple[int, int]:
+    """(the longest prompt the rollout sends, the longest episode): inference.max_prompt_tokens and
+    rollout.max_episode_tokens. Multi-turn prompts grow by a turn and the env's reply each turn."""
+    if w.turns == 1:
+        return PROMPT_TOKENS, PROMPT_TOKENS + w.tokens
+    tok, config = ByteTokenizer(), env_config(w.turns)
+    return turn_prompt_tokens(tok, config, w.tokens, w.turns), episode_tokens(tok, config, w.tokens)
+
+
+def warmup_programs(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
+    """(inference, trainer) overrides that compile every program of a multi-turn workload at start.
+
+    A later turn's prompt reuses the episode's KV prefix, so prefills come at many offsets: the
+    agent's limits allow 43 engine programs (its start-up log counts them), past the default
+    warm-up of 16, and its episodes span 4 trainer buckets (16..128), past 3. Left so, they would
+    compile mid-run, in the timed window; a single turn's few programs are warmed up already."""
+    return ({}, {}) if w.turns == 1 else ({"warmup_programs": 128}, {"warmup_programs": 8})
+
+
 def service_config(w: Workload, staleness: int, run_id: str) -> RunConfig:
+    prompt_tokens, episode = token_limits(w)
+    inference, trainer = warmup_programs(w)
     return load_config(DEMO_CONFIG, {
         "run_id": run_id, "model": {"name": w.model},
         # Limits sized to the workload, as a user sizes them: they bound the engine's program set.
         "inference": {"max_tokens": w.tokens, "max_n": w.samples, "max_batch": 2 * w.completions,
-                      "max_prompt_tokens": PROMPT_TOKENS},
+                      "max_prompt_tokens": prompt_tokens, **inference},
         "trainer": {"max_staleness": staleness, "groups_per_step": w.prompts, "learning_rate": LEARNING_RATE,
-                    "sft": {"steps": 0}},
-        "rollout": {"env_config_json": ENV_CONFIG, "group_size": w.samples, "max_turns": 1,
-                    # The episode budget counts the prompt too: prompt + the workload's completion.
-                    "max_episode_tokens": PROMPT_TOKENS + w.tokens, "concurrent_groups": 2 * w.prompts,
+                    "remat": w.remat, "sft": {"steps": 0}, **trainer},
+        "rollout": {"env_config_json": env_config_json(w.turns), "group_size": w.samples, "max_turns": w.turns,
+                    # The episode budget counts the prompt (and every turn's reply) too.
+                    "max_episode_tokens": episode, "concurrent_groups": 2 * w.prompts,
                     "sampling": {"temperature": 1.0, "max_tokens": w.tokens}, "eval": {"every_versions": 0}}})
 
 
@@ -118,13 +157,39 @@ async def metric_records(cfg: RunConfig) -> list[dict[str, Any]]:
 @dataclass
 class ServiceRun:
     """What one run through the services left: pointer stamps, heartbeats, step records, where its
-    logs are, and each service's peak RSS (VmHWM, bytes) read just before the stop."""
+    logs are, each service's peak RSS (VmHWM, bytes) and the rollout's and inference's /metrics
+    counters, read just before the stop."""
 
     stamps: dict[int, float]
     status: dict[str, dict[str, Any]]
     records: list[dict[str, Any]]
     home: Path
     peak_rss: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A service's Prometheus counters, `name{labels}` -> value (e.g. the rollout's turns_total);
+    empty when the scrape fails: the figures that need them are missing, the run's others stand."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError as e:
+        logging.warning("no /metrics on port %d: %s", port, e)
+        return {}
+    return counters_of(text)
+
+
+def counters_of(text: str) -> dict[str, float]:
+    """The `arlo_*_total` samples of a Prometheus text exposition."""
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in text.splitlines())
+            if name.startswith("arlo_") and name.split("{")[0].endswith("_total")}
+
+
+def generate_calls(inference: dict[str, float]) -> tuple[int, int]:
+    """(Generate calls answered OK, answered with an error: a prompt over max_prompt_tokens, ...)."""
+    calls = {k: v for k, v in inference.items() if k.startswith("arlo_rpc_requests_total{") and "Generate" in k}
+    ok = sum(v for k, v in calls.items() if 'code="OK"' in k)
+    return int(ok), int(sum(calls.values()) - ok)
 
 
 async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any,
@@ -169,9 +234,10 @@ def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *,
         stamps, status, records = asyncio.run(drive(cluster.cfg, cluster.token, steps, cluster.supervisor.check,
                                                     stall_s=stall_s))
         peaks = peak_rss(cluster.supervisor)
+        metrics = {name: scrape(getattr(cluster.cfg, name).server.metrics_port) for name in ("rollout", "inference")}
     finally:
         cluster.stop()
-    return ServiceRun(stamps=stamps, status=status, records=records, home=home, peak_rss=peaks)
+    return ServiceRun(stamps=stamps, status=status, records=records, home=home, peak_rss=peaks, metrics=metrics)
 
 
 def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: int, tag: str = "grpo") -> ServiceRun:
@@ -197,6 +263,8 @@ def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str,
     trainer = status.get("trainer", {})
     # Model tokens of the trajectories trained in the timed window (the records' running total).
     generated = {r["version"]: r["generated_tokens"] for r in run.records if r.get("phase") == "rl"}
+    rollout = run.metrics.get("rollout", {})
+    ok, refused = generate_calls(run.metrics.get("inference", {}))
     return {"workload": w.name, "side": "arlo sync" if staleness == 0 else f"arlo async (staleness {staleness})",
             "staleness": staleness, "steps_timed": last - first, "wall_s": wall, "steps_per_s": steps_per_s,
             "completions_per_s": steps_per_s * w.completions,
@@ -208,19 +276,56 @@ def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str,
             "late_compiles_inference": int(float(inference.get("late_compiles", 0))),
             "late_compiles_trainer": int(float(trainer.get("late_compiles", 0))),
             "dropped_stale": int(float(trainer.get("dropped_stale", 0))),
-            "consumed": int(float(trainer.get("consumed", 0)))}
+            "consumed": int(float(trainer.get("consumed", 0))),
+            # Over the whole run (warm-up included): every episode the rollout finished.
+            "turns_per_episode": rollout.get("arlo_rollout_turns_total", 0.0)
+            / max(rollout.get("arlo_rollout_episodes_total", 0.0), 1.0),
+            "failed_groups": int(rollout.get("arlo_rollout_failed_groups_total", 0)),
+            # 0 refused is the check that the limits cover the workload (0 ok: the scrape failed).
+            "generate_ok": ok, "refused_requests": refused}
 
 
-def run_inprocess(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """The baseline in its own process (its own JAX, pinned like the trainer), JSON on stdout."""
-    cmd = [sys.executable, "-m", "bench.grpo_inprocess", "--model", w.model, "--prompts", str(w.prompts),
-           "--samples", str(w.samples), "--tokens", str(w.tokens), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--learning-rate", str(LEARNING_RATE)]
-    if args.inprocess_cpus:
-        cmd = ["taskset", "-c", args.inprocess_cpus, *cmd]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    r = json.loads(out.strip().splitlines()[-1])
-    return {"workload": w.name, "side": "in-process", "staleness": 0, **r}
+def inprocess_sides(w: Workload) -> dict[str, list[str]]:
+    """Baseline side -> its module and flags: single-turn workloads have one, `agent` two."""
+    if w.turns == 1:
+        return {"in-process": ["bench.grpo_inprocess"]}
+    agent = ["bench.grpo_inprocess_agent", "--turns", str(w.turns)]
+    return {"in-process": agent, "in-process batch-1": [*agent, "--batch1"]}
+
+
+def run_inprocess(w: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The baselines, each in its own process (its own JAX, pinned like the trainer), JSON on stdout."""
+    rows = []
+    for side, module in inprocess_sides(w).items():
+        cmd = [sys.executable, "-m", *module, "--model", w.model, "--prompts", str(w.prompts),
+               "--samples", str(w.samples), "--tokens", str(w.tokens), "--warmup", str(args.warmup),
+               "--steps", str(args.steps), "--learning-rate", str(LEARNING_RATE), "--remat", w.remat]
+        if args.inprocess_cpus:
+            cmd = ["taskset", "-c", args.inprocess_cpus, *cmd]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows.append({"workload": w.name, "side": side, "staleness": 0, **json.loads(out.strip().splitlines()[-1])})
+    return rows
+
+
+# Baseline side -> the figure naming arlo async's steps/s over it.
+RATIOS = {"in-process": "arlo_over_inprocess", "in-process batch-1": "arlo_over_batch1"}
+
+
+def ratios(rows: list[dict[str, Any]], names: list[str]) -> dict[str, float]:
+    """arlo async (its best staleness) over each baseline and over arlo sync, per workload."""
+    out = {}
+    for name in names:
+        mine = [r for r in rows if r["workload"] == name]
+        sync = next((r for r in mine if r["side"] == "arlo sync"), None)
+        best = max((r for r in mine if r["staleness"] > 0), key=lambda r: r["steps_per_s"], default=None)
+        if best is None:
+            continue
+        for r in mine:
+            if r["side"] in RATIOS:
+                out[f"{RATIOS[r['side']]}_{name}"] = best["steps_per_s"] / r["steps_per_s"]
+        if sync:
+            out[f"async_over_sync_{name}"] = best["steps_per_s"] / sync["steps_per_s"]
+    return out
 
 
 def main() -> None:
@@ -240,24 +345,15 @@ def main() -> None:
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
         if not args.no_inprocess:
-            rows.append(run_inprocess(w, args))
+            rows += run_inprocess(w, args)
         rows += [run_arlo(w, int(m), args) for m in args.modes.split(",")]
-    figures: dict[str, Any] = {"rows": rows, "cpus": args.cpus, "warmup": args.warmup, "steps": args.steps}
-    for name in args.workloads.split(","):
-        base = next((r for r in rows if r["workload"] == name and r["side"] == "in-process"), None)
-        sync = next((r for r in rows if r["workload"] == name and r["staleness"] == 0 and r["side"] != "in-process"),
-                    None)
-        asyncs = [r for r in rows if r["workload"] == name and r["staleness"] > 0]
-        best = max(asyncs, key=lambda r: r["steps_per_s"]) if asyncs else None
-        if base and best:
-            figures[f"arlo_over_inprocess_{name}"] = best["steps_per_s"] / base["steps_per_s"]
-        if sync and best:
-            figures[f"async_over_sync_{name}"] = best["steps_per_s"] / sync["steps_per_s"]
-    keys = ["workload", "side", "steps_per_s", "completions_per_s", "generated_tokens_per_s", "median_step_s",
-            "max_step_s", "dropped_stale", "shared_prefill_fraction"]
+    figures: dict[str, Any] = {"rows": rows, "cpus": args.cpus, "warmup": args.warmup, "steps": args.steps,
+                               **ratios(rows, args.workloads.split(","))}
+    keys = ["workload", "side", "steps_per_s", "completions_per_s", "generated_tokens_per_s", "turns_per_episode",
+            "median_step_s", "max_step_s", "dropped_stale", "shared_prefill_fraction"]
     print_table(f"GRPO tiny: {args.steps} timed steps after {args.warmup}; cpus {args.cpus}",
-                ["workload", "side", "steps/s", "completions/s", "gen tokens/s", "median step s", "max step s",
-                 "dropped stale", "shared prefill"],
+                ["workload", "side", "steps/s", "completions/s", "gen tokens/s", "turns/episode", "median step s",
+                 "max step s", "dropped stale", "shared prefill"],
                 [[r.get(k, "") for k in keys] for r in rows])
     for key, value in figures.items():
         if key.startswith(("arlo_over", "async_over")):

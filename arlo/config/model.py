@@ -14,7 +14,8 @@ class ModelSpec:
     """The policy: a named preset (random init from `seed`) or a local Hugging Face checkpoint."""
 
     name: str = "tiny"
-    """Preset name (tiny, demo, small; see arlo.model.config), used when `path` is empty."""
+    """Preset name (tiny, demo, small, or a bench/grpo_tiny.py shape: qwen3-76k, qwen3-596k, qwen2-4m; see
+    arlo.model.config), used when `path` is empty."""
     path: str = ""
     """A local Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
     tokenizer_config.json with a chat_template); wins over `name`, and its weights are version 0."""

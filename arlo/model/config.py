@@ -122,6 +122,9 @@ _PRESETS: dict[str, ModelConfig] = {
                              mlp_dim=88, max_seq_len=128, qk_norm=True),
     "qwen3-596k": ModelConfig(vocab_size=264, dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
                               mlp_dim=236, max_seq_len=128, qk_norm=True),
+    # Qwen2-shaped (q/k/v biases, no qk_norm, grouped KV), ~4.0M parameters: issue 17's `4m` workload.
+    "qwen2-4m": ModelConfig(vocab_size=264, dim=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                            mlp_dim=1024, max_seq_len=128, qkv_bias=True),
     # ~25M parameters: big enough to learn toy tasks, small enough for one CPU host.
     "small": ModelConfig(vocab_size=264, dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
                          mlp_dim=1536, max_seq_len=1024),

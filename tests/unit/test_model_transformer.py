@@ -76,6 +76,16 @@ def test_num_params_matches_model() -> None:
     assert 10_000_000 < ModelConfig.named("small").num_params() < 100_000_000
 
 
+def test_qwen2_4m_preset_is_qwen2_shaped_and_about_4m_parameters() -> None:
+    # bench/grpo_tiny.py's `4m` workload compares against a peer's Qwen2-shaped ~4M policy.
+    cfg = ModelConfig.named("qwen2-4m")
+    assert cfg.qkv_bias and not cfg.o_bias and not cfg.qk_norm  # Qwen2: q/k/v biases, no q/k norm
+    assert cfg.num_kv_heads < cfg.num_heads and cfg.vocab_size == 264  # grouped KV; the byte tokenizer's ids
+    assert abs(cfg.num_params() - 4_000_000) <= 400_000
+    state = nnx.state(abstract_model(cfg))
+    assert sum(x.size for x in jax.tree.leaves(state)) == cfg.num_params()
+
+
 def test_named_unknown_lists_known() -> None:
     with pytest.raises(ValueError, match="tiny"):
         ModelConfig.named("huge")
