@@ -92,8 +92,10 @@ class AgentBaseline:
         self.widths = [turn_prompt_tokens(self.tok, self.config, args.tokens, t) for t in range(1, args.turns + 1)]
         self.generates: list[Generate] = [make_generate(self.cfg, self.learner.graphdef, rows=rows, prompt_len=w,
                                                         tokens=args.tokens) for w in self.widths]
-        # The trainer's own bucket for the longest episode (build_batch pads a batch to it as well).
-        self.width = min(bucket_length(episode_tokens(self.tok, self.config, args.tokens)), self.cfg.max_seq_len)
+        # The trainer's own bucket for the longest episode, which is also the services' max_episode_tokens
+        # (build_batch pads a batch to it as well).
+        longest = episode_tokens(self.tok, self.config, args.tokens)
+        self.width = min(bucket_length(longest, longest_episode=longest), self.cfg.max_seq_len)
         self.rng, self.key = random.Random(0), jax.random.key(0)
 
     def episodes(self, i: int) -> list[EpisodeRun]:

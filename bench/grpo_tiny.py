@@ -98,7 +98,7 @@ def warmup_programs(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
 
     A later turn's prompt reuses the episode's KV prefix, so prefills come at many offsets: the
     agent's limits allow 43 engine programs (its start-up log counts them), past the default
-    warm-up of 16, and its episodes span 4 trainer buckets (16..128), past 3. Left so, they would
+    warm-up of 16, and its episodes span 4 trainer buckets (16..112), past 3. Left so, they would
     compile mid-run, in the timed window; a single turn's few programs are warmed up already."""
     return ({}, {}) if w.turns == 1 else ({"warmup_programs": 128}, {"warmup_programs": 8})
 
