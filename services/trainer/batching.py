@@ -109,6 +109,11 @@ def oldest_version(traj: common_pb2.Trajectory) -> int:
     return min(versions) if versions else -1
 
 
+def group_oldest_version(trajectories: Sequence[common_pb2.Trajectory]) -> int:
+    """The oldest policy version any model token of the group was sampled from."""
+    return min(oldest_version(t) for t in trajectories)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReadyGroup:
     trajectories: list[common_pb2.Trajectory]

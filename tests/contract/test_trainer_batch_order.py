@@ -1,0 +1,68 @@
+"""Groups finish out of the order they started (multi-turn episodes, slow environments): the
+trainer takes the oldest policy's ready groups first, so one left behind by younger groups does
+not age past `max_staleness` at the next step and get dropped (loop.py `_take_batch_groups`)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+
+from arlo.background import TaskGroup
+from arlo.config import load_config
+from arlo.coord import TrajectoryStream, connect, delete_run
+from arlo.proto.v1 import common_pb2
+from services.trainer.__main__ import start_trainer
+
+
+async def add_group(stream: TrajectoryStream, policy_version: int) -> None:
+    group, prompt = uuid.uuid4().hex, [257, 260, 51, 43, 52, 61, 258, 261]
+    for reward in (1.0, 0.0):
+        await stream.add(common_pb2.Trajectory(
+            id=uuid.uuid4().hex, group_id=group, group_size=2, token_ids=prompt + [55, 258],
+            logprobs=[0.0] * 8 + [-5.5, -5.5], loss_mask=[0] * 8 + [1, 1],
+            policy_versions=[-1] * 8 + [policy_version] * 2, reward=reward, status=common_pb2.TRAJECTORY_STATUS_OK))
+
+
+async def wait_for_version(loop, version: int, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while loop.state.version < version and not loop.dropped()["stale"]:
+        assert asyncio.get_running_loop().time() < deadline, f"version {loop.state.version}, waited for {version}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.timeout(180)
+async def test_an_older_group_that_arrives_after_a_younger_one_is_trained_first_not_dropped(
+        redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARLO_TOKEN", "batch-order-token")
+    cfg = load_config(overrides={
+        "run_id": run_id, "redis": {"url": redis_url},
+        "trainer": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.2}, "groups_per_step": 1,
+                    "read_block_ms": 50, "max_staleness": 1, "start_paused": True}})
+    redis = await connect(cfg.redis)
+    tasks = TaskGroup()
+    running, loop = await start_trainer(cfg, tasks)
+    try:
+        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
+        loop.resume(until_step=1)
+        await add_group(stream, 0)
+        await wait_for_version(loop, 1)
+        await loop.pause()  # returns once step 1's tail is done
+
+        # While the trainer is paused at version 1: a group of version 1 lands first, then one of
+        # version 0 (started earlier, finished later). Trained in arrival order, the version-0 group
+        # would be two versions old at the second step (max_staleness 1) and dropped.
+        await add_group(stream, 1)
+        await add_group(stream, 0)
+        loop.resume(until_step=3)
+        await wait_for_version(loop, 3)
+        assert loop.dropped()["stale"] == 0
+        assert loop.state.consumed == 6
+    finally:
+        await tasks.cancel_all()
+        await loop.close()
+        await running.stop(0.1)
+        await delete_run(redis, run_id)
+        await redis.aclose()
