@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from arlo.tracing import span
 from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, derive_seed, run_episode
 from services.rollout.mixture import TaskPicker
+from services.rollout.prefetch import PrefetchedEnv
 from services.rollout.types import RetryableError
 
 if TYPE_CHECKING:
@@ -118,19 +119,25 @@ class RolloutWorker:
                 task.cancel()
 
     async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
-        written = 0
+        written, admitted, envs = 0, False, []
         try:
+            pick = await self.tasks.next()
+            env = pick.env if pick.env is not None else self.cfg.mixture[0]
+            # The group's Resets need no weights: started before the gate, they are done when it
+            # opens, off the step's critical path (prefetch.py).
+            envs = [PrefetchedEnv(self.env, env.name, env.config_json, pick.seed) for _ in range(self.cfg.group_size)]
             if self.gate is not None:
                 await self.gate.acquire(self.cfg.group_size)
-            pick = await self.tasks.next()
-            written = self.usable(await self.run_group(pick.seed, pick.env))
+            admitted = True
+            written = self.usable(await self.run_group(pick.seed, env, envs=envs))
             await self.tasks.done(pick)  # not reached on a crash: the cursor hands the seed out again
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("group failed outside the episode loop")
         finally:
-            if self.gate is not None:
+            await asyncio.shield(asyncio.gather(*(e.release() for e in envs), return_exceptions=True))
+            if self.gate is not None and admitted:
                 await self.gate.finish(self.cfg.group_size, written)
             sem.release()
 
@@ -143,7 +150,9 @@ class RolloutWorker:
         """
         return trainable_count(trajs, filter_zero_variance=self.filter_zero_variance)
 
-    async def run_group(self, task_seed: int, env: RolloutEnvConfig | None = None) -> list[common_pb2.Trajectory]:
+    async def run_group(self, task_seed: int, env: RolloutEnvConfig | None = None, *,
+                        envs: Sequence[EnvClient] = ()) -> list[common_pb2.Trajectory]:
+        """One group of `task_seed`; `envs`: each member's env client (default: the worker's)."""
         env = env if env is not None else self.cfg.mixture[0]
         group_id = uuid.uuid4().hex
         spec = EpisodeSpec(
@@ -152,7 +161,8 @@ class RolloutWorker:
             max_episode_tokens=self.cfg.max_episode_tokens, run_id=self.run_id, group_id=group_id,
             group_size=self.cfg.group_size, max_wall_s=self.cfg.episode_timeout_s,
         )
-        results = await asyncio.gather(*(self._episode_with_retries(self._member(spec, env, i))
+        results = await asyncio.gather(*(self.episode(self._member(spec, env, i), self.gen,
+                                                      envs[i] if envs else self.env)
                                          for i in range(self.cfg.group_size)), return_exceptions=True)
         trajs = self._mask_if_failed(spec, results)
         for t in trajs:
@@ -174,24 +184,22 @@ class RolloutWorker:
             return spec
         return dataclasses.replace(spec, sampling_seed=derive_seed(base, env.key, spec.seed, index))
 
-    async def _episode_with_retries(self, spec: EpisodeSpec) -> common_pb2.Trajectory:
-        return await self.episode(spec, self.gen)
-
-    async def episode(self, spec: EpisodeSpec, gen: Generator) -> common_pb2.Trajectory:
-        """One episode with `gen` (training's sampler, or evaluation's), retrying retryable errors."""
+    async def episode(self, spec: EpisodeSpec, gen: Generator, env: EnvClient | None = None) -> common_pb2.Trajectory:
+        """One episode with `gen` (training's sampler, or evaluation's) and `env` (default: the
+        worker's client), retrying retryable errors."""
         with span(self.tracer, "rollout.episode", {"arlo.env": spec.env_name, "arlo.group_id": spec.group_id,
                                                     "arlo.task_seed": spec.seed}) as current:
-            traj = await self._attempts(spec, gen)
+            traj = await self._attempts(spec, gen, env if env is not None else self.env)
             if current is not None and current.is_recording():  # not sampled: nothing to record
                 record_episode(current, traj)
             return traj
 
-    async def _attempts(self, spec: EpisodeSpec, gen: Generator) -> common_pb2.Trajectory:
+    async def _attempts(self, spec: EpisodeSpec, gen: Generator, env: EnvClient) -> common_pb2.Trajectory:
         for attempt in range(MAX_EPISODE_ATTEMPTS):
             try:
                 # The wall-time limit ends an episode between turns (a recorded finish reason, still
                 # trainable); this hard cap only catches a turn that itself hangs past it.
-                return await asyncio.wait_for(self.episode_fn(spec, self.tok, gen, self.env, self.scorer),
+                return await asyncio.wait_for(self.episode_fn(spec, self.tok, gen, env, self.scorer),
                                               2 * self.cfg.episode_timeout_s)
             except RetryableError:
                 if attempt == MAX_EPISODE_ATTEMPTS - 1:

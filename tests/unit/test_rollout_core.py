@@ -19,7 +19,7 @@ from services.rollout.types import BackendError, RetryableError, StepResult
 from services.rollout.worker import RolloutWorker
 from tests.support.inprocess import TOK
 
-CORE = ["agent.py", "worker.py", "evaluation.py", "admission.py", "types.py"]
+CORE = ["agent.py", "worker.py", "evaluation.py", "admission.py", "types.py", "prefetch.py"]
 
 
 def test_the_core_imports_no_transport() -> None:

@@ -1,0 +1,136 @@
+"""A group's Resets start before the admission gate opens (services/rollout/prefetch.py): each
+episode takes its prefetched session exactly once, a retry resets afresh, a session older than
+MAX_AGE_S is replaced, and nothing is left open when a group never runs. On the real env gateway
+and reward cores and a real Redis stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from arlo.config import RolloutConfig, SamplingConfig
+from arlo.coord import TrajectoryStream, delete_run
+from services.rollout import prefetch
+from services.rollout.inprocess import CoreScorer, GatewayEnv
+from services.rollout.types import ResetResult, RetryableError, StepResult
+from services.rollout.worker import RolloutWorker
+from tests.support.inprocess import TOK
+from tests.unit.test_rollout_core import Solver
+
+GROUP = 3
+
+
+class CountingEnv(GatewayEnv):
+    """The real gateway core, its Resets and the moment of each noted."""
+
+    def __init__(self, fail_steps: int = 0) -> None:
+        super().__init__()
+        self.resets: list[float] = []
+        self.fail_steps = fail_steps
+
+    async def reset(self, env_name: str, config_json: str, seed: int) -> ResetResult:
+        self.resets.append(asyncio.get_running_loop().time())
+        return await super().reset(env_name, config_json, seed)
+
+    async def step(self, session_id: str, action: str) -> StepResult:
+        if self.fail_steps > 0:
+            self.fail_steps -= 1
+            raise RetryableError("env_gateway", "UNAVAILABLE", "replica went away")
+        return await super().step(session_id, action)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self.gw.sessions)
+
+
+class HeldGate:
+    """The worker's gate interface, opened by the test (the real AdmissionGate needs a served
+    version; what is under test here is what the worker does before and after it opens)."""
+
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+        self.opened_at = 0.0
+        self.finished: list[int] = []
+
+    async def acquire(self, group_size: int) -> None:
+        await self.opened.wait()
+
+    def open(self) -> None:
+        self.opened_at = asyncio.get_running_loop().time()
+        self.opened.set()
+
+    async def finish(self, group_size: int, written: int) -> None:
+        self.finished.append(written)
+
+
+async def make_worker(redis_url: str, run_id: str, env: GatewayEnv, gate: HeldGate | None) -> RolloutWorker:
+    cfg = RolloutConfig(env_name="arith", reward_fn="exact_match", group_size=GROUP, max_turns=2,
+                        sampling=SamplingConfig(max_tokens=8))
+    return RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=Solver(), env=env, scorer=CoreScorer(),
+        stream=TrajectoryStream(aioredis.from_url(redis_url), run_id, consumer="rollout"), seed=0,
+        gate=gate)  # type: ignore[arg-type]
+
+
+async def resets_done(env: CountingEnv, timeout_s: float = 10.0) -> None:
+    """Returns once the group's Resets happened; fails (the task cancelled) if they do not come."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len(env.resets) < GROUP:
+        assert asyncio.get_running_loop().time() < deadline, f"{len(env.resets)} of {GROUP} Resets before the gate"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def cleanup(redis_url: str, run_id: str):
+    yield
+    redis = aioredis.from_url(redis_url)
+    await delete_run(redis, run_id)
+    await redis.aclose()
+
+
+async def test_resets_run_before_the_gate_opens_and_each_is_used_once(redis_url: str, run_id: str, cleanup) -> None:
+    env, gate = CountingEnv(), HeldGate()
+    worker = await make_worker(redis_url, run_id, env, gate)
+    run = asyncio.create_task(worker.run(max_groups=1))
+    await resets_done(env)
+    assert env.open_sessions == GROUP  # reset while the gate is shut
+    gate.open()
+    await asyncio.wait_for(run, 30)
+    assert len(env.resets) == GROUP and all(t < gate.opened_at for t in env.resets)  # none reset again
+    assert env.open_sessions == 0 and gate.finished == [GROUP]
+    assert worker.stats.failed_groups == 0 and worker.stats.episodes == GROUP
+
+
+async def test_a_group_that_never_passes_the_gate_leaves_no_session_open(redis_url: str, run_id: str,
+                                                                         cleanup) -> None:
+    env, gate = CountingEnv(), HeldGate()
+    worker = await make_worker(redis_url, run_id, env, gate)
+    run = asyncio.create_task(worker.run(max_groups=1))
+    await resets_done(env)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert env.open_sessions == 0 and gate.finished == []  # never admitted: nothing to finish
+
+
+async def test_a_retried_episode_resets_afresh(redis_url: str, run_id: str, cleanup) -> None:
+    env = CountingEnv(fail_steps=1)
+    worker = await make_worker(redis_url, run_id, env, None)
+    await asyncio.wait_for(worker.run(max_groups=1), 30)
+    assert worker.stats.retries == 1 and len(env.resets) == GROUP + 1
+    assert env.open_sessions == 0 and worker.stats.failed_groups == 0
+
+
+async def test_a_prefetched_session_past_its_age_is_replaced(redis_url: str, run_id: str, cleanup,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefetch, "MAX_AGE_S", 0.0)
+    env, gate = CountingEnv(), HeldGate()
+    worker = await make_worker(redis_url, run_id, env, gate)
+    run = asyncio.create_task(worker.run(max_groups=1))
+    await resets_done(env)
+    await asyncio.sleep(0.01)
+    gate.open()
+    await asyncio.wait_for(run, 30)
+    assert len(env.resets) == 2 * GROUP and sum(t >= gate.opened_at for t in env.resets) == GROUP
+    assert env.open_sessions == 0 and worker.stats.failed_groups == 0
