@@ -5,6 +5,14 @@ service, OTLP when configured); `Tracing` hands out the gRPC interceptors and tr
 a no-op without a tracer. Nothing of OpenTelemetry is imported until tracing is on.
 """
 
-from arlo.tracing.setup import Tracing, current_span_context, service_tracing, span, start_tracing
+from arlo.tracing.setup import (
+    Tracing,
+    current_span_context,
+    in_span,
+    service_tracing,
+    span,
+    start_span,
+    start_tracing,
+)
 
-__all__ = ["Tracing", "current_span_context", "service_tracing", "span", "start_tracing"]
+__all__ = ["Tracing", "current_span_context", "in_span", "service_tracing", "span", "start_span", "start_tracing"]

@@ -168,6 +168,22 @@ def span(
     return tracer.start_as_current_span(name, attributes=attributes)
 
 
+def start_span(tracer: Tracer | None, name: str) -> Span | None:
+    """A span started now, not current anywhere yet: work begun before the block it belongs to
+    (a Reset prefetched before an episode runs) is made its child with `in_span(..., end=False)`,
+    and the block itself runs in `in_span(..., end=True)`. None untraced."""
+    return None if tracer is None else tracer.start_span(name)
+
+
+def in_span(started: Span | None, *, end: bool) -> AbstractContextManager[Span | None]:
+    """`started` (from `start_span`) current for the block, ended after it when `end`; nothing for None."""
+    if started is None:
+        return nullcontext()
+    from opentelemetry import trace
+
+    return trace.use_span(started, end_on_exit=end)
+
+
 def current_span_context(tracer: Tracer | None) -> SpanContext | None:
     """The span current here, to link to from work done later on others' behalf; None untraced."""
     if tracer is None:

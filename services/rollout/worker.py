@@ -21,7 +21,7 @@ from arlo.coord import BacklogFull, TrajectoryStream
 from arlo.groups import trainable_count
 from arlo.model.tokenizer import Tokenizer
 from arlo.proto.v1 import common_pb2
-from arlo.tracing import span
+from arlo.tracing import in_span, span, start_span
 from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, derive_seed, run_episode
 from services.rollout.mixture import TaskPicker
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+EPISODE_SPAN = "rollout.episode"
 MAX_EPISODE_ATTEMPTS = 4
 EpisodeFn = Callable[[EpisodeSpec, Any, Generator, EnvClient, Scorer], Awaitable[common_pb2.Trajectory]]
 
@@ -119,17 +120,21 @@ class RolloutWorker:
                 task.cancel()
 
     async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
-        written, admitted, envs = 0, False, []
+        written, admitted, envs, spans = 0, False, [], []
         try:
             pick = await self.tasks.next()
             env = pick.env if pick.env is not None else self.cfg.mixture[0]
             # The group's Resets need no weights: started before the gate, they are done when it
-            # opens, off the step's critical path (prefetch.py).
-            envs = [PrefetchedEnv(self.env, env.name, env.config_json, pick.seed) for _ in range(self.cfg.group_size)]
+            # opens, off the step's critical path (prefetch.py). Traced, each is a child of its
+            # episode's span, started here for it.
+            spans = [start_span(self.tracer, EPISODE_SPAN) for _ in range(self.cfg.group_size)]
+            for started in spans:
+                with in_span(started, end=False):
+                    envs.append(PrefetchedEnv(self.env, env.name, env.config_json, pick.seed))
             if self.gate is not None:
                 await self.gate.acquire(self.cfg.group_size)
             admitted = True
-            written = self.usable(await self.run_group(pick.seed, env, envs=envs))
+            written = self.usable(await self.run_group(pick.seed, env, envs=envs, spans=spans))
             await self.tasks.done(pick)  # not reached on a crash: the cursor hands the seed out again
         except asyncio.CancelledError:
             raise
@@ -137,6 +142,9 @@ class RolloutWorker:
             log.exception("group failed outside the episode loop")
         finally:
             await asyncio.shield(asyncio.gather(*(e.release() for e in envs), return_exceptions=True))
+            for started in spans:  # those of episodes that never ran
+                if started is not None and started.is_recording():
+                    started.end()
             if self.gate is not None and admitted:
                 await self.gate.finish(self.cfg.group_size, written)
             sem.release()
@@ -151,8 +159,9 @@ class RolloutWorker:
         return trainable_count(trajs, filter_zero_variance=self.filter_zero_variance)
 
     async def run_group(self, task_seed: int, env: RolloutEnvConfig | None = None, *,
-                        envs: Sequence[EnvClient] = ()) -> list[common_pb2.Trajectory]:
-        """One group of `task_seed`; `envs`: each member's env client (default: the worker's)."""
+                        envs: Sequence[EnvClient] = (), spans: Sequence[Span | None] = ()) -> list[common_pb2.Trajectory]:
+        """One group of `task_seed`; `envs`: each member's env client (default: the worker's);
+        `spans`: each member's episode span, started already (default: started per episode)."""
         env = env if env is not None else self.cfg.mixture[0]
         group_id = uuid.uuid4().hex
         spec = EpisodeSpec(
@@ -162,7 +171,7 @@ class RolloutWorker:
             group_size=self.cfg.group_size, max_wall_s=self.cfg.episode_timeout_s,
         )
         results = await asyncio.gather(*(self.episode(self._member(spec, env, i), self.gen,
-                                                      envs[i] if envs else self.env)
+                                                      envs[i] if envs else self.env, spans[i] if spans else None)
                                          for i in range(self.cfg.group_size)), return_exceptions=True)
         trajs = self._mask_if_failed(spec, results)
         for t in trajs:
@@ -184,11 +193,15 @@ class RolloutWorker:
             return spec
         return dataclasses.replace(spec, sampling_seed=derive_seed(base, env.key, spec.seed, index))
 
-    async def episode(self, spec: EpisodeSpec, gen: Generator, env: EnvClient | None = None) -> common_pb2.Trajectory:
+    async def episode(self, spec: EpisodeSpec, gen: Generator, env: EnvClient | None = None,
+                      started: Span | None = None) -> common_pb2.Trajectory:
         """One episode with `gen` (training's sampler, or evaluation's) and `env` (default: the
-        worker's client), retrying retryable errors."""
-        with span(self.tracer, "rollout.episode", {"arlo.env": spec.env_name, "arlo.group_id": spec.group_id,
-                                                    "arlo.task_seed": spec.seed}) as current:
+        worker's client), retrying retryable errors; traced as `started` (or a span of its own)."""
+        attributes = {"arlo.env": spec.env_name, "arlo.group_id": spec.group_id, "arlo.task_seed": spec.seed}
+        block = in_span(started, end=True) if started is not None else span(self.tracer, EPISODE_SPAN, attributes)
+        with block as current:
+            if started is not None:
+                started.set_attributes(attributes)
             traj = await self._attempts(spec, gen, env if env is not None else self.env)
             if current is not None and current.is_recording():  # not sampled: nothing to record
                 record_episode(current, traj)
