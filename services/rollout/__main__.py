@@ -28,6 +28,7 @@ from services.rollout.clients import InferenceClient, RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.evaluation import Evaluator, serve_evaluations
 from services.rollout.mixture import durable_picker
+from services.rollout.prefetch import MAX_AGE_S
 from services.rollout.recorded import GrpcRecordings
 from services.rollout.worker import RolloutWorker
 
@@ -64,6 +65,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
                                       tracer=tracer),
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s), stream=stream,
         tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
+        # A prefetched Reset is redone past half the gateway's session idle timeout (at most 60 s).
+        prefetch_max_age_s=min(MAX_AGE_S, cfg.env_gateway.session_idle_timeout_s / 2),
         **({"episode_fn": BlackBoxRunner(agent=load_agent(rc.agent), token=token, timeout_s=rc.episode_timeout_s,
                                          client_timeout_s=rc.rpc_timeout_s,
                                          recordings=GrpcRecordings(inference, timeout_s=rc.rpc_timeout_s))}

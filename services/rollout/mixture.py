@@ -37,8 +37,16 @@ class TaskPicker:
         self._rng = rng
         self._cursors = cursors or {}
 
-    async def next(self) -> Pick:
-        env = self._rng.choices(self.envs, self._weights)[0] if len(self.envs) > 1 else self.envs[0]
+    def draw_env(self) -> RolloutEnvConfig:
+        """An entry of the mixture, by weight (`next(env)` then draws its seed)."""
+        return self._rng.choices(self.envs, self._weights)[0] if len(self.envs) > 1 else self.envs[0]
+
+    def leases_seeds(self, env: RolloutEnvConfig) -> bool:
+        """`env`'s seeds come from the durable cursor, on a lease (`task_lease_s`) that runs from `next`."""
+        return env.key in self._cursors
+
+    async def next(self, env: RolloutEnvConfig | None = None) -> Pick:
+        env = env if env is not None else self.draw_env()
         cursor = self._cursors.get(env.key)
         seed = await cursor.next() if cursor is not None else self._rng.randrange(2**31)
         return Pick(env=env, seed=seed, cursor=cursor)

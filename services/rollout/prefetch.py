@@ -8,9 +8,12 @@ weights, so the worker starts its group's Resets before the gate (`PrefetchedEnv
 own `reset` then finds its session ready.
 
 A prefetched session is used once, by the first `reset` with the same arguments (an episode's
-retry resets afresh), and only while younger than `MAX_AGE_S` (well inside the gateway's
-session idle timeout, 600 s by default: a long wait at the gate would otherwise hand the
-episode a session the gateway has reaped). One never used is closed (`release`).
+retry resets afresh), and only while younger than `max_age_s` (inside the gateway's session
+idle timeout: a long wait at the gate would otherwise hand the episode a session the gateway
+has reaped; an older one is closed in the background and the episode resets at once). If the
+gateway lost it all the same (a restart while the group waited), the first Step's NOT_FOUND is
+retryable: the episode starts again with a fresh Reset instead of masking its group. One never
+used is closed (`release`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import time
 
 from services.rollout.agent import EnvClient
-from services.rollout.types import ResetResult, StepResult
+from services.rollout.types import BackendError, ResetResult, RetryableError, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +34,34 @@ MAX_AGE_S = 60.0
 class PrefetchedEnv:
     """An EnvClient whose first `reset(env_name, config_json, seed)` is one started at construction."""
 
-    def __init__(self, env: EnvClient, env_name: str, config_json: str, seed: int) -> None:
+    def __init__(self, env: EnvClient, env_name: str, config_json: str, seed: int, *,
+                 max_age_s: float = MAX_AGE_S) -> None:
         self.env = env
         self._key = (env_name, config_json, seed)
-        self._started = time.monotonic()
+        self._deadline = time.monotonic() + max_age_s
         self._reset: asyncio.Task[ResetResult] | None = asyncio.create_task(
             env.reset(env_name, config_json, seed), name="prefetched-reset")
+        self._closing: asyncio.Task[None] | None = None
+        self._unstepped = ""  # the prefetched session, until its first Step
 
     async def reset(self, env_name: str, config_json: str, seed: int) -> ResetResult:
         task, self._reset = self._reset, None
         if task is not None:
-            if (env_name, config_json, seed) == self._key and time.monotonic() - self._started <= MAX_AGE_S:
-                return await task  # its failure is the episode's Reset failure (retried as one)
-            await _close_result(self.env, task)
+            if (env_name, config_json, seed) == self._key and time.monotonic() <= self._deadline:
+                result = await task  # its failure is the episode's Reset failure (retried as one)
+                self._unstepped = result.session_id
+                return result
+            self._closing = asyncio.create_task(_close_result(self.env, task), name="prefetched-close")
         return await self.env.reset(env_name, config_json, seed)
 
     async def step(self, session_id: str, action: str) -> StepResult:
-        return await self.env.step(session_id, action)
+        prefetched, self._unstepped = session_id == self._unstepped, ""
+        try:
+            return await self.env.step(session_id, action)
+        except BackendError as e:
+            if prefetched and e.code == "NOT_FOUND" and not isinstance(e, RetryableError):
+                raise RetryableError(e.service, e.code, f"the prefetched session is gone: {e.message}") from e
+            raise
 
     async def close(self, session_id: str) -> None:
         await self.env.close(session_id)
@@ -58,6 +72,8 @@ class PrefetchedEnv:
         task, self._reset = self._reset, None
         if task is not None:
             await _close_result(self.env, task)
+        if self._closing is not None:
+            await self._closing
 
 
 async def _close_result(env: EnvClient, task: asyncio.Task[ResetResult]) -> None:

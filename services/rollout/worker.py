@@ -22,6 +22,7 @@ from arlo.groups import trainable_count
 from arlo.model.tokenizer import Tokenizer
 from arlo.proto.v1 import common_pb2
 from arlo.tracing import in_span, span, start_span
+from services.rollout import prefetch
 from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, derive_seed, run_episode
 from services.rollout.mixture import TaskPicker
@@ -83,10 +84,14 @@ class RolloutWorker:
                  env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None,
                  gate: AdmissionGate | None = None, filter_zero_variance: bool = False,
                  tasks: TaskPicker | None = None, episode_fn: EpisodeFn = run_episode,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, prefetch_max_age_s: float = prefetch.MAX_AGE_S) -> None:
         """`episode_fn`: how one episode runs (the built-in turn loop, or a black-box agent's
         runner, services.rollout.blackbox). `tracer`: each episode is a `rollout.episode` span, the
-        parent of its RPCs (None: no tracing)."""
+        parent of its RPCs (None: no tracing); one whose Resets were prefetched starts with them,
+        before the admission gate, and carries a "run" event where the episode itself starts.
+        `prefetch_max_age_s`: a Reset prefetched longer ago is redone (keep it inside the env
+        gateway's session idle timeout)."""
+        self.prefetch_max_age_s = prefetch_max_age_s
         self.episode_fn = episode_fn
         self.tracer = tracer
         self.gate = gate
@@ -122,18 +127,23 @@ class RolloutWorker:
     async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
         written, admitted, envs, spans = 0, False, [], []
         try:
-            pick = await self.tasks.next()
-            env = pick.env if pick.env is not None else self.cfg.mixture[0]
-            # The group's Resets need no weights: started before the gate, they are done when it
-            # opens, off the step's critical path (prefetch.py). Traced, each is a child of its
-            # episode's span, started here for it.
-            spans = [start_span(self.tracer, EPISODE_SPAN) for _ in range(self.cfg.group_size)]
-            for started in spans:
-                with in_span(started, end=False):
-                    envs.append(PrefetchedEnv(self.env, env.name, env.config_json, pick.seed))
+            env, pick = self.tasks.draw_env(), None
+            if not self.tasks.leases_seeds(env):
+                # The group's Resets need no weights: started before the gate, they are done when
+                # it opens, off the step's critical path (prefetch.py). Traced, each is a child of
+                # its episode's span, started here for it. Not for a leased seed (a dataset's
+                # cursor): its lease would run out while the group waits, and the seed be handed
+                # out again.
+                pick = await self.tasks.next(env)
+                spans = [start_span(self.tracer, EPISODE_SPAN) for _ in range(self.cfg.group_size)]
+                for started in spans:
+                    with in_span(started, end=False):
+                        envs.append(PrefetchedEnv(self.env, env.name, env.config_json, pick.seed,
+                                                  max_age_s=self.prefetch_max_age_s))
             if self.gate is not None:
                 await self.gate.acquire(self.cfg.group_size)
             admitted = True
+            pick = pick if pick is not None else await self.tasks.next(env)
             written = self.usable(await self.run_group(pick.seed, env, envs=envs, spans=spans))
             await self.tasks.done(pick)  # not reached on a crash: the cursor hands the seed out again
         except asyncio.CancelledError:
@@ -202,6 +212,7 @@ class RolloutWorker:
         with block as current:
             if started is not None:
                 started.set_attributes(attributes)
+                started.add_event("run")  # the span began at the prefetch, before the admission wait
             traj = await self._attempts(spec, gen, env if env is not None else self.env)
             if current is not None and current.is_recording():  # not sampled: nothing to record
                 record_episode(current, traj)

@@ -6,14 +6,17 @@ and reward cores and a real Redis stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 
 import pytest
 import redis.asyncio as aioredis
 
-from arlo.config import RolloutConfig, SamplingConfig
+from arlo.config import RolloutConfig, RolloutEnvConfig, SamplingConfig
 from arlo.coord import TrajectoryStream, delete_run
 from services.rollout import prefetch
 from services.rollout.inprocess import CoreScorer, GatewayEnv
+from services.rollout.mixture import durable_picker
 from services.rollout.types import ResetResult, RetryableError, StepResult
 from services.rollout.worker import RolloutWorker
 from tests.support.inprocess import TOK
@@ -65,12 +68,16 @@ class HeldGate:
         self.finished.append(written)
 
 
-async def make_worker(redis_url: str, run_id: str, env: GatewayEnv, gate: HeldGate | None) -> RolloutWorker:
+async def make_worker(redis_url: str, run_id: str, env: GatewayEnv, gate: HeldGate | None, *,
+                      cursor: bool = False, max_age_s: float = prefetch.MAX_AGE_S) -> RolloutWorker:
     cfg = RolloutConfig(env_name="arith", reward_fn="exact_match", group_size=GROUP, max_turns=2,
                         sampling=SamplingConfig(max_tokens=8))
+    redis = aioredis.from_url(redis_url)
+    tasks = durable_picker(dataclasses.replace(cfg, envs=(RolloutEnvConfig(name="arith", seeds="cursor"),)),
+                           redis, run_id, random.Random(0)) if cursor else None
     return RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=Solver(), env=env, scorer=CoreScorer(),
-        stream=TrajectoryStream(aioredis.from_url(redis_url), run_id, consumer="rollout"), seed=0,
-        gate=gate)  # type: ignore[arg-type]
+                         stream=TrajectoryStream(redis, run_id, consumer="rollout"), seed=0,
+                         gate=gate, tasks=tasks, prefetch_max_age_s=max_age_s)  # type: ignore[arg-type]
 
 
 async def resets_done(env: CountingEnv, timeout_s: float = 10.0) -> None:
@@ -122,11 +129,39 @@ async def test_a_retried_episode_resets_afresh(redis_url: str, run_id: str, clea
     assert env.open_sessions == 0 and worker.stats.failed_groups == 0
 
 
-async def test_a_prefetched_session_past_its_age_is_replaced(redis_url: str, run_id: str, cleanup,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefetch, "MAX_AGE_S", 0.0)
+async def test_a_leased_seed_is_drawn_and_reset_only_once_the_gate_opens(redis_url: str, run_id: str,
+                                                                          cleanup) -> None:
+    """A dataset's cursor leases its seed from `next`: drawn before a long wait at the gate, the
+    lease would run out and the seed be handed to another group as well."""
+    env, gate = CountingEnv(), HeldGate()
+    worker = await make_worker(redis_url, run_id, env, gate, cursor=True)
+    run = asyncio.create_task(worker.run(max_groups=1))
+    await asyncio.sleep(0.3)
+    cursor = worker.tasks._cursors["arith"]  # noqa: SLF001 (its lease set in Redis)
+    assert env.resets == [] and await cursor._redis.zcard(cursor._pending) == 0  # noqa: SLF001
+    gate.open()
+    await asyncio.wait_for(run, 30)
+    assert len(env.resets) == GROUP and all(t >= gate.opened_at for t in env.resets)
+    assert worker.stats.failed_groups == 0 and env.open_sessions == 0
+
+
+async def test_a_prefetched_session_the_gateway_lost_is_retried_not_masked(redis_url: str, run_id: str,
+                                                                           cleanup) -> None:
     env, gate = CountingEnv(), HeldGate()
     worker = await make_worker(redis_url, run_id, env, gate)
+    run = asyncio.create_task(worker.run(max_groups=1))
+    await resets_done(env)
+    for session_id in list(env.gw.sessions._sessions):  # noqa: SLF001 (what a gateway restart forgets)
+        env.gw.close(session_id)
+    gate.open()
+    await asyncio.wait_for(run, 30)
+    assert worker.stats.failed_groups == 0 and worker.stats.retries == GROUP
+    assert len(env.resets) == 2 * GROUP and env.open_sessions == 0
+
+
+async def test_a_prefetched_session_past_its_age_is_replaced(redis_url: str, run_id: str, cleanup) -> None:
+    env, gate = CountingEnv(), HeldGate()
+    worker = await make_worker(redis_url, run_id, env, gate, max_age_s=0.0)
     run = asyncio.create_task(worker.run(max_groups=1))
     await resets_done(env)
     await asyncio.sleep(0.01)
