@@ -105,9 +105,12 @@ def services_platform() -> str:
 
 def local_cpu_shares(cfg: RunConfig) -> Shares | None:
     """The CPU shares `local.cpus` gives this run's services on this host (None: unpinned)."""
-    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    shares = cpu_shares(cfg.local.cpus, cpus=available, synchronous=cfg.trainer.max_staleness == 0,
-                        platform=services_platform())
+    if not hasattr(os, "sched_getaffinity"):  # no pinning on this OS: the services could not apply it
+        if cfg.local.cpus not in ("auto", "off"):
+            log.warning("local.cpus %r ignored: this OS cannot pin processes to CPUs", cfg.local.cpus)
+        return None
+    shares = cpu_shares(cfg.local.cpus, cpus=sorted(os.sched_getaffinity(0)),
+                        synchronous=cfg.trainer.max_staleness == 0, platform=services_platform())
     if shares:
         log.info("CPU layout (local.cpus %s): %s", cfg.local.cpus, ", ".join(f"{k} {v}" for k, v in shares.items()))
     return shares
@@ -157,6 +160,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     `fresh_run` wipes the run's Redis namespace first: only for runs arlo owns (the demo's).
     """
     private_dir(home)  # holds the token and a config that may carry a Redis password
+    shares = local_cpu_shares(cfg)  # refused before anything starts (a CPU this host lacks)
     overrides: dict = {}
     redis = None
     supervisor = Supervisor([])
@@ -194,7 +198,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
         supervisor.stop_all()
         raise
     return LocalCluster(cfg=resolved, config_path=config_path, home=home, token=token, redis=redis,
-                        supervisor=supervisor, cpu_shares=local_cpu_shares(resolved))
+                        supervisor=supervisor, cpu_shares=shares)
 
 
 def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None) -> LocalCluster:

@@ -201,8 +201,8 @@ LOCAL_SERVICES = ("inference", "trainer", "rollout", "env_gateway", "reward")
 
 @_frozen
 class LocalConfig:
-    """How `arlo up` and `arlo demo` run the services on this host (ignored on Kubernetes, where a
-    pod's resources decide)."""
+    """How `arlo up` and `arlo demo` run the services on this host, and the rollout workers `arlo
+    train` adds beside them (ignored on Kubernetes, where a pod's resources decide)."""
 
     cpus: str = "auto"
     """How the host's CPUs are shared among the local services (arlo/app/cpu_layout.py).
@@ -215,9 +215,13 @@ class LocalConfig:
     def validate(self, path: str) -> None:
         if self.cpus in ("auto", "off"):
             return
+        named: set[str] = set()
         for item in self.cpus.split(","):
             name, sep, cpus = item.partition("=")
-            _check(f"{path}.cpus", bool(sep) and name.strip() in LOCAL_SERVICES,
+            name = name.strip()
+            _check(f"{path}.cpus", bool(sep) and name in LOCAL_SERVICES,
                    f"expected 'auto', 'off' or service=cpu[+cpu],... with services of {LOCAL_SERVICES}, got {item!r}")
-            _check(f"{path}.cpus", all(c.strip().isdigit() for c in cpus.split("+")),
-                   f"CPUs are numbers joined by '+', got {cpus!r} for {name.strip()}")
+            _check(f"{path}.cpus", name not in named, f"{name} is given twice")
+            named.add(name)
+            _check(f"{path}.cpus", all(c.strip().isascii() and c.strip().isdecimal() for c in cpus.split("+")),
+                   f"CPUs are numbers joined by '+', got {cpus!r} for {name}")

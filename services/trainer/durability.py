@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from typing import TYPE_CHECKING
 
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, SaveArrays
@@ -209,10 +210,15 @@ class Durability:
         uri = self.checkpointer.uri(version)
         try:
             if snapshot is not None:
-                await asyncio.to_thread(self.replica.save_from, snapshot, meta)
-                del snapshot  # orbax holds what it still needs; the copies go with the write
+                try:
+                    await asyncio.to_thread(self.replica.save_from, snapshot, meta)
+                finally:
+                    snapshot = None  # orbax holds what it still needs; the copies go with the write
             await asyncio.to_thread(self.checkpointer.wait)
         except BaseException as e:
+            # The job keeps its exception until settled (a retry, 1-30 s on): frames of the failed
+            # save must not keep the host copy of the whole state alive that long.
+            traceback.clear_frames(e.__traceback__)
             self._awaiting[:0], self._saving = covered, []
             self._failed(e)
             log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
@@ -254,6 +260,11 @@ class Durability:
         if not job.cancelled():
             job.exception()  # retrieved, so asyncio does not report it again
         self._job = None
+
+    @property
+    def saving(self) -> bool:
+        """A checkpoint save is in flight."""
+        return self._job is not None and not self._job.done()
 
     async def close(self, timeout_s: float) -> None:
         if self._job is not None:

@@ -264,6 +264,9 @@ class TrainingLoop:
         async with self._jax_lock:
             self.replica.stop()  # other processes: finish your checkpoint writes and return
         if self.checkpointer is not None:
+            if self.durable.saving:  # its save may still be in orbax's hands, on a worker thread
+                log.warning("a checkpoint save is still running after %.0f s; leaving its manager open", timeout_s)
+                return
             await asyncio.to_thread(self.checkpointer.close)
 
     def dropped(self) -> dict[str, int]:

@@ -73,6 +73,8 @@ def test_explicit_shares_of_cpus_this_host_lacks_are_refused_naming_the_setting(
     ("inference", "expected 'auto', 'off' or service=cpu"),
     ("inference=0+x", "CPUs are numbers joined by '\\+'"),
     ("trainer=", "CPUs are numbers"),
+    ("trainer=\u00b2", "CPUs are numbers"),  # a superscript two passes str.isdigit, not int()
+    ("trainer=0,trainer=1", "trainer is given twice"),
 ])
 def test_bad_settings_are_refused_at_load(value: str, message: str) -> None:
     with pytest.raises(ConfigError, match=f"local.cpus: {message}"):
