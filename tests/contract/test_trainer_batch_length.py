@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from arlo.background import TaskGroup
 from arlo.config import load_config
-from arlo.coord import TrajectoryStream, connect, delete_run
+from arlo.coord import TrajectoryStream
 from arlo.proto.v1 import common_pb2
-from services.trainer.__main__ import start_trainer
 from services.trainer.warmup import length_buckets
+from tests.support.trainer import trainer_service
 
 
 def trajectory(group: str, reward: float, length: int) -> common_pb2.Trajectory:
@@ -36,18 +35,15 @@ async def test_a_batch_of_episodes_within_the_budget_is_padded_to_the_budget_not
                     "read_block_ms": 50},
         "rollout": {"max_episode_tokens": 48, "group_size": 2}})
     assert length_buckets(48, 128) == [16, 32, 48]  # what the warm-up compiles
-    redis = await connect(cfg.redis)
-    tasks = TaskGroup()
-    running, loop = await start_trainer(cfg, tasks)
     shapes: list[tuple[int, ...]] = []
-    step = loop.replica.step
+    async with trainer_service(cfg) as (_, loop, redis):
+        step = loop.replica.step
 
-    def recording_step(batch):  # the real step, its batch's shape noted
-        shapes.append(batch.tokens_bt.shape)
-        return step(batch)
+        def recording_step(batch):  # the real step, its batch's shape noted
+            shapes.append(batch.tokens_bt.shape)
+            return step(batch)
 
-    loop.replica.step = recording_step  # type: ignore[method-assign]
-    try:
+        loop.replica.step = recording_step  # type: ignore[method-assign]
         stream = TrajectoryStream(redis, run_id, consumer="test-producer")
         for length in (40, 47):  # two steps' groups; the longer within the 48-token budget
             group = uuid.uuid4().hex
@@ -57,10 +53,4 @@ async def test_a_batch_of_episodes_within_the_budget_is_padded_to_the_budget_not
         while loop.state.version < 2:
             assert asyncio.get_running_loop().time() < deadline, "no two steps within 120 s"
             await asyncio.sleep(0.05)
-    finally:
-        await tasks.cancel_all()
-        await loop.close()
-        await running.stop(0.1)
-        await delete_run(redis, run_id)
-        await redis.aclose()
     assert shapes == [(2, 48), (2, 48)]

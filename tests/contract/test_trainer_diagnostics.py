@@ -11,12 +11,11 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arlo.background import TaskGroup
 from arlo.config import load_config
-from arlo.coord import TrajectoryStream, connect, delete_run
+from arlo.coord import TrajectoryStream
 from arlo.coord.metrics import MetricsStream
 from arlo.proto.v1 import common_pb2
-from services.trainer.__main__ import start_trainer
+from tests.support.trainer import trainer_service
 
 FIELDS = {"step", "version", "phase", "time", "loss", "reward_mean", "approx_kl", "clip_fraction", "grad_norm",
           "logprob_mismatch", "is_weight", "staleness_mean", "staleness_max", "queue_depth", "dropped",
@@ -52,10 +51,7 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         "trainer": {"server": {"port": 0, "metrics_port": 0, "grace_s": 0.2}, "read_block_ms": 50,
                     "groups_per_step": 1, "max_staleness": 1, "start_paused": True},
     })
-    redis = await connect(cfg.redis)
-    tasks = TaskGroup()
-    running, loop = await start_trainer(cfg, tasks)
-    try:
+    async with trainer_service(cfg) as (running, loop, redis):
         stream = TrajectoryStream(redis, run_id, consumer="test-producer")
         # Three groups sampled at version 0, all admitted at once while version 0 is current: the
         # third would train from version 2, two versions behind, so it is dropped at its step.
@@ -95,9 +91,3 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         assert metrics["arlo_trainer_logprob_mismatch"] == second["logprob_mismatch"]
         for name in ("approx_kl", "clip_fraction", "grad_norm", "is_weight", "queue_depth", "response_length"):
             assert f"arlo_trainer_{name}" in metrics, name
-    finally:
-        await tasks.cancel_all()
-        await loop.close()
-        await running.stop(0.1)
-        await delete_run(redis, run_id)
-        await redis.aclose()

@@ -88,6 +88,15 @@ async def resets_done(env: CountingEnv, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def start_group(redis_url: str, run_id: str, env: CountingEnv, gate: HeldGate,
+                      **worker: object) -> tuple[RolloutWorker, asyncio.Task[None]]:
+    """A worker running one group, returned once the group's Resets were prefetched (gate shut)."""
+    w = await make_worker(redis_url, run_id, env, gate, **worker)  # type: ignore[arg-type]
+    run = asyncio.create_task(w.run(max_groups=1))
+    await resets_done(env)
+    return w, run
+
+
 @pytest.fixture
 async def cleanup(redis_url: str, run_id: str):
     yield
@@ -98,9 +107,7 @@ async def cleanup(redis_url: str, run_id: str):
 
 async def test_resets_run_before_the_gate_opens_and_each_is_used_once(redis_url: str, run_id: str, cleanup) -> None:
     env, gate = CountingEnv(), HeldGate()
-    worker = await make_worker(redis_url, run_id, env, gate)
-    run = asyncio.create_task(worker.run(max_groups=1))
-    await resets_done(env)
+    worker, run = await start_group(redis_url, run_id, env, gate)
     assert env.open_sessions == GROUP  # reset while the gate is shut
     gate.open()
     await asyncio.wait_for(run, 30)
@@ -112,9 +119,7 @@ async def test_resets_run_before_the_gate_opens_and_each_is_used_once(redis_url:
 async def test_a_group_that_never_passes_the_gate_leaves_no_session_open(redis_url: str, run_id: str,
                                                                          cleanup) -> None:
     env, gate = CountingEnv(), HeldGate()
-    worker = await make_worker(redis_url, run_id, env, gate)
-    run = asyncio.create_task(worker.run(max_groups=1))
-    await resets_done(env)
+    worker, run = await start_group(redis_url, run_id, env, gate)
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
@@ -148,9 +153,7 @@ async def test_a_leased_seed_is_drawn_and_reset_only_once_the_gate_opens(redis_u
 async def test_a_prefetched_session_the_gateway_lost_is_retried_not_masked(redis_url: str, run_id: str,
                                                                            cleanup) -> None:
     env, gate = CountingEnv(), HeldGate()
-    worker = await make_worker(redis_url, run_id, env, gate)
-    run = asyncio.create_task(worker.run(max_groups=1))
-    await resets_done(env)
+    worker, run = await start_group(redis_url, run_id, env, gate)
     for session_id in list(env.gw.sessions._sessions):  # noqa: SLF001 (what a gateway restart forgets)
         env.gw.close(session_id)
     gate.open()
@@ -161,9 +164,7 @@ async def test_a_prefetched_session_the_gateway_lost_is_retried_not_masked(redis
 
 async def test_a_prefetched_session_past_its_age_is_replaced(redis_url: str, run_id: str, cleanup) -> None:
     env, gate = CountingEnv(), HeldGate()
-    worker = await make_worker(redis_url, run_id, env, gate, max_age_s=0.0)
-    run = asyncio.create_task(worker.run(max_groups=1))
-    await resets_done(env)
+    worker, run = await start_group(redis_url, run_id, env, gate, max_age_s=0.0)
     await asyncio.sleep(0.01)
     gate.open()
     await asyncio.wait_for(run, 30)
