@@ -129,9 +129,15 @@ def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, fl
             continue
         paths.append(path)
         steps.append(r["anatomy"]["published_at"] - r["anatomy"]["prev_published_at"])
-        per_step.append({"version": r["version"], "step_s": steps[-1], **path})
+        bound = "data" if (r.get("timing") or {}).get("wait_s", 0.0) >= WAITED_S else "trainer"
+        per_step.append({"version": r["version"], "step_s": steps[-1], "bound": bound, **path})
     if not paths:
         return {"steps": 0}
+    # Split by which side held the step up: trainer-bound steps show the trainer's own overhead,
+    # data-bound ones the rollout chain's (which one a bar should hold depends on the bottleneck).
+    by_bound: dict[str, list[dict[str, Any]]] = {"trainer": [], "data": []}
+    for row in per_step:
+        by_bound[row["bound"]].append(row)
     n = len(paths)
     mean = {p: sum(path.get(p, 0.0) for path in paths) / n for p in PHASES}
     step = sum(steps) / n
@@ -140,7 +146,15 @@ def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, fl
             "phases_s": mean, "unattributed_s": step - sum(mean.values()),
             "data_bound_fraction": sum(1 for r in records if r.get("phase") == "rl" and r["version"] > warmup
                                        and (r.get("timing") or {}).get("wait_s", 0.0) >= WAITED_S) / n,
-            "platform_overhead": (step - work) / step, "per_step": per_step}
+            "platform_overhead": (step - work) / step,
+            "platform_overhead_by_bound": {side: _overhead(rows) for side, rows in by_bound.items() if rows},
+            "per_step": per_step}
+
+
+def _overhead(rows: list[dict[str, Any]]) -> float:
+    """Platform overhead over these steps: their time but generation and training, over their time."""
+    total = sum(r["step_s"] for r in rows)
+    return (total - sum(r.get(p, 0.0) for r in rows for p in WORK)) / total
 
 
 def run_mode(workload: str, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -180,7 +194,9 @@ def main() -> None:
     for name, m in zip(names, modes, strict=True):
         if m.get("steps"):
             print(f"{name}: {m['steps_per_s']:.2f} steps/s (median step {m['median_step_s'] * 1e3:.0f} ms), "
-                  f"platform overhead {m['platform_overhead']:.1%}, data-bound steps {m['data_bound_fraction']:.0%}, "
+                  f"platform overhead {m['platform_overhead']:.1%} ("
+                  + ", ".join(f"{v:.1%} over {k}-bound steps" for k, v in m["platform_overhead_by_bound"].items())
+                  + f"), data-bound steps {m['data_bound_fraction']:.0%}, "
                   f"late compiles {m['late_compiles']}")
     write_json(args.json, {"workload": args.workload, "modes": modes, "cpus": args.cpus, "warmup": args.warmup,
                            "steps": args.steps, "machine": machine()})

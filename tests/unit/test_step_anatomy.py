@@ -98,6 +98,20 @@ def test_a_trainer_bound_step_is_the_trainers_own_phases() -> None:
     assert sum(path.values()) == pytest.approx(0.42, **APPROX)
     summary = summarise([record(wait_s=0.0, started=T0 - 1.0)], SYNCS, warmup=0)
     assert summary["platform_overhead"] == pytest.approx(1 - 0.1 / 0.42, **APPROX)
+    assert summary["platform_overhead_by_bound"] == {"trainer": pytest.approx(1 - 0.1 / 0.42, **APPROX)}
+
+
+def test_the_overhead_is_also_given_over_trainer_bound_and_data_bound_steps_apart() -> None:
+    trainer_bound = record(wait_s=0.0, started=T0 - 1.0)
+    data_bound = record(wait_s=0.2, started=T0 + 0.06)
+    data_bound["version"] = trainer_bound["version"] + 1
+    data_path = critical_path(data_bound, SYNCS)
+    assert data_path is not None
+    summary = summarise([trainer_bound, data_bound], SYNCS, warmup=0)
+    split = summary["platform_overhead_by_bound"]
+    assert split["trainer"] == pytest.approx(1 - 0.1 / 0.42, **APPROX)
+    assert split["data"] == pytest.approx(1 - (data_path["generate: engine"] + data_path["train"]) / 0.42, **APPROX)
+    assert summary["data_bound_fraction"] == 0.5
 
 
 def test_a_batch_read_while_the_previous_step_trained_puts_no_intake_on_the_path() -> None:
