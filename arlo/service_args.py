@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from arlo.config import ConfigError, RunConfig, load_config
-
-SECTIONS = ("inference", "trainer", "env_gateway", "reward", "rollout")
+from arlo.config.base import SERVICE_NAMES as SECTIONS
 
 
 def parse_service_config(service: str, argv: Sequence[str] | None = None) -> RunConfig:

@@ -195,8 +195,8 @@ class MeshConfig:
         return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
 
 
-LOCAL_SERVICES = ("inference", "trainer", "rollout", "env_gateway", "reward")
-"""The services `arlo up` and `arlo demo` start as local processes (besides Redis)."""
+SERVICE_NAMES = ("inference", "trainer", "env_gateway", "reward", "rollout")
+"""arlo's services: each a config section and a `python -m services.<name>` process."""
 
 
 @_frozen
@@ -219,8 +219,8 @@ class LocalConfig:
         for item in self.cpus.split(","):
             name, sep, cpus = item.partition("=")
             name = name.strip()
-            _check(f"{path}.cpus", bool(sep) and name in LOCAL_SERVICES,
-                   f"expected 'auto', 'off' or service=cpu[+cpu],... with services of {LOCAL_SERVICES}, got {item!r}")
+            _check(f"{path}.cpus", bool(sep) and name in SERVICE_NAMES,
+                   f"expected 'auto', 'off' or service=cpu[+cpu],... with services of {SERVICE_NAMES}, got {item!r}")
             _check(f"{path}.cpus", name not in named, f"{name} is given twice")
             named.add(name)
             _check(f"{path}.cpus", all(c.strip().isascii() and c.strip().isdecimal() for c in cpus.split("+")),

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from pathlib import Path
 
 import pytest
 
-from arlo.config import load_config
 from arlo.coord import TrajectoryStream
 from arlo.proto.v1 import common_pb2
 from services.trainer.warmup import length_buckets
-from tests.support.trainer import trainer_service
+from tests.support.trainer import trainer_config, trainer_service
 
 
 def trajectory(group: str, reward: float, length: int) -> common_pb2.Trajectory:
@@ -27,13 +25,8 @@ def trajectory(group: str, reward: float, length: int) -> common_pb2.Trajectory:
 
 @pytest.mark.timeout(180)
 async def test_a_batch_of_episodes_within_the_budget_is_padded_to_the_budget_not_the_power_of_two(
-        redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ARLO_TOKEN", "batch-length-token")
-    cfg = load_config(overrides={
-        "run_id": run_id, "redis": {"url": redis_url},
-        "trainer": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.2}, "groups_per_step": 1,
-                    "read_block_ms": 50},
-        "rollout": {"max_episode_tokens": 48, "group_size": 2}})
+        redis_url: str, run_id: str) -> None:
+    cfg = trainer_config(redis_url, run_id, rollout={"max_episode_tokens": 48, "group_size": 2})
     assert length_buckets(48, 128) == [16, 32, 48]  # what the warm-up compiles
     shapes: list[tuple[int, ...]] = []
     async with trainer_service(cfg) as (_, loop, redis):

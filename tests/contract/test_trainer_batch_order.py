@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from pathlib import Path
 
 import pytest
 
-from arlo.config import load_config
 from arlo.coord import TrajectoryStream
 from arlo.proto.v1 import common_pb2
-from tests.support.trainer import trainer_service
+from tests.support.trainer import trainer_config, trainer_service
 
 
 async def add_group(stream: TrajectoryStream, policy_version: int) -> None:
@@ -34,12 +32,8 @@ async def wait_for_version(loop, version: int, timeout_s: float = 60.0) -> None:
 
 @pytest.mark.timeout(180)
 async def test_an_older_group_that_arrives_after_a_younger_one_is_trained_first_not_dropped(
-        redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ARLO_TOKEN", "batch-order-token")
-    cfg = load_config(overrides={
-        "run_id": run_id, "redis": {"url": redis_url},
-        "trainer": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.2}, "groups_per_step": 1,
-                    "read_block_ms": 50, "max_staleness": 1, "start_paused": True}})
+        redis_url: str, run_id: str) -> None:
+    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True})
     async with trainer_service(cfg) as (_, loop, redis):
         stream = TrajectoryStream(redis, run_id, consumer="test-producer")
         loop.resume(until_step=1)

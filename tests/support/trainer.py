@@ -7,10 +7,20 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from arlo.background import TaskGroup
-from arlo.config import RunConfig
+from arlo.config import RunConfig, load_config
 from arlo.coord import connect, delete_run
 from services.trainer.__main__ import start_trainer
 from services.trainer.loop import TrainingLoop
+
+
+def trainer_config(redis_url: str, run_id: str, *, trainer: dict[str, Any] | None = None,
+                   rollout: dict[str, Any] | None = None) -> RunConfig:
+    """A trainer on free ports, auth off, stepping on every group (`trainer`, `rollout`: more settings)."""
+    return load_config(overrides={
+        "run_id": run_id, "redis": {"url": redis_url}, "auth": {"disabled": True},
+        "trainer": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.2}, "groups_per_step": 1,
+                    "read_block_ms": 50, **(trainer or {})},
+        "rollout": rollout or {}})
 
 
 @asynccontextmanager
