@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -33,10 +34,42 @@ def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10_000
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a server that binds it later: below the kernel's ephemeral range where
+    the kernel says what that is. A port the kernel picked (bind to 0) is one it also gives to
+    outgoing connections, and one did take it between this call and the server's bind (CI: a
+    rollout worker could not listen on 35583 after four services had opened their clients). Never
+    the same port twice in one process."""
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    if ephemeral_low > _LOWEST_PORT + 1000:
+        for port in random.sample(range(_LOWEST_PORT, ephemeral_low), 200):
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+    while True:  # no known ephemeral range (or nothing free below it): the kernel's pick
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
