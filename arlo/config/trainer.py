@@ -140,6 +140,10 @@ class TrainerConfig:
     max_staleness: int = 1
     """No trained token is more than this many versions behind the version its step trains from
     (groups are dropped as stale at intake and again just before their step); 0 = on-policy."""
+    expiring_wait_s: float = 10.0
+    """How long a step may wait for a group still being generated that it would otherwise leave
+    to age past max_staleness (younger groups filled the batch first; services/trainer/expiring.py).
+    Bounded because a rollout worker may have died with the group; 0: never wait (it is dropped)."""
     checkpoint_dir: str = ""
     """Orbax checkpoint directory; empty disables checkpoints."""
     checkpoint_every: int = 0
@@ -178,6 +182,7 @@ class TrainerConfig:
         _check(f"{path}.total_steps", self.total_steps >= 0, "must be >= 0")
         self.algorithm.validate(f"{path}.algorithm")
         _check(f"{path}.max_staleness", self.max_staleness >= 0, "must be >= 0")
+        _check(f"{path}.expiring_wait_s", 0 <= self.expiring_wait_s <= 3600, "must be in [0, 3600]")
         _check(f"{path}.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
         _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),
                "needs checkpoint_dir")

@@ -59,6 +59,13 @@ class Keys:
         return self.prefix + "rollout:accepted"
 
     @property
+    def rollout_inflight(self) -> str:
+        """Sorted set: the id of each group admitted and not yet finished -> the policy version its
+        admission counted on. The trainer waits (bounded) for one about to age past the staleness
+        bound instead of filling the batch without it (services/trainer/expiring.py)."""
+        return self.prefix + "rollout:inflight"
+
+    @property
     def traj_dropped_stale(self) -> str:
         """Counter of trajectories the trainer dropped as stale (given back to the gate's budget)."""
         return self.prefix + "traj:dropped_stale"

@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from arlo.coord import codec
 from arlo.coord.client import cancel_safe, decodes_responses, socket_timeout_s, text
 from arlo.coord.keys import Keys
-from arlo.coord.records import count_dropped_stale
+from arlo.coord.records import count_dropped_stale, in_flight_at
 from arlo.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,10 @@ class TrajectoryStream:
     async def count_stale(self, n: int) -> None:
         """Records `n` trajectories dropped as stale, for the rollout's admission budget."""
         await count_dropped_stale(self._redis, self._keys.run_id, n)
+
+    async def in_flight_at(self, version: int) -> set[str]:
+        """Ids of the groups still being generated that were admitted on `version` (records.py)."""
+        return await in_flight_at(self._redis, self._keys.run_id, version)
 
     @cancel_safe
     async def length(self) -> int:

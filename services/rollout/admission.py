@@ -38,7 +38,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from arlo.coord import AdmissionCounters, Keys, RolloutStatus, WeightPointer, read_service_statuses
-from arlo.coord.records import count_accepted
+from arlo.coord.records import count_accepted, mark_in_flight
 from services.rollout.types import BackendError
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class AdmissionGate:
         self._listener: asyncio.Task[None] | None = None
         self._headroom = 0  # what the last check allowed, less the groups started on it since
         self._checked_at = 0.0
+        self._version = 0  # the version the last check counted on
 
     async def aclose(self) -> None:
         if self._listener is not None:
@@ -116,10 +117,18 @@ class AdmissionGate:
         statuses = await read_service_statuses(self.redis, self.run_id, RolloutStatus)
         return sum(s.running for instance, s in statuses.items() if instance != self.instance)
 
-    async def acquire(self, group_size: int) -> None:
-        """Waits until a group of `group_size` may start, then counts it as running."""
+    async def acquire(self, group_size: int, group_id: str = "") -> None:
+        """Waits until a group of `group_size` may start, then counts it as running. `group_id`:
+        marked in flight on the version the check counted on, so the trainer can wait for the
+        group rather than leave it to age past the bound while younger ones fill a batch."""
         async with self._acquiring:  # one check-and-count at a time, or two could pass on one slot
             await self._acquire(group_size)
+            version = self._version
+        if group_id:  # outside the lock: a burst of starts marks in parallel
+            try:
+                await mark_in_flight(self.redis, self.run_id, group_id, version)
+            except (RedisError, OSError) as e:  # costs the trainer's wait for this group, nothing else
+                log.warning("group %s not marked in flight: %s", group_id, e)
 
     async def _acquire(self, group_size: int) -> None:
         if self._listener is None or self._listener.done():
@@ -157,7 +166,7 @@ class AdmissionGate:
                             max_staleness=self.max_staleness, batch_size=self.batch_size,
                             dropped_stale=counters.dropped_stale)
 
-        version = pointer.version if pointer else 0
+        version = self._version = pointer.version if pointer else 0
         # The rule is monotone in the version and the replicas serve at most the pointer's, so
         # only a start the pointer allows needs the (RPC) served version.
         if room(version) <= 0 or self.served_version is None or version == 0:
@@ -167,10 +176,12 @@ class AdmissionGate:
         except BackendError as e:  # inference unreachable: its episodes fail anyway; trust the pointer
             log.debug("served version unknown (%s); admitting on the pointer", e)
             return room(version)
-        return room(min(version, served))
+        self._version = min(version, served)
+        return room(self._version)
 
-    async def finish(self, group_size: int, written: int) -> None:
+    async def finish(self, group_size: int, written: int, group_id: str = "") -> None:
         """The group is over: it no longer runs, and `written` trajectories were accepted."""
-        await count_accepted(self.redis, self.run_id, written)  # also tells the other workers' gates
+        # Also tells the other workers' gates, and takes the group off the in-flight set.
+        await count_accepted(self.redis, self.run_id, written, group_id=group_id)
         self.running -= group_size
         self._wake.set()

@@ -126,6 +126,7 @@ class RolloutWorker:
 
     async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
         written, admitted, envs, spans = 0, False, [], []
+        group_id = uuid.uuid4().hex
         try:
             env, pick = self.tasks.draw_env(), None
             if not self.tasks.leases_seeds(env):
@@ -141,10 +142,10 @@ class RolloutWorker:
                         envs.append(PrefetchedEnv(self.env, env.name, env.config_json, pick.seed,
                                                   max_age_s=self.prefetch_max_age_s))
             if self.gate is not None:
-                await self.gate.acquire(self.cfg.group_size)
+                await self.gate.acquire(self.cfg.group_size, group_id)
             admitted = True
             pick = pick if pick is not None else await self.tasks.next(env)
-            written = self.usable(await self.run_group(pick.seed, env, envs=envs, spans=spans))
+            written = self.usable(await self.run_group(pick.seed, env, envs=envs, spans=spans, group_id=group_id))
             await self.tasks.done(pick)  # not reached on a crash: the cursor hands the seed out again
         except asyncio.CancelledError:
             raise
@@ -156,7 +157,7 @@ class RolloutWorker:
                 if started is not None and started.is_recording():
                     started.end()
             if self.gate is not None and admitted:
-                await self.gate.finish(self.cfg.group_size, written)
+                await self.gate.finish(self.cfg.group_size, written, group_id)
             sem.release()
 
     def usable(self, trajs: list[common_pb2.Trajectory]) -> int:
@@ -169,11 +170,13 @@ class RolloutWorker:
         return trainable_count(trajs, filter_zero_variance=self.filter_zero_variance)
 
     async def run_group(self, task_seed: int, env: RolloutEnvConfig | None = None, *,
-                        envs: Sequence[EnvClient] = (), spans: Sequence[Span | None] = ()) -> list[common_pb2.Trajectory]:
+                        envs: Sequence[EnvClient] = (), spans: Sequence[Span | None] = (),
+                        group_id: str = "") -> list[common_pb2.Trajectory]:
         """One group of `task_seed`; `envs`: each member's env client (default: the worker's);
-        `spans`: each member's episode span, started already (default: started per episode)."""
+        `spans`: each member's episode span, started already (default: started per episode);
+        `group_id`: the id its admission marked in flight (default: a new one)."""
         env = env if env is not None else self.cfg.mixture[0]
-        group_id = uuid.uuid4().hex
+        group_id = group_id or uuid.uuid4().hex
         spec = EpisodeSpec(
             env_name=env.name, env_config_json=env.config_json, reward_fn=env.reward_fn,
             seed=task_seed, max_turns=self.cfg.max_turns, max_tokens_per_turn=self.cfg.sampling.max_tokens,

@@ -83,7 +83,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
         overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                   if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
         warm_start=warm_start, start_paused=tc.start_paused, before_run=warm_up,
-        longest_episode=cfg.rollout.max_episode_tokens,
+        longest_episode=cfg.rollout.max_episode_tokens, expiring_wait_s=tc.expiring_wait_s,
     )
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [

@@ -193,6 +193,10 @@ class GroupAssembler:
         dropped, self._rejected = self._rejected, []
         return ready, dropped
 
+    def has_whole(self, gid: str) -> bool:
+        """Whether group `gid` arrived whole here (ready, trained or dropped since), or was closed."""
+        return gid in self._closed
+
     def take_dead(self) -> list[tuple[str, common_pb2.Trajectory, str]]:
         """(entry id, trajectory, reason) of members rejected since the last call, for `traj:dead`."""
         dead, self._dead = self._dead, []

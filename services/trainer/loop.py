@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.coord.stream import StreamEntry
 from arlo.model.tokenizer import ByteTokenizer
@@ -34,6 +36,7 @@ from services.trainer.batching import (
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.durability import Durability
+from services.trainer.expiring import ExpiringWait, may_leave_behind
 from services.trainer.failures import StepFailures
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
@@ -64,10 +67,13 @@ class TrainingLoop:
         filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, start_paused: bool = False, on_step: Sequence[OnStep] = (),
         before_run: Callable[[], Awaitable[None]] | None = None, longest_episode: int = 0,
+        expiring_wait_s: float = 0.0,
     ) -> None:
         """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up: it
         compiles while the rest of the fleet comes up, and the first step finds its programs).
-        `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs."""
+        `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs.
+        `expiring_wait_s`: trainer.expiring_wait_s (expiring.py)."""
+        self.expiring = ExpiringWait(bound_s=expiring_wait_s)
         self.longest_episode = longest_episode
         self.before_run = before_run
         self.on_step = list(on_step)
@@ -349,9 +355,27 @@ class TrainingLoop:
     async def _train_ready(self, *, overlap: bool = False) -> None:
         while not self.state.paused and not self._background_failed():
             await self._drop_stale_ready()
-            if len(self._ready) < self.groups_per_step:
+            if len(self._ready) < self.groups_per_step or await self._waiting_for_expiring():
                 return
             await self.train_once(overlap=overlap)
+
+    async def _waiting_for_expiring(self) -> bool:
+        """Whether the next step should wait for a group still in flight that it would leave to
+        age past the bound (expiring.py); the loop's next read brings it, or the wait runs out."""
+        floor = self.state.version - self.max_staleness
+        versions = [group_oldest_version(g.trajectories) for g in self._batch_candidates()]
+        if self.expiring.bound_s <= 0 or not may_leave_behind(versions, floor):
+            return False
+        try:
+            in_flight = await self.stream.in_flight_at(floor)
+        except (RedisError, OSError) as e:  # not knowing costs at most the groups it would have waited for
+            log.warning("groups in flight unknown (%s); the step goes ahead", e)
+            return False
+        # Part of a group read, the rest still on its way: its producer may already have finished it.
+        partial = {gid for gid, members in self.assembler.pending.items()
+                   if group_oldest_version(list(members.values())) <= floor}
+        missing = partial | {gid for gid in in_flight if not self.assembler.has_whole(gid)}
+        return self.expiring.hold(missing, floor=floor, now=time.monotonic())
 
     async def _catch_up(self) -> None:
         """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
@@ -381,7 +405,8 @@ class TrainingLoop:
         """The loop's cumulative figures, for a step record (the stream's backlog aside)."""
         return {"tokens_trained": self.state.tokens_trained, "generated_tokens": self.state.generated_tokens,
                 "consumed": self.state.consumed, "skipped_steps": self.state.skipped_steps,
-                "ready_groups": len(self._ready), "dropped": self.dropped()}
+                "ready_groups": len(self._ready), "dropped": self.dropped(),
+                "expiring_waits": self.expiring.waits, "expiring_timeouts": self.expiring.timeouts}
 
     async def _counters(self) -> dict[str, Any]:
         return {**self._counters_now(), "queue_depth": await self.stream.backlog()}
@@ -516,11 +541,17 @@ class TrainingLoop:
         # policy first: groups finish out of the order they started (multi-turn episodes, slow
         # environments), and one left behind by younger ones would age past the staleness bound
         # at the next step and be dropped (the agent workload's async run dropped 8 of 1,280).
-        size = len(self._ready[0].trajectories)
-        same = sorted((g for g in self._ready if len(g.trajectories) == size),
-                      key=lambda g: group_oldest_version(g.trajectories))[: self.groups_per_step]
+        same = self._batch_candidates()
         self._ready = [g for g in self._ready if not any(g is s for s in same)]
         return same
+
+    def _batch_candidates(self) -> list[ReadyGroup]:
+        """The groups the next step takes, left in place."""
+        if not self._ready:
+            return []
+        size = len(self._ready[0].trajectories)
+        return sorted((g for g in self._ready if len(g.trajectories) == size),
+                      key=lambda g: group_oldest_version(g.trajectories))[: self.groups_per_step]
 
     async def _publish_newest(self) -> None:
         await self._publish()

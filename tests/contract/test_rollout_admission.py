@@ -48,6 +48,31 @@ async def test_gate_reads_the_trainers_stale_counter(redis_url: str, run_id: str
         await redis.aclose()
 
 
+async def test_an_admitted_group_is_in_flight_on_the_version_its_check_counted_on_until_it_finishes(
+        redis_url: str, run_id: str) -> None:
+    redis = await connect(RedisConfig(url=redis_url))
+    try:
+        await WeightPointer(redis, run_id).publish(3, source="grpc://t:1", sha256="ab")
+        gate = AdmissionGate(redis, run_id, instance="w1", max_staleness=1, batch_size=8, poll_s=60.0,
+                             served_version=_served(2))  # the replicas still serve version 2
+        stream = TrajectoryStream(redis, run_id, consumer="trainer")
+        await asyncio.wait_for(gate.acquire(4, "g1"), 5)
+        await asyncio.wait_for(gate.acquire(4, "g2"), 5)  # on the first check's headroom
+        assert await stream.in_flight_at(2) == {"g1", "g2"}
+        await gate.finish(4, written=4, group_id="g1")
+        assert await stream.in_flight_at(2) == {"g2"}
+        await gate.aclose()
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()
+
+
+def _served(version: int):
+    async def served() -> int:
+        return version
+    return served
+
+
 async def test_gate_waits_for_the_trainer_and_counts_other_workers(redis_url: str, run_id: str) -> None:
     redis = await connect(RedisConfig(url=redis_url))
     try:

@@ -1,6 +1,7 @@
 """Groups finish out of the order they started (multi-turn episodes, slow environments): the
 trainer takes the oldest policy's ready groups first, so one left behind by younger groups does
-not age past `max_staleness` at the next step and get dropped (loop.py `_take_batch_groups`)."""
+not age past `max_staleness` at the next step and get dropped (loop.py `_take_batch_groups`);
+and a step waits, bounded, for such a group still in flight (services/trainer/expiring.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import uuid
 import pytest
 
 from arlo.coord import TrajectoryStream
+from arlo.coord.records import count_accepted, mark_in_flight
 from arlo.proto.v1 import common_pb2
 from tests.support.trainer import trainer_config, trainer_service
 
 
-async def add_group(stream: TrajectoryStream, policy_version: int) -> None:
-    group, prompt = uuid.uuid4().hex, [257, 260, 51, 43, 52, 61, 258, 261]
+async def add_group(stream: TrajectoryStream, policy_version: int, group: str = "") -> None:
+    group, prompt = group or uuid.uuid4().hex, [257, 260, 51, 43, 52, 61, 258, 261]
     for reward in (1.0, 0.0):
         await stream.add(common_pb2.Trajectory(
             id=uuid.uuid4().hex, group_id=group, group_size=2, token_ids=prompt + [55, 258],
@@ -54,3 +56,54 @@ async def test_an_older_group_that_arrives_after_a_younger_one_is_trained_first_
         await loop.pause()  # the step's counters are final
         assert loop.dropped()["stale"] == 0
         assert loop.state.consumed == 6
+
+
+async def step_to_version_1(stream: TrajectoryStream, loop) -> None:
+    loop.resume(until_step=1)
+    await add_group(stream, 0)
+    await wait_for_version(loop, 1)
+    await loop.pause()
+    await asyncio.sleep(1.0)  # a read issued during step 1 returns empty (read_block_ms)
+
+
+@pytest.mark.timeout(180)
+async def test_a_step_waits_for_an_older_group_still_in_flight_instead_of_leaving_it_to_go_stale(
+        redis_url: str, run_id: str) -> None:
+    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True,
+                                                      "expiring_wait_s": 60.0})
+    async with trainer_service(cfg) as (_, loop, redis):
+        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
+        await step_to_version_1(stream, loop)
+        # At version 1 a version-0 group is still being generated when a version-1 group lands.
+        # Trained alone, the version-1 group makes version 2, where the version-0 group is too old.
+        await mark_in_flight(redis, run_id, "slow", 0)
+        await add_group(stream, 1)
+        loop.resume(until_step=3)
+        await asyncio.sleep(1.5)
+        assert loop.state.version == 1 and loop.expiring.waits == 1  # waiting for it
+        await add_group(stream, 0, group="slow")
+        await count_accepted(redis, run_id, 2, group_id="slow")
+        await wait_for_version(loop, 3)
+        await loop.pause()
+        assert loop.dropped()["stale"] == 0
+        assert loop.state.consumed == 6
+        assert loop.expiring.timeouts == 0
+
+
+@pytest.mark.timeout(180)
+async def test_the_wait_for_a_group_in_flight_is_bounded(redis_url: str, run_id: str) -> None:
+    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True,
+                                                      "expiring_wait_s": 0.5})
+    async with trainer_service(cfg) as (_, loop, redis):
+        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
+        await step_to_version_1(stream, loop)
+        await mark_in_flight(redis, run_id, "lost", 0)  # its worker died: it never comes
+        await add_group(stream, 1)
+        started = asyncio.get_running_loop().time()
+        loop.resume(until_step=2)
+        await wait_for_version(loop, 2)
+        assert asyncio.get_running_loop().time() - started >= 0.5
+        assert (loop.expiring.waits, loop.expiring.timeouts) == (1, 1)
+        await loop.pause()
+        # Past it, the lost group's mark is below every version a batch may hold: never waited for again.
+        assert await stream.in_flight_at(loop.state.version - 1) == set()

@@ -57,14 +57,14 @@ class HeldGate:
         self.opened_at = 0.0
         self.finished: list[int] = []
 
-    async def acquire(self, group_size: int) -> None:
+    async def acquire(self, group_size: int, group_id: str = "") -> None:
         await self.opened.wait()
 
     def open(self) -> None:
         self.opened_at = asyncio.get_running_loop().time()
         self.opened.set()
 
-    async def finish(self, group_size: int, written: int) -> None:
+    async def finish(self, group_size: int, written: int, group_id: str = "") -> None:
         self.finished.append(written)
 
 
