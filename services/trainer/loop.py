@@ -375,7 +375,14 @@ class TrainingLoop:
         partial = {gid for gid, members in self.assembler.pending.items()
                    if group_oldest_version(list(members.values())) <= floor}
         missing = partial | {gid for gid in in_flight if not self.assembler.has_whole(gid)}
-        return self.expiring.hold(missing, floor=floor, now=time.monotonic())
+        timeouts = self.expiring.timeouts
+        if self.expiring.hold(missing, floor=floor, now=time.monotonic()):
+            return True
+        if self.expiring.timeouts > timeouts:
+            log.warning("%d group(s) of version %d still in flight after %.1f s (trainer.expiring_wait_s): the step "
+                        "goes ahead, and they will be dropped as stale", len(missing), floor, self.expiring.bound_s,
+                        extra={"expiring_timeouts": self.expiring.timeouts})
+        return False
 
     async def _catch_up(self) -> None:
         """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
