@@ -93,10 +93,12 @@ def state_from_bytes(data: bytes, like: nnx.State) -> nnx.State:
     unexpected = sorted(params.keys() - expected.keys())
     if unexpected:
         raise ValueError(f"weights: unexpected parameter {unexpected[0]!r} ({len(unexpected)} unexpected)")
-    restored = []
-    for key, (path, var) in expected.items():
-        restored.append((path, var.copy(_load_leaf(key, params[key], var.get_value()))))
-    return nnx.from_flat_state(restored)
+    host = [_checked_leaf(key, params[key], var.get_value()) for key, (_, var) in expected.items()]
+    # One transfer call for every leaf: per-leaf calls cost their dispatch each (46 leaves of the
+    # 596k preset: 6-8 ms against 4-5 ms on a CPU), on the swap's path.
+    shardings = [_sharding(var.get_value()) for _, var in expected.values()]
+    placed = jax.device_put(host, shardings)
+    return nnx.from_flat_state([(path, var.copy(x)) for (path, var), x in zip(expected.values(), placed, strict=True)])
 
 
 class NonFiniteWeights(ValueError):
@@ -155,11 +157,16 @@ def _unpack(data: bytes) -> dict[str, Any]:
     return tree["params"]
 
 
-def _load_leaf(key: str, array: Any, like: Any) -> jax.Array:
+def _checked_leaf(key: str, array: Any, like: Any) -> np.ndarray:
     if not isinstance(array, np.ndarray):
         raise ValueError(f"weights: {key!r} is not an array (got {type(array).__name__})")
     if array.shape != tuple(like.shape) or array.dtype != like.dtype:
         raise ValueError(f"weights: {key!r} has {array.dtype}{list(array.shape)}, "
                          f"expected {np.dtype(like.dtype)}{list(like.shape)}")
+    return array
+
+
+def _sharding(like: Any) -> jax.sharding.Sharding:
+    """Where the leaf `like` lives (the default device for one that is not a jax array)."""
     sharding = getattr(like, "sharding", None)
-    return jax.device_put(array, sharding) if isinstance(sharding, jax.sharding.Sharding) else jax.device_put(array)
+    return sharding if isinstance(sharding, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
