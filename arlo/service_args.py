@@ -25,6 +25,7 @@ def parse_service_config(service: str, argv: Sequence[str] | None = None) -> Run
     parser.add_argument("--metrics-port", type=int, help=f"override {service}.server.metrics_port (-1 = off)")
     args = parser.parse_args(argv)
     apply_cpu_share()
+    apply_niceness()
     server: dict[str, int] = {}
     if args.port is not None:
         server["port"] = args.port
@@ -43,3 +44,20 @@ def apply_cpu_share() -> None:
     cpus = os.environ.get("ARLO_CPUS", "").strip()
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
+def apply_niceness() -> None:
+    """Lowers this process's priority by $ARLO_NICE when set (`local.compute_nice`: the local
+    cluster sets it for inference and the trainer). Called before any thread starts: on Linux
+    niceness is per thread and inherited, so XLA's and gRPC's threads take it. A service runs in
+    a session of its own, and with autogroup scheduling the kernel weighs sessions against each
+    other by the session's own nice value (/proc/self/autogroup), so that is set too."""
+    nice = int(os.environ.get("ARLO_NICE", "0") or 0)
+    if nice <= 0 or not hasattr(os, "nice"):
+        return
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:  # no autogroup (another OS, or CONFIG_SCHED_AUTOGROUP off): the thread nice is all there is
+        pass

@@ -222,11 +222,13 @@ def peak_rss(supervisor: Supervisor) -> dict[str, int]:
     return out
 
 
-def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *,
+def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *, compute_nice: int | None = None,
                 start_timeout_s: float = 180.0, stall_s: float = 300.0) -> ServiceRun:
     """`cfg` through the services as local processes (a fresh run under `home`) for `steps` RL steps;
-    `cpus`: their `local.cpus` ("auto", "off" or explicit shares)."""
-    cfg = replace_config(cfg, {"local": {"cpus": cpus}})
+    `cpus`: their `local.cpus` ("auto", "off" or explicit shares); `compute_nice`: local.compute_nice
+    (None: the default)."""
+    cfg = replace_config(cfg, {"local": {"cpus": cpus, **({} if compute_nice is None else
+                                                            {"compute_nice": compute_nice})}})
     cluster = prepare_cluster(cfg, home=home, free_ports=True, fresh_run=True)
     try:
         cluster.start(INFRA_SERVICES, timeout_s=start_timeout_s)
@@ -245,7 +247,8 @@ def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: i
     cfg = service_config(w, staleness, f"bench-{tag}-{w.name}-s{staleness}")
     # One compile cache for every run of the bench (a user's runs share $ARLO_HOME's the same way).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(Path(args.home).resolve() / "jax-cache"))
-    return run_cluster(cfg, Path(args.home).resolve() / f"{w.name}-s{staleness}", args.cpus, steps)
+    return run_cluster(cfg, Path(args.home).resolve() / f"{w.name}-s{staleness}", args.cpus, steps,
+                       compute_nice=args.compute_nice)
 
 
 def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -335,6 +338,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compilation)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
     parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: auto, off or service=cpu[+cpu],...")
+    parser.add_argument("--compute-nice", type=int, help="local.compute_nice (default: the config's)")
     parser.add_argument("--inprocess-cpus", default="0,1", help="taskset CPUs of the baseline ('' = no pinning)")
     parser.add_argument("--no-inprocess", action="store_true", help="arlo only")
     parser.add_argument("--home", default=".arlo/bench-grpo", help="logs and state of the runs")

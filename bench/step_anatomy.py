@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="RL steps left out (the first publishes)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per mode")
     parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: auto, off or service=cpu[+cpu],...")
+    parser.add_argument("--compute-nice", type=int, help="local.compute_nice (default: the config's)")
     parser.add_argument("--home", default=".arlo/bench-anatomy", help="logs and state of the runs")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -189,7 +190,8 @@ def main() -> None:
         rows.append(row)
     rows.append(["step (mean)", *[v for m in modes for v in (m.get("step_s", 0.0) * 1e3, 100.0)]])
     columns = ["phase on the critical path", *[f"{n} {u}" for n in names for u in ("ms", "%")]]
-    print_table(f"RL step anatomy, {args.workload}: {args.steps} steps after {args.warmup}; cpus {args.cpus}",
+    print_table(f"RL step anatomy, {args.workload}: {args.steps} steps after {args.warmup}; cpus {args.cpus}"
+                f"{'' if args.compute_nice is None else f', compute_nice {args.compute_nice}'}",
                 columns, rows)
     for name, m in zip(names, modes, strict=True):
         if m.get("steps"):
@@ -199,7 +201,7 @@ def main() -> None:
                   + f"), data-bound steps {m['data_bound_fraction']:.0%}, "
                   f"late compiles {m['late_compiles']}")
     write_json(args.json, {"workload": args.workload, "modes": modes, "cpus": args.cpus, "warmup": args.warmup,
-                           "steps": args.steps, "machine": machine()})
+                           "compute_nice": args.compute_nice, "steps": args.steps, "machine": machine()})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 # Dependencies first: inference and the trainer need nothing else; rollout needs all four.
 INFRA_SERVICES = ("env_gateway", "reward", "inference", "trainer")
 SERVICE_SECTIONS = (*INFRA_SERVICES, "rollout")
+COMPUTE_SERVICES = ("inference", "trainer")
+"""The services whose XLA pools keep their cores busy: run at `local.compute_nice`."""
 
 
 def resolved_config_path(home: Path | None = None) -> Path:
@@ -76,6 +78,8 @@ class LocalCluster:
             env[self.cfg.auth.token_env] = self.token
         # Compiled programs persist under the home, so a second start reads them back (arlo.compile_cache).
         env[COMPILE_CACHE_ENV] = os.environ.get(COMPILE_CACHE_ENV) or str(self.home / "jax-cache")
+        if name in COMPUTE_SERVICES and self.cfg.local.compute_nice:
+            env["ARLO_NICE"] = str(self.cfg.local.compute_nice)  # arlo.service_args.apply_niceness
         cpus = (self.cpu_shares or {}).get(name)
         if cpus:
             threads = len(cpus.split(","))

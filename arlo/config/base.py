@@ -211,8 +211,14 @@ class LocalConfig:
     each half (they run at once: shared cores time-slice both and thrash their thread pools).
     "off": the OS schedules everything. Or explicit shares, e.g. "inference=0,trainer=1+2,rollout=0"
     ('+' joins CPUs of one service; a service left out is not pinned)."""
+    compute_nice: int = 10
+    """Scheduling niceness (0-19, Linux) of inference and the trainer as `arlo up`/`demo` start
+    them. Their XLA thread pools keep every core they may use busy, while rollout, the env gateway
+    and reward do little work but sit on every step's critical path: at one priority an env Step
+    or a Score waited its turn behind them. 0: every service at the same priority."""
 
     def validate(self, path: str) -> None:
+        _check(f"{path}.compute_nice", 0 <= self.compute_nice <= 19, "must be in [0, 19]")
         if self.cpus in ("auto", "off"):
             return
         named: set[str] = set()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from arlo.app.cpu_layout import cpu_shares, parse_shares
-from arlo.config import ConfigError, load_config
+from arlo.config import ConfigError, load_config, replace_config
+from arlo.config.base import SERVICE_NAMES
 
 BIG = ("inference", "trainer")
 LIGHT = ("rollout", "env_gateway", "reward")
@@ -100,3 +103,34 @@ def test_a_service_started_by_the_local_cluster_runs_on_its_share(tmp_path: Path
         cluster.stop()
     assert cpu_list(allowed) == set(cpus[len(cpus) // 2:])  # the second half: the env gateway's and reward's
     assert cluster.service_env("trainer")["ARLO_CPUS"] != cluster.service_env("inference")["ARLO_CPUS"]
+
+
+def test_the_compute_services_run_at_the_configured_niceness_and_the_light_ones_do_not(tmp_path: Path) -> None:
+    from arlo.app.local import prepare_cluster
+
+    cfg = load_config(None, {"run_id": "test-nice", "auth": {"disabled": True}, "local": {"compute_nice": 7}})
+    cluster = prepare_cluster(cfg, home=tmp_path, free_ports=True)
+    assert [name for name in SERVICE_NAMES if "ARLO_NICE" in cluster.service_env(name)] == ["inference", "trainer"]
+    assert cluster.service_env("trainer")["ARLO_NICE"] == "7"
+    off = prepare_cluster(replace_config(cfg, {"local": {"compute_nice": 0}}), home=tmp_path, free_ports=True)
+    assert all("ARLO_NICE" not in off.service_env(name) for name in SERVICE_NAMES)
+    with pytest.raises(ConfigError, match="local.compute_nice: must be in"):
+        load_config(None, {"local": {"compute_nice": 20}})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness and autogroups as Linux has them")
+def test_a_service_process_lowers_its_own_priority_and_its_sessions_before_any_thread_starts() -> None:
+    """The real path a service takes at start (arlo.service_args), in a session of its own as
+    the supervisor starts it: the thread nice, inherited by threads started after, and the
+    session's autogroup nice, which is what the kernel weighs sessions by."""
+    probe = (
+        "import os, threading; from arlo.service_args import apply_niceness; apply_niceness(); "
+        "seen = []; t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0))); "
+        "t.start(); t.join(); group = open('/proc/self/autogroup').read().split() "
+        "if os.path.exists('/proc/self/autogroup') else ['', '', '5']; "
+        "print(os.getpriority(os.PRIO_PROCESS, 0) - BASE, seen[0] - BASE, group[-1])"
+    ).replace("BASE", str(os.getpriority(os.PRIO_PROCESS, 0)))
+    raised = str(min(os.getpriority(os.PRIO_PROCESS, 0) + 5, 19) - os.getpriority(os.PRIO_PROCESS, 0))
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ARLO_NICE": "5"}, capture_output=True,
+                         text=True, check=True, start_new_session=True, timeout=60).stdout.split()
+    assert out == [raised, raised, "5"]
