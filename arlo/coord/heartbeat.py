@@ -28,7 +28,9 @@ class Heartbeat:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
         self._redis = redis
-        self._key = Keys(run_id).status(service, instance)
+        keys = Keys(run_id)
+        self._key = keys.status(service, instance)
+        self._index = keys.statuses
         self._ttl_ms = max(1, int(ttl_s * 1000))
 
     @property
@@ -40,10 +42,11 @@ class Heartbeat:
         """Writes `fields` plus "ts" (unix time) and pushes the expiry out by ttl_s."""
         mapping: dict[FieldT, EncodableT] = {name: _encode(value) for name, value in fields.items()}
         mapping["ts"] = repr(time.time())
-        # One transaction, so the hash never exists without an expiry.
+        # One transaction, so the hash never exists without an expiry nor unlisted.
         pipe = self._redis.pipeline(transaction=True)
         pipe.hset(self._key, mapping=mapping)
         pipe.pexpire(self._key, self._ttl_ms)
+        pipe.sadd(self._index, self._key)
         await pipe.execute()
 
     async def run(self, interval_s: float, fields: Callable[[], Mapping[str, Field]]) -> None:
@@ -67,21 +70,36 @@ def _encode(value: Field) -> str:
     raise TypeError(f"heartbeat field value must be str, int or float, got {type(value).__name__}")
 
 
+_UNLIST_GONE_LUA = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then redis.call('SREM', KEYS[1], KEYS[i]) end
+end
+return 0
+"""
+
+
 @cancel_safe
 async def read_statuses(redis: Redis, run_id: str) -> list[dict[str, str]]:
-    """Every live status hash of a run, each with "service" and "instance" added, sorted by them."""
+    """Every live status hash of a run, each with "service" and "instance" added, sorted by them.
+
+    Two round trips whatever the keyspace holds (the admission gate reads this before a group
+    starts): the index of status keys, then the hashes. A key whose hash expired (its instance
+    died) leaves the index; a live instance's next beat puts back one removed in a race."""
     keys = Keys(run_id)
-    names = [text(k) async for k in redis.scan_iter(match=keys.status_pattern, count=200, _type="HASH")]
+    names = sorted(text(k) for k in await redis.smembers(keys.statuses))
     if not names:
         return []
     pipe = redis.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(name)
     hashes = await pipe.execute()
+    gone = [name for name, raw in zip(names, hashes, strict=True) if not raw]
+    if gone:  # only those still gone: one beaten again since the read stays listed
+        await redis.eval(_UNLIST_GONE_LUA, 1 + len(gone), keys.statuses, *gone)
     out: list[dict[str, str]] = []
     for name, raw in zip(names, hashes, strict=True):
         if not raw:
-            continue  # expired between SCAN and HGETALL
+            continue  # expired: its instance stopped beating
         # Service names hold no ':' (Keys.status checks), instances may ("host:port").
         service, _, instance = name[len(keys.status_prefix):].partition(":")
         status = {text(k): text(v) for k, v in raw.items()}

@@ -109,8 +109,10 @@ class Keys:
         return self.prefix + "status:"
 
     @property
-    def status_pattern(self) -> str:
-        return self.status_prefix + "*"
+    def statuses(self) -> str:
+        """Set of the status hash keys beaten so far: readers look these up instead of scanning
+        the keyspace, which grows with the run (a `seen:{id}` key per trained trajectory)."""
+        return self.prefix + "statuses"
 
     @property
     def pattern(self) -> str:

@@ -79,3 +79,33 @@ async def test_run_always_stops_when_cancelled(r: Redis, run_id: str) -> None:
         done, _ = await asyncio.wait([task], timeout=2)
         assert done, f"heartbeat loop ignored cancel #{i}"
         assert task.cancelled()
+
+
+async def test_reading_statuses_costs_the_same_however_many_keys_redis_holds(r: Redis, run_id: str) -> None:
+    """The admission gate reads the rollout statuses before groups start; a keyspace scan grew
+    with every trained trajectory's `seen:{id}` key (7 days' TTL), so a long run's check slowed."""
+    await Heartbeat(r, run_id, service="rollout", instance="w1").beat(running=4)
+    pipe = r.pipeline(transaction=False)
+    for i in range(20_000):
+        pipe.set(f"arlo:{run_id}:seen:{i}", 1, ex=600)
+    await pipe.execute()
+    scans_before = await _scans(r)
+    statuses = await read_statuses(r, run_id)
+    assert [(s["service"], s["instance"], s["running"]) for s in statuses] == [("rollout", "w1", "4")]
+    # A scan would take 100+ SCAN calls over 20,000 keys; the index takes SMEMBERS and one HGETALL.
+    assert await _scans(r) == scans_before
+
+
+async def test_an_expired_status_leaves_the_index_and_a_new_beat_lists_it_again(r: Redis, run_id: str) -> None:
+    hb = Heartbeat(r, run_id, service="reward", instance="a", ttl_s=0.3)
+    await hb.beat(n=1)
+    await asyncio.sleep(0.5)
+    assert await read_statuses(r, run_id) == []
+    assert await r.smembers(Keys(run_id).statuses) == set()
+    await hb.beat(n=2)
+    assert [s["n"] for s in await read_statuses(r, run_id)] == ["2"]
+
+
+async def _scans(r: Redis) -> int:
+    """SCAN calls this Redis has served (INFO commandstats)."""
+    return int((await r.info("commandstats")).get("cmdstat_scan", {}).get("calls", 0))
