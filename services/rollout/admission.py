@@ -157,9 +157,11 @@ class AdmissionGate:
         # Our own count first, then the counter: `finish` raises the counter before it lowers
         # the count, so this order never sees a finished group in neither.
         own_running = self.running
-        pointer = await self.pointer.get()
-        counters = await AdmissionCounters.read(self.redis, self.run_id)
-        running = own_running + await self.others_running()
+        # The three reads at once (each its own connection): a check is on the path of every
+        # group start a version's swap releases.
+        pointer, counters, others = await asyncio.gather(
+            self.pointer.get(), AdmissionCounters.read(self.redis, self.run_id), self.others_running())
+        running = own_running + others
 
         def room(version: int) -> int:
             return headroom(running=running, accepted=counters.accepted, trainer_version=version,
