@@ -9,7 +9,7 @@ key names come from `Keys` (the layout in docs/architecture.md).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -45,16 +45,17 @@ def _count(raw: bytes | str | None, key: str) -> int:
 
 
 @cancel_safe
-async def count_accepted(redis: Redis, run_id: str, n: int, *, group_id: str = "") -> None:
+async def count_accepted(redis: Redis, run_id: str, n: int, *, unwritten_group: str = "") -> None:
     """The rollout wrote `n` more trajectories that the trainer will train on (0: a group ended
     with nothing written, which frees its budget all the same: the other gates are told).
-    `group_id`: the finished group, no longer in flight (`mark_in_flight`)."""
+    `unwritten_group`: a group that ended without reaching the stream, no longer in flight (a
+    written one stays marked until the trainer has it: `settle_in_flight`)."""
     keys = Keys(run_id)
     pipe = redis.pipeline(transaction=False)
     if n:
         pipe.incrby(keys.rollout_accepted, n)
-    if group_id:
-        pipe.zrem(keys.rollout_inflight, group_id)
+    if unwritten_group:
+        pipe.zrem(keys.rollout_inflight, unwritten_group)
     pipe.publish(keys.admission_events, "finished")
     await pipe.execute()
 
@@ -66,15 +67,19 @@ async def mark_in_flight(redis: Redis, run_id: str, group_id: str, version: int)
 
 
 @cancel_safe
-async def in_flight_at(redis: Redis, run_id: str, version: int) -> set[str]:
-    """Ids of the groups in flight that were admitted on `version`. Members admitted on an older
-    one are removed: the trainer drops those groups as stale whenever they arrive, and a worker
-    that died mid-group leaves its members behind (they go once the run moves past them)."""
+async def settle_in_flight(redis: Redis, run_id: str, *, arrived: Collection[str], floor: int) -> set[str]:
+    """The trainer's side of the in-flight set, in one round trip: the groups it now holds whole
+    (`arrived`) leave it, so do the groups admitted below `floor` (a batch can no longer take
+    them: a worker that died mid-group leaves its mark behind until then), and it returns the
+    ids of those admitted on `floor`. The trainer unmarks, not the worker after its write: a
+    group unmarked before the trainer read it would look neither in flight nor arrived."""
     key = Keys(run_id).rollout_inflight
     pipe = redis.pipeline(transaction=False)
-    pipe.zremrangebyscore(key, "-inf", f"({version}")
-    pipe.zrangebyscore(key, version, version)
-    _, members = await pipe.execute()
+    if arrived:
+        pipe.zrem(key, *arrived)
+    pipe.zremrangebyscore(key, "-inf", f"({floor}")
+    pipe.zrangebyscore(key, floor, floor)
+    *_, members = await pipe.execute()
     return {text(m) for m in members}
 
 

@@ -9,7 +9,7 @@ so one bad producer can never wedge the trainer in a redelivery loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from arlo.coord import codec
 from arlo.coord.client import cancel_safe, decodes_responses, socket_timeout_s, text
 from arlo.coord.keys import Keys
-from arlo.coord.records import count_dropped_stale, in_flight_at
+from arlo.coord.records import count_dropped_stale, settle_in_flight
 from arlo.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,9 @@ class TrajectoryStream:
         """Records `n` trajectories dropped as stale, for the rollout's admission budget."""
         await count_dropped_stale(self._redis, self._keys.run_id, n)
 
-    async def in_flight_at(self, version: int) -> set[str]:
-        """Ids of the groups still being generated that were admitted on `version` (records.py)."""
-        return await in_flight_at(self._redis, self._keys.run_id, version)
+    async def settle_in_flight(self, *, arrived: Collection[str], floor: int) -> set[str]:
+        """Unmarks the groups the trainer holds whole; the ids still in flight on `floor` (records.py)."""
+        return await settle_in_flight(self._redis, self._keys.run_id, arrived=arrived, floor=floor)
 
     @cancel_safe
     async def length(self) -> int:

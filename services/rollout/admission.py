@@ -117,18 +117,20 @@ class AdmissionGate:
         statuses = await read_service_statuses(self.redis, self.run_id, RolloutStatus)
         return sum(s.running for instance, s in statuses.items() if instance != self.instance)
 
-    async def acquire(self, group_size: int, group_id: str = "") -> None:
-        """Waits until a group of `group_size` may start, then counts it as running. `group_id`:
-        marked in flight on the version the check counted on, so the trainer can wait for the
-        group rather than leave it to age past the bound while younger ones fill a batch."""
+    async def acquire(self, group_size: int) -> int:
+        """Waits until a group of `group_size` may start, then counts it as running; returns the
+        policy version the check counted on (what `mark` records)."""
         async with self._acquiring:  # one check-and-count at a time, or two could pass on one slot
             await self._acquire(group_size)
-            version = self._version
-        if group_id:  # outside the lock: a burst of starts marks in parallel
-            try:
-                await mark_in_flight(self.redis, self.run_id, group_id, version)
-            except (RedisError, OSError) as e:  # costs the trainer's wait for this group, nothing else
-                log.warning("group %s not marked in flight: %s", group_id, e)
+            return self._version
+
+    async def mark(self, group_id: str, version: int) -> None:
+        """Marks an admitted group in flight on `version`, so the trainer can wait for it rather
+        than leave it to age past the bound while younger groups fill a batch. Best effort."""
+        try:
+            await mark_in_flight(self.redis, self.run_id, group_id, version)
+        except (RedisError, OSError) as e:  # costs the trainer's wait for this group, nothing else
+            log.warning("group %s not marked in flight: %s", group_id, e)
 
     async def _acquire(self, group_size: int) -> None:
         if self._listener is None or self._listener.done():
@@ -181,9 +183,9 @@ class AdmissionGate:
         self._version = min(version, served)
         return room(self._version)
 
-    async def finish(self, group_size: int, written: int, group_id: str = "") -> None:
-        """The group is over: it no longer runs, and `written` trajectories were accepted."""
-        # Also tells the other workers' gates, and takes the group off the in-flight set.
-        await count_accepted(self.redis, self.run_id, written, group_id=group_id)
+    async def finish(self, group_size: int, written: int, unwritten_group: str = "") -> None:
+        """The group is over: it no longer runs, and `written` trajectories were accepted.
+        `unwritten_group`: its id when it never reached the stream (no longer in flight)."""
+        await count_accepted(self.redis, self.run_id, written, unwritten_group=unwritten_group)  # tells the other gates
         self.running -= group_size
         self._wake.set()

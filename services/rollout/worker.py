@@ -126,7 +126,7 @@ class RolloutWorker:
 
     async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
         written, admitted, envs, spans = 0, False, [], []
-        group_id = uuid.uuid4().hex
+        group_id, reached_stream = uuid.uuid4().hex, False
         try:
             env, pick = self.tasks.draw_env(), None
             if not self.tasks.leases_seeds(env):
@@ -142,10 +142,13 @@ class RolloutWorker:
                         envs.append(PrefetchedEnv(self.env, env.name, env.config_json, pick.seed,
                                                   max_age_s=self.prefetch_max_age_s))
             if self.gate is not None:
-                await self.gate.acquire(self.cfg.group_size, group_id)
+                version = await self.gate.acquire(self.cfg.group_size)
+                admitted = True  # from here `finish` gives the slot back, whatever happens
+                await self.gate.mark(group_id, version)
             admitted = True
             pick = pick if pick is not None else await self.tasks.next(env)
-            written = self.usable(await self.run_group(pick.seed, env, envs=envs, spans=spans, group_id=group_id))
+            trajs = await self.run_group(pick.seed, env, envs=envs, spans=spans, group_id=group_id)
+            reached_stream, written = True, self.usable(trajs)
             await self.tasks.done(pick)  # not reached on a crash: the cursor hands the seed out again
         except asyncio.CancelledError:
             raise
@@ -157,7 +160,8 @@ class RolloutWorker:
                 if started is not None and started.is_recording():
                     started.end()
             if self.gate is not None and admitted:
-                await self.gate.finish(self.cfg.group_size, written, group_id)
+                # A group that reached the stream stays in flight until the trainer has it.
+                await self.gate.finish(self.cfg.group_size, written, "" if reached_stream else group_id)
             sem.release()
 
     def usable(self, trajs: list[common_pb2.Trajectory]) -> int:

@@ -10,9 +10,12 @@ and at the next step it is too stale and dropped (the agent workload's async run
 So before a step the trainer asks whether the batch would leave such a group behind: one
 admitted on the floor version (the oldest a batch may still hold), not yet here whole, while
 the batch holds a younger group it could replace. Rollout workers mark each admitted group in
-flight (`arlo.coord.records.mark_in_flight`) until it is written. Then the step waits for it,
-for at most `trainer.expiring_wait_s`: a worker that died mid-group leaves its mark behind.
-A batch of floor-version groups only leaves nothing behind, so most steps never ask Redis.
+flight (`arlo.coord.records.mark_in_flight`); the trainer takes the mark off once it holds the
+group whole (a worker unmarking after its write could do so before the trainer read the group,
+which would then look neither in flight nor here), the worker only for a group it never wrote.
+Then the step waits for it, for at most `trainer.expiring_wait_s`: a worker that died mid-group
+leaves its mark behind. Only a batch holding a group younger than the floor can leave one
+behind, so in synchronous mode no step asks Redis.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class TrainingLoop:
         `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs.
         `expiring_wait_s`: trainer.expiring_wait_s (expiring.py)."""
         self.expiring = ExpiringWait(bound_s=expiring_wait_s)
+        self._arrived: set[str] = set()  # groups held whole here since the in-flight set was last told
         self.longest_episode = longest_episode
         self.before_run = before_run
         self.on_step = list(on_step)
@@ -318,6 +319,7 @@ class TrainingLoop:
             await self.stream.ack(repeats)
         fresh = await self.stream.filter_unseen([e for e in entries if e.trajectory.id not in held_trajs])
         self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
+        self._arrived.update(gid for gid in {e.trajectory.group_id for e in fresh} if self.assembler.has_whole(gid))
         stale_before = self.assembler.drops.stale
         ready, dropped = self.assembler.take_ready(self.state.version)
         await self.stream.dead_letter(self.assembler.take_dead())  # acknowledged with it
@@ -366,14 +368,12 @@ class TrainingLoop:
         versions = [group_oldest_version(g.trajectories) for g in self._batch_candidates()]
         if self.expiring.bound_s <= 0 or not may_leave_behind(versions, floor):
             return False
-        try:
-            in_flight = await self.stream.in_flight_at(floor)
-        except (RedisError, OSError) as e:  # not knowing costs at most the groups it would have waited for
-            log.warning("groups in flight unknown (%s); the step goes ahead", e)
+        in_flight = await self._settle_in_flight(floor)
+        if in_flight is None:  # not knowing costs at most the groups it would have waited for
             return False
-        # Part of a group read, the rest still on its way: its producer may already have finished it.
+        # Part of a group read, the rest still on its way. Below the floor it is too old anyway.
         partial = {gid for gid, members in self.assembler.pending.items()
-                   if group_oldest_version(list(members.values())) <= floor}
+                   if group_oldest_version(list(members.values())) == floor}
         missing = partial | {gid for gid in in_flight if not self.assembler.has_whole(gid)}
         timeouts = self.expiring.timeouts
         if self.expiring.hold(missing, floor=floor, now=time.monotonic()):
@@ -539,6 +539,8 @@ class TrainingLoop:
                  metrics.loss, metrics.reward_mean, metrics.num_tokens,
                  extra={"step": record["step"], "version": step.version, "trajectory_ids": list(step.trajectory_ids)})
         await self.durable.acknowledge(step, published=published)
+        # Off the step's path: keeps the in-flight set to the groups a batch may still take.
+        await self._settle_in_flight(step.version - self.max_staleness)
 
     def _put_back(self, groups: list[ReadyGroup]) -> None:
         self._ready[:0] = groups
@@ -551,6 +553,17 @@ class TrainingLoop:
         same = self._batch_candidates()
         self._ready = [g for g in self._ready if not any(g is s for s in same)]
         return same
+
+    async def _settle_in_flight(self, floor: int) -> set[str] | None:
+        """Tells the in-flight set which groups arrived whole here and how old a batch may take
+        (records.py `settle_in_flight`); the ids still in flight on `floor`, None if Redis failed."""
+        arrived, self._arrived = self._arrived, set()
+        try:
+            return await self.stream.settle_in_flight(arrived=arrived, floor=floor)
+        except (RedisError, OSError) as e:
+            self._arrived |= arrived
+            log.warning("groups in flight unknown (%s)", e)
+            return None
 
     def _batch_candidates(self) -> list[ReadyGroup]:
         """The groups the next step takes, left in place."""

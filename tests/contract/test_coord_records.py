@@ -7,7 +7,7 @@ import pytest
 
 from arlo.config import RedisConfig
 from arlo.coord import AdmissionCounters, Heartbeat, RolloutStatus, TrajectoryStream, connect, delete_run
-from arlo.coord.records import count_accepted, in_flight_at, mark_in_flight, read_service_statuses
+from arlo.coord.records import count_accepted, mark_in_flight, read_service_statuses, settle_in_flight
 
 
 async def test_admission_counters_live_under_the_documented_keys(redis_url: str, run_id: str) -> None:
@@ -28,19 +28,21 @@ async def test_admission_counters_live_under_the_documented_keys(redis_url: str,
         await redis.aclose()
 
 
-async def test_groups_in_flight_are_marked_until_finished_and_pruned_below_the_asked_version(
+async def test_groups_in_flight_stay_marked_until_the_trainer_has_them_or_they_are_too_old(
         redis_url: str, run_id: str) -> None:
     redis = await connect(RedisConfig(url=redis_url))
     try:
         await mark_in_flight(redis, run_id, "old", 2)  # a worker died with it: never finished
-        await mark_in_flight(redis, run_id, "a", 3)
-        await mark_in_flight(redis, run_id, "b", 3)
+        for group in ("a", "b", "unwritten"):
+            await mark_in_flight(redis, run_id, group, 3)
         await mark_in_flight(redis, run_id, "young", 4)
-        assert await in_flight_at(redis, run_id, 3) == {"a", "b"}
-        await count_accepted(redis, run_id, 2, group_id="a")
-        assert await in_flight_at(redis, run_id, 3) == {"b"}
+        assert await settle_in_flight(redis, run_id, arrived=(), floor=3) == {"a", "b", "unwritten"}
+        await count_accepted(redis, run_id, 2)  # "a" written: still in flight until the trainer has it
+        await count_accepted(redis, run_id, 0, unwritten_group="unwritten")  # never reached the stream
+        assert await settle_in_flight(redis, run_id, arrived=(), floor=3) == {"a", "b"}
+        assert await settle_in_flight(redis, run_id, arrived=("a",), floor=3) == {"b"}
         assert await AdmissionCounters.read(redis, run_id) == AdmissionCounters(accepted=2)
-        # The member below the asked version went with the read (such a group is stale anyway).
+        # The member below the floor went with the first call (such a group is stale anyway).
         assert await redis.zrange(f"arlo:{run_id}:rollout:inflight", 0, -1) == [b"b", b"young"]
     finally:
         await delete_run(redis, run_id)

@@ -48,7 +48,7 @@ async def test_gate_reads_the_trainers_stale_counter(redis_url: str, run_id: str
         await redis.aclose()
 
 
-async def test_an_admitted_group_is_in_flight_on_the_version_its_check_counted_on_until_it_finishes(
+async def test_an_admitted_group_is_marked_on_the_version_its_check_counted_on(
         redis_url: str, run_id: str) -> None:
     redis = await connect(RedisConfig(url=redis_url))
     try:
@@ -56,11 +56,14 @@ async def test_an_admitted_group_is_in_flight_on_the_version_its_check_counted_o
         gate = AdmissionGate(redis, run_id, instance="w1", max_staleness=1, batch_size=8, poll_s=60.0,
                              served_version=_served(2))  # the replicas still serve version 2
         stream = TrajectoryStream(redis, run_id, consumer="trainer")
-        await asyncio.wait_for(gate.acquire(4, "g1"), 5)
-        await asyncio.wait_for(gate.acquire(4, "g2"), 5)  # on the first check's headroom
-        assert await stream.in_flight_at(2) == {"g1", "g2"}
-        await gate.finish(4, written=4, group_id="g1")
-        assert await stream.in_flight_at(2) == {"g2"}
+        assert await asyncio.wait_for(gate.acquire(4), 5) == 2
+        assert await asyncio.wait_for(gate.acquire(4), 5) == 2  # on the first check's headroom
+        await gate.mark("g1", 2)
+        await gate.mark("g2", 2)
+        assert await stream.settle_in_flight(arrived=(), floor=2) == {"g1", "g2"}
+        await gate.finish(4, written=4)  # written: the trainer unmarks it once it has it
+        await gate.finish(4, written=0, unwritten_group="g2")  # never reached the stream
+        assert await stream.settle_in_flight(arrived=(), floor=2) == {"g1"}
         await gate.aclose()
     finally:
         await delete_run(redis, run_id)

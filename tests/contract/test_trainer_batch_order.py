@@ -81,13 +81,40 @@ async def test_a_step_waits_for_an_older_group_still_in_flight_instead_of_leavin
         loop.resume(until_step=3)
         await asyncio.sleep(1.5)
         assert loop.state.version == 1 and loop.expiring.waits == 1  # waiting for it
-        await add_group(stream, 0, group="slow")
-        await count_accepted(redis, run_id, 2, group_id="slow")
+        await add_group(stream, 0, group="slow")  # its worker leaves the mark: the trainer takes it off
         await wait_for_version(loop, 3)
         await loop.pause()
         assert loop.dropped()["stale"] == 0
         assert loop.state.consumed == 6
         assert loop.expiring.timeouts == 0
+        assert await redis.zrange(f"arlo:{run_id}:rollout:inflight", 0, -1) == []
+
+
+@pytest.mark.timeout(180)
+async def test_a_group_written_just_after_the_loops_read_is_still_waited_for(redis_url: str, run_id: str) -> None:
+    """The group lands (and its worker is done with it) between the loop's last stream read and
+    its look at the in-flight set: the mark is still there, because only the trainer takes it off."""
+    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True,
+                                                      "expiring_wait_s": 60.0})
+    async with trainer_service(cfg) as (_, loop, redis):
+        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
+        await step_to_version_1(stream, loop)
+        await mark_in_flight(redis, run_id, "slow", 0)
+        settle, landed = loop.stream.settle_in_flight, []
+
+        async def group_lands_first(**kwargs):
+            if not landed:
+                landed.append(True)
+                await add_group(stream, 0, group="slow")
+                await count_accepted(redis, run_id, 2)  # its worker's finish (AdmissionGate.finish)
+            return await settle(**kwargs)
+
+        loop.stream.settle_in_flight = group_lands_first
+        await add_group(stream, 1)
+        loop.resume(until_step=3)
+        await wait_for_version(loop, 3)
+        await loop.pause()
+        assert landed and loop.dropped()["stale"] == 0 and loop.state.consumed == 6
 
 
 @pytest.mark.timeout(180)
@@ -105,5 +132,5 @@ async def test_the_wait_for_a_group_in_flight_is_bounded(redis_url: str, run_id:
         assert asyncio.get_running_loop().time() - started >= 0.5
         assert (loop.expiring.waits, loop.expiring.timeouts) == (1, 1)
         await loop.pause()
-        # Past it, the lost group's mark is below every version a batch may hold: never waited for again.
-        assert await stream.in_flight_at(loop.state.version - 1) == set()
+        # Past it, the lost group's mark is below every version a batch may hold: pruned, never waited for again.
+        assert await stream.settle_in_flight(arrived=(), floor=loop.state.version - 1) == set()

@@ -57,14 +57,18 @@ class HeldGate:
         self.opened_at = 0.0
         self.finished: list[int] = []
 
-    async def acquire(self, group_size: int, group_id: str = "") -> None:
+    async def acquire(self, group_size: int) -> int:
         await self.opened.wait()
+        return 0
+
+    async def mark(self, group_id: str, version: int) -> None:
+        pass
 
     def open(self) -> None:
         self.opened_at = asyncio.get_running_loop().time()
         self.opened.set()
 
-    async def finish(self, group_size: int, written: int, group_id: str = "") -> None:
+    async def finish(self, group_size: int, written: int, unwritten_group: str = "") -> None:
         self.finished.append(written)
 
 
