@@ -48,14 +48,17 @@ def apply_cpu_share() -> None:
 
 def apply_niceness() -> None:
     """Lowers this process's priority by $ARLO_NICE when set (`local.compute_nice`: the local
-    cluster sets it for inference and the trainer). Called before any thread starts: on Linux
-    niceness is per thread and inherited, so XLA's and gRPC's threads take it. A service runs in
-    a session of its own, and with autogroup scheduling the kernel weighs sessions against each
-    other by the session's own nice value (/proc/self/autogroup), so that is set too."""
+    cluster sets it for inference and the trainer). Called before the service starts its threads:
+    on Linux niceness is per thread and inherited, so XLA's and gRPC's pools take it. With
+    autogroup scheduling the kernel weighs sessions against each other by the session's own nice
+    value (/proc/self/autogroup), so a session leader (the cluster starts each service in a
+    session of its own) sets that too; a process in someone else's session (a shell's) does not."""
     nice = int(os.environ.get("ARLO_NICE", "0") or 0)
     if nice <= 0 or not hasattr(os, "nice"):
         return
     os.nice(nice)
+    if os.getsid(0) != os.getpid():
+        return
     try:
         with open("/proc/self/autogroup", "w") as f:
             f.write(str(nice))

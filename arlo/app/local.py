@@ -78,8 +78,8 @@ class LocalCluster:
             env[self.cfg.auth.token_env] = self.token
         # Compiled programs persist under the home, so a second start reads them back (arlo.compile_cache).
         env[COMPILE_CACHE_ENV] = os.environ.get(COMPILE_CACHE_ENV) or str(self.home / "jax-cache")
-        if name in COMPUTE_SERVICES and self.cfg.local.compute_nice:
-            env["ARLO_NICE"] = str(self.cfg.local.compute_nice)  # arlo.service_args.apply_niceness
+        # arlo.service_args.apply_niceness; always set, so a value exported in the shell does not leak in.
+        env["ARLO_NICE"] = str(self.cfg.local.compute_nice if name in COMPUTE_SERVICES else 0)
         cpus = (self.cpu_shares or {}).get(name)
         if cpus:
             threads = len(cpus.split(","))

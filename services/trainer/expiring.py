@@ -13,8 +13,10 @@ the batch holds a younger group it could replace. Rollout workers mark each admi
 flight (`arlo.coord.records.mark_in_flight`); the trainer takes the mark off once it holds the
 group whole (a worker unmarking after its write could do so before the trainer read the group,
 which would then look neither in flight nor here), the worker only for a group it never wrote.
-Then the step waits for it, for at most `trainer.expiring_wait_s`: a worker that died mid-group
-leaves its mark behind. Only a batch holding a group younger than the floor can leave one
+A mark is the version the admission check counted on, a lower bound (a swap before the group's
+first token makes it one newer), so marks one below the floor count too. Then the step waits
+for it, for at most `trainer.expiring_wait_s`: a worker that died mid-group leaves its mark
+behind (waited for at two floors, then pruned). Only a batch holding a group younger than the floor can leave one
 behind, so in synchronous mode no step asks Redis.
 """
 
@@ -46,7 +48,10 @@ class ExpiringWait:
 
     def hold(self, missing: Collection[str], *, floor: int, now: float) -> bool:
         """True: the step should wait (for `missing`, groups of version `floor` still in flight)."""
-        if not missing or self.bound_s <= 0 or floor == self._gave_up:
+        if not missing:
+            self._floor = -1  # what it waited for came: a later wait on this floor starts afresh
+            return False
+        if self.bound_s <= 0 or floor == self._gave_up:
             return False
         if floor != self._floor:
             self._floor, self._since = floor, now

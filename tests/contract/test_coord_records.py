@@ -32,17 +32,18 @@ async def test_groups_in_flight_stay_marked_until_the_trainer_has_them_or_they_a
         redis_url: str, run_id: str) -> None:
     redis = await connect(RedisConfig(url=redis_url))
     try:
-        await mark_in_flight(redis, run_id, "old", 2)  # a worker died with it: never finished
+        await mark_in_flight(redis, run_id, "old", 1)  # a worker died with it: never finished
+        await mark_in_flight(redis, run_id, "late", 2)  # admitted on 2, its first token may be 3's
         for group in ("a", "b", "unwritten"):
             await mark_in_flight(redis, run_id, group, 3)
         await mark_in_flight(redis, run_id, "young", 4)
-        assert await settle_in_flight(redis, run_id, arrived=(), floor=3) == {"a", "b", "unwritten"}
+        assert await settle_in_flight(redis, run_id, arrived=(), floor=3) == {"late", "a", "b", "unwritten"}
         await count_accepted(redis, run_id, 2)  # "a" written: still in flight until the trainer has it
         await count_accepted(redis, run_id, 0, unwritten_group="unwritten")  # never reached the stream
-        assert await settle_in_flight(redis, run_id, arrived=(), floor=3) == {"a", "b"}
-        assert await settle_in_flight(redis, run_id, arrived=("a",), floor=3) == {"b"}
+        assert await settle_in_flight(redis, run_id, arrived=(), floor=3) == {"late", "a", "b"}
+        assert await settle_in_flight(redis, run_id, arrived=("a", "late"), floor=3) == {"b"}
         assert await AdmissionCounters.read(redis, run_id) == AdmissionCounters(accepted=2)
-        # The member below the floor went with the first call (such a group is stale anyway).
+        # The member more than one below the floor went with the first call (a batch cannot take it).
         assert await redis.zrange(f"arlo:{run_id}:rollout:inflight", 0, -1) == [b"b", b"young"]
     finally:
         await delete_run(redis, run_id)

@@ -110,10 +110,10 @@ def test_the_compute_services_run_at_the_configured_niceness_and_the_light_ones_
 
     cfg = load_config(None, {"run_id": "test-nice", "auth": {"disabled": True}, "local": {"compute_nice": 7}})
     cluster = prepare_cluster(cfg, home=tmp_path, free_ports=True)
-    assert [name for name in SERVICE_NAMES if "ARLO_NICE" in cluster.service_env(name)] == ["inference", "trainer"]
-    assert cluster.service_env("trainer")["ARLO_NICE"] == "7"
+    assert {name: cluster.service_env(name)["ARLO_NICE"] for name in SERVICE_NAMES} == {
+        "inference": "7", "trainer": "7", "rollout": "0", "env_gateway": "0", "reward": "0"}
     off = prepare_cluster(replace_config(cfg, {"local": {"compute_nice": 0}}), home=tmp_path, free_ports=True)
-    assert all("ARLO_NICE" not in off.service_env(name) for name in SERVICE_NAMES)
+    assert all(off.service_env(name)["ARLO_NICE"] == "0" for name in SERVICE_NAMES)
     with pytest.raises(ConfigError, match="local.compute_nice: must be in"):
         load_config(None, {"local": {"compute_nice": 20}})
 
@@ -134,3 +134,9 @@ def test_a_service_process_lowers_its_own_priority_and_its_sessions_before_any_t
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ARLO_NICE": "5"}, capture_output=True,
                          text=True, check=True, start_new_session=True, timeout=60).stdout.split()
     assert out == [raised, raised, "5"]
+    # In someone else's session (here: the test's) only the process's own threads are lowered.
+    if os.path.exists("/proc/self/autogroup"):
+        before = Path("/proc/self/autogroup").read_text()
+        subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ARLO_NICE": "5"}, check=True, timeout=60,
+                       capture_output=True)
+        assert Path("/proc/self/autogroup").read_text() == before

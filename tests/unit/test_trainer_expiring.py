@@ -26,3 +26,12 @@ def test_a_wait_holds_until_the_groups_arrive_or_the_bound_runs_out_once_per_flo
 
 def test_a_zero_bound_never_waits() -> None:
     assert not ExpiringWait(bound_s=0.0).hold({"g"}, floor=0, now=0.0)
+
+
+def test_a_second_wait_on_the_same_floor_gets_the_whole_bound() -> None:
+    wait = ExpiringWait(bound_s=2.0)
+    assert wait.hold({"g"}, floor=1, now=0.0)
+    assert not wait.hold(set(), floor=1, now=1.0)  # it came; the step was then skipped, say
+    assert wait.hold({"h"}, floor=1, now=5.0)  # another group of the floor: waited for afresh
+    assert wait.hold({"h"}, floor=1, now=6.9)
+    assert (wait.waits, wait.timeouts) == (2, 0)
