@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -58,22 +59,25 @@ async def test_an_older_group_that_arrives_after_a_younger_one_is_trained_first_
         assert loop.state.consumed == 6
 
 
-async def step_to_version_1(stream: TrajectoryStream, loop) -> None:
-    loop.resume(until_step=1)
-    await add_group(stream, 0)
-    await wait_for_version(loop, 1)
-    await loop.pause()
-    await asyncio.sleep(1.0)  # a read issued during step 1 returns empty (read_block_ms)
+@asynccontextmanager
+async def paused_at_version_1(redis_url: str, run_id: str, *, expiring_wait_s: float):
+    """(loop, redis, stream): a trainer at max_staleness 1 paused at version 1, its reads idle."""
+    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True,
+                                                      "expiring_wait_s": expiring_wait_s})
+    async with trainer_service(cfg) as (_, loop, redis):
+        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
+        loop.resume(until_step=1)
+        await add_group(stream, 0)
+        await wait_for_version(loop, 1)
+        await loop.pause()
+        await asyncio.sleep(1.0)  # a read issued during step 1 returns empty (read_block_ms)
+        yield loop, redis, stream
 
 
 @pytest.mark.timeout(180)
 async def test_a_step_waits_for_an_older_group_still_in_flight_instead_of_leaving_it_to_go_stale(
         redis_url: str, run_id: str) -> None:
-    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True,
-                                                      "expiring_wait_s": 60.0})
-    async with trainer_service(cfg) as (_, loop, redis):
-        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
-        await step_to_version_1(stream, loop)
+    async with paused_at_version_1(redis_url, run_id, expiring_wait_s=60.0) as (loop, redis, stream):
         # At version 1 a version-0 group is still being generated when a version-1 group lands.
         # Trained alone, the version-1 group makes version 2, where the version-0 group is too old.
         await mark_in_flight(redis, run_id, "slow", 0)
@@ -94,11 +98,7 @@ async def test_a_step_waits_for_an_older_group_still_in_flight_instead_of_leavin
 async def test_a_group_written_just_after_the_loops_read_is_still_waited_for(redis_url: str, run_id: str) -> None:
     """The group lands (and its worker is done with it) between the loop's last stream read and
     its look at the in-flight set: the mark is still there, because only the trainer takes it off."""
-    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True,
-                                                      "expiring_wait_s": 60.0})
-    async with trainer_service(cfg) as (_, loop, redis):
-        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
-        await step_to_version_1(stream, loop)
+    async with paused_at_version_1(redis_url, run_id, expiring_wait_s=60.0) as (loop, redis, stream):
         await mark_in_flight(redis, run_id, "slow", 0)
         settle, landed = loop.stream.settle_in_flight, []
 
@@ -119,11 +119,7 @@ async def test_a_group_written_just_after_the_loops_read_is_still_waited_for(red
 
 @pytest.mark.timeout(180)
 async def test_the_wait_for_a_group_in_flight_is_bounded(redis_url: str, run_id: str) -> None:
-    cfg = trainer_config(redis_url, run_id, trainer={"max_staleness": 1, "start_paused": True,
-                                                      "expiring_wait_s": 0.5})
-    async with trainer_service(cfg) as (_, loop, redis):
-        stream = TrajectoryStream(redis, run_id, consumer="test-producer")
-        await step_to_version_1(stream, loop)
+    async with paused_at_version_1(redis_url, run_id, expiring_wait_s=0.5) as (loop, redis, stream):
         await mark_in_flight(redis, run_id, "lost", 0)  # its worker died: it never comes
         await add_group(stream, 1)
         started = asyncio.get_running_loop().time()
