@@ -20,7 +20,8 @@ def test_keys_are_namespaced_by_run() -> None:
     assert k.weights_events == "arlo:run-1:weights:events"
     assert k.seen("abc") == "arlo:run-1:seen:abc"
     assert k.status("inference", "10.0.0.1:50051") == "arlo:run-1:status:inference:10.0.0.1:50051"
-    assert k.status_pattern == "arlo:run-1:status:*"
+    assert k.statuses == "arlo:run-1:statuses"
+    assert k.rollout_inflight == "arlo:run-1:rollout:inflight"
 
 
 @pytest.mark.parametrize("bad", ["", "a b", "run*", "x:y", "a[1]"])
