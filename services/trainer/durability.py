@@ -21,6 +21,7 @@ error), so a storage outage cannot stall the run, and the status says what a cra
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 import traceback
@@ -247,7 +248,8 @@ class Durability:
     def _failed(self, e: BaseException) -> None:
         self._failing += 1
         self.state.checkpoint_failures += 1
-        self.state.checkpoint_error = f"{type(e).__name__}: {e}"[:300]
+        cause = _disk_full(e) or e  # a failed cleanup after ENOSPC must not hide that the disk is full
+        self.state.checkpoint_error = f"{type(cause).__name__}: {cause}"[:300]
         self._retry_at = time.monotonic() + min(RETRY_FIRST_S * 2 ** (self._failing - 1), RETRY_MAX_S)
         self._count_held()
 
@@ -269,3 +271,14 @@ class Durability:
     async def close(self, timeout_s: float) -> None:
         if self._job is not None:
             await asyncio.wait([self._job], timeout=timeout_s)
+
+
+def _disk_full(e: BaseException | None) -> OSError | None:
+    """The ENOSPC error in `e`'s chain of causes, if any."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
