@@ -126,7 +126,11 @@ class AdmissionGate:
 
     async def mark(self, group_id: str, version: int) -> None:
         """Marks an admitted group in flight on `version`, so the trainer can wait for it rather
-        than leave it to age past the bound while younger groups fill a batch. Best effort."""
+        than leave it to age past the bound while younger groups fill a batch. Best effort. Not
+        on-policy (max_staleness 0): every batch then holds only the floor's version, and the
+        trainer never asks (a Redis round trip saved on each group start a swap releases)."""
+        if self.max_staleness == 0:
+            return
         try:
             await mark_in_flight(self.redis, self.run_id, group_id, version)
         except (RedisError, OSError) as e:  # costs the trainer's wait for this group, nothing else

@@ -141,11 +141,10 @@ class RolloutWorker:
                     with in_span(started, end=False):
                         envs.append(PrefetchedEnv(self.env, env.name, env.config_json, pick.seed,
                                                   max_age_s=self.prefetch_max_age_s))
+            version = await self.gate.acquire(self.cfg.group_size) if self.gate is not None else 0
+            admitted = True  # from here `finish` gives the slot back, whatever happens
             if self.gate is not None:
-                version = await self.gate.acquire(self.cfg.group_size)
-                admitted = True  # from here `finish` gives the slot back, whatever happens
                 await self.gate.mark(group_id, version)
-            admitted = True
             pick = pick if pick is not None else await self.tasks.next(env)
             trajs = await self.run_group(pick.seed, env, envs=envs, spans=spans, group_id=group_id)
             reached_stream, written = True, self.usable(trajs)

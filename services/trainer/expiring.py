@@ -16,8 +16,8 @@ which would then look neither in flight nor here), the worker only for a group i
 A mark is the version the admission check counted on, a lower bound (a swap before the group's
 first token makes it one newer), so marks one below the floor count too. Then the step waits
 for it, for at most `trainer.expiring_wait_s`: a worker that died mid-group leaves its mark
-behind (waited for at two floors, then pruned). Only a batch holding a group younger than the floor can leave one
-behind, so in synchronous mode no step asks Redis.
+behind (waited for at two floors, then pruned). Only a batch holding a group younger than the
+floor can leave one behind, so in synchronous mode no step asks Redis and no worker marks.
 """
 
 from __future__ import annotations
