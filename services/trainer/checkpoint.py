@@ -20,9 +20,11 @@ do not match the checksums recorded with them, is skipped (logged as an error, r
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,8 @@ STEP_DIGITS = 8
 KEEP = 3
 """Complete checkpoints kept; more than one, so a corrupt newest one still leaves a fallback."""
 _TMP_MARK = ".orbax-checkpoint-tmp"
+MIN_ROOM_BYTES = 1 << 20
+"""Below this much free space (or the newest checkpoint's size, if larger) a save cannot succeed."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +123,18 @@ def _meta_from_record(raw: dict[str, Any]) -> CheckpointMeta:
                           critic_sha256=str(raw.get("critic_sha256", "")))
 
 
+def _tree_bytes(directory: Path) -> int:
+    """Bytes in the files under `directory` (files removed while it walks count as 0)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def _abstract(tree: Any) -> Any:
     # Restoring into shapes, dtypes and shardings of the live tree keeps the jitted step's cache valid.
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
@@ -140,6 +156,23 @@ class Checkpointer:
 
     def uri(self, version: int) -> str:
         return f"file://{self.directory / f'{version:0{STEP_DIGITS}d}'}"
+
+    def out_of_space(self) -> OSError | None:
+        """ENOSPC when the checkpoint disk has less room than the newest complete checkpoint takes
+        (at least MIN_ROOM_BYTES), else None. A failed save's own error can be a later symptom of a
+        full disk (Orbax failing to clean up its partial directory while a write thread still
+        holds it), which would hide the cause from whoever reads the trainer's status."""
+        try:
+            stat = os.statvfs(self.directory)
+        except OSError:
+            return None
+        free = stat.f_bavail * stat.f_frsize
+        complete = [p for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()]
+        needed = max(MIN_ROOM_BYTES, _tree_bytes(max(complete, key=lambda p: int(p.name))) if complete else 0)
+        if free >= needed:
+            return None
+        return OSError(errno.ENOSPC, f"No space left on device: {free} bytes free under {self.directory}, "
+                                     f"a checkpoint takes about {needed}")
 
     def newest_version(self) -> int:
         """The newest listed checkpoint, readable or not: new versions must be numbered above it."""

@@ -248,10 +248,19 @@ class Durability:
     def _failed(self, e: BaseException) -> None:
         self._failing += 1
         self.state.checkpoint_failures += 1
-        cause = _disk_full(e) or e  # a failed cleanup after ENOSPC must not hide that the disk is full
-        self.state.checkpoint_error = f"{type(cause).__name__}: {cause}"[:300]
+        self.state.checkpoint_error = self._describe_failure(e)
         self._retry_at = time.monotonic() + min(RETRY_FIRST_S * 2 ** (self._failing - 1), RETRY_MAX_S)
         self._count_held()
+
+    def _describe_failure(self, e: BaseException) -> str:
+        """The failure as the status reports it. A full disk is named whenever it is the cause,
+        whatever Orbax raised last (its failed cleanup of the partial directory, say): ENOSPC in
+        the chain of causes, or a disk with less room than a checkpoint takes."""
+        full = _disk_full(e) or (self.checkpointer.out_of_space() if self.checkpointer is not None else None)
+        if full is None:
+            return f"{type(e).__name__}: {e}"[:300]
+        said = "" if full is e else f" (the save raised {type(e).__name__}: {e})"
+        return f"{type(full).__name__}: {full}{said}"[:300]
 
     async def settle(self) -> None:
         """Waits for the checkpoint in flight; its failure was logged and its steps requeued."""

@@ -184,6 +184,23 @@ async def test_a_full_checkpoint_disk_is_reported_never_stalls_training_and_save
         assert (await io["pointer"].get()).checkpoint_version == loop.state.version
 
 
+def test_a_full_checkpoint_disk_is_named_whatever_the_failed_save_raised(small_disk: Path) -> None:
+    """The class behind a CI flake: a save on a full disk failed with Orbax's cleanup error
+    ('Directory not empty' on its partial directory), no ENOSPC in its chain, and the status
+    hid the cause. The checkpointer tells a disk without room for a checkpoint by itself."""
+    from services.trainer.checkpoint import Checkpointer
+    checkpointer = Checkpointer(str(small_disk / "ckpt"))
+    try:
+        assert checkpointer.out_of_space() is None
+        filler = fill(small_disk)
+        full = checkpointer.out_of_space()
+        assert full is not None and full.errno == 28 and str(small_disk) in str(full)
+        filler.unlink()
+        assert checkpointer.out_of_space() is None
+    finally:
+        checkpointer.close()
+
+
 def flip_bytes(directory: Path) -> None:
     """Flips one byte in the middle of the largest data file under `directory` (a bad sector)."""
     target = max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
