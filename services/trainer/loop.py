@@ -18,26 +18,16 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from arlo.coord import TrajectoryStream, WeightPointer
-from arlo.coord.stream import StreamEntry
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights, sha256_hex
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
-from services.trainer.batching import (
-    Batch,
-    GroupAssembler,
-    ReadyGroup,
-    build_batch,
-    group_oldest_version,
-    has_reward_spread,
-)
+from services.trainer.batching import Batch, ReadyGroup, build_batch
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.durability import Durability
-from services.trainer.expiring import ExpiringWait, may_leave_behind
 from services.trainer.failures import StepFailures
+from services.trainer.intake import Intake
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
@@ -73,8 +63,6 @@ class TrainingLoop:
         compiles while the rest of the fleet comes up, and the first step finds its programs).
         `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs.
         `expiring_wait_s`: trainer.expiring_wait_s (expiring.py)."""
-        self.expiring = ExpiringWait(bound_s=expiring_wait_s)
-        self._arrived: set[str] = set()  # groups held whole here since the in-flight set was last told
         self.longest_episode = longest_episode
         self.before_run = before_run
         self.on_step = list(on_step)
@@ -82,32 +70,23 @@ class TrainingLoop:
         self.warm_start = warm_start
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
-        self.filter_zero_variance = filter_zero_variance
         self.overlong = overlong
         self.learner = learner
         self.stream = stream
         self.pointer = pointer
         self.store = store
         self.source = source
-        self.groups_per_step = groups_per_step
         self.read_block_ms = read_block_ms
         self.checkpoint_every = checkpoint_every
         self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
         # Every JAX call goes through the replica: with several processes it tells the others first.
         self.replica = Replica(learner, self.checkpointer, channel)
         self.pad_id = pad_id
-        self.assembler = GroupAssembler(max_staleness=max_staleness, vocab_size=learner.model_cfg.vocab_size)
-        # The intake's dead-lettered counts (malformed, poisoned) as of its last durable move: the
-        # assembler counts at intake, before `traj:dead` holds them, and a reader must see both or neither.
-        self._dead_lettered = dataclasses.replace(self.assembler.drops)
         self.state = TrainerState(paused=start_paused)
         self.clock = StepClock()  # where each RL step's time goes (services/trainer/anatomy.py)
-        self._ready: list[ReadyGroup] = []
-        self._in_step: list[ReadyGroup] = []  # taken by the step in flight, not yet held by `durable`
         self._reader = StreamReader(stream, block_ms=read_block_ms)
         self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
         self._tails = StepTails()  # steps' records and acks, run beside the next step (tail.py)
-        self._repeats = 0
         self._failures = StepFailures(stream, self.state)
         self._publish_due = False  # the newest version's publish failed: retry before the next step
         self._jax_lock = asyncio.Lock()
@@ -115,6 +94,9 @@ class TrainingLoop:
                                   pointer=pointer, store=store, state=self.state, jax_lock=self._jax_lock,
                                   every=checkpoint_every, max_held=max(stream.max_backlog // 2, 1))
         self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
+        self.intake = Intake(stream=stream, groups_per_step=groups_per_step, max_staleness=max_staleness,
+                             vocab_size=learner.model_cfg.vocab_size, filter_zero_variance=filter_zero_variance,
+                             expiring_wait_s=expiring_wait_s, held_elsewhere=self.durable.held)
 
     async def start(self) -> None:
         """Resumes from the newest complete checkpoint and numbers versions above the pointer,
@@ -186,7 +168,7 @@ class TrainingLoop:
                 entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
                 last_claim = time.monotonic()
             if entries:
-                await self._admit(entries, read_at=read_at)
+                await self.intake.admit(entries, version=self.state.version, read_at=read_at)
                 intake = time.perf_counter() - started
                 self.state.io_s += intake
                 self.clock.add_intake(intake)
@@ -278,9 +260,10 @@ class TrainingLoop:
 
     def dropped(self) -> dict[str, int]:
         """Trajectories not trained on, by reason."""
-        drops, dead = self.assembler.drops, self._dead_lettered
+        intake = self.intake
+        drops, dead = intake.assembler.drops, intake.dead_lettered
         return {"stale": drops.stale, "failed": drops.failed, "malformed": dead.malformed + self.stream.malformed,
-                "duplicate": self.stream.duplicates + self._repeats, "zero_variance": self.state.zero_variance,
+                "duplicate": self.stream.duplicates + intake.repeats, "zero_variance": intake.zero_variance,
                 "poisoned": dead.poisoned, "nonfinite_step": self._failures.nonfinite,
                 "step_error": self._failures.step_errors}
 
@@ -302,87 +285,19 @@ class TrainingLoop:
         while after is not None:
             entries, after = await self.stream.read_own_pending(READ_COUNT, after)
             total += len(entries)
-            await self._admit(entries)
+            await self.intake.admit(entries, version=self.state.version)
             await self._train_ready()
         if total:
             log.info("re-read %d unacknowledged trajectory entries", total, extra={"pending_entries": total})
-
-    async def _admit(self, entries: Sequence[StreamEntry], *, read_at: float = 0.0) -> None:
-        held_entries, held_trajs = self._held()
-        # XAUTOCLAIM and the pending re-read also return entries this loop still holds (waiting
-        # for their group, their batch or a checkpoint): taking them again would train them twice.
-        entries = [e for e in entries if e.entry_id not in held_entries]
-        repeats = [e.entry_id for e in entries if e.trajectory.id in held_trajs]
-        if repeats:
-            # Another entry of a trajectory held here (a producer's retry): finished with.
-            self._repeats += len(repeats)
-            await self.stream.ack(repeats)
-        fresh = await self.stream.filter_unseen([e for e in entries if e.trajectory.id not in held_trajs])
-        self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
-        self._arrived.update(gid for gid in {e.trajectory.group_id for e in fresh} if self.assembler.has_whole(gid))
-        stale_before = self.assembler.drops.stale
-        ready, dropped = self.assembler.take_ready(self.state.version)
-        await self.stream.dead_letter(self.assembler.take_dead())  # acknowledged with it
-        self._dead_lettered = dataclasses.replace(self.assembler.drops)
-        if self.assembler.drops.stale > stale_before:
-            await self.stream.count_stale(self.assembler.drops.stale - stale_before)
-        if self.filter_zero_variance:
-            flat = [g for g in ready if not has_reward_spread(g)]
-            ready = [g for g in ready if has_reward_spread(g)]
-            self.state.zero_variance += sum(len(g.entry_ids) for g in flat)
-            dropped += [e for g in flat for e in g.entry_ids]
-        now = time.time()
-        self._ready.extend(dataclasses.replace(g, read_at=read_at or now, ready_at=now) for g in ready)
-        if dropped:
-            # A dropped group is finished with: acknowledge it now, or it pins the backlog.
-            await self.stream.ack(dropped)
-
-    def _held(self) -> tuple[set[str], set[str]]:
-        """Entry ids and trajectory ids taken in but not yet acknowledged."""
-        entries: set[str] = set()
-        trajs: set[str] = set()
-        for members in self.assembler.pending.values():
-            entries.update(members)
-            trajs.update(t.id for t in members.values())
-        for group in (*self._ready, *self._in_step):
-            entries.update(group.entry_ids)
-            trajs.update(t.id for t in group.trajectories)
-        for step in self.durable.held():
-            entries.update(step.entry_ids)
-            trajs.update(step.trajectory_ids)
-        return entries, trajs
 
     # -- steps ------------------------------------------------------------------------------
 
     async def _train_ready(self, *, overlap: bool = False) -> None:
         while not self.state.paused and not self._background_failed():
-            await self._drop_stale_ready()
-            if len(self._ready) < self.groups_per_step or await self._waiting_for_expiring():
+            await self.intake.drop_stale(self.state.version)
+            if not self.intake.batch_full() or await self.intake.waiting_for_expiring(self.state.version):
                 return
             await self.train_once(overlap=overlap)
-
-    async def _waiting_for_expiring(self) -> bool:
-        """Whether the next step should wait for a group still in flight that it would leave to
-        age past the bound (expiring.py); the loop's next read brings it, or the wait runs out."""
-        floor = self.state.version - self.max_staleness
-        versions = [group_oldest_version(g.trajectories) for g in self._batch_candidates()]
-        if self.expiring.bound_s <= 0 or not may_leave_behind(versions, floor):
-            return False
-        in_flight = await self._settle_in_flight(floor)
-        if in_flight is None:  # not knowing costs at most the groups it would have waited for
-            return False
-        # Part of a group read, the rest still on its way. Below the floor it is too old anyway.
-        partial = {gid for gid, members in self.assembler.pending.items()
-                   if group_oldest_version(list(members.values())) == floor}
-        missing = partial | {gid for gid in in_flight if not self.assembler.has_whole(gid)}
-        timeouts = self.expiring.timeouts
-        if self.expiring.hold(missing, floor=floor, now=time.monotonic()):
-            return True
-        if self.expiring.timeouts > timeouts:
-            log.warning("%d group(s) of version %d still in flight after %.1f s (trainer.expiring_wait_s): the step "
-                        "goes ahead, and they will be dropped as stale", len(missing), floor, self.expiring.bound_s,
-                        extra={"expiring_timeouts": self.expiring.timeouts})
-        return False
 
     async def _catch_up(self) -> None:
         """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
@@ -394,26 +309,12 @@ class TrainingLoop:
             if self.durable.retry_due():
                 await self.durable.try_checkpoint()
 
-    async def _drop_stale_ready(self) -> None:
-        """Groups admitted at an older version may have aged past the bound while earlier steps
-        trained: judged again here, at the version the next step trains from, so no trained token
-        is ever more than max_staleness versions behind (the bound the docs state, exactly)."""
-        floor = self.state.version - self.max_staleness
-        stale = [g for g in self._ready if group_oldest_version(g.trajectories) < floor]
-        if not stale:
-            return
-        self._ready = [g for g in self._ready if not any(g is s for s in stale)]
-        entry_ids = [e for g in stale for e in g.entry_ids]
-        self.assembler.drops.stale += len(entry_ids)
-        await self.stream.count_stale(len(entry_ids))
-        await self.stream.ack(entry_ids)
-
     def _counters_now(self) -> dict[str, Any]:
         """The loop's cumulative figures, for a step record (the stream's backlog aside)."""
         return {"tokens_trained": self.state.tokens_trained, "generated_tokens": self.state.generated_tokens,
                 "consumed": self.state.consumed, "skipped_steps": self.state.skipped_steps,
-                "ready_groups": len(self._ready), "dropped": self.dropped(),
-                "expiring_waits": self.expiring.waits, "expiring_timeouts": self.expiring.timeouts}
+                "ready_groups": len(self.intake.ready), "dropped": self.dropped(),
+                "expiring_waits": self.intake.expiring.waits, "expiring_timeouts": self.intake.expiring.timeouts}
 
     async def _counters(self) -> dict[str, Any]:
         return {**self._counters_now(), "queue_depth": await self.stream.backlog()}
@@ -430,11 +331,11 @@ class TrainingLoop:
     async def _train_once(self, *, overlap: bool = False) -> StepMetrics:
         if self._publish_due:
             await self._publish_newest()  # raises while it keeps failing: no step past an unpublished one
-        groups = self._in_step = self._take_batch_groups()
+        groups = self.intake.take_batch()
         try:
             return await self._train_groups(groups, overlap=overlap)
         finally:
-            self._in_step = []
+            self.intake.in_step = []
 
     async def _jitted_step(self, batch: Batch) -> tuple[StepMetrics, float]:
         """The update, on a worker thread; returns its metrics and when it finished (Unix seconds)."""
@@ -446,7 +347,7 @@ class TrainingLoop:
 
     async def _intake_during(self, step: asyncio.Task[Any]) -> None:
         """Reads and groups new entries while `step` trains, until the next batch is ready."""
-        while not step.done() and len(self._ready) < self.groups_per_step and not self.state.paused:
+        while not step.done() and not self.intake.batch_full() and not self.state.paused:
             read = self._reader.background()
             await asyncio.wait({step, read}, return_when=asyncio.FIRST_COMPLETED)
             if not read.done():
@@ -455,7 +356,7 @@ class TrainingLoop:
                 entries = self._reader.take().entries
                 if entries:
                     started = time.perf_counter()
-                    await self._admit(entries, read_at=time.time())
+                    await self.intake.admit(entries, version=self.state.version, read_at=time.time())
                     self.clock.add_overlapped_intake(time.perf_counter() - started)
             except Exception as e:  # the step in flight must still publish: the loop raises it after
                 log.exception("intake during step %d failed; the loop restarts after the step", self.learner.step_count)
@@ -473,7 +374,7 @@ class TrainingLoop:
                 await self._intake_during(step)
             metrics, trained_at = await step
         except Exception as e:
-            await self._failures.failed(groups, e, put_back=self._put_back)
+            await self._failures.failed(groups, e, put_back=self.intake.put_back)
             raise
         self._failures.trained(groups)
         if metrics.skipped:
@@ -540,38 +441,7 @@ class TrainingLoop:
                  extra={"step": record["step"], "version": step.version, "trajectory_ids": list(step.trajectory_ids)})
         await self.durable.acknowledge(step, published=published)
         # Off the step's path: keeps the in-flight set to the groups a batch may still take.
-        await self._settle_in_flight(step.version - self.max_staleness)
-
-    def _put_back(self, groups: list[ReadyGroup]) -> None:
-        self._ready[:0] = groups
-
-    def _take_batch_groups(self) -> list[ReadyGroup]:
-        # A batch needs one group size; groups of another size wait for their own batch. Oldest
-        # policy first: groups finish out of the order they started (multi-turn episodes, slow
-        # environments), and one left behind by younger ones would age past the staleness bound
-        # at the next step and be dropped (the agent workload's async run dropped 8 of 1,280).
-        same = self._batch_candidates()
-        self._ready = [g for g in self._ready if not any(g is s for s in same)]
-        return same
-
-    async def _settle_in_flight(self, floor: int) -> set[str] | None:
-        """Tells the in-flight set which groups arrived whole here and how old a batch may take
-        (records.py `settle_in_flight`); the ids still in flight on `floor`, None if Redis failed."""
-        arrived, self._arrived = self._arrived, set()
-        try:
-            return await self.stream.settle_in_flight(arrived=arrived, floor=floor)
-        except (RedisError, OSError) as e:
-            self._arrived |= arrived
-            log.warning("groups in flight unknown (%s)", e)
-            return None
-
-    def _batch_candidates(self) -> list[ReadyGroup]:
-        """The groups the next step takes, left in place."""
-        if not self._ready:
-            return []
-        size = len(self._ready[0].trajectories)
-        return sorted((g for g in self._ready if len(g.trajectories) == size),
-                      key=lambda g: group_oldest_version(g.trajectories))[: self.groups_per_step]
+        await self.intake.settle_in_flight(step.version - self.max_staleness)
 
     async def _publish_newest(self) -> None:
         await self._publish()

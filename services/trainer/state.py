@@ -17,7 +17,6 @@ class TrainerState:
     checkpoint_version: int = 0
     checkpoint_uri: str = ""
     consumed: int = 0
-    zero_variance: int = 0
     last: StepMetrics | None = None
     until_step: int = 0
     """> 0: pause once the learner's step count reaches it."""
