@@ -1,5 +1,6 @@
 """The training loop: stream -> whole groups -> jitted step -> publish version v+1 -> ack.
 
+Which groups a step takes is services/trainer/intake.py's job (whole, fresh, oldest first).
 What may be acknowledged when is services/trainer/durability.py's job (only what a durable
 state covers); where a failed step's groups go is services/trainer/failures.py's (back to
 the front, or dead-lettered after `STEP_ATTEMPTS` tries: never dropped, never acknowledged
