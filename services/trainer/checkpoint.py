@@ -164,11 +164,13 @@ class Checkpointer:
         holds it), which would hide the cause from whoever reads the trainer's status."""
         try:
             stat = os.statvfs(self.directory)
-        except OSError:
+            # Root may write into the blocks reserved for it; anyone else gets f_bavail.
+            free = (stat.f_bfree if os.geteuid() == 0 else stat.f_bavail) * stat.f_frsize
+            complete = [p for p in self.directory.iterdir() if p.name.isascii() and p.name.isdigit() and p.is_dir()]
+            newest = max(complete, key=lambda p: int(p.name)) if complete else None
+            needed = max(MIN_ROOM_BYTES, _tree_bytes(newest) if newest else 0)
+        except (OSError, ValueError):  # the disk cannot be read either: nothing to add to the save's own error
             return None
-        free = stat.f_bavail * stat.f_frsize
-        complete = [p for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()]
-        needed = max(MIN_ROOM_BYTES, _tree_bytes(max(complete, key=lambda p: int(p.name))) if complete else 0)
         if free >= needed:
             return None
         return OSError(errno.ENOSPC, f"No space left on device: {free} bytes free under {self.directory}, "

@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
+ROOM_CHECK_S = 5.0
+"""How long a failed save's look at the disk's free space may take (a network volume can hang)."""
+ERROR_CHARS = 500
+"""The status's checkpoint_error is cut to this length."""
 
 
 class Durability:
@@ -163,7 +167,7 @@ class Durability:
         try:
             await self.begin()
         except Exception as e:
-            self._failed(e)
+            self._failed(e, await self._room_error(e))
             log.exception("could not start checkpoint %d; its steps stay held", self.state.version)
 
     async def begin(self) -> asyncio.Future[tuple[int, str]]:
@@ -221,7 +225,7 @@ class Durability:
             # save must not keep the host copy of the whole state alive that long.
             traceback.clear_frames(e.__traceback__)
             self._awaiting[:0], self._saving = covered, []
-            self._failed(e)
+            self._failed(e, await self._room_error(e))
             log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
                       type(e).__name__, e, len(covered), self._retry_at - time.monotonic(), exc_info=e,
                       extra={"checkpoint_failures": self.state.checkpoint_failures})
@@ -245,22 +249,24 @@ class Durability:
                  extra={"checkpoint_version": version, "checkpoint_uri": uri})
         return version, uri
 
-    def _failed(self, e: BaseException) -> None:
+    def _failed(self, e: BaseException, room: OSError | None = None) -> None:
         self._failing += 1
         self.state.checkpoint_failures += 1
-        self.state.checkpoint_error = self._describe_failure(e)
+        self.state.checkpoint_error = describe_save_failure(e, room)
         self._retry_at = time.monotonic() + min(RETRY_FIRST_S * 2 ** (self._failing - 1), RETRY_MAX_S)
         self._count_held()
 
-    def _describe_failure(self, e: BaseException) -> str:
-        """The failure as the status reports it. A full disk is named whenever it is the cause,
-        whatever Orbax raised last (its failed cleanup of the partial directory, say): ENOSPC in
-        the chain of causes, or a disk with less room than a checkpoint takes."""
-        full = _disk_full(e) or (self.checkpointer.out_of_space() if self.checkpointer is not None else None)
-        if full is None:
-            return f"{type(e).__name__}: {e}"[:300]
-        said = "" if full is e else f" (the save raised {type(e).__name__}: {e})"
-        return f"{type(full).__name__}: {full}{said}"[:300]
+    async def _room_error(self, e: BaseException) -> OSError | None:
+        """ENOSPC when the checkpoint disk has no room for a checkpoint (checkpoint.py
+        `out_of_space`), looked at when a save failed without saying so. On a worker thread and
+        bounded: the loop serves pulls and heartbeats meanwhile, and a stat on a failing network
+        volume can hang."""
+        if not isinstance(e, Exception) or self.checkpointer is None or _disk_full(e) is not None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.checkpointer.out_of_space), ROOM_CHECK_S)
+        except Exception:  # a description must never fail the failure's handling
+            return None
 
     async def settle(self) -> None:
         """Waits for the checkpoint in flight; its failure was logged and its steps requeued."""
@@ -280,6 +286,18 @@ class Durability:
     async def close(self, timeout_s: float) -> None:
         if self._job is not None:
             await asyncio.wait([self._job], timeout=timeout_s)
+
+
+def describe_save_failure(e: BaseException, room: OSError | None = None) -> str:
+    """A failed save as the status reports it. A full disk is named whenever it is the cause,
+    whatever the save raised last (CI saw Orbax's failed cleanup of its partial directory, with no
+    ENOSPC in its chain): ENOSPC anywhere in the chain of causes, or `room`, the disk found
+    without room for a checkpoint."""
+    full = _disk_full(e) or room
+    said = f"{type(e).__name__}: {e}"
+    if full is None or full is e:
+        return said[:ERROR_CHARS]
+    return f"{type(full).__name__}: {full}; the save raised {said}"[:ERROR_CHARS]
 
 
 def _disk_full(e: BaseException | None) -> OSError | None:

@@ -189,12 +189,17 @@ def test_a_full_checkpoint_disk_is_named_whatever_the_failed_save_raised(small_d
     ('Directory not empty' on its partial directory), no ENOSPC in its chain, and the status
     hid the cause. The checkpointer tells a disk without room for a checkpoint by itself."""
     from services.trainer.checkpoint import Checkpointer
+    from services.trainer.durability import describe_save_failure
     checkpointer = Checkpointer(str(small_disk / "ckpt"))
+    cleanup = OSError(39, f"Directory not empty: '{small_disk}/ckpt/00000002.orbax-checkpoint-tmp'")
     try:
         assert checkpointer.out_of_space() is None
+        assert describe_save_failure(cleanup, checkpointer.out_of_space()).startswith("OSError: [Errno 39]")
         filler = fill(small_disk)
         full = checkpointer.out_of_space()
         assert full is not None and full.errno == 28 and str(small_disk) in str(full)
+        said = describe_save_failure(cleanup, full)
+        assert said.startswith("OSError: [Errno 28] No space left on device") and "Directory not empty" in said
         filler.unlink()
         assert checkpointer.out_of_space() is None
     finally:

@@ -144,5 +144,6 @@ def run_probe(probe: str, *, own_session: bool) -> list[str]:
     (a CI run once saw exit status 1 and nothing else)."""
     done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ARLO_NICE": "5"}, capture_output=True,
                           text=True, start_new_session=own_session, timeout=60)
+    print(done.stderr, file=sys.stderr)  # shown if the test fails for any reason
     assert done.returncode == 0, f"probe exited {done.returncode}: {done.stderr[-3000:]}"
     return done.stdout.split()
