@@ -22,7 +22,9 @@ from arlo.model.source import preset_source
 from services.inference.engine import Engine, SamplingRequest, TokenDelta
 
 CONFIG = InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64, max_batch=8, decode_steps=4)
-NO_STOP = (263,)  # an id the byte tokenizer never makes: completions run to max_tokens (unless sampled)
+# Completions run to max_tokens: no stop id at all. (The tiny model has 264 vocabulary rows for the
+# tokenizer's 263 ids, so a sampled completion could stop at a "never made" id 263: a CI flake.)
+NO_STOP: dict[str, object] = {"stop_token_ids": (), "ignore_eos": True}
 
 
 def new_engine(**config: object) -> Engine:
@@ -50,8 +52,6 @@ def reference_greedy(engine: Engine, prompt: list[int], steps: int) -> tuple[lis
         tok = int(jnp.argmax(logits_v))
         tokens.append(tok)
         logprobs.append(float(jax.nn.log_softmax(logits_v)[tok]))
-        if tok in NO_STOP:
-            break
         seq.append(tok)
     return tokens, logprobs
 
@@ -73,7 +73,7 @@ def count_compiles() -> Iterator[list[str]]:
 
 
 def greedy(prompt: tuple[int, ...], max_tokens: int = 10, **kw: object) -> SamplingRequest:
-    return SamplingRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, stop_token_ids=NO_STOP, **kw)
+    return SamplingRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, **NO_STOP, **kw)
 
 
 PROMPTS = [tuple(range(40, 40 + k)) for k in (3, 5, 8, 13, 6, 9)]
@@ -107,9 +107,9 @@ def test_programs_are_a_small_known_set(engine: Engine) -> None:
 
 def test_each_row_samples_with_its_own_parameters(engine: Engine) -> None:
     prompt = PROMPTS[2]
-    reqs = [greedy(prompt), SamplingRequest(prompt=prompt, max_tokens=10, temperature=1.0, top_k=1, stop_token_ids=NO_STOP),
-            SamplingRequest(prompt=prompt, max_tokens=10, temperature=2.0, min_p=1.0, stop_token_ids=NO_STOP),
-            SamplingRequest(prompt=prompt, max_tokens=10, temperature=1.0, stop_token_ids=NO_STOP)]
+    reqs = [greedy(prompt), SamplingRequest(prompt=prompt, max_tokens=10, temperature=1.0, top_k=1, **NO_STOP),
+            SamplingRequest(prompt=prompt, max_tokens=10, temperature=2.0, min_p=1.0, **NO_STOP),
+            SamplingRequest(prompt=prompt, max_tokens=10, temperature=1.0, **NO_STOP)]
     out = [h.result(120)[0] for h in [engine.submit(r) for r in reqs]]
     assert out[0].token_ids == out[1].token_ids == out[2].token_ids  # top_k=1 and min_p=1 are greedy
     assert out[1].logprobs == [0.0] * 10  # one token kept: probability 1 under the sampled distribution
@@ -118,13 +118,13 @@ def test_each_row_samples_with_its_own_parameters(engine: Engine) -> None:
 
 def test_samples_of_one_prompt_share_one_prefill_and_have_their_own_streams(engine: Engine) -> None:
     rows = engine.runner.prefill_rows
-    req = SamplingRequest(prompt=PROMPTS[1], n=4, max_tokens=8, temperature=1.0, stop_token_ids=NO_STOP)
+    req = SamplingRequest(prompt=PROMPTS[1], n=4, max_tokens=8, temperature=1.0, **NO_STOP)
     a = engine.generate(req, 120)
     assert engine.runner.prefill_rows == rows + 1
     assert len({tuple(s.token_ids) for s in a}) > 1
     b = engine.generate(req, 120)
     assert [s.token_ids for s in a] != [s.token_ids for s in b]  # no seed: a fresh stream per request
-    seeded = SamplingRequest(prompt=PROMPTS[1], n=2, max_tokens=8, temperature=1.0, seed=7, stop_token_ids=NO_STOP)
+    seeded = SamplingRequest(prompt=PROMPTS[1], n=2, max_tokens=8, temperature=1.0, seed=7, **NO_STOP)
     first = engine.submit(seeded)
     noise = engine.submit(SamplingRequest(prompt=PROMPTS[3], n=3, max_tokens=8, temperature=1.0))
     again = engine.generate(seeded, 120)  # alone this time, in a different batch
@@ -136,7 +136,7 @@ def test_requests_with_one_prompt_share_one_prefill_row_and_keep_their_streams(e
     # A GRPO group's episodes each send their first turn as its own n=1 request: arriving
     # together, they are prefilled as one row, and each still samples what it would alone.
     reqs = [SamplingRequest(prompt=PROMPTS[4], max_tokens=6, temperature=1.0, seed=100 + i, session_id=f"g-{i}",
-                            stop_token_ids=NO_STOP) for i in range(4)]
+                            **NO_STOP) for i in range(4)]
     rows, shared = engine.runner.prefill_rows, engine.runner.shared_prefills
     together = [h.result(120)[0] for h in engine.submit_many(reqs)]
     assert engine.runner.prefill_rows == rows + 1 and engine.runner.shared_prefills == shared + 3
@@ -159,11 +159,17 @@ def test_stop_ids_and_max_tokens_end_a_sample(engine: Engine) -> None:
 
 
 def test_cancel_frees_the_slot_at_the_next_chunk(engine: Engine) -> None:
-    started = threading.Event()
-    long = SamplingRequest(prompt=PROMPTS[0], max_tokens=32, temperature=1.0, stop_token_ids=NO_STOP)
-    handle = engine.submit(long, on_tokens=lambda d: started.set())
+    started, cancelled = threading.Event(), threading.Event()
+
+    def first_tokens(_: TokenDelta) -> None:  # on the engine thread: it holds the loop until the cancel is queued
+        started.set()
+        cancelled.wait(120)
+
+    long = SamplingRequest(prompt=PROMPTS[0], max_tokens=32, temperature=1.0, **NO_STOP)
+    handle = engine.submit(long, on_tokens=first_tokens)
     assert started.wait(120)
     engine.cancel(handle.id)
+    cancelled.set()
     (sample,) = handle.result(120)
     assert sample.finish_reason == "abort" and len(sample.token_ids) < 32
     assert engine.generate(greedy(PROMPTS[1], 2), 120)[0].finish_reason == "length"
