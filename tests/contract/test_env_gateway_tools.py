@@ -105,9 +105,8 @@ async def test_code_runs_off_the_event_loop(stub: Stub) -> None:
     cheap = await reset(stub, "arith")
     running = asyncio.ensure_future(step(stub, slow.session_id, "```python\nimport time\ntime.sleep(1.5)\nprint(7)\n```"))
     await asyncio.sleep(0.2)
-    started = time.monotonic()
-    await step(stub, cheap.session_id, "x")  # answered while the program still runs
-    assert time.monotonic() - started < 0.5 and not running.done()
+    await step(stub, cheap.session_id, "x")
+    assert not running.done()  # answered while the 1.5 s program still runs
     await fails(step(stub, slow.session_id, "42"), grpc.StatusCode.ABORTED, "one step at a time")
     result = await running
     assert "status: ok" in result.observation[0].content and "--- stdout ---\n7" in result.observation[0].content

@@ -143,8 +143,8 @@ async def test_hanging_tool_times_out_and_the_gateway_keeps_answering(monkeypatc
             began = time.monotonic()
             hang_step = asyncio.ensure_future(step(stub, hung.session_id, call("hang")))
             await asyncio.sleep(0.2)
-            quick = await step(stub, other.session_id, call("add", a=1, b=1))  # while the hang is in flight
-            assert quick.observation[0].content == "2" and time.monotonic() - began < 0.9
+            quick = await step(stub, other.session_id, call("add", a=1, b=1))
+            assert quick.observation[0].content == "2" and not hang_step.done()  # answered while the hang is in flight
             listed = await stub.ListEnvironments(env_pb2.ListEnvironmentsRequest(), timeout=5)
             assert env in [e.name for e in listed.environments]
             timed_out = await hang_step
@@ -155,9 +155,10 @@ async def test_hanging_tool_times_out_and_the_gateway_keeps_answering(monkeypatc
         # The RPC's own deadline, shorter than the server's timeout, bounds the call: the error
         # observation comes back in time instead of DEADLINE_EXCEEDED.
         short = await reset(stub, "mcp:tools")
-        began = time.monotonic()
+        # A reply at all is the proof: gRPC fails the call with DEADLINE_EXCEEDED once 0.8 s pass. (The
+        # client's clock read after it is no proof: CI measured 0.845 s on a reply that came in time.)
         reply = await step(stub, short.session_id, call("hang"), timeout=0.8)
-        assert time.monotonic() - began < 0.8 and reply.observation[0].content.startswith("error: hang did not answer")
+        assert reply.observation[0].content.startswith("error: hang did not answer")
 
 
 async def test_crashed_server_is_an_error_observation_then_restarted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -147,7 +147,7 @@ async def test_backend_down_then_breaker_opens_then_recovers(example: ExamplePro
         started = time.monotonic()
         details = await fails(stub.Step(env_pb2.StepRequest(session_id=live.session_id, action="x"), timeout=5),
                               UNAVAILABLE, "circuit breaker open after 2 consecutive failures")
-        assert time.monotonic() - started < 0.1 and "next try in" in details
+        assert time.monotonic() - started < 1.0 and "next try in" in details  # no connect, no retry wait
         listed = await stub.ListEnvironments(env_pb2.ListEnvironmentsRequest(), timeout=5)  # answers, from cache
         assert "spelled backwards" in {i.name: i for i in listed.environments}["word_reverse"].description
         example.start()  # same port
@@ -241,7 +241,7 @@ async def test_deadlines_are_the_shorter_of_config_and_caller(scripted: tuple[Sc
         started = time.monotonic()
         await fails(stub.Step(env_pb2.StepRequest(session_id=session, action="x"), timeout=5),
                     grpc.StatusCode.DEADLINE_EXCEEDED, "remote backend 0")
-        assert 0.25 < time.monotonic() - started < 0.8  # the config's 0.3 s, not the caller's 5 s
+        assert 0.25 < time.monotonic() - started < 3  # the config's 0.3 s, not the caller's 5 s
         backend.delay_s, backend.deadlines = 0.0, []
         await stub.Step(env_pb2.StepRequest(session_id=session, action="x"), timeout=0.2)
         (seen,) = backend.deadlines

@@ -91,7 +91,7 @@ def test_builtin_specs_carry_tools_and_configs() -> None:
 
 async def test_blocking_steps_run_in_worker_threads_and_leave_the_loop_free() -> None:
     gw = gateway(blocking=True)
-    ids = [(await gw.reset_async("sleep", "", i)).session_id for i in range(2)]
+    ids = [(await gw.reset_async("sleep", '{"seconds": 0.5}', i)).session_id for i in range(2)]
     ticks = 0
 
     async def ticker() -> None:
@@ -106,7 +106,7 @@ async def test_blocking_steps_run_in_worker_threads_and_leave_the_loop_free() ->
     elapsed = time.monotonic() - started
     task.cancel()
     assert all(r.info["thread"].startswith("env-step") for r in results)
-    assert elapsed < 0.55  # the two 0.3 s steps overlapped
+    assert elapsed < 0.9  # the two 0.5 s steps overlapped (one after the other: 1 s)
     assert ticks >= 15  # the loop kept running meanwhile
     gw.shutdown()
 
