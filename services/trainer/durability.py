@@ -58,6 +58,8 @@ class Durability:
         self._job: asyncio.Task[tuple[int, str]] | None = None
         self._job_version = 0
         self._failing = 0  # consecutive failed saves
+        self._undurable_through = 0  # newest version with steps acknowledged without a checkpoint
+        self._published_through = 0  # newest version the pointer names (the bound acknowledges up to it)
         self._retry_at = 0.0
 
     def held(self) -> tuple[TrainedStep, ...]:
@@ -112,6 +114,8 @@ class Durability:
 
     async def acknowledge(self, step: TrainedStep, *, published: bool) -> None:
         """After `hold(step)`: acknowledges what the rule allows; starts the checkpoint when due."""
+        if published:
+            self._published_through = max(self._published_through, step.version)
         if self.checkpointer is None:
             if published:
                 await self.published(step.version)
@@ -123,6 +127,7 @@ class Durability:
 
     async def published(self, version: int) -> None:
         """Without checkpoints, a published version is as durable as it gets: acknowledge up to it."""
+        self._published_through = max(self._published_through, version)
         if self.checkpointer is None:
             done = [s for s in self._awaiting if s.version <= version]
             self._awaiting = [s for s in self._awaiting if s.version > version]
@@ -141,7 +146,8 @@ class Durability:
             self._count_held()
 
     async def _ack_undurable(self, version: int) -> None:
-        excess = self.state.held_entries - self.max_held
+        # Counted from the live lists: a failed save's job and a step may both apply the bound.
+        excess = sum(len(s.entry_ids) for s in self.held()) - self.max_held
         done: list[TrainedStep] = []
         while self._awaiting and excess > 0 and self._awaiting[0].version <= version:
             done.append(self._awaiting.pop(0))
@@ -150,6 +156,7 @@ class Durability:
             return
         n = sum(len(s.trajectory_ids) for s in done)
         self.state.acked_undurable += n
+        self._undurable_through = max(self._undurable_through, done[-1].version)
         log.error("checkpoint saves keep failing (%s); %d trajectories acknowledged WITHOUT a checkpoint so "
                   "producers are not stalled by the held backlog (bound %d entries); a crash now loses them",
                   self.state.checkpoint_error, n, self.max_held, extra={"acked_undurable": self.state.acked_undurable})
@@ -158,9 +165,11 @@ class Durability:
     # -- checkpoints ------------------------------------------------------------------------
 
     def retry_due(self) -> bool:
-        """A failed save is due again (the loop calls `try_checkpoint` then, data or not)."""
-        return bool(self._failing and self._awaiting and time.monotonic() >= self._retry_at
-                    and (self._job is None or self._job.done()))
+        """A save is owed and due (the loop calls `try_checkpoint` then, data or not)."""
+        owed = checkpoint_owed([s.version for s in self._awaiting], every=self.every,
+                               undurable_through=self._undurable_through,
+                               checkpoint_version=self.state.checkpoint_version)
+        return owed and time.monotonic() >= self._retry_at and (self._job is None or self._job.done())
 
     async def try_checkpoint(self) -> None:
         """Starts a save of the current version; a failure to start is logged and retried later."""
@@ -229,6 +238,7 @@ class Durability:
             log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
                       type(e).__name__, e, len(covered), self._retry_at - time.monotonic(), exc_info=e,
                       extra={"checkpoint_failures": self.state.checkpoint_failures})
+            await self._bound_held()
             raise
         self._saving = []
         if self._failing:
@@ -255,6 +265,16 @@ class Durability:
         self.state.checkpoint_error = describe_save_failure(e, room)
         self._retry_at = time.monotonic() + min(RETRY_FIRST_S * 2 ** (self._failing - 1), RETRY_MAX_S)
         self._count_held()
+
+    async def _bound_held(self) -> None:
+        """Applies the hold bound when a failed save hands its steps back (no step may come to do
+        it: with the backlog full, producers wait). Never raises: the save's failure is the news."""
+        if self.state.held_entries <= self.max_held:
+            return
+        try:
+            await self._ack_undurable(self._published_through)
+        except Exception:
+            log.exception("acknowledging held steps past the hold bound failed; the next step retries")
 
     async def _room_error(self, e: BaseException) -> OSError | None:
         """ENOSPC when the checkpoint disk has no room for a checkpoint (checkpoint.py
@@ -286,6 +306,16 @@ class Durability:
     async def close(self, timeout_s: float) -> None:
         if self._job is not None:
             await asyncio.wait([self._job], timeout=timeout_s)
+
+
+def checkpoint_owed(held_versions: list[int], *, every: int, undurable_through: int,
+                    checkpoint_version: int) -> bool:
+    """A checkpoint is owed, whether or not another step comes: a held step's version was due
+    (`every`) and no save covers it (the save failed, or was skipped while a failed one backed off
+    and then a save of an older version succeeded), or steps were acknowledged without a
+    checkpoint while saves failed and none covers them yet (the hold bound can acknowledge every
+    step as it publishes, leaving nothing held). Until then a crash loses what the model learned."""
+    return (any(v % every == 0 for v in held_versions) or undurable_through > checkpoint_version)
 
 
 def describe_save_failure(e: BaseException, room: OSError | None = None) -> str:
