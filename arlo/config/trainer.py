@@ -145,7 +145,8 @@ class TrainerConfig:
     to age past max_staleness (younger groups filled the batch first; services/trainer/expiring.py).
     Bounded because a rollout worker may have died with the group; 0: never wait (it is dropped)."""
     checkpoint_dir: str = ""
-    """Orbax checkpoint directory; empty disables checkpoints."""
+    """Orbax checkpoint directory, local or mounted (every trainer host must see the same one);
+    empty disables checkpoints. Not a URI: `gs://` and the like are refused."""
     checkpoint_every: int = 0
     """Write a checkpoint every k versions; 0 disables."""
     read_block_ms: int = 1000
@@ -186,3 +187,8 @@ class TrainerConfig:
         _check(f"{path}.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
         _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),
                "needs checkpoint_dir")
+        # A URI would resolve to a relative local path ("./gs:/bucket"): checkpoints on the pod's
+        # own disk, gone with it, while the run believes them durable.
+        _check(f"{path}.checkpoint_dir", "://" not in self.checkpoint_dir,
+               f"must be a directory, local or mounted, got the URI {self.checkpoint_dir!r} "
+               "(object stores are not read directly; use a shared volume, e.g. Filestore)")

@@ -144,6 +144,8 @@ class Checkpointer:
     """One checkpoint directory. Not thread-safe: the caller runs one save or restore at a time."""
 
     def __init__(self, directory: str, *, keep: int = KEEP) -> None:
+        if "://" in directory:  # Path() would make it a relative local path: see TrainerConfig.checkpoint_dir
+            raise ValueError(f"checkpoint directory {directory!r} is a URI; give a local or mounted directory")
         self.directory = Path(directory).resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
         for partial in sorted(self.directory.glob(f"*{_TMP_MARK}*")):

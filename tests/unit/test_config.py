@@ -48,6 +48,7 @@ def test_builtin_config_is_valid() -> None:
     ({"model": {"dtype": "float16"}}, "model.dtype: must be one of float32, bfloat16"),
     ({"trainer": {"algorithm": {"kl_kind": "k4"}}}, "trainer.algorithm.kl_kind: must be one of k1, k2, k3"),
     ({"trainer": {"learning_rate": None}}, "trainer.learning_rate: expected float, got None"),
+    ({"trainer": {"checkpoint_dir": "gs://bucket/run"}}, "trainer.checkpoint_dir: must be a directory"),
 ])
 def test_errors_name_the_field(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
