@@ -424,12 +424,14 @@ class TrainingLoop:
         self.clock.step_done(marks.published_at)
         step = TrainedStep(version=self.state.version, entry_ids=entry_ids, trajectory_ids=batch.trajectory_ids)
         self.durable.hold(step)  # from here a producer's retry of these trajectories is a repeat
-        tail = self._step_tail(record, self._counters_now(), step, published=published)
+        counters = self._counters_now()  # as of this step, whenever its tail runs
         if defer_tail and not self.durable.acknowledges_before_next_step(step.version) and not self._pause_due():
-            self._tails.defer(tail, on_done=self.clock.add_overlapped_tail)
+            self._tails.defer(self._step_tail(record, counters, step, published=published),
+                              on_done=self.clock.add_overlapped_tail)
         else:
             await self._tails.settle()  # records and acks stay in step order
-            await tail
+            # Made only now: a coroutine made before a settle that is cancelled would never run.
+            await self._step_tail(record, counters, step, published=published)
 
     async def _step_tail(self, record: dict[str, Any], counters: dict[str, Any], step: TrainedStep, *,
                          published: bool) -> None:
