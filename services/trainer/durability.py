@@ -65,6 +65,11 @@ class Durability:
     def held(self) -> tuple[TrainedStep, ...]:
         return (*self._awaiting, *self._saving)
 
+    def _put_back(self, steps: list[TrainedStep]) -> None:
+        """Steps held again (a failed save or acknowledgement), in version order: a save's job and
+        a step's tail may each hand steps back, and the hold bound takes the oldest first."""
+        self._awaiting = sorted((*steps, *self._awaiting), key=lambda s: s.version)
+
     def _count_held(self) -> None:
         self.state.held_entries = sum(len(s.entry_ids) for s in self.held())
 
@@ -104,7 +109,8 @@ class Durability:
 
     def checkpoint_due(self, version: int) -> bool:
         """`acknowledge(version)` would start a checkpoint (which copies the arrays a step donates)."""
-        return self.checkpointer is not None and version % self.every == 0 and time.monotonic() >= self._retry_at
+        return (self.checkpointer is not None and self.every > 0 and version % self.every == 0
+                and time.monotonic() >= self._retry_at)
 
     def acknowledges_before_next_step(self, version: int) -> bool:
         """`acknowledge(version)` must finish before the next step starts: it starts a checkpoint,
@@ -140,7 +146,7 @@ class Durability:
             await self.stream.mark_trained([t for s in steps for t in s.trajectory_ids])
             await self.stream.ack([e for s in steps for e in s.entry_ids])
         except BaseException:
-            self._awaiting[:0] = steps  # still unacknowledged: the next call tries again
+            self._put_back(steps)  # still unacknowledged: the next call tries again
             raise
         finally:
             self._count_held()
@@ -154,18 +160,20 @@ class Durability:
             excess -= len(done[-1].entry_ids)
         if not done:
             return
+        await self._ack(done)  # a failure puts them back, held and uncounted
         n = sum(len(s.trajectory_ids) for s in done)
         self.state.acked_undurable += n
         self._undurable_through = max(self._undurable_through, done[-1].version)
         log.error("checkpoint saves keep failing (%s); %d trajectories acknowledged WITHOUT a checkpoint so "
                   "producers are not stalled by the held backlog (bound %d entries); a crash now loses them",
                   self.state.checkpoint_error, n, self.max_held, extra={"acked_undurable": self.state.acked_undurable})
-        await self._ack(done)
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def retry_due(self) -> bool:
         """A save is owed and due (the loop calls `try_checkpoint` then, data or not)."""
+        if self.checkpointer is None:
+            return False
         owed = checkpoint_owed([s.version for s in self._awaiting], every=self.every,
                                undurable_through=self._undurable_through,
                                checkpoint_version=self.state.checkpoint_version)
@@ -190,6 +198,10 @@ class Durability:
         if version < 1:
             raise ValueError("nothing to checkpoint yet: no version has been published")
         if version == self.state.checkpoint_version:
+            covered = [s for s in self._awaiting if s.version <= version]
+            if covered:  # complete on disk, but acknowledging its steps failed: again now
+                self._awaiting = [s for s in self._awaiting if s.version > version]
+                await self._ack(covered)
             done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
             done.set_result((version, self.state.checkpoint_uri))
             return done
@@ -210,7 +222,8 @@ class Durability:
                 if snapshot is None:  # several processes: the save starts in step order, here
                     await asyncio.to_thread(self.replica.start_save, meta)
         except BaseException:
-            self._awaiting[:0], self._saving = covered, []
+            self._put_back(covered)
+            self._saving = []
             raise
         self._job_version = version
         self._job = asyncio.create_task(self._finish(version, covered, meta, snapshot), name=f"checkpoint-{version}")
@@ -233,12 +246,14 @@ class Durability:
             # The job keeps its exception until settled (a retry, 1-30 s on): frames of the failed
             # save must not keep the host copy of the whole state alive that long.
             traceback.clear_frames(e.__traceback__)
-            self._awaiting[:0], self._saving = covered, []
+            self._put_back(covered)
+            self._saving = []
             self._failed(e, await self._room_error(e))
             log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
                       type(e).__name__, e, len(covered), self._retry_at - time.monotonic(), exc_info=e,
                       extra={"checkpoint_failures": self.state.checkpoint_failures})
-            await self._bound_held()
+            if isinstance(e, Exception):  # a cancelled save (shutdown) is no storage failure
+                await self._bound_held()
             raise
         self._saving = []
         if self._failing:
@@ -315,7 +330,8 @@ def checkpoint_owed(held_versions: list[int], *, every: int, undurable_through: 
     and then a save of an older version succeeded), or steps were acknowledged without a
     checkpoint while saves failed and none covers them yet (the hold bound can acknowledge every
     step as it publishes, leaving nothing held). Until then a crash loses what the model learned."""
-    return (any(v % every == 0 for v in held_versions) or undurable_through > checkpoint_version)
+    due = every > 0 and any(v % every == 0 for v in held_versions)  # every 0: saves only on request
+    return due or undurable_through > checkpoint_version
 
 
 def describe_save_failure(e: BaseException, room: OSError | None = None) -> str:

@@ -24,3 +24,9 @@ def test_steps_acknowledged_without_a_checkpoint_are_owed_one_with_nothing_held(
     assert owed([], undurable_through=5, checkpoint_version=1)
     assert not owed([], undurable_through=5, checkpoint_version=5)
     assert not owed([], undurable_through=0, checkpoint_version=0)
+
+
+def test_without_a_save_interval_nothing_is_due_by_version() -> None:
+    # checkpoint_every 0 (checkpoints off, or saved only on request): no version is ever due.
+    assert not owed([1, 2, 3], every=0)
+    assert owed([1, 2, 3], every=0, undurable_through=3, checkpoint_version=1)
