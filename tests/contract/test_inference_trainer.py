@@ -158,7 +158,11 @@ async def test_trained_version_reaches_inference_intact(stack: dict) -> None:
         f"http://127.0.0.1:{stack['inference_metrics']}/metrics", timeout=5).read().decode())
     scraped = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
     assert scraped["arlo_inference_swaps_total"] >= 1 and scraped["arlo_inference_last_swap_seconds"] > 0
-    assert scraped["arlo_inference_generated_tokens_total"] >= 4 and scraped["arlo_inference_weight_version"] == 1
+    # At least this reply's tokens: sampled at temperature 1, it may stop at EOS before max_tokens
+    # (CI: 2 of 4, from a model just trained on a completion that ends in EOS).
+    made = len(resp.completions[0].token_ids)
+    assert made >= 1 and scraped["arlo_inference_generated_tokens_total"] >= made
+    assert scraped["arlo_inference_weight_version"] == 1
     assert scraped["arlo_inference_slots"] >= 1 and 0 <= scraped["arlo_inference_kv_use"] <= 1
     assert 0 <= scraped["arlo_inference_batch_occupancy"] <= 1 and "arlo_inference_kv_slots_used" in scraped
     async with make_channel(stack["trainer"], token=TOKEN) as ch:
