@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,7 +202,12 @@ class Checkpointer:
         if critic:
             items["critic"] = ocp.args.StandardSave(critic)
         args = ocp.args.Composite(**items)
-        if not self._manager.save(meta.version, args=args):
+        try:
+            saved = self._manager.save(meta.version, args=args)
+        except BaseException:
+            self._reopen()  # a manager whose save raised keeps raising it: see _reopen
+            raise
+        if not saved:
             raise RuntimeError(f"orbax declined to save checkpoint {meta.version} (not newer than "
                                f"{self._manager.latest_step()})")
 
@@ -214,13 +220,23 @@ class Checkpointer:
             raise
 
     def _reopen(self) -> None:
-        """A fresh manager after a failed save: the old one may keep the failure (and its partial
-        directory) and refuse every later save, so saves could not resume once space returns."""
+        """A fresh manager after a failed save: the old one may keep the failure and refuse every
+        later save, so saves could not resume once space returns. Orbax's own removal of partial
+        directories at start is off here: it runs in the background, a writer of the failed save
+        still filling one makes it fail ('Directory not empty'), and the manager then raises
+        that from every save it is asked for (CI: six retries over a minute, none saved). The
+        partial directories are removed here instead, by the primary process (before it joins
+        the next save, so no other process races it), and what cannot be removed yet is left
+        (never listed as a checkpoint; the next failure or start removes it)."""
         try:
             self._manager.close()
         except Exception as e:  # the failed save's error again; it was already raised to the caller
             log.debug("closing the checkpoint manager after a failed save: %s", e)
-        self._manager = ocp.CheckpointManager(self.directory, options=self._options)
+        if jax.process_index() == 0:
+            for partial in self.directory.glob(f"*{_TMP_MARK}*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=dataclasses.replace(self._options, cleanup_tmp_directories=False))
 
     def restore_newest(self, params_like: nnx.State, opt_state_like: Any, critic_like: Any = None) -> Restored | None:
         """The newest complete, intact checkpoint; None when there is none. `critic_like`: the

@@ -152,12 +152,22 @@ class Durability:
             self._count_held()
 
     async def _ack_undurable(self, version: int) -> None:
-        # Counted from the live lists: a failed save's job and a step may both apply the bound.
+        await self._ack_past_bound(self._take_past_bound(version))
+
+    def _take_past_bound(self, version: int) -> list[TrainedStep]:
+        """Takes the oldest held steps up to `version` while more than `max_held` entries are held,
+        and counts what stays held at once (a status read while they are acknowledged sees it).
+        Counted from the live lists: a failed save's job and a step may both apply the bound."""
         excess = sum(len(s.entry_ids) for s in self.held()) - self.max_held
         done: list[TrainedStep] = []
         while self._awaiting and excess > 0 and self._awaiting[0].version <= version:
             done.append(self._awaiting.pop(0))
             excess -= len(done[-1].entry_ids)
+        self._count_held()
+        return done
+
+    async def _ack_past_bound(self, done: list[TrainedStep]) -> None:
+        """Acknowledges steps `_take_past_bound` took, without a checkpoint."""
         if not done:
             return
         await self._ack(done)  # a failure puts them back, held and uncounted
@@ -248,12 +258,19 @@ class Durability:
             traceback.clear_frames(e.__traceback__)
             self._put_back(covered)
             self._saving = []
-            self._failed(e, await self._room_error(e))
+            room = await self._room_error(e)
+            # The steps it hands back are bounded in the same breath as the failure is counted
+            # (no step may come to do it, and no status read sees the one without the other);
+            # a cancelled save (shutdown) is no storage failure.
+            past_bound = self._take_past_bound(self._published_through) if isinstance(e, Exception) else []
+            self._failed(e, room)
             log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
                       type(e).__name__, e, len(covered), self._retry_at - time.monotonic(), exc_info=e,
                       extra={"checkpoint_failures": self.state.checkpoint_failures})
-            if isinstance(e, Exception):  # a cancelled save (shutdown) is no storage failure
-                await self._bound_held()
+            try:
+                await self._ack_past_bound(past_bound)
+            except Exception:  # the save's failure is the news; the next step applies the bound again
+                log.exception("acknowledging held steps past the hold bound failed")
             raise
         self._saving = []
         if self._failing:
@@ -280,16 +297,6 @@ class Durability:
         self.state.checkpoint_error = describe_save_failure(e, room)
         self._retry_at = time.monotonic() + min(RETRY_FIRST_S * 2 ** (self._failing - 1), RETRY_MAX_S)
         self._count_held()
-
-    async def _bound_held(self) -> None:
-        """Applies the hold bound when a failed save hands its steps back (no step may come to do
-        it: with the backlog full, producers wait). Never raises: the save's failure is the news."""
-        if self.state.held_entries <= self.max_held:
-            return
-        try:
-            await self._ack_undurable(self._published_through)
-        except Exception:
-            log.exception("acknowledging held steps past the hold bound failed; the next step retries")
 
     async def _room_error(self, e: BaseException) -> OSError | None:
         """ENOSPC when the checkpoint disk has no room for a checkpoint (checkpoint.py

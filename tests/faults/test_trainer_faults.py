@@ -173,6 +173,7 @@ async def test_a_full_checkpoint_disk_is_reported_never_stalls_training_and_save
     async with trainer(redis_url, run_id, checkpoint_dir=str(ckpt), checkpoint_every=1,
                        max_staleness=1000) as (loop, _, io):
         loop.durable.max_held = max_held
+        slow_acks(loop.durable.stream, 0.3)  # a loaded Redis: a status read may land mid-acknowledgement
         await add_group(io["stream"])
         await wait_for(lambda: loop.state.checkpoint_version >= 1)
         filler = fill(small_disk)
@@ -217,6 +218,17 @@ def test_a_full_checkpoint_disk_is_named_whatever_the_failed_save_raised(small_d
         assert checkpointer.out_of_space() is None
     finally:
         checkpointer.close()
+
+
+def slow_acks(stream: Any, delay_s: float) -> None:
+    """`stream.ack` (the real one) answers `delay_s` later."""
+    real = stream.ack
+
+    async def ack(*args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(delay_s)
+        return await real(*args, **kw)
+
+    stream.ack = ack
 
 
 def flip_bytes(directory: Path) -> None:
