@@ -5,6 +5,7 @@ goes away frees its slot."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -76,8 +77,31 @@ async def test_stream_sends_tokens_as_chunks_complete_and_matches_generate(serve
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_a_cancelled_stream_frees_its_slot(served: tuple[str, Engine]) -> None:
+def hold_after_first_tokens_until_cancelled(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
+    """The engine thread waits, after a request's first tokens, until the server queued its
+    cancel: a cancel that travels slowly on a loaded machine cannot lose a race with the rest
+    of the generation (200 tokens of a tiny model take well under a second)."""
+    cancelled = threading.Event()
+    real_submit, real_cancel = engine.submit, engine.cancel
+
+    def submit(req, *, on_tokens=None, **kw):
+        def held(delta) -> None:
+            if on_tokens is not None:
+                on_tokens(delta)
+            cancelled.wait(30)
+        return real_submit(req, on_tokens=held, **kw)
+
+    def cancel(request_id: str) -> None:
+        real_cancel(request_id)
+        cancelled.set()
+
+    monkeypatch.setattr(engine, "submit", submit)
+    monkeypatch.setattr(engine, "cancel", cancel)
+
+
+async def test_a_cancelled_stream_frees_its_slot(served: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     address, engine = served
+    hold_after_first_tokens_until_cancelled(monkeypatch, engine)
     async with make_channel(address, token=TOKEN) as ch:
         call = inference_pb2_grpc.InferenceStub(ch).GenerateStream(
             inference_pb2.GenerateStreamRequest(request=request(200, temperature=0.0)))
@@ -92,12 +116,14 @@ async def test_a_cancelled_stream_frees_its_slot(served: tuple[str, Engine]) -> 
     assert engine.stats.generated_tokens < 200
 
 
-async def test_a_cancelled_generate_frees_its_slot(served: tuple[str, Engine]) -> None:
+async def test_a_cancelled_generate_frees_its_slot(served: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     address, engine = served
+    hold_after_first_tokens_until_cancelled(monkeypatch, engine)  # the deadline passes mid-generation
     async with make_channel(address, token=TOKEN) as ch:
+        await ch.channel_ready()  # the deadline is for the request, not the connection
         stub = inference_pb2_grpc.InferenceStub(ch)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Generate(request(200, temperature=0.0), timeout=0.15)  # the deadline passes mid-generation
+            await stub.Generate(request(200, temperature=0.0), timeout=1.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         deadline = asyncio.get_running_loop().time() + 60
         while engine.stats.aborted < 1 or engine.scheduler.running or engine.scheduler.waiting:

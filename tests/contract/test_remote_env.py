@@ -234,19 +234,21 @@ def scripted_remote(port: int, **overrides: object) -> RemoteEnvConfig:
 
 async def test_deadlines_are_the_shorter_of_config_and_caller(scripted: tuple[ScriptedBackend, int]) -> None:
     backend, port = scripted
-    async for stub in serve(config(scripted_remote(port, timeout_s=0.3, breaker_failures=100))):
+    # Seconds, not tenths: a healthy step must cross two gRPC hops within the caller's deadline
+    # on a loaded machine too.
+    async for stub in serve(config(scripted_remote(port, timeout_s=2.0, breaker_failures=100))):
         session = (await reset(stub, "scripted")).session_id
         assert session == "r0:s1"
-        backend.delay_s = 1.0
+        backend.delay_s = 6.0
         started = time.monotonic()
-        await fails(stub.Step(env_pb2.StepRequest(session_id=session, action="x"), timeout=5),
+        await fails(stub.Step(env_pb2.StepRequest(session_id=session, action="x"), timeout=10),
                     grpc.StatusCode.DEADLINE_EXCEEDED, "remote backend 0")
-        assert 0.25 < time.monotonic() - started < 3  # the config's 0.3 s, not the caller's 5 s
+        assert 1.9 < time.monotonic() - started < 6  # the config's 2 s, not the caller's 10 s
         backend.delay_s, backend.deadlines = 0.0, []
-        await stub.Step(env_pb2.StepRequest(session_id=session, action="x"), timeout=0.2)
+        await stub.Step(env_pb2.StepRequest(session_id=session, action="x"), timeout=1.0)
         (seen,) = backend.deadlines
-        # The caller's 0.2 s travelled downstream, not the config's 0.3 s (grpc-timeout rounds up a little).
-        assert seen is not None and seen < 0.25
+        # The caller's 1 s travelled downstream, not the config's 2 s (grpc-timeout rounds up a little).
+        assert seen is not None and seen < 1.05
 
 
 async def test_concurrency_limit_queues_calls(scripted: tuple[ScriptedBackend, int]) -> None:

@@ -83,8 +83,11 @@ async def test_a_step_waits_for_an_older_group_still_in_flight_instead_of_leavin
         await mark_in_flight(redis, run_id, "slow", 0)
         await add_group(stream, 1)
         loop.resume(until_step=3)
-        await asyncio.sleep(1.5)
-        assert loop.state.version == 1 and loop.intake.expiring.waits == 1  # waiting for it
+        deadline = asyncio.get_running_loop().time() + 30
+        while loop.intake.expiring.waits < 1:  # the resumed loop reads the group, then waits
+            assert asyncio.get_running_loop().time() < deadline, "the step never waited for the older group"
+            await asyncio.sleep(0.05)
+        assert loop.state.version == 1 and loop.intake.expiring.waits == 1  # waiting for it, not training
         await add_group(stream, 0, group="slow")  # its worker leaves the mark: the trainer takes it off
         await wait_for_version(loop, 3)
         await loop.pause()

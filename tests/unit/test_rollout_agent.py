@@ -57,13 +57,19 @@ def test_turn_and_token_limits_end_the_episode_with_a_reason(engine: Engine) -> 
 
 def test_wall_time_limit_ends_the_episode_between_turns_with_a_reason() -> None:
     class SlowWrongPolicy:
+        """The first turn at once, the second past the limit: the check between turns ends the
+        episode after two whatever the machine's load (the first turn has the whole second)."""
+        turns = 0
+
         async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
-            await asyncio.sleep(0.2)
+            self.turns += 1
+            if self.turns > 1:
+                await asyncio.sleep(1.1)
             ids = TOK.encode("-1") + [TOK.eos_id]
             return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids),
                         finished_by_stop=True)
 
-    traj = asyncio.run(run_episode(spec(max_turns=10, env_config_json='{"max_turns": 10}', max_wall_s=0.3),
+    traj = asyncio.run(run_episode(spec(max_turns=10, env_config_json='{"max_turns": 10}', max_wall_s=1.0),
                                    TOK, SlowWrongPolicy(), GatewayEnv(), CoreScorer()))
     assert traj.finish_reason == "max_wall_time" and traj.num_turns == 2
     assert traj.status == common_pb2.TRAJECTORY_STATUS_TRUNCATED  # trainable, reward 0: no answer
