@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -198,14 +199,21 @@ class Engine:
         """Queues a request (thread-safe); raises ValueError for a bad one."""
         return self.submit_many([req], on_tokens=on_tokens, on_done=on_done)[0]
 
+    def validate(self, req: SamplingRequest) -> None:
+        """Raises ValueError naming what this engine refuses in `req` (what submit would raise)."""
+        validate_request(req, self.config, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.max_seq_len)
+
     def submit_many(self, reqs: list[SamplingRequest], *, on_tokens: OnTokens | None = None,
-                    on_done: OnDone | None = None) -> list[RequestHandle]:
+                    on_done: OnDone | Sequence[OnDone] | None = None) -> list[RequestHandle]:
         """Queues requests that the loop sees together (so they can share their first step);
-        all are validated before any is queued."""
+        all are validated before any is queued. `on_done`: one callback for all, or one per request."""
         for req in reqs:
-            validate_request(req, self.config, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.max_seq_len)
+            self.validate(req)
+        dones = list(on_done) if isinstance(on_done, Sequence) else [on_done] * len(reqs)
+        if len(dones) != len(reqs):
+            raise ValueError(f"{len(dones)} on_done callbacks for {len(reqs)} requests")
         requests = [self._request(req) for req in reqs]
-        handles = [RequestHandle(r.id, on_tokens, on_done) for r in requests]
+        handles = [RequestHandle(r.id, on_tokens, done) for r, done in zip(requests, dones, strict=True)]
         self.start()
         with self._cv:
             if self._stopping:

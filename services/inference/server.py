@@ -9,6 +9,7 @@ request, which frees its slots at the next chunk boundary.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,6 +22,8 @@ from services.inference.episodes import EpisodeRecorder
 FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
           "abort": inference_pb2.FINISH_REASON_ABORT}
 MAX_ID_BYTES = 128
+MAX_BATCH_REQUESTS = 256
+"""GenerateBatch's bound (inference.proto)."""
 
 
 def to_sampling_request(req: inference_pb2.GenerateRequest) -> SamplingRequest:
@@ -43,6 +46,9 @@ def to_completion(sample: Sample) -> inference_pb2.Completion:
         policy_versions=sample.policy_versions, finish_reason=FINISH[sample.finish_reason],
     )
 
+
+def _put_at(bridge: Bridge, index: int, result: list[Sample] | BaseException) -> None:
+    bridge.put((index, result))
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -67,6 +73,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return handle.id, bridge
         raise AssertionError("unreachable: abort raises")
 
+    def _response(self, result: list[Sample]) -> inference_pb2.GenerateResponse:
+        first = result[0].policy_versions[:1] if result else []
+        return inference_pb2.GenerateResponse(completions=[to_completion(s) for s in result],
+                                              policy_version=first[0] if first else self.engine.version,
+                                              queue_s=result[0].queue_s if result else 0.0,
+                                              engine_s=result[0].engine_s if result else 0.0)
+
     async def Generate(self, request, context):  # noqa: N802 (gRPC names)
         request_id, bridge = await self._submit(request, context, stream=False)
         try:
@@ -76,11 +89,49 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise
         if isinstance(result, BaseException):
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {result}")
-        first = result[0].policy_versions[:1] if result else []
-        return inference_pb2.GenerateResponse(completions=[to_completion(s) for s in result],
-                                              policy_version=first[0] if first else self.engine.version,
-                                              queue_s=result[0].queue_s if result else 0.0,
-                                              engine_s=result[0].engine_s if result else 0.0)
+        return self._response(result)
+
+    async def GenerateBatch(  # noqa: N802
+        self, request: inference_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateBatchResult]:
+        """Every valid request goes to the engine in one submit (one admission); a refused one
+        gets its own INVALID_ARGUMENT result first, the rest as each finishes."""
+        if not 1 <= len(request.requests) <= MAX_BATCH_REQUESTS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"requests: 1 to {MAX_BATCH_REQUESTS}, got {len(request.requests)}")
+        indices, sampling = [], []
+        for i, req in enumerate(request.requests):
+            try:
+                sr = to_sampling_request(req)
+                self.engine.validate(sr)
+            except ValueError as e:
+                yield inference_pb2.GenerateBatchResult(index=i, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                                        message=str(e))
+                continue
+            indices.append(i)
+            sampling.append(sr)
+        if not sampling:
+            return
+        bridge = Bridge()
+        try:
+            handles = self.engine.submit_many(sampling, on_done=[functools.partial(_put_at, bridge, i)
+                                                                 for i in indices])
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        running = {h.id for h in handles}
+        ids = dict(zip(indices, (h.id for h in handles), strict=True))
+        try:
+            while running:
+                i, result = await bridge.queue.get()
+                running.discard(ids[i])
+                if isinstance(result, BaseException):
+                    yield inference_pb2.GenerateBatchResult(index=i, code=grpc.StatusCode.INTERNAL.value[0],
+                                                            message=f"generation failed: {result}")
+                else:
+                    yield inference_pb2.GenerateBatchResult(index=i, response=self._response(result))
+        finally:
+            for request_id in running:  # the client went away (CancelledError) or the stream broke
+                self.engine.cancel(request_id)
 
     async def GenerateStream(  # noqa: N802
         self, request: inference_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext

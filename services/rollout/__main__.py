@@ -52,7 +52,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()
     instance = f"{socket.gethostname()}-{os.getpid()}"
-    gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)
+    gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
+                          batch_window_s=rc.generate_batch_window_s)
     # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
                          batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,
@@ -74,7 +75,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
         tracer=tracer,
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
-                             stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s)
+                             stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
+                             batch_window_s=rc.generate_batch_window_s)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [], tracing=tracing)

@@ -26,6 +26,7 @@ from arlo.proto.v1 import (
 )
 from arlo.rpc.replicas import ReplicaSet
 from services.rollout.agent import Turn
+from services.rollout.generate_batching import GenerateBatcher
 from services.rollout.types import BackendError, Message, ResetResult, RetryableError, ScoreResult, StepResult
 
 # Worth retrying with backoff: the backend may be restarting or overloaded.
@@ -83,19 +84,35 @@ class InferenceClient:
     """Generation over one channel, or over a ReplicaSet (each session on its own replica)."""
 
     def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *,
-                 stop_token_ids: Sequence[int], timeout_s: float) -> None:
+                 stop_token_ids: Sequence[int], timeout_s: float, batch_window_s: float = 0.0) -> None:
         """`stop_token_ids`: the tokenizer's (every eos id of the model); sampling.stop_token_ids
-        are added to them."""
+        are added to them. `batch_window_s` > 0: calls to one replica that arrive together leave
+        as one GenerateBatch (services/rollout/generate_batching.py); 0: one Generate each."""
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
+        self.channel = None if self.replicas else channel
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
         self.sampling = sampling
         self.stop_token_ids = list(dict.fromkeys([*stop_token_ids, *sampling.stop_token_ids]))
         self.timeout_s = timeout_s
+        self.batch_window_s = batch_window_s
+        self._batchers: dict[grpc.aio.Channel, GenerateBatcher] = {}
 
-    async def _stub(self, session_id: str = "") -> inference_pb2_grpc.InferenceStub:
-        if self.replicas is None:
-            return self.stub
-        return inference_pb2_grpc.InferenceStub(await self.replicas.channel(session_id))
+    async def _channel(self, session_id: str = "") -> grpc.aio.Channel:
+        return self.channel if self.replicas is None else await self.replicas.channel(session_id)
+
+    async def _call(self, request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
+        channel = await self._channel(request.session_id)
+        if self.batch_window_s <= 0:
+            return await inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=self.timeout_s)
+        batcher = self._batchers.get(channel)
+        if batcher is None:
+            if self.replicas is not None:  # forget the batchers of replicas that are gone
+                live = set(await self.replicas.all_channels())
+                self._batchers = {c: b for c, b in self._batchers.items() if c in live}
+            batcher = self._batchers[channel] = GenerateBatcher(
+                inference_pb2_grpc.InferenceStub(channel), window_s=self.batch_window_s, timeout_s=self.timeout_s,
+                translate=lambda code, details: backend_error("inference", code, details))
+        return await batcher.generate(request)
 
     @translated("inference")
     async def served_version(self) -> int:
@@ -111,14 +128,13 @@ class InferenceClient:
     async def generate(self, prompt: Sequence[int], *, max_tokens: int, session_id: str = "",
                        seed: int | None = None) -> Turn:
         s = self.sampling
-        stub = await self._stub(session_id)
         params = common_pb2.SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, max_tokens=max_tokens,
             stop_token_ids=self.stop_token_ids, stop=s.stop)
         if seed is not None:  # unset, the engine draws a fresh seed per request
             params.seed = seed
-        resp = await stub.Generate(inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params), timeout=self.timeout_s)
+        resp = await self._call(inference_pb2.GenerateRequest(
+            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params))
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                     policy_versions=list(c.policy_versions),

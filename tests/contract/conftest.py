@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from tests.support.inference_server import served  # noqa: F401 (a fixture: the inference contract tests')
 from tests.support.openai_server import Served, inference_service
 
 

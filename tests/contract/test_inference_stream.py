@@ -5,8 +5,6 @@ goes away frees its slot."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -17,34 +15,7 @@ from arlo.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from arlo.rpc import ServiceBinding, make_channel, start_server
 from services.inference.engine import Engine
 from services.inference.server import InferenceServicer
-
-TOKEN = "stream-token"
-
-
-@pytest.fixture
-async def served(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, Engine]]:
-    monkeypatch.setenv("ARLO_TOKEN", TOKEN)
-    cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
-    # Two steps per chunk and up to 200 tokens: a long request stays in flight for many chunks.
-    engine = Engine(preset_source("tiny"), config=InferenceConfig(max_n=4, max_tokens=200, max_prompt_tokens=32, max_batch=8, decode_steps=2))
-    name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-    running = await start_server("inference", cfg.inference.server, cfg.auth, [
-        ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
-                       servicer=InferenceServicer(engine, "byte"))])
-    try:
-        yield f"127.0.0.1:{running.port}", engine
-    finally:
-        await running.stop(0.1)
-        await asyncio.to_thread(engine.close)
-
-
-def request(max_tokens: int, *, seed: int | None = None, prompt: tuple[int, ...] = (257, 260, 49, 258, 261),
-            temperature: float = 1.0) -> inference_pb2.GenerateRequest:
-    # Stop id 263 is no byte-tokenizer id; greedy decoding of this model never produces it.
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop_token_ids=[263])
-    if seed is not None:
-        sampling.seed = seed
-    return inference_pb2.GenerateRequest(prompt_token_ids=list(prompt), n=1, sampling=sampling)
+from tests.support.inference_server import TOKEN, hold_after_first_tokens_until_cancelled, request
 
 
 async def test_concurrent_generate_calls_share_decode_steps(served: tuple[str, Engine]) -> None:
@@ -75,28 +46,6 @@ async def test_stream_sends_tokens_as_chunks_complete_and_matches_generate(serve
             async for _ in inference_pb2_grpc.InferenceStub(ch).GenerateStream(bad):
                 pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-
-
-def hold_after_first_tokens_until_cancelled(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
-    """The engine thread waits, after a request's first tokens, until the server queued its
-    cancel: a cancel that travels slowly on a loaded machine cannot lose a race with the rest
-    of the generation (200 tokens of a tiny model take well under a second)."""
-    cancelled = threading.Event()
-    real_submit, real_cancel = engine.submit, engine.cancel
-
-    def submit(req, *, on_tokens=None, **kw):
-        def held(delta) -> None:
-            if on_tokens is not None:
-                on_tokens(delta)
-            cancelled.wait(30)
-        return real_submit(req, on_tokens=held, **kw)
-
-    def cancel(request_id: str) -> None:
-        real_cancel(request_id)
-        cancelled.set()
-
-    monkeypatch.setattr(engine, "submit", submit)
-    monkeypatch.setattr(engine, "cancel", cancel)
 
 
 async def test_a_cancelled_stream_frees_its_slot(served: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -162,6 +162,63 @@ class GenerateResponse(_message.Message):
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
+class GenerateBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateRequest]:
+        """1 to 256 requests, each as Generate takes it."""
+
+    def __init__(
+        self,
+        *,
+        requests: _abc.Iterable[Global___GenerateRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateBatchRequest: _TypeAlias = GenerateBatchRequest  # noqa: Y015
+
+@_typing.final
+class GenerateBatchResult(_message.Message):
+    """The outcome of one request of a GenerateBatch; results arrive in completion order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Position of the request in GenerateBatchRequest.requests."""
+    code: _builtins.int
+    """gRPC status code of this request (0 = OK) and its message, as Generate would return them."""
+    message: _builtins.str
+    @_builtins.property
+    def response(self) -> Global___GenerateResponse:
+        """Set when code is 0."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        response: Global___GenerateResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "index", b"index", "message", b"message", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateBatchResult: _TypeAlias = GenerateBatchResult  # noqa: Y015
+
+@_typing.final
 class GenerateStreamRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

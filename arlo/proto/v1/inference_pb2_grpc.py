@@ -40,6 +40,11 @@ class InferenceStub:
                 request_serializer=arlo_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=arlo_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_stream(
+                '/arlo.v1.Inference/GenerateBatch',
+                request_serializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchResult.FromString,
+                _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/arlo.v1.Inference/GenerateStream',
                 request_serializer=arlo_dot_v1_dot_inference__pb2.GenerateStreamRequest.SerializeToString,
@@ -63,6 +68,16 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Samples n completions of one prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatch(self, request, context):
+        """Samples 1 to 256 requests submitted together: the engine admits them at once (one
+        admission, shared prefills) and each result streams back as soon as its request finishes,
+        with its own status. What a client sends when many calls are ready at the same moment
+        (the episodes of a rollout burst), at the cost of one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +112,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=arlo_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=arlo_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchResult.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
@@ -142,6 +162,33 @@ class Inference:
             '/arlo.v1.Inference/Generate',
             arlo_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             arlo_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/arlo.v1.Inference/GenerateBatch',
+            arlo_dot_v1_dot_inference__pb2.GenerateBatchRequest.SerializeToString,
+            arlo_dot_v1_dot_inference__pb2.GenerateBatchResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,12 @@ class InferenceStub:
     def __new__(cls, channel: _aio.Channel) -> InferenceAsyncStub: ...
     Generate: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]
     """Samples n completions of one prompt."""
+    GenerateBatch: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateBatchRequest, _inference_pb2.GenerateBatchResult]
+    """Samples 1 to 256 requests submitted together: the engine admits them at once (one
+    admission, shared prefills) and each result streams back as soon as its request finishes,
+    with its own status. What a client sends when many calls are ready at the same moment
+    (the episodes of a rollout burst), at the cost of one call.
+    """
     GenerateStream: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateStreamRequest, _inference_pb2.GenerateStreamResponse]
     """Streams the tokens of one completion (n must be 1) as they are produced."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelInfoRequest, _inference_pb2.GetModelInfoResponse]
@@ -51,6 +57,12 @@ class InferenceAsyncStub(InferenceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]  # type: ignore[assignment]
     """Samples n completions of one prompt."""
+    GenerateBatch: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateBatchRequest, _inference_pb2.GenerateBatchResult]  # type: ignore[assignment]
+    """Samples 1 to 256 requests submitted together: the engine admits them at once (one
+    admission, shared prefills) and each result streams back as soon as its request finishes,
+    with its own status. What a client sends when many calls are ready at the same moment
+    (the episodes of a rollout burst), at the cost of one call.
+    """
     GenerateStream: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateStreamRequest, _inference_pb2.GenerateStreamResponse]  # type: ignore[assignment]
     """Streams the tokens of one completion (n must be 1) as they are produced."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelInfoRequest, _inference_pb2.GetModelInfoResponse]  # type: ignore[assignment]
@@ -70,6 +82,18 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.GenerateResponse, _abc.Awaitable[_inference_pb2.GenerateResponse]]:
         """Samples n completions of one prompt."""
+
+    @_abc_1.abstractmethod
+    def GenerateBatch(
+        self,
+        request: _inference_pb2.GenerateBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_pb2.GenerateBatchResult], _abc.AsyncIterator[_inference_pb2.GenerateBatchResult]]:
+        """Samples 1 to 256 requests submitted together: the engine admits them at once (one
+        admission, shared prefills) and each result streams back as soon as its request finishes,
+        with its own status. What a client sends when many calls are ready at the same moment
+        (the episodes of a rollout burst), at the cost of one call.
+        """
 
     @_abc_1.abstractmethod
     def GenerateStream(
