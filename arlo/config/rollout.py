@@ -267,10 +267,11 @@ class RolloutConfig:
     """How the policy samples during training episodes."""
     rpc_timeout_s: float = 30.0
     """Deadline of each call to inference, the env gateway and the reward service."""
-    generate_batch_window_s: float = 0.001
-    """Generate calls to one inference replica that arrive within this of each other leave as one
-    GenerateBatch (at most 8 windows after the first), which the engine admits at once; 0 sends
-    one Generate per call. A burst of 32 calls went from 4-5 prefills to 1 (docs/architecture.md)."""
+    batch_window_s: float = 0.001
+    """Generate calls to one inference replica, and Score calls, that arrive within this of each
+    other leave as one GenerateBatch / ScoreBatch (at most 8 windows after the first); inference
+    admits a batch at once. 0 sends one call each. At 596k, a sync burst of 32 Generates went from
+    4-5 prefills to 1 (services/rollout/coalescing.py)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
     envs: tuple[RolloutEnvConfig, ...] = ()
@@ -321,7 +322,7 @@ class RolloutConfig:
         _check(f"{path}.agent", not self.agent or self.agent.count(":") == 1 and all(self.agent.split(":")),
                'must be "module:function" (or empty for the built-in loop)')
         _check(f"{path}.admission_poll_s", self.admission_poll_s > 0, "must be > 0")
-        _check(f"{path}.generate_batch_window_s", 0 <= self.generate_batch_window_s <= 1, "must be in [0, 1]")
+        _check(f"{path}.batch_window_s", 0 <= self.batch_window_s <= 1, "must be in [0, 1]")
         _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
         _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")

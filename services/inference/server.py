@@ -93,23 +93,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def GenerateBatch(  # noqa: N802
         self, request: inference_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateBatchResult]:
-        """Every valid request goes to the engine in one submit (one admission); a refused one
-        gets its own INVALID_ARGUMENT result first, the rest as each finishes."""
+    ) -> AsyncIterator[inference_pb2.GenerateBatchResponse]:
+        """Every valid request goes to the engine in one submit (one admission); the refused ones
+        get their INVALID_ARGUMENT results first, the rest as they finish, those that finished
+        together in one message."""
         if not 1 <= len(request.requests) <= MAX_BATCH_REQUESTS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"requests: 1 to {MAX_BATCH_REQUESTS}, got {len(request.requests)}")
-        indices, sampling = [], []
+        refused, indices, sampling = [], [], []
         for i, req in enumerate(request.requests):
             try:
                 sr = to_sampling_request(req)
                 self.engine.validate(sr)
             except ValueError as e:
-                yield inference_pb2.GenerateBatchResult(index=i, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                                        message=str(e))
+                refused.append(inference_pb2.GenerateBatchResult(
+                    index=i, code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=str(e)))
                 continue
             indices.append(i)
             sampling.append(sr)
+        if refused:
+            yield inference_pb2.GenerateBatchResponse(results=refused)
         if not sampling:
             return
         bridge = Bridge()
@@ -118,20 +121,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                                                  for i in indices])
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        running = {h.id for h in handles}
-        ids = dict(zip(indices, (h.id for h in handles), strict=True))
+        running = dict(zip(indices, (h.id for h in handles), strict=True))
         try:
             while running:
-                i, result = await bridge.queue.get()
-                running.discard(ids[i])
-                if isinstance(result, BaseException):
-                    yield inference_pb2.GenerateBatchResult(index=i, code=grpc.StatusCode.INTERNAL.value[0],
-                                                            message=f"generation failed: {result}")
-                else:
-                    yield inference_pb2.GenerateBatchResult(index=i, response=self._response(result))
+                finished = [await bridge.queue.get()]
+                while not bridge.queue.empty():
+                    finished.append(bridge.queue.get_nowait())
+                for i, _ in finished:
+                    running.pop(i, None)
+                yield inference_pb2.GenerateBatchResponse(results=[self._batch_result(i, r) for i, r in finished])
         finally:
-            for request_id in running:  # the client went away (CancelledError) or the stream broke
+            for request_id in running.values():  # the client went away (CancelledError) or the stream broke
                 self.engine.cancel(request_id)
+
+    def _batch_result(self, index: int, result: list[Sample] | BaseException) -> inference_pb2.GenerateBatchResult:
+        if isinstance(result, BaseException):
+            return inference_pb2.GenerateBatchResult(index=index, code=grpc.StatusCode.INTERNAL.value[0],
+                                                     message=f"generation failed: {result}")
+        return inference_pb2.GenerateBatchResult(index=index, response=self._response(result))
 
     async def GenerateStream(  # noqa: N802
         self, request: inference_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext

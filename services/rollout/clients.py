@@ -26,12 +26,18 @@ from arlo.proto.v1 import (
 )
 from arlo.rpc.replicas import ReplicaSet
 from services.rollout.agent import Turn
-from services.rollout.generate_batching import GenerateBatcher
+from services.rollout.coalescing import Coalescer, Settle
 from services.rollout.types import BackendError, Message, ResetResult, RetryableError, ScoreResult, StepResult
 
 # Worth retrying with backoff: the backend may be restarting or overloaded.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+MAX_GENERATE_BATCH = 256
+"""GenerateBatch's bound (inference.proto)."""
+MAX_SCORE_BATCH = 1024
+"""ScoreBatch's bound (reward.proto)."""
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -87,7 +93,7 @@ class InferenceClient:
                  stop_token_ids: Sequence[int], timeout_s: float, batch_window_s: float = 0.0) -> None:
         """`stop_token_ids`: the tokenizer's (every eos id of the model); sampling.stop_token_ids
         are added to them. `batch_window_s` > 0: calls to one replica that arrive together leave
-        as one GenerateBatch (services/rollout/generate_batching.py); 0: one Generate each."""
+        as one GenerateBatch (services/rollout/coalescing.py); 0: one Generate each."""
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.channel = None if self.replicas else channel
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
@@ -95,24 +101,43 @@ class InferenceClient:
         self.stop_token_ids = list(dict.fromkeys([*stop_token_ids, *sampling.stop_token_ids]))
         self.timeout_s = timeout_s
         self.batch_window_s = batch_window_s
-        self._batchers: dict[grpc.aio.Channel, GenerateBatcher] = {}
+        self._batchers: dict[grpc.aio.Channel, Coalescer[inference_pb2.GenerateRequest, inference_pb2.GenerateResponse]] = {}
 
     async def _channel(self, session_id: str = "") -> grpc.aio.Channel:
         return self.channel if self.replicas is None else await self.replicas.channel(session_id)
 
     async def _call(self, request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
         channel = await self._channel(request.session_id)
+        stub = inference_pb2_grpc.InferenceStub(channel)
         if self.batch_window_s <= 0:
-            return await inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=self.timeout_s)
+            return await stub.Generate(request, timeout=self.timeout_s)
         batcher = self._batchers.get(channel)
         if batcher is None:
             if self.replicas is not None:  # forget the batchers of replicas that are gone
                 live = set(await self.replicas.all_channels())
                 self._batchers = {c: b for c, b in self._batchers.items() if c in live}
-            batcher = self._batchers[channel] = GenerateBatcher(
-                inference_pb2_grpc.InferenceStub(channel), window_s=self.batch_window_s, timeout_s=self.timeout_s,
-                translate=lambda code, details: backend_error("inference", code, details))
-        return await batcher.generate(request)
+            batcher = self._batchers[channel] = Coalescer(
+                functools.partial(self._generate_one, stub), functools.partial(self._generate_many, stub),
+                window_s=self.batch_window_s, max_batch=MAX_GENERATE_BATCH)
+        return await batcher.call(request)
+
+    async def _generate_one(self, stub: inference_pb2_grpc.InferenceStub,
+                            request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
+        try:
+            return await stub.Generate(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise backend_error("inference", e.code(), e.details() or "") from e
+
+    async def _generate_many(self, stub: inference_pb2_grpc.InferenceStub, requests: list[inference_pb2.GenerateRequest],
+                             settle: Settle) -> None:
+        try:
+            async for message in stub.GenerateBatch(inference_pb2.GenerateBatchRequest(requests=requests),
+                                                    timeout=self.timeout_s):
+                for r in message.results:
+                    settle(r.index, r.response if r.code == 0 else
+                           backend_error("inference", _STATUS.get(r.code, grpc.StatusCode.UNKNOWN), r.message))
+        except grpc.aio.AioRpcError as e:
+            raise backend_error("inference", e.code(), e.details() or "") from e
 
     @translated("inference")
     async def served_version(self) -> int:
@@ -167,12 +192,38 @@ class EnvironmentClient:
 
 
 class RewardClient:
-    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float) -> None:
+    """Scoring over one channel. `batch_window_s` > 0: calls that arrive together leave as one
+    ScoreBatch (services/rollout/coalescing.py); a batch the server refuses as a whole (one item
+    past a size limit) is sent again item by item, so only that item fails. 0: one Score each."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float, batch_window_s: float = 0.0) -> None:
         self.stub = reward_pb2_grpc.RewardStub(channel)
         self.timeout_s = timeout_s
+        self.batcher = Coalescer(self._score_one, self._score_many, window_s=batch_window_s,
+                                 max_batch=MAX_SCORE_BATCH) if batch_window_s > 0 else None
 
-    @translated("reward")
     async def score(self, reward_fn: str, response: str, reference: str, metadata_json: str = "") -> ScoreResult:
-        return score_result(await self.stub.Score(reward_pb2.ScoreRequest(
-            reward_fn=reward_fn, response=response, reference=reference, metadata_json=metadata_json),
-            timeout=self.timeout_s))
+        request = reward_pb2.ScoreRequest(reward_fn=reward_fn, response=response, reference=reference,
+                                          metadata_json=metadata_json)
+        return score_result(await (self.batcher.call(request) if self.batcher else self._score_one(request)))
+
+    async def _score_one(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        try:
+            return await self.stub.Score(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise backend_error("reward", e.code(), e.details() or "") from e
+
+    async def _score_many(self, requests: list[reward_pb2.ScoreRequest], settle: Settle) -> None:
+        try:
+            reply = await self.stub.ScoreBatch(reward_pb2.ScoreBatchRequest(items=requests), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise backend_error("reward", e.code(), e.details() or "") from e
+            outcomes = await asyncio.gather(*(self._score_one(r) for r in requests), return_exceptions=True)
+            for i, outcome in enumerate(outcomes):
+                settle(i, outcome)
+            return
+        if len(reply.results) != len(requests):
+            raise BackendError("reward", "INTERNAL", f"ScoreBatch answered {len(reply.results)} of {len(requests)} items")
+        for i, result in enumerate(reply.results):
+            settle(i, result)

@@ -214,3 +214,28 @@ async def test_score_batch_mixes_verifiers_and_statuses(stub: reward_pb2_grpc.Re
     assert "unknown reward_fn 'nope'" in r[14].error
     assert dict(r[16].components) == {"tests_passed": 0.5, "compiled": 1.0}
     assert "no tests" in r[17].error
+
+
+async def test_the_rollout_client_coalesces_concurrent_scores_and_a_refused_item_fails_alone(
+        reward_server: RunningServer) -> None:
+    """Scores that arrive together leave as one ScoreBatch; ScoreBatch refuses a whole batch for
+    one oversized item, so the client sends that batch again item by item."""
+    import asyncio
+
+    from services.rollout.clients import RewardClient
+    from services.rollout.types import BackendError
+
+    async with make_channel(f"127.0.0.1:{reward_server.port}", token=TOKEN) as channel:
+        client = RewardClient(channel, timeout_s=10.0, batch_window_s=0.05)
+        right, wrong = await asyncio.gather(client.score("exact_match", "4", "4"), client.score("exact_match", "5", "4"))
+        assert (right.status, right.reward, wrong.status, wrong.reward) == ("ok", 1.0, "ok", 0.0)
+        assert client.batcher.calls == {"single": 0, "batch": 1, "batched_requests": 2}
+        outcomes = await asyncio.gather(client.score("exact_match", "4", "4"),
+                                        client.score("exact_match", "x" * (MiB + 1), "4"),
+                                        client.score("nope", "4", "4"), return_exceptions=True)
+        lone = await client.score("exact_match", "4", "4")
+    good, oversized, unknown = outcomes
+    assert good.status == "ok" and good.reward == 1.0
+    assert isinstance(oversized, BackendError) and oversized.code == "INVALID_ARGUMENT"
+    assert isinstance(unknown, BackendError) and unknown.code == "NOT_FOUND"  # sent alone: Score's answer
+    assert lone.reward == 1.0 and client.batcher.calls["single"] == 1

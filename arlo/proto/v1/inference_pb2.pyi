@@ -185,7 +185,7 @@ Global___GenerateBatchRequest: _TypeAlias = GenerateBatchRequest  # noqa: Y015
 
 @_typing.final
 class GenerateBatchResult(_message.Message):
-    """The outcome of one request of a GenerateBatch; results arrive in completion order."""
+    """The outcome of one request of a GenerateBatch."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -217,6 +217,30 @@ class GenerateBatchResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateBatchResult: _TypeAlias = GenerateBatchResult  # noqa: Y015
+
+@_typing.final
+class GenerateBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateBatchResult]:
+        """The requests that finished since the previous message (each request exactly once, over the
+        whole stream), in completion order.
+        """
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___GenerateBatchResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateBatchResponse: _TypeAlias = GenerateBatchResponse  # noqa: Y015
 
 @_typing.final
 class GenerateStreamRequest(_message.Message):

@@ -43,7 +43,7 @@ class InferenceStub:
         self.GenerateBatch = channel.unary_stream(
                 '/arlo.v1.Inference/GenerateBatch',
                 request_serializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchRequest.SerializeToString,
-                response_deserializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchResult.FromString,
+                response_deserializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/arlo.v1.Inference/GenerateStream',
@@ -76,8 +76,8 @@ class InferenceServicer:
     def GenerateBatch(self, request, context):
         """Samples 1 to 256 requests submitted together: the engine admits them at once (one
         admission, shared prefills) and each result streams back as soon as its request finishes,
-        with its own status. What a client sends when many calls are ready at the same moment
-        (the episodes of a rollout burst), at the cost of one call.
+        with its own status; results that finish together travel in one message. What a client
+        sends when many calls are ready at the same moment (a rollout burst), at the cost of one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,7 +116,7 @@ def add_InferenceServicer_to_server(servicer, server):
             'GenerateBatch': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateBatch,
                     request_deserializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchRequest.FromString,
-                    response_serializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchResult.SerializeToString,
+                    response_serializer=arlo_dot_v1_dot_inference__pb2.GenerateBatchResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
@@ -188,7 +188,7 @@ class Inference:
             target,
             '/arlo.v1.Inference/GenerateBatch',
             arlo_dot_v1_dot_inference__pb2.GenerateBatchRequest.SerializeToString,
-            arlo_dot_v1_dot_inference__pb2.GenerateBatchResult.FromString,
+            arlo_dot_v1_dot_inference__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,11 +35,11 @@ class InferenceStub:
     def __new__(cls, channel: _aio.Channel) -> InferenceAsyncStub: ...
     Generate: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]
     """Samples n completions of one prompt."""
-    GenerateBatch: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateBatchRequest, _inference_pb2.GenerateBatchResult]
+    GenerateBatch: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateBatchRequest, _inference_pb2.GenerateBatchResponse]
     """Samples 1 to 256 requests submitted together: the engine admits them at once (one
     admission, shared prefills) and each result streams back as soon as its request finishes,
-    with its own status. What a client sends when many calls are ready at the same moment
-    (the episodes of a rollout burst), at the cost of one call.
+    with its own status; results that finish together travel in one message. What a client
+    sends when many calls are ready at the same moment (a rollout burst), at the cost of one call.
     """
     GenerateStream: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateStreamRequest, _inference_pb2.GenerateStreamResponse]
     """Streams the tokens of one completion (n must be 1) as they are produced."""
@@ -57,11 +57,11 @@ class InferenceAsyncStub(InferenceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]  # type: ignore[assignment]
     """Samples n completions of one prompt."""
-    GenerateBatch: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateBatchRequest, _inference_pb2.GenerateBatchResult]  # type: ignore[assignment]
+    GenerateBatch: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateBatchRequest, _inference_pb2.GenerateBatchResponse]  # type: ignore[assignment]
     """Samples 1 to 256 requests submitted together: the engine admits them at once (one
     admission, shared prefills) and each result streams back as soon as its request finishes,
-    with its own status. What a client sends when many calls are ready at the same moment
-    (the episodes of a rollout burst), at the cost of one call.
+    with its own status; results that finish together travel in one message. What a client
+    sends when many calls are ready at the same moment (a rollout burst), at the cost of one call.
     """
     GenerateStream: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateStreamRequest, _inference_pb2.GenerateStreamResponse]  # type: ignore[assignment]
     """Streams the tokens of one completion (n must be 1) as they are produced."""
@@ -88,11 +88,11 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _inference_pb2.GenerateBatchRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_inference_pb2.GenerateBatchResult], _abc.AsyncIterator[_inference_pb2.GenerateBatchResult]]:
+    ) -> _typing.Union[_abc.Iterator[_inference_pb2.GenerateBatchResponse], _abc.AsyncIterator[_inference_pb2.GenerateBatchResponse]]:
         """Samples 1 to 256 requests submitted together: the engine admits them at once (one
         admission, shared prefills) and each result streams back as soon as its request finishes,
-        with its own status. What a client sends when many calls are ready at the same moment
-        (the episodes of a rollout burst), at the cost of one call.
+        with its own status; results that finish together travel in one message. What a client
+        sends when many calls are ready at the same moment (a rollout burst), at the cost of one call.
         """
 
     @_abc_1.abstractmethod

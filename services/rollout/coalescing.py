@@ -1,0 +1,138 @@
+"""Calls that arrive together leave together: the rollout's Generate and Score calls to one
+server are coalesced into one GenerateBatch / ScoreBatch.
+
+Why (bench/step_anatomy.py, 596k workload, synchronous, 2 cores): a rollout burst sends its 32
+Generate calls within ~2 ms, and its 32 episodes end within a few ms of each other. One call
+each, the inference server took the Generates in one by one (~0.7 ms of handling each, on a
+core the engine was already using) while the engine ran the first arrivals: the burst paid
+4-5 prefills and 11-12 decode chunks where one admission pays 1 and 8. Every call also costs
+the rollout's single event loop its share of a millisecond, on the step's critical path.
+
+A call waits until no other call has joined its batch for `window_s` (and at most
+`MAX_WINDOWS` windows after the batch's first call), then the batch leaves: a lone call as the
+plain RPC, several as one batch call. Each caller gets its own result or error. A caller that
+goes away is dropped before its batch leaves; once every caller of a sent batch has gone, the
+call is cancelled (inference then frees the requests' slots).
+
+The batch call runs in an empty context: traced, it is a root span of its own (it belongs to
+no single episode), and each caller's episode span still times its wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+
+MAX_WINDOWS = 8
+"""A batch leaves at most this many windows after its first call, however many keep joining."""
+
+Settle = Callable[[int, "Res | BaseException"], None]
+"""settle(i, outcome): the result (or error) of the batch's i-th request."""
+SendOne = Callable[[Req], Awaitable[Res]]
+SendMany = Callable[[list[Req], Settle], Awaitable[None]]
+"""Sends a batch and settles each request as its outcome is known; an exception it raises
+fails every request it left unsettled."""
+
+
+@dataclass(eq=False)
+class _Batch(Generic[Req, Res]):
+    first_at: float
+    requests: list[Req] = field(default_factory=list)
+    results: list[asyncio.Future[Res]] = field(default_factory=list)
+    call: asyncio.Task[None] | None = None
+
+
+class Coalescer(Generic[Req, Res]):
+    """One server's calls of one kind, coalesced (see the module doc)."""
+
+    def __init__(self, send_one: SendOne[Req, Res], send_many: SendMany[Req], *, window_s: float,
+                 max_batch: int) -> None:
+        if window_s <= 0 or max_batch < 1:
+            raise ValueError(f"window_s must be > 0 and max_batch >= 1, got {window_s} and {max_batch}")
+        self.send_one, self.send_many = send_one, send_many
+        self.window_s, self.max_batch = window_s, max_batch
+        self._open: _Batch[Req, Res] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._sent: set[asyncio.Task[None]] = set()
+        self.calls = {"single": 0, "batch": 0, "batched_requests": 0}
+        """Calls sent, plain and batched, and the requests the batches carried."""
+
+    async def call(self, request: Req) -> Res:
+        loop = asyncio.get_running_loop()
+        batch = self._open
+        if batch is None:
+            batch = self._open = _Batch(first_at=loop.time())
+        result: asyncio.Future[Res] = loop.create_future()
+        batch.requests.append(request)
+        batch.results.append(result)
+        result.add_done_callback(lambda f: f.cancelled() and self._caller_gone(batch))
+        if self._timer is not None:
+            self._timer.cancel()
+        if len(batch.requests) >= self.max_batch:
+            self._flush()
+        else:  # the window restarts with each arrival, up to MAX_WINDOWS after the first
+            due = min(loop.time() + self.window_s, batch.first_at + MAX_WINDOWS * self.window_s)
+            self._timer = loop.call_at(due, self._flush)
+        return await result
+
+    async def aclose(self) -> None:
+        """Cancels the batches in flight (their callers see CancelledError)."""
+        for task in list(self._sent):
+            task.cancel()
+        await asyncio.gather(*self._sent, return_exceptions=True)
+
+    def _flush(self) -> None:
+        batch, self._open, self._timer = self._open, None, None
+        if batch is None:
+            return
+        live = [(r, f) for r, f in zip(batch.requests, batch.results, strict=True) if not f.done()]
+        if not live:
+            return
+        batch.requests, batch.results = [r for r, _ in live], [f for _, f in live]
+        # An empty context: the call is no single caller's (its span would nest under the first's).
+        batch.call = asyncio.get_running_loop().create_task(self._send(batch), context=contextvars.Context())
+        self._sent.add(batch.call)
+        batch.call.add_done_callback(self._sent.discard)
+
+    def _caller_gone(self, batch: _Batch[Req, Res]) -> None:
+        if batch.call is not None and not batch.call.done() and all(f.done() for f in batch.results):
+            batch.call.cancel()
+
+    async def _send(self, batch: _Batch[Req, Res]) -> None:
+        def settle(i: int, outcome: Res | BaseException) -> None:
+            if 0 <= i < len(batch.results):
+                _settle(batch.results[i], outcome)
+
+        try:
+            if len(batch.requests) == 1:
+                self.calls["single"] += 1
+                settle(0, await self.send_one(batch.requests[0]))
+            else:
+                self.calls["batch"] += 1
+                self.calls["batched_requests"] += len(batch.requests)
+                await self.send_many(batch.requests, settle)
+        except asyncio.CancelledError:
+            for result in batch.results:
+                result.cancel()
+            raise
+        except Exception as e:  # the whole call failed: every request it left unsettled did
+            for i in range(len(batch.results)):
+                settle(i, e)
+        for i, result in enumerate(batch.results):
+            if not result.done():
+                settle(i, RuntimeError(f"the batch call ended without the result of request {i}"))
+
+
+def _settle(result: asyncio.Future[Res], outcome: Res | BaseException) -> None:
+    if result.done():
+        return
+    if isinstance(outcome, BaseException):
+        result.set_exception(outcome)
+    else:
+        result.set_result(outcome)
