@@ -53,7 +53,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     await stream.ensure_group()
     instance = f"{socket.gethostname()}-{os.getpid()}"
     gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
-                          batch_window_s=rc.batch_window_s)
+                          batch_window_s=rc.batch_window_s, tracer=tracer)
     # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
                          batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,
@@ -64,7 +64,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
         # One gateway replica per episode: sessions live in the memory of the replica that made them.
         env=AffinityEnvironmentClient(cfg.env_gateway.server.address, channel, timeout_s=rc.rpc_timeout_s,
                                       tracer=tracer),
-        scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s, batch_window_s=rc.batch_window_s),
+        scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s, batch_window_s=rc.batch_window_s,
+                            tracer=tracer),
         stream=stream,
         tasks=durable_picker(rc, redis, cfg.run_id, random.Random()),
         # A prefetched Reset is redone past half the gateway's session idle timeout (at most 60 s).
@@ -77,7 +78,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
-                             batch_window_s=rc.batch_window_s)
+                             batch_window_s=rc.batch_window_s, tracer=tracer)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [], tracing=tracing)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import grpc
 
@@ -28,6 +28,9 @@ from arlo.rpc.replicas import ReplicaSet
 from services.rollout.agent import Turn
 from services.rollout.coalescing import Coalescer, Settle
 from services.rollout.types import BackendError, Message, ResetResult, RetryableError, ScoreResult, StepResult
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 # Worth retrying with backoff: the backend may be restarting or overloaded.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -90,7 +93,8 @@ class InferenceClient:
     """Generation over one channel, or over a ReplicaSet (each session on its own replica)."""
 
     def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *,
-                 stop_token_ids: Sequence[int], timeout_s: float, batch_window_s: float = 0.0) -> None:
+                 stop_token_ids: Sequence[int], timeout_s: float, batch_window_s: float = 0.0,
+                 tracer: Tracer | None = None) -> None:
         """`stop_token_ids`: the tokenizer's (every eos id of the model); sampling.stop_token_ids
         are added to them. `batch_window_s` > 0: calls to one replica that arrive together leave
         as one GenerateBatch (services/rollout/coalescing.py); 0: one Generate each."""
@@ -101,6 +105,7 @@ class InferenceClient:
         self.stop_token_ids = list(dict.fromkeys([*stop_token_ids, *sampling.stop_token_ids]))
         self.timeout_s = timeout_s
         self.batch_window_s = batch_window_s
+        self.tracer = tracer
         self._batchers: dict[grpc.aio.Channel, Coalescer[inference_pb2.GenerateRequest, inference_pb2.GenerateResponse]] = {}
 
     async def _channel(self, session_id: str = "") -> grpc.aio.Channel:
@@ -118,7 +123,8 @@ class InferenceClient:
                 self._batchers = {c: b for c, b in self._batchers.items() if c in live}
             batcher = self._batchers[channel] = Coalescer(
                 functools.partial(self._generate_one, stub), functools.partial(self._generate_many, stub),
-                window_s=self.batch_window_s, max_batch=MAX_GENERATE_BATCH)
+                window_s=self.batch_window_s, max_batch=MAX_GENERATE_BATCH, tracer=self.tracer,
+                span_name="rollout.generate_batch")
         return await batcher.call(request)
 
     async def _generate_one(self, stub: inference_pb2_grpc.InferenceStub,
@@ -196,11 +202,12 @@ class RewardClient:
     ScoreBatch (services/rollout/coalescing.py); a batch the server refuses as a whole (one item
     past a size limit) is sent again item by item, so only that item fails. 0: one Score each."""
 
-    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float, batch_window_s: float = 0.0) -> None:
+    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float, batch_window_s: float = 0.0,
+                 tracer: Tracer | None = None) -> None:
         self.stub = reward_pb2_grpc.RewardStub(channel)
         self.timeout_s = timeout_s
-        self.batcher = Coalescer(self._score_one, self._score_many, window_s=batch_window_s,
-                                 max_batch=MAX_SCORE_BATCH) if batch_window_s > 0 else None
+        self.batcher = Coalescer(self._score_one, self._score_many, window_s=batch_window_s, max_batch=MAX_SCORE_BATCH,
+                                 tracer=tracer, span_name="rollout.score_batch") if batch_window_s > 0 else None
 
     async def score(self, reward_fn: str, response: str, reference: str, metadata_json: str = "") -> ScoreResult:
         request = reward_pb2.ScoreRequest(reward_fn=reward_fn, response=response, reference=reference,

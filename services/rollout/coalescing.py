@@ -14,8 +14,9 @@ plain RPC, several as one batch call. Each caller gets its own result or error. 
 goes away is dropped before its batch leaves; once every caller of a sent batch has gone, the
 call is cancelled (inference then frees the requests' slots).
 
-The batch call runs in an empty context: traced, it is a root span of its own (it belongs to
-no single episode), and each caller's episode span still times its wait.
+The batch call runs in an empty context, so it belongs to no single episode. Traced
+(`tracer`), it runs inside a root span of its own (`span_name`: rollout.generate_batch,
+rollout.score_batch) linked to the span of each caller it carried, as a StepBatch is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import asyncio
 import contextvars
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from arlo.tracing import current_span_context, span
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import SpanContext, Tracer
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -45,6 +51,7 @@ class _Batch(Generic[Req, Res]):
     first_at: float
     requests: list[Req] = field(default_factory=list)
     results: list[asyncio.Future[Res]] = field(default_factory=list)
+    callers: list[SpanContext | None] = field(default_factory=list)
     call: asyncio.Task[None] | None = None
 
 
@@ -52,10 +59,11 @@ class Coalescer(Generic[Req, Res]):
     """One server's calls of one kind, coalesced (see the module doc)."""
 
     def __init__(self, send_one: SendOne[Req, Res], send_many: SendMany[Req], *, window_s: float,
-                 max_batch: int) -> None:
+                 max_batch: int, tracer: Tracer | None = None, span_name: str = "rollout.batch") -> None:
         if window_s <= 0 or max_batch < 1:
             raise ValueError(f"window_s must be > 0 and max_batch >= 1, got {window_s} and {max_batch}")
         self.send_one, self.send_many = send_one, send_many
+        self.tracer, self.span_name = tracer, span_name
         self.window_s, self.max_batch = window_s, max_batch
         self._open: _Batch[Req, Res] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -71,6 +79,7 @@ class Coalescer(Generic[Req, Res]):
         result: asyncio.Future[Res] = loop.create_future()
         batch.requests.append(request)
         batch.results.append(result)
+        batch.callers.append(current_span_context(self.tracer))
         result.add_done_callback(lambda f: f.cancelled() and self._caller_gone(batch))
         if self._timer is not None:
             self._timer.cancel()
@@ -91,12 +100,14 @@ class Coalescer(Generic[Req, Res]):
         batch, self._open, self._timer = self._open, None, None
         if batch is None:
             return
-        live = [(r, f) for r, f in zip(batch.requests, batch.results, strict=True) if not f.done()]
+        live = [entry for entry in zip(batch.requests, batch.results, batch.callers, strict=True) if not entry[1].done()]
         if not live:
             return
-        batch.requests, batch.results = [r for r, _ in live], [f for _, f in live]
-        # An empty context: the call is no single caller's (its span would nest under the first's).
-        batch.call = asyncio.get_running_loop().create_task(self._send(batch), context=contextvars.Context())
+        batch.requests, batch.results, batch.callers = (list(column) for column in zip(*live, strict=True))
+        # A batch runs in an empty context: it is no single caller's (its span would nest under the
+        # first's). A lone call keeps the context that scheduled it, its caller's (call_at copies it).
+        context = None if len(batch.requests) == 1 else contextvars.Context()
+        batch.call = asyncio.get_running_loop().create_task(self._send(batch), context=context)
         self._sent.add(batch.call)
         batch.call.add_done_callback(self._sent.discard)
 
@@ -116,7 +127,9 @@ class Coalescer(Generic[Req, Res]):
             else:
                 self.calls["batch"] += 1
                 self.calls["batched_requests"] += len(batch.requests)
-                await self.send_many(batch.requests, settle)
+                links = [c for c in batch.callers if c is not None]
+                with span(self.tracer, self.span_name, {"arlo.requests": len(batch.requests)}, links=links):
+                    await self.send_many(batch.requests, settle)
         except asyncio.CancelledError:
             for result in batch.results:
                 result.cancel()

@@ -1,5 +1,6 @@
 """Trace context across real gRPC calls: servers on ephemeral ports and client channels, each with
-its own tracing (its own provider and span file, as two processes have); a StepBatch's links; and
+its own tracing (its own provider and span file, as two processes have); a StepBatch's and a
+coalesced ScoreBatch's links; and
 export to a real OTLP/gRPC collector."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from arlo.tracing import span, start_tracing
 from arlo.tracing.summary import read_spans, summarize
 from services.env_gateway.__main__ import start_env_gateway
 from services.reward.__main__ import start_reward
+from services.rollout.clients import RewardClient
 from services.rollout.env_affinity import AffinityEnvironmentClient
 
 
@@ -159,6 +161,44 @@ async def test_a_step_batch_is_a_root_linked_to_the_episodes_it_carried(tmp_path
     # The steps that went alone are children of their episodes.
     alone = [s for s in spans if s["name"] == "/arlo.v1.Environment/Step" and s["kind"] == "CLIENT"]
     assert {s["parent_id"] for s in alone} == set(episode_ids) - set(linked)
+
+
+async def test_a_coalesced_score_batch_is_a_root_linked_to_its_callers_and_a_lone_call_stays_theirs(
+        tmp_path: Path) -> None:
+    """The rollout's Coalescer (Score and Generate calls that arrive together) traces as StepBatch does."""
+    cfg = TracingConfig(enabled=True, dir=str(tmp_path))
+    server_tracing = start_tracing(cfg, service="reward", run_id="r1")
+    client_tracing = start_tracing(cfg, service="rollout", run_id="r1")
+    assert server_tracing is not None and client_tracing is not None
+    server = await start_reward(RunConfig(auth=AuthConfig(disabled=True),
+                                          reward=RewardConfig(server=ServerConfig(port=0, metrics_port=-1))),
+                                tracing=server_tracing)
+    tracer = client_tracing.tracer("test")
+    channel = make_channel(f"127.0.0.1:{server.port}", token=None, tracing=client_tracing)
+    scorer = RewardClient(channel, timeout_s=5, batch_window_s=0.05, tracer=tracer)
+
+    async def episode() -> str:
+        with span(tracer, "test.episode") as current:
+            await scorer.score("exact_match", "4", "4")
+            return f"{current.get_span_context().span_id:016x}"
+
+    try:
+        together = await asyncio.gather(*(episode() for _ in range(4)))
+        alone = await episode()
+    finally:
+        await channel.close()
+        await server.stop(None)
+    client_tracing.shutdown()
+    server_tracing.shutdown()
+
+    spans = read_spans(tmp_path)
+    (batch,) = [s for s in spans if s["name"] == "rollout.score_batch"]
+    assert batch["parent_id"] is None and batch["attributes"]["arlo.requests"] == 4
+    assert sorted(link["span_id"] for link in batch["links"]) == sorted(together)
+    (call,) = [s for s in spans if s["parent_id"] == batch["span_id"]]
+    assert call["name"] == "/arlo.v1.Reward/ScoreBatch"
+    (lone,) = [s for s in spans if s["name"] == "/arlo.v1.Reward/Score" and s["kind"] == "CLIENT"]
+    assert lone["parent_id"] == alone
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
