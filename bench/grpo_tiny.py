@@ -245,6 +245,8 @@ def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *, compute_ni
 def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: int, tag: str = "grpo") -> ServiceRun:
     """The workload through the services (local processes, CPU shares from --cpus) for `steps` RL steps."""
     cfg = service_config(w, staleness, f"bench-{tag}-{w.name}-s{staleness}")
+    if getattr(args, "batch_window_s", None) is not None:  # A/B of the rollout's call coalescing
+        cfg = replace_config(cfg, {"rollout": {"batch_window_s": args.batch_window_s}})
     # One compile cache for every run of the bench (a user's runs share $ARLO_HOME's the same way).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(Path(args.home).resolve() / "jax-cache"))
     return run_cluster(cfg, Path(args.home).resolve() / f"{w.name}-s{staleness}", args.cpus, steps,
@@ -341,6 +343,8 @@ def main() -> None:
     parser.add_argument("--compute-nice", type=int, help="local.compute_nice (default: the config's)")
     parser.add_argument("--inprocess-cpus", default="0,1", help="taskset CPUs of the baseline ('' = no pinning)")
     parser.add_argument("--no-inprocess", action="store_true", help="arlo only")
+    parser.add_argument("--batch-window-s", type=float,
+                        help="rollout.batch_window_s (default: the config's; 0: one Generate/Score call each)")
     parser.add_argument("--home", default=".arlo/bench-grpo", help="logs and state of the runs")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()

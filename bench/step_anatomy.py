@@ -176,6 +176,8 @@ def main() -> None:
     parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: auto, off or service=cpu[+cpu],...")
     parser.add_argument("--compute-nice", type=int, help="local.compute_nice (default: the config's)")
     parser.add_argument("--home", default=".arlo/bench-anatomy", help="logs and state of the runs")
+    parser.add_argument("--batch-window-s", type=float,
+                        help="rollout.batch_window_s (default: the config's; 0: one Generate/Score call each)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

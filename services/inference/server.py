@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
@@ -24,6 +24,9 @@ FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINI
 MAX_ID_BYTES = 128
 MAX_BATCH_REQUESTS = 256
 """GenerateBatch's bound (inference.proto)."""
+MAX_BATCH_MESSAGE_BYTES = 4 << 20
+"""Results that finished together share a GenerateBatch message up to this size: 256 long
+completions in one message could pass the channel's max message size (64 MiB by default)."""
 
 
 def to_sampling_request(req: inference_pb2.GenerateRequest) -> SamplingRequest:
@@ -49,6 +52,22 @@ def to_completion(sample: Sample) -> inference_pb2.Completion:
 
 def _put_at(bridge: Bridge, index: int, result: list[Sample] | BaseException) -> None:
     bridge.put((index, result))
+
+
+def _by_size(results: list[inference_pb2.GenerateBatchResult],
+             budget: int) -> Iterator[list[inference_pb2.GenerateBatchResult]]:
+    """`results` in order, cut into runs of at most `budget` serialized bytes (a larger result alone)."""
+    run: list[inference_pb2.GenerateBatchResult] = []
+    size = 0
+    for r in results:
+        n = r.ByteSize()
+        if run and size + n > budget:
+            yield run
+            run, size = [], 0
+        run.append(r)
+        size += n
+    if run:
+        yield run
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -129,7 +148,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     finished.append(bridge.queue.get_nowait())
                 for i, _ in finished:
                     running.pop(i, None)
-                yield inference_pb2.GenerateBatchResponse(results=[self._batch_result(i, r) for i, r in finished])
+                for results in _by_size([self._batch_result(i, r) for i, r in finished], MAX_BATCH_MESSAGE_BYTES):
+                    yield inference_pb2.GenerateBatchResponse(results=results)
         finally:
             for request_id in running.values():  # the client went away (CancelledError) or the stream broke
                 self.engine.cancel(request_id)

@@ -38,8 +38,11 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 
 MAX_GENERATE_BATCH = 256
 """GenerateBatch's bound (inference.proto)."""
-MAX_SCORE_BATCH = 1024
-"""ScoreBatch's bound (reward.proto)."""
+MAX_SCORE_BATCH = 256
+"""Under ScoreBatch's bound (1024, reward.proto), like GenerateBatch's."""
+MAX_BATCHED_REQUEST_BYTES = 64 << 10
+"""A larger Generate or Score request goes alone: a batch of 256 stays under 16 MiB, well inside a
+channel's max message size (64 MiB by default); a request that large gains little from sharing a call."""
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 P = ParamSpec("P")
@@ -114,7 +117,7 @@ class InferenceClient:
     async def _call(self, request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
         channel = await self._channel(request.session_id)
         stub = inference_pb2_grpc.InferenceStub(channel)
-        if self.batch_window_s <= 0:
+        if self.batch_window_s <= 0 or request.ByteSize() > MAX_BATCHED_REQUEST_BYTES:
             return await stub.Generate(request, timeout=self.timeout_s)
         batcher = self._batchers.get(channel)
         if batcher is None:
@@ -212,7 +215,8 @@ class RewardClient:
     async def score(self, reward_fn: str, response: str, reference: str, metadata_json: str = "") -> ScoreResult:
         request = reward_pb2.ScoreRequest(reward_fn=reward_fn, response=response, reference=reference,
                                           metadata_json=metadata_json)
-        return score_result(await (self.batcher.call(request) if self.batcher else self._score_one(request)))
+        alone = self.batcher is None or request.ByteSize() > MAX_BATCHED_REQUEST_BYTES
+        return score_result(await (self._score_one(request) if alone else self.batcher.call(request)))
 
     async def _score_one(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         try:

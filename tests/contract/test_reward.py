@@ -219,7 +219,8 @@ async def test_score_batch_mixes_verifiers_and_statuses(stub: reward_pb2_grpc.Re
 async def test_the_rollout_client_coalesces_concurrent_scores_and_a_refused_item_fails_alone(
         reward_server: RunningServer) -> None:
     """Scores that arrive together leave as one ScoreBatch; ScoreBatch refuses a whole batch for
-    one oversized item, so the client sends that batch again item by item."""
+    one bad item (a reward_fn name past 128 bytes), so the client sends that batch again item by
+    item; an item past 64 KiB goes alone from the start."""
     import asyncio
 
     from services.rollout.clients import RewardClient
@@ -231,11 +232,14 @@ async def test_the_rollout_client_coalesces_concurrent_scores_and_a_refused_item
         assert (right.status, right.reward, wrong.status, wrong.reward) == ("ok", 1.0, "ok", 0.0)
         assert client.batcher.calls == {"single": 0, "batch": 1, "batched_requests": 2}
         outcomes = await asyncio.gather(client.score("exact_match", "4", "4"),
-                                        client.score("exact_match", "x" * (MiB + 1), "4"),
-                                        client.score("nope", "4", "4"), return_exceptions=True)
+                                        client.score("f" * 200, "4", "4"),
+                                        client.score("nope", "4", "4"),
+                                        client.score("exact_match", "x" * (MiB + 1), "4"), return_exceptions=True)
+        assert client.batcher.calls == {"single": 0, "batch": 2, "batched_requests": 5}  # the oversized one went alone
         lone = await client.score("exact_match", "4", "4")
-    good, oversized, unknown = outcomes
+    good, long_name, unknown, oversized = outcomes
     assert good.status == "ok" and good.reward == 1.0
-    assert isinstance(oversized, BackendError) and oversized.code == "INVALID_ARGUMENT"
+    assert isinstance(long_name, BackendError) and long_name.code == "INVALID_ARGUMENT"
     assert isinstance(unknown, BackendError) and unknown.code == "NOT_FOUND"  # sent alone: Score's answer
+    assert isinstance(oversized, BackendError) and oversized.code == "INVALID_ARGUMENT"
     assert lone.reward == 1.0 and client.batcher.calls["single"] == 1
