@@ -45,31 +45,38 @@ class SyncStats:
 
 async def pull_weights(target: str, version: int, *, token: str | None, timeout_s: float = 120.0,
                        max_message_bytes: int = 64 << 20, attempts: int = 3,
-                       tls: TlsConfig | None = None) -> tuple[bytes, str]:
-    """Pulls `version` from a trainer; resumes at the last good offset after a broken stream."""
+                       tls: TlsConfig | None = None, channel: grpc.aio.Channel | None = None) -> tuple[bytes, str]:
+    """Pulls `version` from a trainer; resumes at the last good offset after a broken stream.
+    `channel`: an open channel to `target` to pull over (left open); None opens and closes one."""
+    if channel is None:
+        async with make_channel(target, token=token, max_message_bytes=max_message_bytes, tls=tls) as own:
+            return await _pull(trainer_pb2_grpc.TrainerStub(own), version, timeout_s=timeout_s, attempts=attempts)
+    return await _pull(trainer_pb2_grpc.TrainerStub(channel), version, timeout_s=timeout_s, attempts=attempts)
+
+
+async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: float,
+                attempts: int) -> tuple[bytes, str]:
     buf = bytearray()
     total: int | None = None
     sha = ""
-    async with make_channel(target, token=token, max_message_bytes=max_message_bytes, tls=tls) as channel:
-        stub = trainer_pb2_grpc.TrainerStub(channel)
-        for attempt in range(attempts):
-            try:
-                call = stub.PullWeights(trainer_pb2.PullWeightsRequest(version=version, offset=len(buf)),
-                                        timeout=timeout_s)
-                async for chunk in call:
-                    if chunk.version.version != version:
-                        raise WeightPullError(f"asked for version {version}, got {chunk.version.version}")
-                    if chunk.offset != len(buf):
-                        raise WeightPullError(f"chunk at offset {chunk.offset}, expected {len(buf)}")
-                    if hashlib.sha256(chunk.data).hexdigest() != chunk.chunk_sha256:
-                        raise WeightPullError(f"chunk at offset {chunk.offset} fails its checksum")
-                    buf += chunk.data
-                    total, sha = chunk.total_bytes, chunk.version.sha256
-                break
-            except grpc.aio.AioRpcError as e:
-                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT) or attempt == attempts - 1:
-                    raise
-                log.warning("pull of version %d broke at %d bytes (%s); resuming", version, len(buf), e.code())
+    for attempt in range(attempts):
+        try:
+            call = stub.PullWeights(trainer_pb2.PullWeightsRequest(version=version, offset=len(buf)),
+                                    timeout=timeout_s)
+            async for chunk in call:
+                if chunk.version.version != version:
+                    raise WeightPullError(f"asked for version {version}, got {chunk.version.version}")
+                if chunk.offset != len(buf):
+                    raise WeightPullError(f"chunk at offset {chunk.offset}, expected {len(buf)}")
+                if hashlib.sha256(chunk.data).hexdigest() != chunk.chunk_sha256:
+                    raise WeightPullError(f"chunk at offset {chunk.offset} fails its checksum")
+                buf += chunk.data
+                total, sha = chunk.total_bytes, chunk.version.sha256
+            break
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT) or attempt == attempts - 1:
+                raise
+            log.warning("pull of version %d broke at %d bytes (%s); resuming", version, len(buf), e.code())
     if total is None or len(buf) != total:
         raise WeightPullError(f"received {len(buf)} of {total} bytes")
     data = bytes(buf)
@@ -91,8 +98,30 @@ class WeightSync:
         self.max_message_bytes = max_message_bytes
         self.stats = SyncStats()
         self._refused: tuple[int, str] | None = None  # the last (version, sha) refused as non-finite
+        # One channel to the trainer for every pull: a new connection per version cost a few ms of
+        # each swap (bench.step_anatomy's "pull"); a new trainer address gets a new channel.
+        self._channel: tuple[str, grpc.aio.Channel] | None = None
+
+    async def _channel_to(self, target: str) -> grpc.aio.Channel:
+        if self._channel is not None and self._channel[0] != target:
+            await self.aclose()
+        if self._channel is None:
+            self._channel = (target, make_channel(target, token=self.token, max_message_bytes=self.max_message_bytes,
+                                                  tls=self.tls))
+        return self._channel[1]
+
+    async def aclose(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel[1].close()
 
     async def run(self) -> None:
+        try:
+            await self._follow()
+        finally:
+            await self.aclose()
+
+    async def _follow(self) -> None:
         backoff = 0.5
         while True:
             newer = await self.pointer.wait_for_newer(self.engine.version, timeout_s=30.0, poll_s=self.poll_s)
@@ -117,8 +146,8 @@ class WeightSync:
             raise ValueError(f"unsupported weight source {pointer.source!r}")
         loop = asyncio.get_running_loop()
         started = loop.time()
-        data, sha = await pull_weights(pointer.source.removeprefix("grpc://"), pointer.version,
-                                       token=self.token, max_message_bytes=self.max_message_bytes, tls=self.tls)
+        target = pointer.source.removeprefix("grpc://")
+        data, sha = await pull_weights(target, pointer.version, token=self.token, channel=await self._channel_to(target))
         if sha != pointer.sha256:
             raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
         pulled = loop.time()

@@ -178,9 +178,32 @@ async def test_corrupt_publication_is_rejected_and_old_weights_keep_serving(stac
     bad = replace(await _pointer_state(cfg, loop), sha256="0" * 64)
     sync = WeightSync(engine, WeightPointer(await connect(cfg.redis), cfg.run_id), token=TOKEN, poll_s=1.0,
                       max_message_bytes=64 << 20)
-    with pytest.raises(WeightPullError, match="sha256"):
-        await sync.sync_to(bad)
+    try:
+        with pytest.raises(WeightPullError, match="sha256"):
+            await sync.sync_to(bad)
+    finally:
+        await sync.aclose()
     assert engine.version == 0
+
+
+async def test_pulls_share_one_channel_per_trainer_address(stack: dict) -> None:
+    """A new connection per version cost a few ms of every swap; a new address gets a new channel."""
+    cfg, loop, engine = stack["cfg"], stack["loop"], stack["engine"]
+    sync = WeightSync(engine, WeightPointer(await connect(cfg.redis), cfg.run_id), token=TOKEN, poll_s=1.0,
+                      max_message_bytes=64 << 20)
+    try:
+        channels = []
+        for version in (1, 2):
+            published = loop.store.put(version, state_to_bytes(loop.learner.state))
+            await sync.sync_to(replace(await _pointer_state(cfg, loop), version=version, sha256=published.sha256))
+            channels.append(sync._channel)
+        assert engine.version == 2 and channels[0] is channels[1]
+        with pytest.raises(grpc.aio.AioRpcError):  # a trainer elsewhere (nothing listens there)
+            await sync.sync_to(replace(await _pointer_state(cfg, loop), version=3, source="grpc://127.0.0.1:1"))
+        assert sync._channel is not None and sync._channel[0] == "127.0.0.1:1"
+    finally:
+        await sync.aclose()
+    assert sync._channel is None
 
 
 async def _pointer_state(cfg, loop):

@@ -145,9 +145,12 @@ async def test_nan_weights_are_never_published_nor_installed(stack: dict) -> Non
     sync = WeightSync(engine, WeightPointer(stack["redis"], cfg.run_id), token=TOKEN, poll_s=1.0,
                       max_message_bytes=64 << 20)
     before = state_to_bytes(engine.state)
-    for _ in range(2):  # the second try is refused without pulling again, and counted once
-        with pytest.raises(WeightPullError, match="NaN or inf"):
-            await sync.sync_to(pointer)
+    try:
+        for _ in range(2):  # the second try is refused without pulling again, and counted once
+            with pytest.raises(WeightPullError, match="NaN or inf"):
+                await sync.sync_to(pointer)
+    finally:
+        await sync.aclose()
     assert engine.version == 0 and sync.stats.refused_nonfinite == 1
     assert state_to_bytes(engine.state) == before
     assert np.isfinite(np.asarray(jax.tree.leaves(engine.state)[0])).all()
