@@ -19,6 +19,19 @@ is one process: jitted KV-cache generation of the whole batch, the reward, the L
 GRPO step. Reported: steps/s, completions/s, generated tokens/s (every turn's model tokens),
 model turns per episode, trajectories dropped as stale, and `arlo_over_inprocess` (arlo async
 steps/s over the baseline's).
+
+`--batch-window-s 0` turns off the rollout's call coalescing (rollout.batch_window_s: one
+Generate and one Score call per episode, as before GenerateBatch). Two back-to-back runs on the
+2-core dev machine, nothing else running (steps/s; in-process | arlo sync | arlo async):
+
+| workload | coalescing on | off |
+|---|---|---|
+| 76k | 63.3 / 9.13 / 11.63 | 62.2 / 7.43 / 6.55 |
+| 596k | 6.80 / 4.23 / 4.38 | 5.90 / 2.54 / 3.03 |
+| agent | 14.7 / 5.67 / 6.70 | 11.0 / 3.70 / 4.46 |
+
+The same machine ran the 596k workload at 7.46 / 4.34 / 5.47 in an earlier run on: its figures
+move by 20% between runs, so compare ratios taken in one run.
 """
 
 from __future__ import annotations

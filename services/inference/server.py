@@ -130,18 +130,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 continue
             indices.append(i)
             sampling.append(sr)
-        if refused:
-            yield inference_pb2.GenerateBatchResponse(results=refused)
-        if not sampling:
-            return
         bridge = Bridge()
+        running: dict[int, int] = {}
+        if sampling:  # submitted before the refusals are sent: the engine need not wait for a write
+            try:
+                handles = self.engine.submit_many(sampling, on_done=[functools.partial(_put_at, bridge, i)
+                                                                     for i in indices])
+            except RuntimeError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            running = dict(zip(indices, (h.id for h in handles), strict=True))
         try:
-            handles = self.engine.submit_many(sampling, on_done=[functools.partial(_put_at, bridge, i)
-                                                                 for i in indices])
-        except RuntimeError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        running = dict(zip(indices, (h.id for h in handles), strict=True))
-        try:
+            if refused:
+                yield inference_pb2.GenerateBatchResponse(results=refused)
             while running:
                 finished = [await bridge.queue.get()]
                 while not bridge.queue.empty():
