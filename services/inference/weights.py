@@ -131,6 +131,9 @@ class WeightSync:
                 await self.sync_to(newer, notified_at=time.time())
                 backoff = 0.5
             except (WeightPullError, grpc.aio.AioRpcError, ValueError) as e:
+                # A fresh channel for the retry: a cached one whose trainer went away waits out
+                # gRPC's reconnect backoff (up to minutes) before it tries again.
+                await self.aclose()
                 self.stats.failures += 1
                 log.warning("could not install version %d (%s); still serving %d; retrying in %.1fs",
                             newer.version, e, self.engine.version, backoff)

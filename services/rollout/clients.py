@@ -38,6 +38,8 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 
 MAX_GENERATE_BATCH = 256
 """GenerateBatch's bound (inference.proto)."""
+SEND_ALONE_ON = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""A batch call refused for these is sent again one call per request (older server, message limit)."""
 MAX_SCORE_BATCH = 256
 """Under ScoreBatch's bound (1024, reward.proto), like GenerateBatch's."""
 MAX_BATCHED_REQUEST_BYTES = 64 << 10
@@ -47,6 +49,8 @@ _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 P = ParamSpec("P")
 R = TypeVar("R")
+Req = TypeVar("Req")
+Res = TypeVar("Res")
 
 
 def backend_error(service: str, code: grpc.StatusCode, details: str) -> BackendError:
@@ -139,14 +143,20 @@ class InferenceClient:
 
     async def _generate_many(self, stub: inference_pb2_grpc.InferenceStub, requests: list[inference_pb2.GenerateRequest],
                              settle: Settle) -> None:
+        settled: set[int] = set()
         try:
             async for message in stub.GenerateBatch(inference_pb2.GenerateBatchRequest(requests=requests),
                                                     timeout=self.timeout_s):
                 for r in message.results:
+                    settled.add(r.index)
                     settle(r.index, r.response if r.code == 0 else
                            backend_error("inference", _STATUS.get(r.code, grpc.StatusCode.UNKNOWN), r.message))
         except grpc.aio.AioRpcError as e:
-            raise backend_error("inference", e.code(), e.details() or "") from e
+            if e.code() not in SEND_ALONE_ON:
+                raise backend_error("inference", e.code(), e.details() or "") from e
+            # The batch itself was refused (an older server, a message past its limit): what one
+            # Generate each would have done.
+            await _each_alone(functools.partial(self._generate_one, stub), requests, settle, skip=settled)
 
     @translated("inference")
     async def served_version(self) -> int:
@@ -228,13 +238,28 @@ class RewardClient:
         try:
             reply = await self.stub.ScoreBatch(reward_pb2.ScoreBatchRequest(items=requests), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            # Refused whole (one bad item, a message past the limit, an older server) or past the
+            # one deadline of slow verifiers: one Score each, each with its own deadline.
+            if e.code() not in (*SEND_ALONE_ON, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise backend_error("reward", e.code(), e.details() or "") from e
-            outcomes = await asyncio.gather(*(self._score_one(r) for r in requests), return_exceptions=True)
-            for i, outcome in enumerate(outcomes):
-                settle(i, outcome)
+            await _each_alone(self._score_one, requests, settle)
             return
         if len(reply.results) != len(requests):
             raise BackendError("reward", "INTERNAL", f"ScoreBatch answered {len(reply.results)} of {len(requests)} items")
+        # ScoreBatch answers an item Score would refuse (an unknown reward_fn, bad metadata) with an
+        # error status instead; sent again alone, such an item gets Score's own answer, so a
+        # misconfiguration fails its episode the same way whether or not its call was batched.
+        errors = {i for i, result in enumerate(reply.results) if result.status == reward_pb2.SCORE_STATUS_ERROR}
         for i, result in enumerate(reply.results):
-            settle(i, result)
+            if i not in errors:
+                settle(i, result)
+        await _each_alone(self._score_one, requests, settle, skip=set(range(len(requests))) - errors)
+
+
+async def _each_alone(send_one: Callable[[Req], Awaitable[Res]], requests: list[Req], settle: Settle,
+                      skip: set[int] = frozenset()) -> None:
+    """Sends the requests not in `skip` one call each, concurrently, and settles each."""
+    todo = [i for i in range(len(requests)) if i not in skip]
+    outcomes = await asyncio.gather(*(send_one(requests[i]) for i in todo), return_exceptions=True)
+    for i, outcome in zip(todo, outcomes, strict=True):
+        settle(i, outcome)

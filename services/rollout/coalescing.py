@@ -12,7 +12,9 @@ A call waits until no other call has joined its batch for `window_s` (and at mos
 `MAX_WINDOWS` windows after the batch's first call), then the batch leaves: a lone call as the
 plain RPC, several as one batch call. Each caller gets its own result or error. A caller that
 goes away is dropped before its batch leaves; once every caller of a sent batch has gone, the
-call is cancelled (inference then frees the requests' slots).
+call is cancelled (inference then frees the requests' slots). A caller that leaves a batch
+others still wait on does not free its request early: it runs to its end (a lone call's
+request is freed at the next chunk).
 
 The batch call runs in an empty context, so it belongs to no single episode. Traced
 (`tracer`), it runs inside a root span of its own (`span_name`: rollout.generate_batch,
@@ -52,6 +54,7 @@ class _Batch(Generic[Req, Res]):
     requests: list[Req] = field(default_factory=list)
     results: list[asyncio.Future[Res]] = field(default_factory=list)
     callers: list[SpanContext | None] = field(default_factory=list)
+    contexts: list[contextvars.Context] = field(default_factory=list)
     call: asyncio.Task[None] | None = None
 
 
@@ -80,6 +83,7 @@ class Coalescer(Generic[Req, Res]):
         batch.requests.append(request)
         batch.results.append(result)
         batch.callers.append(current_span_context(self.tracer))
+        batch.contexts.append(contextvars.copy_context())
         result.add_done_callback(lambda f: f.cancelled() and self._caller_gone(batch))
         if self._timer is not None:
             self._timer.cancel()
@@ -91,7 +95,13 @@ class Coalescer(Generic[Req, Res]):
         return await result
 
     async def aclose(self) -> None:
-        """Cancels the batches in flight (their callers see CancelledError)."""
+        """Cancels the open batch and those in flight (their callers see CancelledError)."""
+        batch, self._open = self._open, None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for result in batch.results if batch is not None else ():
+            result.cancel()
         for task in list(self._sent):
             task.cancel()
         await asyncio.gather(*self._sent, return_exceptions=True)
@@ -100,16 +110,20 @@ class Coalescer(Generic[Req, Res]):
         batch, self._open, self._timer = self._open, None, None
         if batch is None:
             return
-        live = [entry for entry in zip(batch.requests, batch.results, batch.callers, strict=True) if not entry[1].done()]
+        live = [entry for entry in zip(batch.requests, batch.results, batch.callers, batch.contexts, strict=True)
+                if not entry[1].done()]
         if not live:
             return
-        batch.requests, batch.results, batch.callers = (list(column) for column in zip(*live, strict=True))
+        batch.requests, batch.results, batch.callers, batch.contexts = (list(c) for c in zip(*live, strict=True))
         # A batch runs in an empty context: it is no single caller's (its span would nest under the
-        # first's). A lone call keeps the context that scheduled it, its caller's (call_at copies it).
-        context = None if len(batch.requests) == 1 else contextvars.Context()
+        # first's). A lone call runs in its own caller's (trace, request id).
+        context = batch.contexts[0] if len(batch.requests) == 1 else contextvars.Context()
         batch.call = asyncio.get_running_loop().create_task(self._send(batch), context=context)
         self._sent.add(batch.call)
         batch.call.add_done_callback(self._sent.discard)
+        # A call cancelled before it ever ran (aclose) never reaches _send's handlers: its callers
+        # must not wait forever.
+        batch.call.add_done_callback(lambda _: [f.cancel() for f in batch.results if not f.done()])
 
     def _caller_gone(self, batch: _Batch[Req, Res]) -> None:
         if batch.call is not None and not batch.call.done() and all(f.done() for f in batch.results):

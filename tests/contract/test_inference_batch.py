@@ -36,7 +36,6 @@ async def test_a_batch_is_admitted_at_once_and_samples_what_one_call_each_sample
         prefills = engine.stats.prefills
         messages = [m async for m in stub.GenerateBatch(inference_pb2.GenerateBatchRequest(requests=requests))]
     assert engine.stats.prefills - prefills == 1  # one admission for the whole batch
-    assert len(messages) < len(requests)  # what finishes together travels together (same length: one chunk)
     results = [r for m in messages for r in m.results]
     assert sorted(r.index for r in results) == list(range(len(requests)))
     for r in results:
@@ -71,15 +70,16 @@ async def test_a_refused_request_fails_alone_and_a_batch_has_bounds(served: tupl
 async def test_a_batch_whose_client_goes_away_frees_every_slot(served: tuple[str, Engine],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     address, engine = served
-    hold_after_first_tokens_until_cancelled(monkeypatch, engine)  # the deadline passes mid-generation
+    hold_after_first_tokens_until_cancelled(monkeypatch, engine)  # nothing can finish before the cancel
     async with make_channel(address, token=TOKEN) as ch:
-        await ch.channel_ready()
         stub = inference_pb2_grpc.InferenceStub(ch)
-        batch = inference_pb2.GenerateBatchRequest(requests=[request(200, prompt=p) for p in PROMPTS[:3]])
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in stub.GenerateBatch(batch, timeout=1.0):
-                pass
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        call = stub.GenerateBatch(inference_pb2.GenerateBatchRequest(
+            requests=[request(200, prompt=p) for p in PROMPTS[:3]]))
+        consumer = asyncio.ensure_future(call.read())
+        # Cancelled once the engine runs the batch (a deadline could pass before the server saw it).
+        await until(lambda: engine.stats.generated_tokens > 0, "the batch never started")
+        call.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
         await until(lambda: engine.stats.aborted >= 3 and not engine.scheduler.running and not engine.scheduler.waiting,
                     "the batch's slots were not freed")
     assert engine.scheduler.free_slots == engine.num_slots
@@ -157,3 +157,38 @@ def test_results_that_finished_together_are_cut_into_messages_under_the_size_bud
     assert all(sum(r.ByteSize() for r in run) <= 1000 for run in runs if len(run) > 1)
     assert [len(run) for run in runs] == [2, 1, 3]  # the big one alone
     assert list(_by_size([], 1000)) == []
+
+
+class OldServer(inference_pb2_grpc.InferenceServicer):
+    """An inference build from before GenerateBatch: Generate only (a rolling upgrade's old replica)."""
+
+    def __init__(self, engine: Engine) -> None:
+        from services.inference.server import InferenceServicer
+
+        self.current = InferenceServicer(engine, "byte")
+
+    async def Generate(self, request, context):  # noqa: N802
+        return await self.current.Generate(request, context)
+
+    async def GenerateBatch(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")  # what gRPC answers for it
+
+
+async def test_a_server_without_generate_batch_gets_one_call_each(served: tuple[str, Engine]) -> None:
+    from arlo.config import load_config
+    from arlo.rpc import ServiceBinding, start_server
+
+    _, engine = served
+    cfg = load_config(overrides={"inference": {"server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}}})
+    name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    old = await start_server("inference", cfg.inference.server, cfg.auth, [ServiceBinding(
+        name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server, servicer=OldServer(engine))])
+    try:
+        async with make_channel(f"127.0.0.1:{old.port}", token=TOKEN) as ch:
+            batched = client(ch, 0.05)
+            turns = await asyncio.gather(*(batched.generate(p, max_tokens=5) for p in PROMPTS))
+    finally:
+        await old.stop(0.1)
+    (batcher,) = batched._batchers.values()
+    assert batcher.calls["batch"] == 1  # tried, refused UNIMPLEMENTED, then one Generate each
+    assert all(len(t.token_ids) == 5 for t in turns)

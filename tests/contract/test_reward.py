@@ -236,10 +236,16 @@ async def test_the_rollout_client_coalesces_concurrent_scores_and_a_refused_item
                                         client.score("nope", "4", "4"),
                                         client.score("exact_match", "x" * (MiB + 1), "4"), return_exceptions=True)
         assert client.batcher.calls == {"single": 0, "batch": 2, "batched_requests": 5}  # the oversized one went alone
+        # ScoreBatch alone would answer an unknown function with an error status; the client sends
+        # such an item again alone, so it fails as a lone Score does, whatever shared its call.
+        unknown_in_good_company = await asyncio.gather(client.score("exact_match", "4", "4"),
+                                                       client.score("nope", "4", "4"), return_exceptions=True)
         lone = await client.score("exact_match", "4", "4")
     good, long_name, unknown, oversized = outcomes
     assert good.status == "ok" and good.reward == 1.0
     assert isinstance(long_name, BackendError) and long_name.code == "INVALID_ARGUMENT"
     assert isinstance(unknown, BackendError) and unknown.code == "NOT_FOUND"  # sent alone: Score's answer
     assert isinstance(oversized, BackendError) and oversized.code == "INVALID_ARGUMENT"
+    fine, refused = unknown_in_good_company
+    assert fine.reward == 1.0 and isinstance(refused, BackendError) and refused.code == "NOT_FOUND"
     assert lone.reward == 1.0 and client.batcher.calls["single"] == 1

@@ -46,24 +46,76 @@ async def test_calls_that_arrive_together_leave_together_and_a_lone_call_goes_pl
     assert c.calls == {"single": 1, "batch": 1, "batched_requests": 5}
 
 
-async def test_the_window_restarts_with_each_arrival_but_not_forever() -> None:
+async def trickle(c: Coalescer, n: int, gap_s: float) -> list[int]:
+    calls = []
+    for i in range(n):
+        calls.append(asyncio.ensure_future(c.call(i)))
+        await asyncio.sleep(gap_s)
+    return await asyncio.gather(*calls)
+
+
+async def test_the_window_restarts_with_each_arrival() -> None:
     server = Server()
-    window = 0.2
-    c = Coalescer(server.one, server.many, window_s=window, max_batch=1000)
-
-    async def trickle(n: int, gap_s: float) -> list[int]:
-        calls = []
-        for i in range(n):
-            calls.append(asyncio.ensure_future(c.call(i)))
-            await asyncio.sleep(gap_s)
-        return await asyncio.gather(*calls)
-
-    await trickle(4, window / 10)  # each inside the window the one before restarted: one batch
+    # A wide window: a loaded machine may oversleep a gap, but not by a second.
+    c = Coalescer(server.one, server.many, window_s=1.0, max_batch=1000)
+    await trickle(c, 4, 0.02)
     assert server.sent == [[0, 1, 2, 3]]
-    server.sent.clear()
-    n = 4 * MAX_WINDOWS + 4  # arrivals a quarter window apart for more than MAX_WINDOWS windows
-    await trickle(n, window / 4)
+
+
+async def test_a_batch_leaves_at_most_max_windows_after_its_first_call() -> None:
+    server = Server()
+    window = 0.05
+    c = Coalescer(server.one, server.many, window_s=window, max_batch=1000)
+    n = 4 * MAX_WINDOWS + 4  # a quarter window apart (or more, under load): past MAX_WINDOWS windows
+    await trickle(c, n, window / 4)
     assert len(server.sent) >= 2 and sorted(r for b in server.sent for r in b) == list(range(n))
+
+
+async def test_aclose_cancels_the_open_batch_and_those_in_flight() -> None:
+    server = Server()
+    server.release.clear()
+    c = Coalescer(server.one, server.many, window_s=WINDOW, max_batch=16)
+    sent = [asyncio.ensure_future(c.call(i)) for i in range(2)]
+    while not server.sent:
+        await asyncio.sleep(0.01)
+    waiting = asyncio.ensure_future(c.call(9))  # in the open batch, not sent yet
+    await asyncio.sleep(0)
+    await asyncio.wait_for(c.aclose(), 5)
+    outcomes = await asyncio.wait_for(asyncio.gather(*sent, waiting, return_exceptions=True), 5)
+    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes)
+    await asyncio.sleep(2 * WINDOW)
+    assert server.sent == [[0, 1]]  # the open batch never left
+
+
+async def test_a_lone_call_runs_in_its_own_callers_context() -> None:
+    import contextvars
+
+    who: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="nobody")
+    seen = []
+
+    async def one(request: int) -> int:
+        seen.append(who.get())
+        return request
+
+    async def many(requests, settle) -> None:
+        seen.append(who.get())
+        for i, r in enumerate(requests):
+            settle(i, r)
+
+    c = Coalescer(one, many, window_s=WINDOW, max_batch=16)
+
+    async def caller(name: str, request: int) -> int:
+        who.set(name)
+        return await c.call(request)
+
+    first = asyncio.ensure_future(caller("a", 1))
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(caller("b", 2))  # the last arrival schedules the flush
+    await asyncio.sleep(0)
+    second.cancel()
+    assert await first == 1
+    await asyncio.gather(*(caller(n, i) for i, n in enumerate("cd")))
+    assert seen == ["a", "nobody"]  # the lone call as its caller; a batch as no one
 
 
 async def test_a_full_batch_leaves_without_waiting() -> None:
