@@ -122,7 +122,7 @@ async def test_coalesced_callers_that_go_away_cancel_the_batch(served: tuple[str
     address, engine = served
     hold_after_first_tokens_until_cancelled(monkeypatch, engine)
     async with make_channel(address, token=TOKEN) as ch:
-        batched = client(ch, 0.05, timeout_s=600.0)  # the slots must be freed by the cancel, not a deadline
+        batched = client(ch, 0.05, timeout_s=200.0)  # the slots must be freed by the cancel, not a deadline
         callers = [asyncio.create_task(batched.generate(p, max_tokens=200)) for p in PROMPTS[:3]]
         await until(lambda: engine.stats.generated_tokens > 0, "the batch never started")
         callers[0].cancel()
