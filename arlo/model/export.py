@@ -28,6 +28,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from arlo.budget import runs_under
 from arlo.model.byte_tokenizer_file import write_byte_tokenizer
 from arlo.model.config import ModelConfig
 from arlo.model.hf import INDEX_FILE, SINGLE_FILE, tensor_maps
@@ -166,17 +167,7 @@ def _write_weights(state: nnx.State, cfg: ModelConfig, out: Path, dtype: str, ma
 def _plan_shards(cfg: ModelConfig, max_shard_bytes: int, itemsize: int) -> Iterator[list[Any]]:
     """Tensor maps grouped into shards of at most max_shard_bytes (a bigger tensor alone)."""
     shapes = _param_shapes(cfg)
-    shard: list[Any] = []
-    size = 0
-    for m in tensor_maps(cfg):
-        nbytes = int(np.prod(shapes[m.key])) * itemsize
-        if shard and size + nbytes > max_shard_bytes:
-            yield shard
-            shard, size = [], 0
-        shard.append(m)
-        size += nbytes
-    if shard:
-        yield shard
+    yield from runs_under(tensor_maps(cfg), lambda m: int(np.prod(shapes[m.key])) * itemsize, max_shard_bytes)
 
 
 def _param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
+from arlo.budget import runs_under
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.bridge import Bridge
 from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelta
@@ -52,22 +53,6 @@ def to_completion(sample: Sample) -> inference_pb2.Completion:
 
 def _put_at(bridge: Bridge, index: int, result: list[Sample] | BaseException) -> None:
     bridge.put((index, result))
-
-
-def _by_size(results: list[inference_pb2.GenerateBatchResult],
-             budget: int) -> Iterator[list[inference_pb2.GenerateBatchResult]]:
-    """`results` in order, cut into runs of at most `budget` serialized bytes (a larger result alone)."""
-    run: list[inference_pb2.GenerateBatchResult] = []
-    size = 0
-    for r in results:
-        n = r.ByteSize()
-        if run and size + n > budget:
-            yield run
-            run, size = [], 0
-        run.append(r)
-        size += n
-    if run:
-        yield run
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -148,7 +133,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     finished.append(bridge.queue.get_nowait())
                 for i, _ in finished:
                     running.pop(i, None)
-                for results in _by_size([self._batch_result(i, r) for i, r in finished], MAX_BATCH_MESSAGE_BYTES):
+                for results in runs_under([self._batch_result(i, r) for i, r in finished],
+                                          inference_pb2.GenerateBatchResult.ByteSize, MAX_BATCH_MESSAGE_BYTES):
                     yield inference_pb2.GenerateBatchResponse(results=results)
         finally:
             for request_id in running.values():  # the client went away (CancelledError) or the stream broke

@@ -145,18 +145,18 @@ async def test_a_batch_to_a_server_that_is_gone_is_retryable_for_every_caller() 
 
 
 def test_results_that_finished_together_are_cut_into_messages_under_the_size_budget() -> None:
-    from services.inference.server import _by_size
+    from arlo.budget import runs_under
 
     def result(index: int, tokens: int) -> inference_pb2.GenerateBatchResult:
         return inference_pb2.GenerateBatchResult(index=index, response=inference_pb2.GenerateResponse(
             completions=[inference_pb2.Completion(token_ids=[7] * tokens)]))
 
     results = [result(i, n) for i, n in enumerate((100, 100, 5000, 100, 100, 100))]
-    runs = list(_by_size(results, 1000))
+    runs = list(runs_under(results, inference_pb2.GenerateBatchResult.ByteSize, 1000))
     assert [r.index for run in runs for r in run] == list(range(6))  # nothing lost, order kept
     assert all(sum(r.ByteSize() for r in run) <= 1000 for run in runs if len(run) > 1)
     assert [len(run) for run in runs] == [2, 1, 3]  # the big one alone
-    assert list(_by_size([], 1000)) == []
+    assert list(runs_under([], len, 1000)) == []
 
 
 class OldServer(inference_pb2_grpc.InferenceServicer):
