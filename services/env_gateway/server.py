@@ -28,6 +28,7 @@ MAX_CONFIG_BYTES = 64 << 10
 MAX_ACTION_BYTES = 64 << 10
 MAX_SESSION_ID_BYTES = 128
 MAX_BATCH_STEPS = 256
+MAX_BATCH_CLOSES = 256
 
 # Expected failures of a step, and their codes; anything else is a bug -> INTERNAL.
 _STEP_ERRORS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -275,6 +276,37 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
         else:
             self._gateway.close(request.session_id)
         return env_pb2.CloseResponse()
+
+    async def CloseBatch(self, request: env_pb2.CloseBatchRequest,
+                         context: grpc.aio.ServicerContext) -> env_pb2.CloseBatchResponse:
+        session_ids = list(request.session_ids)
+        if not 1 <= len(session_ids) <= MAX_BATCH_CLOSES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"session_ids has {len(session_ids)} entries; send 1 to {MAX_BATCH_CLOSES}")
+        reply = env_pb2.CloseBatchResponse()
+        results = [reply.results.add() for _ in session_ids]
+        remote: list[tuple[env_pb2.CloseResult, RemoteBackend, str]] = []
+        for i, (session_id, result) in enumerate(zip(session_ids, results, strict=True)):
+            problem = utf8_too_long(f"session_ids[{i}]", session_id, MAX_SESSION_ID_BYTES)
+            if problem:
+                result.code, result.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], problem
+                continue
+            owner = self._owner(session_id)
+            if owner is not None and self._remotes is not None:
+                remote.append((result, *owner))
+            else:
+                self._gateway.close(session_id)
+        if remote:  # each backend's sessions closed concurrently, as Close closes one
+            remotes, deadline_s = self._remotes, context.time_remaining()
+            assert remotes is not None
+            outcomes = await asyncio.gather(*(remotes.close_session(backend, remote_id, deadline_s)
+                                              for _, backend, remote_id in remote), return_exceptions=True)
+            for (result, _, _), outcome in zip(remote, outcomes, strict=True):
+                if isinstance(outcome, RemoteError):
+                    result.code, result.message = outcome.code.value[0], str(outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome  # a bug: the server's error interceptor logs it and answers INTERNAL
+        return reply
 
     async def aclose(self) -> None:
         """Closes the remote channels, the MCP sessions (their processes) and the worker threads

@@ -58,12 +58,11 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
                          batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,
                          served_version=gen.served_version)
+    # One gateway replica per episode: sessions live in the memory of the replica that made them.
+    env = AffinityEnvironmentClient(cfg.env_gateway.server.address, channel, timeout_s=rc.rpc_timeout_s, tracer=tracer)
     worker = RolloutWorker(
         rc, run_id=cfg.run_id, tokenizer=tok, gate=gate,
-        filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance, gen=gen,
-        # One gateway replica per episode: sessions live in the memory of the replica that made them.
-        env=AffinityEnvironmentClient(cfg.env_gateway.server.address, channel, timeout_s=rc.rpc_timeout_s,
-                                      tracer=tracer),
+        filter_zero_variance=cfg.trainer.algorithm.filter_zero_variance, gen=gen, env=env,
         scorer=RewardClient(channels["reward"], timeout_s=rc.rpc_timeout_s, batch_window_s=rc.batch_window_s,
                             tracer=tracer),
         stream=stream,
@@ -84,7 +83,14 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     running = await start_server("rollout", rc.server, cfg.auth, [], tracing=tracing)
     running.registry.register(rollout_collector(worker.stats.snapshot))
     heartbeat = Heartbeat(redis, cfg.run_id, service=RolloutStatus.SERVICE, instance=instance)
-    tasks.spawn("rollout", worker.run)
+
+    async def roll() -> None:
+        try:
+            await worker.run()
+        finally:  # the session closes still owed are sent before the process ends
+            await env.aclose()
+
+    tasks.spawn("rollout", roll)
     tasks.spawn("evaluations", lambda: serve_evaluations(EvalQueue(redis, cfg.run_id, consumer=instance),
                                                          evaluator, greedy.served_version))
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: RolloutStatus(

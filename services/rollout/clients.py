@@ -26,7 +26,7 @@ from arlo.proto.v1 import (
 )
 from arlo.rpc.replicas import ReplicaSet
 from services.rollout.agent import Turn
-from services.rollout.coalescing import Coalescer, Settle
+from services.rollout.coalescing import Coalescer, Settle, each_alone
 from services.rollout.types import BackendError, Message, ResetResult, RetryableError, ScoreResult, StepResult
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class InferenceClient:
                 raise backend_error("inference", e.code(), e.details() or "") from e
             # The batch itself was refused (an older server, a message past its limit): what one
             # Generate each would have done.
-            await _each_alone(functools.partial(self._generate_one, stub), requests, settle, skip=settled)
+            await each_alone(functools.partial(self._generate_one, stub), requests, settle, skip=settled)
 
     @translated("inference")
     async def served_version(self) -> int:
@@ -242,7 +242,7 @@ class RewardClient:
             # one deadline of slow verifiers: one Score each, each with its own deadline.
             if e.code() not in (*SEND_ALONE_ON, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise backend_error("reward", e.code(), e.details() or "") from e
-            await _each_alone(self._score_one, requests, settle)
+            await each_alone(self._score_one, requests, settle)
             return
         if len(reply.results) != len(requests):
             raise BackendError("reward", "INTERNAL", f"ScoreBatch answered {len(reply.results)} of {len(requests)} items")
@@ -253,13 +253,4 @@ class RewardClient:
         for i, result in enumerate(reply.results):
             if i not in errors:
                 settle(i, result)
-        await _each_alone(self._score_one, requests, settle, skip=set(range(len(requests))) - errors)
-
-
-async def _each_alone(send_one: Callable[[Req], Awaitable[Res]], requests: list[Req], settle: Settle,
-                      skip: set[int] = frozenset()) -> None:
-    """Sends the requests not in `skip` one call each, concurrently, and settles each."""
-    todo = [i for i in range(len(requests)) if i not in skip]
-    outcomes = await asyncio.gather(*(send_one(requests[i]) for i in todo), return_exceptions=True)
-    for i, outcome in zip(todo, outcomes, strict=True):
-        settle(i, outcome)
+        await each_alone(self._score_one, requests, settle, skip=set(range(len(requests))) - errors)

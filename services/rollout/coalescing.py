@@ -156,6 +156,16 @@ class Coalescer(Generic[Req, Res]):
                 settle(i, RuntimeError(f"the batch call ended without the result of request {i}"))
 
 
+async def each_alone(send_one: SendOne[Req, Res], requests: list[Req], settle: Settle,
+                     skip: set[int] = frozenset()) -> None:
+    """Sends the requests not in `skip` one call each, concurrently, and settles each: what a
+    batch call the server refused as a whole (an older server, a message past its limit) falls back to."""
+    todo = [i for i in range(len(requests)) if i not in skip]
+    outcomes = await asyncio.gather(*(send_one(requests[i]) for i in todo), return_exceptions=True)
+    for i, outcome in zip(todo, outcomes, strict=True):
+        settle(i, outcome)
+
+
 def _settle(result: asyncio.Future[Res], outcome: Res | BaseException) -> None:
     if result.done():
         return

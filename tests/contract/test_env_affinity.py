@@ -145,3 +145,78 @@ async def test_without_coalescing_every_step_is_its_own_call(replicas: list[Runn
         assert env.calls == {"Step": 8}
     finally:
         await env.aclose()
+
+
+class HeldCloses(env_pb2_grpc.EnvironmentServicer):
+    """A gateway whose closes are held until `release` is set: a close that waited for its
+    answer would hang. Without CloseBatch it is a gateway from before it (the base answers
+    UNIMPLEMENTED)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls: Counter[str] = Counter()
+        self.closed: list[str] = []
+
+    async def Reset(self, request, context):  # noqa: N802
+        self.calls["Reset"] += 1
+        return env_pb2.ResetResponse(session_id=f"s{self.calls['Reset']}")
+
+    async def Close(self, request, context):  # noqa: N802
+        self.calls["Close"] += 1
+        await self.release.wait()
+        self.closed.append(request.session_id)
+        return env_pb2.CloseResponse()
+
+
+class HeldCloseBatches(HeldCloses):
+    async def CloseBatch(self, request, context):  # noqa: N802
+        self.calls["CloseBatch"] += 1
+        await self.release.wait()
+        self.closed += request.session_ids
+        return env_pb2.CloseBatchResponse(results=[env_pb2.CloseResult() for _ in request.session_ids])
+
+
+async def held_gateway(servicer: HeldCloses) -> tuple[grpc.aio.Server, AffinityEnvironmentClient]:
+    server = grpc.aio.server()
+    env_pb2_grpc.add_EnvironmentServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, AffinityEnvironmentClient(f"ipv4:127.0.0.1:{port}", lambda a: make_channel(a, token=None),
+                                             timeout_s=30)
+
+
+@pytest.mark.parametrize("servicer", [HeldCloseBatches, HeldCloses])
+async def test_closes_never_wait_for_the_gateway_and_end_together(servicer: type[HeldCloses]) -> None:
+    """Episodes that end together close without waiting on the gateway (a close is off the step's
+    critical path) and their closes leave as one CloseBatch, or one Close each to a gateway
+    without it; `aclose` sends the closes still owed before it returns."""
+    gateway = servicer()
+    server, env = await held_gateway(gateway)
+    try:
+        sessions = [(await env.reset("any", "", seed)).session_id for seed in range(16)]
+        await asyncio.wait_for(asyncio.gather(*(env.close(s) for s in sessions)), timeout=10)
+        assert gateway.closed == [] and env.replica_of(sessions[0]) is None
+        gateway.release.set()
+        await env.aclose()
+        assert sorted(gateway.closed) == sorted(sessions)
+        if servicer is HeldCloseBatches:
+            assert gateway.calls["CloseBatch"] == 1 and gateway.calls["Close"] == 0
+            assert env.calls == {"CloseBatch": 1, "batched_closes": 16}
+        else:  # refused as UNIMPLEMENTED, then sent one Close each
+            assert gateway.calls["Close"] == 16 and env.calls == {"CloseBatch": 1, "batched_closes": 16, "Close": 16}
+    finally:
+        await server.stop(None)
+
+
+async def test_ended_episodes_are_closed_on_their_replicas(replicas: list[RunningServer]) -> None:
+    env = client_for(replicas)
+    try:
+        done = await asyncio.gather(*(episode(env, seed) for seed in range(8)))
+    finally:
+        await env.aclose()
+    for session, replica in done:
+        async with make_channel(replica, token=TOKEN) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await env_pb2_grpc.EnvironmentStub(channel).Step(env_pb2.StepRequest(session_id=session, action="1"),
+                                                                 timeout=5)
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND

@@ -160,6 +160,22 @@ async def test_step_batch_bounds(stub: env_pb2_grpc.EnvironmentStub) -> None:
     assert len(reply.results) == 256 and all(r.code == 0 for r in reply.results)
 
 
+async def test_close_batch_closes_each_session_and_answers_each_id(stub: env_pb2_grpc.EnvironmentStub) -> None:
+    sessions = [(await reset(stub, seed=i)).session_id for i in range(3)]
+    kept = (await reset(stub, seed=9)).session_id
+    # Unknown and repeated ids are no error (as for Close); an id past the bound is refused alone.
+    ids = [*sessions, "never-existed", sessions[0], "s" * 129]
+    reply = await stub.CloseBatch(env_pb2.CloseBatchRequest(session_ids=ids), timeout=5)
+    assert [r.code for r in reply.results] == [0, 0, 0, 0, 0, INVALID.value[0]]
+    assert "session_ids[5]" in reply.results[5].message
+    for session in sessions:
+        await fails(stub.Step(env_pb2.StepRequest(session_id=session, action="1"), timeout=5), grpc.StatusCode.NOT_FOUND)
+    await stub.Step(env_pb2.StepRequest(session_id=kept, action="x"), timeout=5)  # a session not named lives on
+    await fails(stub.CloseBatch(env_pb2.CloseBatchRequest(), timeout=5), INVALID, "1 to 256")
+    too_many = [str(i) for i in range(257)]
+    await fails(stub.CloseBatch(env_pb2.CloseBatchRequest(session_ids=too_many), timeout=5), INVALID, "257")
+
+
 async def test_session_limit_and_idle_expiry(token: str) -> None:
     async for stub in serve(config(max_sessions=2, session_idle_timeout_s=0.5)):
         first = await reset(stub, seed=1)

@@ -278,6 +278,23 @@ async def test_only_idempotent_calls_are_retried(scripted: tuple[ScriptedBackend
         assert backend.calls == {"Close": 1}  # only UNAVAILABLE is worth a retry
 
 
+async def test_close_batch_closes_proxied_sessions_on_their_backend(scripted: tuple[ScriptedBackend, int]) -> None:
+    """A CloseBatch mixing proxied and local sessions closes each where it lives; a backend's
+    refusal is that session's own status, as Close would answer it."""
+    backend, port = scripted
+    async for stub in serve(config(scripted_remote(port, retries=0, breaker_failures=100))):
+        proxied = [(await reset(stub, "scripted")).session_id for _ in range(2)]
+        local = (await reset(stub, "arith")).session_id
+        backend.calls = {}
+        reply = await stub.CloseBatch(env_pb2.CloseBatchRequest(session_ids=[proxied[0], local, proxied[1]]), timeout=5)
+        assert [r.code for r in reply.results] == [0, 0, 0] and backend.calls == {"Close": 2}
+        await fails(stub.Step(env_pb2.StepRequest(session_id=local, action="1"), timeout=5), grpc.StatusCode.NOT_FOUND)
+        backend.fail_with, backend.calls = grpc.StatusCode.INVALID_ARGUMENT, {}
+        reply = await stub.CloseBatch(env_pb2.CloseBatchRequest(session_ids=[proxied[0], "never-existed"]), timeout=5)
+        assert [r.code for r in reply.results] == [grpc.StatusCode.INVALID_ARGUMENT.value[0], 0]
+        assert "scripted failure" in reply.results[0].message and backend.calls == {"Close": 1}
+
+
 async def test_backend_down_at_start_is_discovered_later(scripted: tuple[ScriptedBackend, int]) -> None:
     backend, port = scripted
     backend.fail_with = UNAVAILABLE

@@ -59,6 +59,11 @@ class EnvironmentStub:
                 request_serializer=arlo_dot_v1_dot_env__pb2.CloseRequest.SerializeToString,
                 response_deserializer=arlo_dot_v1_dot_env__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.CloseBatch = channel.unary_unary(
+                '/arlo.v1.Environment/CloseBatch',
+                request_serializer=arlo_dot_v1_dot_env__pb2.CloseBatchRequest.SerializeToString,
+                response_deserializer=arlo_dot_v1_dot_env__pb2.CloseBatchResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServicer:
@@ -98,6 +103,14 @@ class EnvironmentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseBatch(self, request, context):
+        """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
+        status Close would answer it with. An unknown or repeated id is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +138,11 @@ def add_EnvironmentServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=arlo_dot_v1_dot_env__pb2.CloseRequest.FromString,
                     response_serializer=arlo_dot_v1_dot_env__pb2.CloseResponse.SerializeToString,
+            ),
+            'CloseBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseBatch,
+                    request_deserializer=arlo_dot_v1_dot_env__pb2.CloseBatchRequest.FromString,
+                    response_serializer=arlo_dot_v1_dot_env__pb2.CloseBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +280,33 @@ class Environment:
             '/arlo.v1.Environment/Close',
             arlo_dot_v1_dot_env__pb2.CloseRequest.SerializeToString,
             arlo_dot_v1_dot_env__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/arlo.v1.Environment/CloseBatch',
+            arlo_dot_v1_dot_env__pb2.CloseBatchRequest.SerializeToString,
+            arlo_dot_v1_dot_env__pb2.CloseBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,10 @@ class EnvironmentStub:
     """Applies up to 256 actions (to distinct sessions) in one call; each gets its own status."""
     Close: _grpc.UnaryUnaryMultiCallable[_env_pb2.CloseRequest, _env_pb2.CloseResponse]
     """Ends a session and frees its resources. Closing an unknown session is not an error."""
+    CloseBatch: _grpc.UnaryUnaryMultiCallable[_env_pb2.CloseBatchRequest, _env_pb2.CloseBatchResponse]
+    """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
+    status Close would answer it with. An unknown or repeated id is not an error.
+    """
 
 @_typing.type_check_only
 class EnvironmentAsyncStub(EnvironmentStub):
@@ -55,6 +59,10 @@ class EnvironmentAsyncStub(EnvironmentStub):
     """Applies up to 256 actions (to distinct sessions) in one call; each gets its own status."""
     Close: _aio.UnaryUnaryMultiCallable[_env_pb2.CloseRequest, _env_pb2.CloseResponse]  # type: ignore[assignment]
     """Ends a session and frees its resources. Closing an unknown session is not an error."""
+    CloseBatch: _aio.UnaryUnaryMultiCallable[_env_pb2.CloseBatchRequest, _env_pb2.CloseBatchResponse]  # type: ignore[assignment]
+    """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
+    status Close would answer it with. An unknown or repeated id is not an error.
+    """
 
 class EnvironmentServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -95,5 +103,15 @@ class EnvironmentServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_env_pb2.CloseResponse, _abc.Awaitable[_env_pb2.CloseResponse]]:
         """Ends a session and frees its resources. Closing an unknown session is not an error."""
+
+    @_abc_1.abstractmethod
+    def CloseBatch(
+        self,
+        request: _env_pb2.CloseBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_env_pb2.CloseBatchResponse, _abc.Awaitable[_env_pb2.CloseBatchResponse]]:
+        """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
+        status Close would answer it with. An unknown or repeated id is not an error.
+        """
 
 def add_EnvironmentServicer_to_server(servicer: EnvironmentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
