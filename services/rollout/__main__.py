@@ -34,8 +34,10 @@ from services.rollout.worker import RolloutWorker
 
 
 async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
-                        tracing: Tracing | None = None) -> tuple[RunningServer, RolloutWorker]:
-    """`tracing`: each episode is a span, the parent of its RPCs' spans in every service it calls."""
+                        tracing: Tracing | None = None) -> tuple[RunningServer, AffinityEnvironmentClient]:
+    """`tracing`: each episode is a span, the parent of its RPCs' spans in every service it calls.
+    Returns the server and the env client, to close once the tasks are cancelled (it sends the
+    session closes their episodes handed it on the way out)."""
     rc = cfg.rollout
     token = load_token(cfg.auth)
     tracer = tracing.tracer("services.rollout") if tracing is not None else None
@@ -83,20 +85,13 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     running = await start_server("rollout", rc.server, cfg.auth, [], tracing=tracing)
     running.registry.register(rollout_collector(worker.stats.snapshot))
     heartbeat = Heartbeat(redis, cfg.run_id, service=RolloutStatus.SERVICE, instance=instance)
-
-    async def roll() -> None:
-        try:
-            await worker.run()
-        finally:  # the session closes still owed are sent before the process ends
-            await env.aclose()
-
-    tasks.spawn("rollout", roll)
+    tasks.spawn("rollout", worker.run)
     tasks.spawn("evaluations", lambda: serve_evaluations(EvalQueue(redis, cfg.run_id, consumer=instance),
                                                          evaluator, greedy.served_version))
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: RolloutStatus(
         groups=worker.stats.groups, episodes=worker.stats.episodes, retries=worker.stats.retries,
         failed_groups=worker.stats.failed_groups, running=gate.running, admission_waits=gate.waits).fields()))
-    return running, worker
+    return running, env
 
 
 def main() -> None:
@@ -105,11 +100,19 @@ def main() -> None:
     tasks = TaskGroup()
     with service_tracing(cfg.tracing, service="rollout", run_id=cfg.run_id) as tracing:
 
+        envs: list[AffinityEnvironmentClient] = []
+
         async def start() -> RunningServer:
-            running, _ = await start_rollout(cfg, tasks, tracing)
+            running, env = await start_rollout(cfg, tasks, tracing)
+            envs.append(env)
             return running
 
-        run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.rollout.server.grace_s)
+        async def stop() -> None:
+            await tasks.cancel_all()  # the episodes end, handing their sessions' closes to the env client
+            for env in envs:
+                await env.aclose()
+
+        run_until_signal(start, on_stop=stop, grace_s=cfg.rollout.server.grace_s)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,12 @@ class Coalescer(Generic[Req, Res]):
             self._timer = loop.call_at(due, self._flush)
         return await result
 
+    def flush(self) -> None:
+        """Sends the open batch now, without waiting out its window."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._flush()
+
     async def aclose(self) -> None:
         """Cancels the open batch and those in flight (their callers see CancelledError)."""
         batch, self._open = self._open, None

@@ -21,23 +21,18 @@ Many concurrent episodes then cost a few calls per round instead of one each (be
 `--episodes` measures both ways). 0 turns coalescing off (one Step call per step).
 
 Close does not wait for the gateway: the session is forgotten here at once and its Close sent
-in the background, and closes to one replica that arrive together leave as one CloseBatch
-(`CLOSE_WINDOW_S`; one Close each with `max_in_flight` 0, or to a gateway without CloseBatch).
-Why (bench/step_anatomy.py, 596k workload, synchronous): a burst's 32 episodes end together,
-and their 32 awaited Close calls put ~25 ms on the step's critical path, between the last Step
-and the Score. Closing is a courtesy (the gateway expires idle sessions), so a failed close is
-only logged; `aclose` sends those still owed before the channels close.
+in the background (services/rollout/env_closes.py), those that arrive together as one
+CloseBatch (one Close each with `max_in_flight` 0); `aclose` sends those still owed before the
+channels close.
 
 Traced (`tracer`), a StepBatch carries several episodes' steps, so it belongs to none of their
-traces: it runs as a `rollout.step_batch` root span linked to each of those episodes' spans
-(a CloseBatch likewise as `rollout.close_batch`).
+traces: it runs as a `rollout.step_batch` root span linked to each of those episodes' spans.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import logging
 import random
 import time
@@ -52,7 +47,7 @@ from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc.replicas import REFRESH_S, ResolvedTarget
 from arlo.tracing import current_span_context, span
 from services.rollout.clients import backend_error, reset_result, step_result, translated
-from services.rollout.coalescing import Coalescer, Settle, each_alone
+from services.rollout.env_closes import SessionCloses
 from services.rollout.types import ResetResult, StepResult
 
 if TYPE_CHECKING:
@@ -66,11 +61,6 @@ MAX_TRACKED_SESSIONS = 100_000
 """Bounds the session -> replica map when episodes end without Close (the gateway expires those)."""
 MAX_BATCH_STEPS = 256
 """The gateway's StepBatch bound (env.proto)."""
-MAX_BATCH_CLOSES = 256
-"""The gateway's CloseBatch bound (env.proto)."""
-CLOSE_WINDOW_S = 0.002
-"""Closes to one replica that arrive within this of each other leave as one CloseBatch. Nobody
-waits for a close, so the window costs no episode anything."""
 CLOSE_DRAIN_S = 2.0
 """`aclose` waits this long at most for the closes still owed."""
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
@@ -116,11 +106,12 @@ class AffinityEnvironmentClient:
         self._down_until: dict[str, float] = {}
         self._lanes: dict[str, _Lane] = {}
         self._batches: set[asyncio.Task[None]] = set()
-        self._closers: dict[str, Coalescer[str, None]] = {}
-        self._closes: set[asyncio.Task[None]] = set()
         self.calls: Counter[str] = Counter()
         """RPCs sent, by method ("Step", "StepBatch", "Close", "CloseBatch"), and the steps and
         closes sent inside batches ("batched_steps", "batched_closes")."""
+        self._closes = SessionCloses(lambda address: self._channels.get(address), timeout_s=timeout_s,
+                                     coalesce=max_in_flight > 0, calls=self.calls,
+                                     on_sent=lambda _: self._drop_unlisted(), tracer=tracer)
 
     def replica_of(self, session_id: str) -> str | None:
         return self._owner.get(session_id)
@@ -200,6 +191,10 @@ class AffinityEnvironmentClient:
                                                        result.message))
                 else:
                     waiter.set_result(step_result(result.response))
+        except asyncio.CancelledError:  # aclose: the episodes waiting on it end too
+            for w in batch:
+                w.result.cancel()
+            raise
         except Exception as e:  # the whole call failed (or a reply of the wrong length): every step did
             error = backend_error("env_gateway", e.code(), e.details() or "") \
                 if isinstance(e, grpc.aio.AioRpcError) else e
@@ -211,67 +206,18 @@ class AffinityEnvironmentClient:
             self._pump(address, lane)
 
     async def close(self, session_id: str) -> None:
-        """Ends the session without waiting for the gateway's answer (see the module doc)."""
+        """Ends the session without waiting for the gateway's answer (services/rollout/env_closes.py)."""
         address = self._forget(session_id)
-        if address is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._close_on(address, session_id))
-        self._closes.add(task)  # held until done: a task nobody references may be collected
-        task.add_done_callback(self._closes.discard)
-        self._drop_unlisted()
-
-    async def _close_on(self, address: str, session_id: str) -> None:
-        try:
-            if not self.max_in_flight:
-                await self._close_one(address, session_id)
-                return
-            closer = self._closers.get(address)
-            if closer is None:
-                closer = self._closers[address] = Coalescer(
-                    functools.partial(self._close_one, address), functools.partial(self._close_many, address),
-                    window_s=CLOSE_WINDOW_S, max_batch=MAX_BATCH_CLOSES, tracer=self.tracer,
-                    span_name="rollout.close_batch")
-            await closer.call(session_id)
-        except grpc.aio.AioRpcError as e:  # the gateway expires idle sessions anyway: a courtesy
-            log.debug("closing env_gateway session %s on %s failed: %s", session_id, address, e.code().name)
-
-    async def _close_one(self, address: str, session_id: str) -> None:
-        channel = self._channels.get(address)
-        if channel is not None:  # None: the replica left the list, and its sessions with it
-            self.calls["Close"] += 1
-            await env_pb2_grpc.EnvironmentStub(channel).Close(env_pb2.CloseRequest(session_id=session_id),
-                                                              timeout=self.timeout_s)
-
-    async def _close_many(self, address: str, session_ids: list[str], settle: Settle) -> None:
-        channel = self._channels.get(address)
-        if channel is None:  # the replica left the list, and its sessions with it
-            for i in range(len(session_ids)):
-                settle(i, None)
-            return
-        self.calls["CloseBatch"] += 1
-        self.calls["batched_closes"] += len(session_ids)
-        try:
-            await env_pb2_grpc.EnvironmentStub(channel).CloseBatch(
-                env_pb2.CloseBatchRequest(session_ids=session_ids), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            # A gateway from before CloseBatch (a rolling upgrade), or a proxy without it.
-            await each_alone(functools.partial(self._close_one, address), session_ids, settle)
-            return
-        for i in range(len(session_ids)):
-            settle(i, None)  # a session the gateway could not close expires there: nothing to do
+        if address is not None:
+            self._closes.send(address, session_id)
 
     async def aclose(self) -> None:
         """Sends the closes still owed (for up to CLOSE_DRAIN_S: the gateway expires the rest),
-        then cancels what is in flight and closes the channels."""
-        if self._closes:
-            await asyncio.wait(set(self._closes), timeout=CLOSE_DRAIN_S)
-        closers, self._closers = list(self._closers.values()), {}
-        await asyncio.gather(*(c.aclose() for c in closers))
-        for task in [*self._batches, *self._closes]:
+        then cancels the Steps in flight and closes the channels."""
+        await self._closes.drain(CLOSE_DRAIN_S)
+        for task in list(self._batches):
             task.cancel()
-        await asyncio.gather(*self._batches, *self._closes, return_exceptions=True)
+        await asyncio.gather(*self._batches, return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
@@ -305,12 +251,12 @@ class AffinityEnvironmentClient:
             del self._open[address]
 
     def _drop_unlisted(self) -> None:
-        """Closes channels to replicas no longer listed once none of their sessions is open."""
-        for address in [a for a in self._channels if a not in self._addresses and not self._open[a]]:
+        """Closes channels to replicas no longer listed once none of their sessions is open or owes a close."""
+        for address in [a for a in self._channels
+                        if a not in self._addresses and not self._open[a] and not self._closes.owed(a)]:
             lane = self._lanes.get(address)
             if lane is not None and not lane.in_flight and not lane.waiting:
                 del self._lanes[address]
-            self._closers.pop(address, None)  # a batch it still holds finds no channel and ends
             task = asyncio.get_running_loop().create_task(self._channels.pop(address).close())
             self._closing.add(task)  # held until done: a task nobody references may be collected
             task.add_done_callback(self._closing.discard)

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+UNWIND_S = 5.0
+"""A stopped worker waits this long at most for its cancelled groups to clean up."""
+
 EPISODE_SPAN = "rollout.episode"
 MAX_EPISODE_ATTEMPTS = 4
 EpisodeFn = Callable[[EpisodeSpec, Any, Generator, EnvClient, Scorer], Awaitable[common_pb2.Trajectory]]
@@ -123,6 +126,8 @@ class RolloutWorker:
         finally:
             for task in pending:
                 task.cancel()
+            if pending:  # their cleanup (closes handed to the env client, gate.finish) runs before we return
+                await asyncio.wait(set(pending), timeout=UNWIND_S)
 
     async def _group_then_release(self, sem: asyncio.Semaphore) -> None:
         written, admitted, envs, spans = 0, False, [], []

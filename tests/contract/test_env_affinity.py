@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -189,23 +189,86 @@ async def held_gateway(servicer: HeldCloses) -> tuple[grpc.aio.Server, AffinityE
 async def test_closes_never_wait_for_the_gateway_and_end_together(servicer: type[HeldCloses]) -> None:
     """Episodes that end together close without waiting on the gateway (a close is off the step's
     critical path) and their closes leave as one CloseBatch, or one Close each to a gateway
-    without it; `aclose` sends the closes still owed before it returns."""
+    without it (remembered: the next closes go alone at once); `aclose` sends the closes still
+    owed before it returns."""
     gateway = servicer()
     server, env = await held_gateway(gateway)
     try:
         sessions = [(await env.reset("any", "", seed)).session_id for seed in range(16)]
-        await asyncio.wait_for(asyncio.gather(*(env.close(s) for s in sessions)), timeout=10)
+        await asyncio.wait_for(asyncio.gather(*(env.close(s) for s in sessions[:8])), timeout=10)
         assert gateway.closed == [] and env.replica_of(sessions[0]) is None
         gateway.release.set()
+        await asyncio.wait_for(_until(lambda: len(gateway.closed) == 8), timeout=10)
+        await asyncio.gather(*(env.close(s) for s in sessions[8:]))
+    finally:
         await env.aclose()
-        assert sorted(gateway.closed) == sorted(sessions)
-        if servicer is HeldCloseBatches:
-            assert gateway.calls["CloseBatch"] == 1 and gateway.calls["Close"] == 0
-            assert env.calls == {"CloseBatch": 1, "batched_closes": 16}
-        else:  # refused as UNIMPLEMENTED, then sent one Close each
-            assert gateway.calls["Close"] == 16 and env.calls == {"CloseBatch": 1, "batched_closes": 16, "Close": 16}
+        await server.stop(None)
+    assert sorted(gateway.closed) == sorted(sessions)
+    if servicer is HeldCloseBatches:
+        assert gateway.calls["CloseBatch"] == 2 and gateway.calls["Close"] == 0
+        assert env.calls == {"CloseBatch": 2, "batched_closes": 16}
+    else:  # refused as UNIMPLEMENTED once, then sent one Close each
+        assert gateway.calls["Close"] == 16 and env.calls == {"CloseBatch": 1, "batched_closes": 8, "Close": 16}
+
+
+async def test_closes_handed_over_while_the_client_closes_are_sent() -> None:
+    """Closes handed over while `aclose` drains (episodes still unwinding) are sent too."""
+    gateway = HeldCloseBatches()
+    server, env = await held_gateway(gateway)
+    try:
+        sessions = [(await env.reset("any", "", seed)).session_id for seed in range(6)]
+        await asyncio.gather(*(env.close(s) for s in sessions[:2]))
+        closing = asyncio.create_task(env.aclose())
+        # The first two are at the gateway, held.
+        await asyncio.wait_for(_until(lambda: gateway.calls["CloseBatch"] == 1), timeout=10)
+        await asyncio.gather(*(env.close(s) for s in sessions[2:]))
+        gateway.release.set()
+        await closing
     finally:
         await server.stop(None)
+    assert sorted(gateway.closed) == sorted(sessions)
+
+
+class HeldApart(HeldCloseBatches):
+    """CloseBatches held on `release`, lone Closes on `release_lone`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release_lone = asyncio.Event()
+
+    async def Close(self, request, context):  # noqa: N802
+        self.calls["Close"] += 1
+        await self.release_lone.wait()
+        self.closed.append(request.session_id)
+        return env_pb2.CloseResponse()
+
+
+async def test_a_replica_that_left_the_list_keeps_its_channel_until_its_closes_are_sent() -> None:
+    """A replica's channel is dropped once it is unlisted and none of its sessions is open, but
+    not while a close to it is still owed: that close would be cancelled with the channel."""
+    gateway = HeldApart()
+    server, env = await held_gateway(gateway)
+    try:
+        sessions = [(await env.reset("any", "", seed)).session_id for seed in range(5)]
+        env._addresses = []  # as a re-resolve that no longer lists the replica (a pod going away)
+        await asyncio.gather(*(env.close(s) for s in sessions[:4]))
+        await asyncio.wait_for(_until(lambda: gateway.calls["CloseBatch"] == 1), timeout=10)
+        await env.close(sessions[4])  # the last open session; it goes alone, held at the gateway
+        await asyncio.wait_for(_until(lambda: gateway.calls["Close"] == 1), timeout=10)
+        gateway.release.set()  # the batch ends while the lone close is still in flight
+        await asyncio.wait_for(_until(lambda: len(gateway.closed) == 4), timeout=10)
+        await asyncio.sleep(0.1)
+        gateway.release_lone.set()
+        await asyncio.wait_for(_until(lambda: len(gateway.closed) == 5), timeout=10)
+        assert sorted(gateway.closed) == sorted(sessions)
+    finally:
+        await env.aclose()
+        await server.stop(None)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 async def test_ended_episodes_are_closed_on_their_replicas(replicas: list[RunningServer]) -> None:

@@ -5,6 +5,7 @@ and a real Redis stream."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import re
 from pathlib import Path
 
@@ -53,6 +54,49 @@ class FailingSteps(GatewayEnv):
             self.left -= 1
             raise self.error
         return await super().step(session_id, action)
+
+
+class Stuck:
+    """A generator that never answers: every episode is mid-flight when the worker stops."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
+        self.calls += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_stopped_worker_returns_after_its_episodes_handed_back_their_sessions(redis_url: str,
+                                                                                    run_id: str) -> None:
+    """Stopping the worker (the rollout service's SIGTERM path) returns only once its cancelled
+    groups have cleaned up: each episode's session close was handed to the env client, which the
+    service closes next (sending what is owed)."""
+    redis = aioredis.from_url(redis_url)
+    env, gen = GatewayEnv(), Stuck()
+    cfg = RolloutConfig(env_name="arith", reward_fn="exact_match", group_size=4, concurrent_groups=2, max_turns=2,
+                        sampling=SamplingConfig(max_tokens=8))
+    worker = RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=gen, env=env, scorer=CoreScorer(),
+                           stream=TrajectoryStream(redis, run_id, consumer="rollout"), seed=0)
+    running = asyncio.create_task(worker.run())
+    try:
+        for _ in range(500):
+            if gen.calls == 8:
+                break
+            await asyncio.sleep(0.01)
+        assert gen.calls == 8 and env.closed == []
+        running.cancel()
+        try:
+            await running
+        except asyncio.CancelledError:
+            pass
+        assert len(set(env.closed)) == 8  # every episode's close, before run returned
+    finally:
+        running.cancel()
+        env.shutdown()
+        await delete_run(redis, run_id)
+        await redis.aclose()
 
 
 async def run_one_group(redis_url: str, run_id: str, env: GatewayEnv) -> tuple[RolloutWorker, list]:

@@ -104,8 +104,9 @@ class EnvironmentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseBatch(self, request, context):
-        """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
-        status Close would answer it with. An unknown or repeated id is not an error.
+        """Ends up to 256 sessions in one call (a rollout ends many episodes at once), each id with its
+        own status: an unknown or repeated id is not an error, an id past 128 bytes (no session has
+        one) is INVALID_ARGUMENT, a proxied session gets its backend's answer to Close.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

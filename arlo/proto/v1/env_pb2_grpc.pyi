@@ -43,8 +43,9 @@ class EnvironmentStub:
     Close: _grpc.UnaryUnaryMultiCallable[_env_pb2.CloseRequest, _env_pb2.CloseResponse]
     """Ends a session and frees its resources. Closing an unknown session is not an error."""
     CloseBatch: _grpc.UnaryUnaryMultiCallable[_env_pb2.CloseBatchRequest, _env_pb2.CloseBatchResponse]
-    """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
-    status Close would answer it with. An unknown or repeated id is not an error.
+    """Ends up to 256 sessions in one call (a rollout ends many episodes at once), each id with its
+    own status: an unknown or repeated id is not an error, an id past 128 bytes (no session has
+    one) is INVALID_ARGUMENT, a proxied session gets its backend's answer to Close.
     """
 
 @_typing.type_check_only
@@ -60,8 +61,9 @@ class EnvironmentAsyncStub(EnvironmentStub):
     Close: _aio.UnaryUnaryMultiCallable[_env_pb2.CloseRequest, _env_pb2.CloseResponse]  # type: ignore[assignment]
     """Ends a session and frees its resources. Closing an unknown session is not an error."""
     CloseBatch: _aio.UnaryUnaryMultiCallable[_env_pb2.CloseBatchRequest, _env_pb2.CloseBatchResponse]  # type: ignore[assignment]
-    """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
-    status Close would answer it with. An unknown or repeated id is not an error.
+    """Ends up to 256 sessions in one call (a rollout ends many episodes at once), each id with its
+    own status: an unknown or repeated id is not an error, an id past 128 bytes (no session has
+    one) is INVALID_ARGUMENT, a proxied session gets its backend's answer to Close.
     """
 
 class EnvironmentServicer(metaclass=_abc_1.ABCMeta):
@@ -110,8 +112,9 @@ class EnvironmentServicer(metaclass=_abc_1.ABCMeta):
         request: _env_pb2.CloseBatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_env_pb2.CloseBatchResponse, _abc.Awaitable[_env_pb2.CloseBatchResponse]]:
-        """Ends up to 256 sessions in one call (a rollout ends many episodes at once); each id gets the
-        status Close would answer it with. An unknown or repeated id is not an error.
+        """Ends up to 256 sessions in one call (a rollout ends many episodes at once), each id with its
+        own status: an unknown or repeated id is not an error, an id past 128 bytes (no session has
+        one) is INVALID_ARGUMENT, a proxied session gets its backend's answer to Close.
         """
 
 def add_EnvironmentServicer_to_server(servicer: EnvironmentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
