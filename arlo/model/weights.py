@@ -82,7 +82,7 @@ def _ndarray_ext(packer: msgpack.Packer, arr: np.ndarray) -> bytes:
     return packer.pack(msgpack.ExtType(NDARRAY_EXT, payload))
 
 
-def state_from_bytes(data: bytes, like: nnx.State) -> nnx.State:
+def state_from_bytes(data: bytes | bytearray, like: nnx.State) -> nnx.State:
     """Raises ValueError on corrupt bytes, a different format, or any missing, unexpected,
     mis-shaped or mis-typed parameter (naming its path)."""
     params = _unpack(data)

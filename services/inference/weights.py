@@ -45,7 +45,7 @@ class SyncStats:
 
 async def pull_weights(target: str, version: int, *, token: str | None, timeout_s: float = 120.0,
                        max_message_bytes: int = 64 << 20, attempts: int = 3,
-                       tls: TlsConfig | None = None, channel: grpc.aio.Channel | None = None) -> tuple[bytes, str]:
+                       tls: TlsConfig | None = None, channel: grpc.aio.Channel | None = None) -> tuple[bytearray, str]:
     """Pulls `version` from a trainer; resumes at the last good offset after a broken stream.
     `channel`: an open channel to `target` to pull over (left open); None opens and closes one."""
     if channel is None:
@@ -54,8 +54,20 @@ async def pull_weights(target: str, version: int, *, token: str | None, timeout_
     return await _pull(trainer_pb2_grpc.TrainerStub(channel), version, timeout_s=timeout_s, attempts=attempts)
 
 
+def _take(payload: hashlib._Hash, data: bytes, chunk_sha256: str) -> bool:
+    """Whether `data` matches its chunk checksum; if so, added to the payload's running digest."""
+    if hashlib.sha256(data).hexdigest() != chunk_sha256:
+        return False
+    payload.update(data)
+    return True
+
+
 async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: float,
-                attempts: int) -> tuple[bytes, str]:
+                attempts: int) -> tuple[bytearray, str]:
+    # The payload's digest grows chunk by chunk, hashed in a worker thread (hashlib releases the
+    # GIL): no second pass over the whole payload once it is in, and the event loop (which serves
+    # Generate streams meanwhile) never hashes; at 1 GB a version that is a second or more.
+    payload = hashlib.sha256()
     buf = bytearray()
     total: int | None = None
     sha = ""
@@ -68,7 +80,7 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
                     raise WeightPullError(f"asked for version {version}, got {chunk.version.version}")
                 if chunk.offset != len(buf):
                     raise WeightPullError(f"chunk at offset {chunk.offset}, expected {len(buf)}")
-                if hashlib.sha256(chunk.data).hexdigest() != chunk.chunk_sha256:
+                if not await asyncio.to_thread(_take, payload, chunk.data, chunk.chunk_sha256):
                     raise WeightPullError(f"chunk at offset {chunk.offset} fails its checksum")
                 buf += chunk.data
                 total, sha = chunk.total_bytes, chunk.version.sha256
@@ -79,10 +91,9 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
             log.warning("pull of version %d broke at %d bytes (%s); resuming", version, len(buf), e.code())
     if total is None or len(buf) != total:
         raise WeightPullError(f"received {len(buf)} of {total} bytes")
-    data = bytes(buf)
-    if hashlib.sha256(data).hexdigest() != sha:
+    if payload.hexdigest() != sha:
         raise WeightPullError("payload sha256 does not match the published checksum")
-    return data, sha
+    return buf, sha  # not copied into bytes: at a real model's size that is a second copy of it
 
 
 class WeightSync:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from arlo.model.weights import sha256_hex
 
@@ -21,6 +21,9 @@ class PublishedVersion:
     data: bytes
     sha256: str
     time: float
+    chunk_digests: dict[tuple[int, int], str] = field(default_factory=dict)
+    """sha256 of each chunk served so far, by (offset, length): every replica pulls the same
+    chunks of a version, and they are hashed once, not once per pull."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,10 +74,19 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
     return chunk_bytes
 
 
-def iter_chunks(data: bytes, *, offset: int, chunk_bytes: int) -> Iterator[Chunk]:
+async def iter_chunks(published: PublishedVersion, *, offset: int, chunk_bytes: int) -> AsyncIterator[Chunk]:
+    """`published`'s payload from `offset` in chunks of `chunk_bytes`, each with its sha256. A
+    chunk not hashed before is hashed in a worker thread: at a real model's size (1 GB a version
+    at 0.5B parameters in bfloat16) hashing on the event loop would stall the trainer's loop
+    for a second per replica pulling."""
+    data = published.data
     if offset < 0 or (offset >= len(data) and len(data) > 0):
         raise ValueError(f"offset {offset} is outside the {len(data)}-byte payload")
     view = memoryview(data)
     for start in range(offset, len(data), chunk_bytes):
         piece = bytes(view[start : start + chunk_bytes])
-        yield Chunk(offset=start, data=piece, sha256=hashlib.sha256(piece).hexdigest())
+        key = (start, len(piece))
+        digest = published.chunk_digests.get(key)
+        if digest is None:
+            digest = published.chunk_digests[key] = await asyncio.to_thread(sha256_hex, piece)
+        yield Chunk(offset=start, data=piece, sha256=digest)

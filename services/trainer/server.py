@@ -54,7 +54,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             checkpoint_version=self.loop.state.checkpoint_version,
             checkpoint_uri=self.loop.state.checkpoint_uri, time=published.time,
         ).to_proto()
-        for chunk in iter_chunks(published.data, offset=request.offset, chunk_bytes=chunk_bytes):
+        async for chunk in iter_chunks(published, offset=request.offset, chunk_bytes=chunk_bytes):
             yield trainer_pb2.PullWeightsResponse(
                 version=version, offset=chunk.offset, data=chunk.data,
                 total_bytes=len(published.data), chunk_sha256=chunk.sha256,

@@ -4,7 +4,14 @@ import hashlib
 
 import pytest
 
-from services.trainer.publish import DEFAULT_CHUNK_BYTES, VersionStore, check_chunk_bytes, iter_chunks
+from services.trainer.publish import (
+    DEFAULT_CHUNK_BYTES,
+    Chunk,
+    PublishedVersion,
+    VersionStore,
+    check_chunk_bytes,
+    iter_chunks,
+)
 
 
 def test_store_keeps_newest_versions_only() -> None:
@@ -16,15 +23,33 @@ def test_store_keeps_newest_versions_only() -> None:
         store.put(3, b"x")
 
 
-def test_chunks_reassemble_and_resume_from_offset() -> None:
+async def chunks_of(published: PublishedVersion, offset: int, chunk_bytes: int = 65536) -> list[Chunk]:
+    return [c async for c in iter_chunks(published, offset=offset, chunk_bytes=chunk_bytes)]
+
+
+async def test_chunks_reassemble_and_resume_from_offset() -> None:
     data = bytes(range(256)) * 1000
-    chunks = list(iter_chunks(data, offset=0, chunk_bytes=65536))
+    published = VersionStore().put(1, data)
+    chunks = await chunks_of(published, 0)
     assert b"".join(c.data for c in chunks) == data
     assert all(hashlib.sha256(c.data).hexdigest() == c.sha256 for c in chunks)
-    resumed = list(iter_chunks(data, offset=chunks[2].offset, chunk_bytes=65536))
+    resumed = await chunks_of(published, chunks[2].offset)
     assert b"".join(c.data for c in resumed) == data[chunks[2].offset:]
+    odd = await chunks_of(published, 1000)  # a resume at any offset: its own chunks, their own digests
+    assert b"".join(c.data for c in odd) == data[1000:]
+    assert all(hashlib.sha256(c.data).hexdigest() == c.sha256 for c in odd)
     with pytest.raises(ValueError):
-        list(iter_chunks(data, offset=len(data), chunk_bytes=65536))
+        await chunks_of(published, len(data))
+
+
+async def test_each_chunk_is_hashed_once_however_many_replicas_pull() -> None:
+    published = VersionStore().put(1, bytes(range(256)) * 1000)
+    first = await chunks_of(published, 0)
+    assert len(published.chunk_digests) == len(first) == 4
+    # What a second pull is served comes from the digests kept: poisoned here to show it.
+    published.chunk_digests[(0, 65536)] = "kept"
+    again = await chunks_of(published, 0)
+    assert again[0].sha256 == "kept" and [c.sha256 for c in again[1:]] == [c.sha256 for c in first[1:]]
 
 
 def test_chunk_size_bounds() -> None:
