@@ -5,6 +5,7 @@ that goes away costs only its own episodes (UNAVAILABLE, which the rollout retri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
@@ -18,6 +19,7 @@ from arlo.rpc.replicas import parse_target, resolve
 from services.env_gateway.__main__ import start_env_gateway
 from services.rollout.env_affinity import AffinityEnvironmentClient
 from services.rollout.types import BackendError, RetryableError
+from tests.support.scripted_server import scripted_server
 
 TOKEN = "affinity-token"
 TOKEN_ENV = "ARLO_TEST_AFFINITY_TOKEN"
@@ -176,13 +178,15 @@ class HeldCloseBatches(HeldCloses):
         return env_pb2.CloseBatchResponse(results=[env_pb2.CloseResult() for _ in request.session_ids])
 
 
-async def held_gateway(servicer: HeldCloses) -> tuple[grpc.aio.Server, AffinityEnvironmentClient]:
-    server = grpc.aio.server()
-    env_pb2_grpc.add_EnvironmentServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, AffinityEnvironmentClient(f"ipv4:127.0.0.1:{port}", lambda a: make_channel(a, token=None),
-                                             timeout_s=30)
+@contextlib.asynccontextmanager
+async def held_gateway(servicer: HeldCloses) -> AsyncIterator[AffinityEnvironmentClient]:
+    """A client of `servicer`'s gateway; closed (sending the closes it owes) before the server stops."""
+    async with scripted_server(env_pb2_grpc.add_EnvironmentServicer_to_server, servicer) as address:
+        env = AffinityEnvironmentClient(f"ipv4:{address}", lambda a: make_channel(a, token=None), timeout_s=30)
+        try:
+            yield env
+        finally:
+            await env.aclose()
 
 
 @pytest.mark.parametrize("servicer", [HeldCloseBatches, HeldCloses])
@@ -192,17 +196,14 @@ async def test_closes_never_wait_for_the_gateway_and_end_together(servicer: type
     without it (remembered: the next closes go alone at once); `aclose` sends the closes still
     owed before it returns."""
     gateway = servicer()
-    server, env = await held_gateway(gateway)
-    try:
+    async with held_gateway(gateway) as env:
         sessions = [(await env.reset("any", "", seed)).session_id for seed in range(16)]
         await asyncio.wait_for(asyncio.gather(*(env.close(s) for s in sessions[:8])), timeout=10)
         assert gateway.closed == [] and env.replica_of(sessions[0]) is None
         gateway.release.set()
         await asyncio.wait_for(_until(lambda: len(gateway.closed) == 8), timeout=10)
         await asyncio.gather(*(env.close(s) for s in sessions[8:]))
-    finally:
         await env.aclose()
-        await server.stop(None)
     assert sorted(gateway.closed) == sorted(sessions)
     if servicer is HeldCloseBatches:
         assert gateway.calls["CloseBatch"] == 2 and gateway.calls["Close"] == 0
@@ -214,8 +215,7 @@ async def test_closes_never_wait_for_the_gateway_and_end_together(servicer: type
 async def test_closes_handed_over_while_the_client_closes_are_sent() -> None:
     """Closes handed over while `aclose` drains (episodes still unwinding) are sent too."""
     gateway = HeldCloseBatches()
-    server, env = await held_gateway(gateway)
-    try:
+    async with held_gateway(gateway) as env:
         sessions = [(await env.reset("any", "", seed)).session_id for seed in range(6)]
         await asyncio.gather(*(env.close(s) for s in sessions[:2]))
         closing = asyncio.create_task(env.aclose())
@@ -224,8 +224,6 @@ async def test_closes_handed_over_while_the_client_closes_are_sent() -> None:
         await asyncio.gather(*(env.close(s) for s in sessions[2:]))
         gateway.release.set()
         await closing
-    finally:
-        await server.stop(None)
     assert sorted(gateway.closed) == sorted(sessions)
 
 
@@ -247,8 +245,7 @@ async def test_a_replica_that_left_the_list_keeps_its_channel_until_its_closes_a
     """A replica's channel is dropped once it is unlisted and none of its sessions is open, but
     not while a close to it is still owed: that close would be cancelled with the channel."""
     gateway = HeldApart()
-    server, env = await held_gateway(gateway)
-    try:
+    async with held_gateway(gateway) as env:
         sessions = [(await env.reset("any", "", seed)).session_id for seed in range(5)]
         env._addresses = []  # as a re-resolve that no longer lists the replica (a pod going away)
         await asyncio.gather(*(env.close(s) for s in sessions[:4]))
@@ -261,9 +258,6 @@ async def test_a_replica_that_left_the_list_keeps_its_channel_until_its_closes_a
         gateway.release_lone.set()
         await asyncio.wait_for(_until(lambda: len(gateway.closed) == 5), timeout=10)
         assert sorted(gateway.closed) == sorted(sessions)
-    finally:
-        await env.aclose()
-        await server.stop(None)
 
 
 async def _until(condition: Callable[[], bool]) -> None:

@@ -18,6 +18,7 @@ from arlo.config import AuthConfig, ConfigError, EnvGatewayConfig, RemoteEnvConf
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc import make_channel
 from services.env_gateway.__main__ import start_env_gateway
+from tests.support.scripted_server import scripted_server
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "remote_env" / "server.py"
@@ -217,14 +218,8 @@ class ScriptedBackend(env_pb2_grpc.EnvironmentServicer):
 @pytest.fixture
 async def scripted() -> AsyncIterator[tuple[ScriptedBackend, int]]:
     backend = ScriptedBackend()
-    server = grpc.aio.server()
-    env_pb2_grpc.add_EnvironmentServicer_to_server(backend, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield backend, port
-    finally:
-        await server.stop(None)
+    async with scripted_server(env_pb2_grpc.add_EnvironmentServicer_to_server, backend) as address:
+        yield backend, int(address.rsplit(":", 1)[1])
 
 
 def scripted_remote(port: int, **overrides: object) -> RemoteEnvConfig:

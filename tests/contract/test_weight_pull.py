@@ -13,6 +13,7 @@ import pytest
 
 from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.inference.weights import WeightPullError, pull_weights
+from tests.support.scripted_server import scripted_server
 
 CHUNK = 64 << 10
 PAYLOAD = os.urandom(5 * CHUNK + 123)
@@ -43,14 +44,8 @@ class ScriptedTrainer(trainer_pb2_grpc.TrainerServicer):
 @pytest.fixture
 async def trainer() -> AsyncIterator[tuple[ScriptedTrainer, str]]:
     servicer = ScriptedTrainer()
-    server = grpc.aio.server()
-    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
+    async with scripted_server(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer) as address:
+        yield servicer, address
 
 
 async def test_a_whole_pull_is_the_exact_payload(trainer: tuple[ScriptedTrainer, str]) -> None:
