@@ -177,11 +177,12 @@ async def test_close_batch_closes_each_session_and_answers_each_id(stub: env_pb2
 
 
 async def test_session_limit_and_idle_expiry(token: str) -> None:
-    async for stub in serve(config(max_sessions=2, session_idle_timeout_s=0.5)):
+    # 1.5 s: the three calls before the sleep must land inside it on a loaded machine too.
+    async for stub in serve(config(max_sessions=2, session_idle_timeout_s=1.5)):
         first = await reset(stub, seed=1)
         await reset(stub, seed=2)
         await fails(reset(stub, seed=3), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_sessions")
-        await asyncio.sleep(0.7)
+        await asyncio.sleep(1.8)
         await fails(stub.Step(env_pb2.StepRequest(session_id=first.session_id, action="1"), timeout=5),
                     grpc.StatusCode.NOT_FOUND, "expired")
         await reset(stub, seed=4)  # expired sessions freed their slots

@@ -33,16 +33,17 @@ def run_id(request: pytest.FixtureRequest) -> str:
 
 
 async def test_restart_resumes_without_skipping_or_repeating(redis: Redis, run_id: str) -> None:
-    first = TaskCursor(redis, run_id, "dataset", lease_s=0.5)
+    # 2 s: the calls before the sleep must stay inside seed 3's lease on a loaded machine too.
+    first = TaskCursor(redis, run_id, "dataset", lease_s=2.0)
     handed = [await first.next() for _ in range(5)]
     assert handed == [0, 1, 2, 3, 4]
     for seed in (0, 1, 2, 4):
         await first.done(seed)  # seed 3's group never finished: its worker "dies" here
     del first
-    second = TaskCursor(redis, run_id, "dataset", lease_s=0.5)  # a restarted worker, same Redis
+    second = TaskCursor(redis, run_id, "dataset", lease_s=2.0)  # a restarted worker, same Redis
     assert await second.next() == 5  # 3 is still within its lease: maybe its worker lives
     await second.done(5)
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(2.1)
     assert await second.next() == 3  # lease over: handed out again (at least once), before new seeds
     await second.done(3)
     assert [await second.next() for _ in range(2)] == [6, 7]

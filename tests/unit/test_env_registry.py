@@ -91,7 +91,7 @@ def test_builtin_specs_carry_tools_and_configs() -> None:
 
 async def test_blocking_steps_run_in_worker_threads_and_leave_the_loop_free() -> None:
     gw = gateway(blocking=True)
-    ids = [(await gw.reset_async("sleep", '{"seconds": 0.5}', i)).session_id for i in range(2)]
+    ids = [(await gw.reset_async("sleep", '{"seconds": 1.0}', i)).session_id for i in range(2)]
     ticks = 0
 
     async def ticker() -> None:
@@ -106,7 +106,7 @@ async def test_blocking_steps_run_in_worker_threads_and_leave_the_loop_free() ->
     elapsed = time.monotonic() - started
     task.cancel()
     assert all(r.info["thread"].startswith("env-step") for r in results)
-    assert elapsed < 0.9  # the two 0.5 s steps overlapped (one after the other: 1 s)
+    assert elapsed < 1.9  # the two 1 s steps overlapped (one after the other: 2 s)
     assert ticks >= 15  # the loop kept running meanwhile
     gw.shutdown()
 
@@ -120,7 +120,7 @@ async def test_cheap_steps_stay_inline() -> None:
 
 async def test_a_second_step_while_one_runs_is_refused() -> None:
     gw = gateway(blocking=True)
-    sid = (await gw.reset_async("sleep", '{"seconds": 0.3}', 0)).session_id
+    sid = (await gw.reset_async("sleep", '{"seconds": 1.0}', 0)).session_id  # outlasts a stalled loop
     first = asyncio.ensure_future(gw.step_async(sid, "a"))
     await asyncio.sleep(0.05)
     with pytest.raises(SessionBusyError, match="one step at a time"):
@@ -132,12 +132,12 @@ async def test_a_second_step_while_one_runs_is_refused() -> None:
 
 async def test_an_abandoned_step_keeps_the_session_busy_until_it_really_ends() -> None:
     gw = gateway(blocking=True)
-    sid = (await gw.reset_async("sleep", '{"seconds": 0.3}', 0)).session_id
+    sid = (await gw.reset_async("sleep", '{"seconds": 1.0}', 0)).session_id  # outlasts a stalled loop
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(gw.step_async(sid, "a"), 0.05)
     with pytest.raises(SessionBusyError):
         await gw.step_async(sid, "b")  # the first is still running in its thread
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(1.1)
     await gw.step_async(sid, "c")
     gw.shutdown()
 
