@@ -79,14 +79,18 @@ return 0
 
 
 @cancel_safe
-async def read_statuses(redis: Redis, run_id: str) -> list[dict[str, str]]:
-    """Every live status hash of a run, each with "service" and "instance" added, sorted by them.
+async def read_statuses(redis: Redis, run_id: str, service: str = "") -> list[dict[str, str]]:
+    """Every live status hash of a run (of `service` only, when given), each with "service" and
+    "instance" added, sorted by them.
 
     Two round trips whatever the keyspace holds (the admission gate reads this before a group
     starts): the index of status keys, then the hashes. A key whose hash expired (its instance
     died) leaves the index; a live instance's next beat puts back one removed in a race."""
     keys = Keys(run_id)
     names = sorted(text(k) for k in await redis.smembers(keys.statuses))
+    if service:  # only its hashes fetched and parsed: the admission gate reads the rollouts' before each check
+        prefix = f"{keys.status_prefix}{service}:"
+        names = [name for name in names if name.startswith(prefix)]
     if not names:
         return []
     pipe = redis.pipeline(transaction=False)

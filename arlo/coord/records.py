@@ -144,4 +144,4 @@ class RolloutStatus(ServiceStatus):
 
 async def read_service_statuses(redis: Redis, run_id: str, kind: type[S]) -> dict[str, S]:
     """The live status records of one service kind, by instance."""
-    return {s["instance"]: kind.parse(s) for s in await read_statuses(redis, run_id) if s["service"] == kind.SERVICE}
+    return {s["instance"]: kind.parse(s) for s in await read_statuses(redis, run_id, kind.SERVICE)}

@@ -32,6 +32,19 @@ async def test_beat_fields_are_listed_per_instance(r: Redis, run_id: str) -> Non
     assert abs(float(trainer["ts"]) - time.time()) < 60
 
 
+async def test_one_services_statuses_alone(r: Redis, run_id: str) -> None:
+    """What the admission gate reads before each check: only the rollouts' hashes (a prefix of
+    another service's name is not a match)."""
+    await Heartbeat(r, run_id, service="rollout", instance="host-1:7").beat(running=4)
+    await Heartbeat(r, run_id, service="rollout", instance="host-2").beat(running=8)
+    await Heartbeat(r, run_id, service="rollouts", instance="x").beat(running=1)
+    await Heartbeat(r, run_id, service="trainer", instance="0").beat(version=3)
+    rollouts = await read_statuses(r, run_id, "rollout")
+    assert [(s["service"], s["instance"], s["running"]) for s in rollouts] == [("rollout", "host-1:7", "4"),
+                                                                                ("rollout", "host-2", "8")]
+    assert len(await read_statuses(r, run_id)) == 4
+
+
 async def test_statuses_of_other_runs_are_not_listed(r: Redis, run_id: str) -> None:
     other = run_id + "-other"
     try:
