@@ -86,6 +86,8 @@ async def read_statuses(redis: Redis, run_id: str, service: str = "") -> list[di
     Two round trips whatever the keyspace holds (the admission gate reads this before a group
     starts): the index of status keys, then the hashes. A key whose hash expired (its instance
     died) leaves the index; a live instance's next beat puts back one removed in a race."""
+    if ":" in service:
+        raise ValueError(f"service {service!r}: must contain no ':'")
     keys = Keys(run_id)
     names = sorted(text(k) for k in await redis.smembers(keys.statuses))
     if service:  # only its hashes fetched and parsed: the admission gate reads the rollouts' before each check

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UNWIND_S = 5.0
+UNWIND_S = 3.0
 """A stopped worker waits this long at most for its cancelled groups to clean up."""
 
 EPISODE_SPAN = "rollout.episode"

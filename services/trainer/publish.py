@@ -21,9 +21,9 @@ class PublishedVersion:
     data: bytes
     sha256: str
     time: float
-    chunk_digests: dict[tuple[int, int], str] = field(default_factory=dict)
-    """sha256 of each chunk served so far, by (offset, length): every replica pulls the same
-    chunks of a version, and they are hashed once, not once per pull."""
+    chunk_digests: dict[tuple[int, int], asyncio.Future[str]] = field(default_factory=dict)
+    """The sha256 of each aligned chunk served so far (or its hashing under way), by (offset,
+    length): every replica pulls the same chunks of a version, hashed once (`iter_chunks`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,18 +75,35 @@ def check_chunk_bytes(chunk_bytes: int) -> int:
 
 
 async def iter_chunks(published: PublishedVersion, *, offset: int, chunk_bytes: int) -> AsyncIterator[Chunk]:
-    """`published`'s payload from `offset` in chunks of `chunk_bytes`, each with its sha256. A
-    chunk not hashed before is hashed in a worker thread: at a real model's size (1 GB a version
-    at 0.5B parameters in bfloat16) hashing on the event loop would stall the trainer's loop
-    for a second per replica pulling."""
+    """`published`'s payload from `offset` in chunks of `chunk_bytes`, each with its sha256.
+
+    A chunk's digest is computed once, in a worker thread, and shared: every replica pulls a new
+    version at the same moment, and each waits on the one hashing of a chunk already under way
+    (at a real model's size, 1 GB a version at 0.5B parameters in bfloat16, hashing per pull, or
+    on the event loop, would cost the trainer seconds per version). Only chunks that start on a
+    multiple of their size are kept (every fresh pull's, and a resumed one's): what a client's odd
+    offsets ask for is hashed for it alone, so the memo stays bounded."""
     data = published.data
     if offset < 0 or (offset >= len(data) and len(data) > 0):
         raise ValueError(f"offset {offset} is outside the {len(data)}-byte payload")
     view = memoryview(data)
+    memo = published.chunk_digests
     for start in range(offset, len(data), chunk_bytes):
         piece = bytes(view[start : start + chunk_bytes])
-        key = (start, len(piece))
-        digest = published.chunk_digests.get(key)
-        if digest is None:
-            digest = published.chunk_digests[key] = await asyncio.to_thread(sha256_hex, piece)
+        if start % chunk_bytes:
+            digest = await asyncio.to_thread(sha256_hex, piece)
+        else:
+            key = (start, len(piece))
+            hashing = memo.get(key)
+            if hashing is None:
+                hashing = memo[key] = asyncio.ensure_future(asyncio.to_thread(sha256_hex, piece))
+            try:
+                # Shielded: a puller that goes away must not cancel the hashing others wait on.
+                digest = await asyncio.shield(hashing)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if memo.get(key) is hashing:
+                    del memo[key]  # the next pull tries again
+                raise
         yield Chunk(offset=start, data=piece, sha256=digest)

@@ -253,8 +253,9 @@ async def test_a_replica_that_left_the_list_keeps_its_channel_until_its_closes_a
         await env.close(sessions[4])  # the last open session; it goes alone, held at the gateway
         await asyncio.wait_for(_until(lambda: gateway.calls["Close"] == 1), timeout=10)
         gateway.release.set()  # the batch ends while the lone close is still in flight
-        await asyncio.wait_for(_until(lambda: len(gateway.closed) == 4), timeout=10)
-        await asyncio.sleep(0.1)
+        # The batch's closes have ended here too (then, without the fix, the channel was dropped).
+        address = next(iter(env._channels))
+        await asyncio.wait_for(_until(lambda: env._closes.owed(address) == 1), timeout=10)
         gateway.release_lone.set()
         await asyncio.wait_for(_until(lambda: len(gateway.closed) == 5), timeout=10)
         assert sorted(gateway.closed) == sorted(sessions)

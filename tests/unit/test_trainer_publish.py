@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
 
+from arlo.model.weights import sha256_hex
+from services.trainer import publish
 from services.trainer.publish import (
     DEFAULT_CHUNK_BYTES,
     Chunk,
@@ -42,14 +45,32 @@ async def test_chunks_reassemble_and_resume_from_offset() -> None:
         await chunks_of(published, len(data))
 
 
-async def test_each_chunk_is_hashed_once_however_many_replicas_pull() -> None:
+async def test_each_chunk_is_hashed_once_however_many_replicas_pull(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas pull a new version at the same moment: each chunk is hashed once for all of them,
+    and a later pull (a resume from an aligned offset too) is served from the digests kept."""
+    hashed: list[int] = []
+
+    def counted(data: bytes) -> str:
+        hashed.append(len(data))
+        return sha256_hex(data)
+
+    published = VersionStore().put(1, bytes(range(256)) * 1000)  # 4 chunks of 64 KiB, the last short
+    monkeypatch.setattr(publish, "sha256_hex", counted)
+    pulls = await asyncio.gather(*(chunks_of(published, 0) for _ in range(8)))
+    assert len(hashed) == 4 and all(pull == pulls[0] for pull in pulls)
+    await chunks_of(published, 65536)
+    assert len(hashed) == 4
+    await chunks_of(published, 1000)  # an odd offset: hashed for that pull alone, not kept
+    assert len(hashed) == 8 and len(published.chunk_digests) == 4
+
+
+async def test_a_puller_that_goes_away_leaves_the_shared_hashing_alone() -> None:
     published = VersionStore().put(1, bytes(range(256)) * 1000)
-    first = await chunks_of(published, 0)
-    assert len(published.chunk_digests) == len(first) == 4
-    # What a second pull is served comes from the digests kept: poisoned here to show it.
-    published.chunk_digests[(0, 65536)] = "kept"
-    again = await chunks_of(published, 0)
-    assert again[0].sha256 == "kept" and [c.sha256 for c in again[1:]] == [c.sha256 for c in first[1:]]
+    gone = asyncio.ensure_future(chunks_of(published, 0))
+    await asyncio.sleep(0)
+    gone.cancel()
+    pulled = await chunks_of(published, 0)
+    assert all(hashlib.sha256(c.data).hexdigest() == c.sha256 for c in pulled)
 
 
 def test_chunk_size_bounds() -> None:
