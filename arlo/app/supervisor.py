@@ -70,7 +70,8 @@ def service_spec(name: str, config_path: Path, address: str, log_dir: Path, env:
 
 def health_status(address: str, timeout_s: float = 1.0) -> int:
     """The overall health status of the server at `address` (UNKNOWN when unreachable)."""
-    with grpc.insecure_channel(address) as channel:
+    # Its own subchannels: a restarted service answers on its old port at once (arlo/rpc/client.py).
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=timeout_s)

@@ -78,6 +78,12 @@ def make_channel(target: str, *, token: str | None, max_message_bytes: int = 64 
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.service_config", SERVICE_CONFIG),
+        # Subchannels of its own, not gRPC's process-wide pool: there, a new channel to a server
+        # restarted on the same address (the supervisor restarts a service on its port; a test's
+        # server gets a port an earlier one had) shares the subchannel another, older channel
+        # left in reconnect backoff, and fails UNAVAILABLE ("connection refused") for up to
+        # minutes though the server is up (tests/contract/test_rpc_channels.py).
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     interceptors: list[Any] = [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
     if tracing is not None:
