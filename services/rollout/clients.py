@@ -49,8 +49,6 @@ _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Req = TypeVar("Req")
-Res = TypeVar("Res")
 
 
 def backend_error(service: str, code: grpc.StatusCode, details: str) -> BackendError:

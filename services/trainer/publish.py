@@ -100,9 +100,7 @@ async def iter_chunks(published: PublishedVersion, *, offset: int, chunk_bytes: 
             try:
                 # Shielded: a puller that goes away must not cancel the hashing others wait on.
                 digest = await asyncio.shield(hashing)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
+            except Exception:  # not a cancel (a BaseException): only a failed hashing is forgotten
                 if memo.get(key) is hashing:
                     del memo[key]  # the next pull tries again
                 raise
