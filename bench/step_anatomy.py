@@ -1,7 +1,8 @@
 """The critical path of an RL step through the services, synchronous and asynchronous.
 
 Runs bench/grpo_tiny.py's workload (76k by default, `--workload 596k`) through the services and
-lays each RL step, the interval between two pointer moves, along its critical path from what
+lays each RL step, the interval between two version cuts (the trainer done with a step: its
+pointer moved, or its weights copied for a publish beside the next step), along its critical path from what
 the services record anyway:
 
 - the trainer's step record (`arlo:{run}:metrics`, services/trainer/anatomy.py): its tail
@@ -14,7 +15,8 @@ the services record anyway:
 A step whose trainer waited for data is data-bound: the path runs back from the read that
 completed the batch through the critical trajectory (Redis wait, XADD, Score, Step, Generate,
 Reset, admission) and, when that episode started after the previous version was served,
-through the swap chain (publish -> notify, pull, verify, swap). Everything is clipped to the
+through the swap chain (the previous publish's overlapped rest, publish -> notify, pull, verify,
+swap). Everything is clipped to the
 step's interval, so what overlapped the previous step is not counted. A step whose trainer
 never waited is trainer-bound: the path is the trainer's own phases.
 
@@ -36,7 +38,7 @@ from typing import Any
 from bench.common import machine, print_table, write_json
 from bench.grpo_tiny import DEFAULT_CPUS, WORKLOADS, run_services
 
-PHASES = ("trainer tail", "publish -> notify", "pull", "verify", "swap", "admission", "reset", "generate: queue",
+PHASES = ("trainer tail", "publish: overlapped", "publish -> notify", "pull", "verify", "swap", "admission", "reset", "generate: queue",
           "generate: engine", "generate: rpc", "env step", "score", "episode other", "group wait + xadd",
           "redis wait", "intake", "trainer other", "batch", "train", "publish")
 WORK = ("generate: engine", "train")
@@ -70,18 +72,21 @@ def _clipped(segments: Iterable[tuple[str, float, float]], lo: float, hi: float)
     return out
 
 
-def rollout_chain(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, float]]) -> list[tuple[str, float, float]]:
+def rollout_chain(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, float]],
+                  pointer_at: Mapping[int, float]) -> list[tuple[str, float, float]]:
     """The data's path into a step, as (phase, start, end) in Unix seconds: from the previous
-    publish (when the critical episode started after that version was served) or the episode's
-    start, to the trainer's read of it."""
+    cut (when the critical episode started after that version was served) or the episode's
+    start, to the trainer's read of it. `pointer_at`: version -> when the pointer named it."""
     a = record["anatomy"]
-    c, start = a["critical"], a["prev_published_at"]
+    c, start = a["critical"], a["prev_cut_at"]
     began = c["started_at"]
     segments: list[tuple[str, float, float]] = []
     sync = syncs.get(record["version"] - 1)
     if sync is not None and began >= sync["served_at"]:
         pulled = sync["notified_at"] + sync["pull_s"]
-        segments += [("publish -> notify", start, sync["notified_at"]), ("pull", sync["notified_at"], pulled),
+        pointed = min(max(pointer_at.get(record["version"] - 1, start), start), sync["notified_at"])
+        segments += [("publish: overlapped", start, pointed), ("publish -> notify", pointed, sync["notified_at"]),
+                     ("pull", sync["notified_at"], pulled),
                      ("verify", pulled, pulled + sync["verify_s"]), ("swap", pulled + sync["verify_s"], sync["served_at"]),
                      ("admission", sync["served_at"], began)]
     else:
@@ -99,10 +104,12 @@ def rollout_chain(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, fl
     return segments
 
 
-def critical_path(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, float]]) -> dict[str, float] | None:
-    """Phase -> seconds on one RL step's critical path (they sum to the step); None for the first step."""
+def critical_path(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, float]],
+                  pointer_at: Mapping[int, float] | None = None) -> dict[str, float] | None:
+    """Phase -> seconds on one RL step's critical path (they sum to the step); None for the first
+    step. `pointer_at`: version -> when the pointer named it (the records' `published_at`)."""
     a, t = record.get("anatomy") or {}, record.get("timing") or {}
-    start, end = a.get("prev_published_at"), a.get("published_at")
+    start, end = a.get("prev_cut_at"), a.get("cut_at")
     if not start or not end or "critical" not in a:
         return None
     work = {"batch": t["batch_s"], "train": t["train_s"], "publish": t["publish_s"]}
@@ -114,21 +121,23 @@ def critical_path(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, fl
         return {"trainer tail": t["tail_s"], "intake": intake, "trainer other": other, **work}
     # Data-bound: up to the read, the data's path (the trainer's tail ran beside it).
     read_at, ready_at = max(a["read_at"], start), max(a["ready_at"], start)
-    return {**_clipped(rollout_chain(record, syncs), start, read_at), "intake": ready_at - read_at,
+    return {**_clipped(rollout_chain(record, syncs, pointer_at or {}), start, read_at), "intake": ready_at - read_at,
             "trainer other": a["batch_at"] - ready_at, **work}
 
 
 def summarise(records: list[dict[str, Any]], syncs: Mapping[int, Mapping[str, float]], warmup: int) -> dict[str, Any]:
     """Mean seconds per phase over the timed RL steps, the step, and the overhead fraction."""
     paths, steps, per_step = [], [], []
+    pointer_at = {r["version"]: r["anatomy"].get("published_at", 0.0) for r in records
+                  if r.get("phase") == "rl" and r.get("anatomy")}
     for r in records:
         if r.get("phase") != "rl" or r["version"] <= warmup:
             continue
-        path = critical_path(r, syncs)
+        path = critical_path(r, syncs, pointer_at)
         if path is None:
             continue
         paths.append(path)
-        steps.append(r["anatomy"]["published_at"] - r["anatomy"]["prev_published_at"])
+        steps.append(r["anatomy"]["cut_at"] - r["anatomy"]["prev_cut_at"])
         bound = "data" if (r.get("timing") or {}).get("wait_s", 0.0) >= WAITED_S else "trainer"
         per_step.append({"version": r["version"], "step_s": steps[-1], "bound": bound, **path})
     if not paths:

@@ -9,6 +9,7 @@ and, when `like` holds placed arrays, their shardings.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Iterator
@@ -48,12 +49,59 @@ def state_sha256(state: nnx.State, dtype: str | None = None) -> str:
 
 def _pieces(state: nnx.State, dtype: str | None) -> Iterator[bytes]:
     flat = sorted((_key(path), var) for path, var in _flat(state))
+    return _packed(((key, lambda var=var: _cast(var.get_value(), dtype)) for key, var in flat), len(flat))
+
+
+def _packed(arrays: Iterator[tuple[str, Any]], count: int) -> Iterator[bytes]:
+    """The format's pieces for `count` (key, array getter) pairs in key order: each array is
+    fetched, copied to the host and packed before the next is fetched."""
     packer = msgpack.Packer(use_bin_type=True)
     yield from (packer.pack_map_header(2), packer.pack("format"), packer.pack(FORMAT), packer.pack("params"),
-                packer.pack_map_header(len(flat)))
-    for key, var in flat:
+                packer.pack_map_header(count))
+    for key, get in arrays:
         yield packer.pack(key)
-        yield from _packed_array(packer, np.asarray(jax.device_get(_cast(var.get_value(), dtype))))
+        yield from _packed_array(packer, np.asarray(jax.device_get(get())))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServingCopy:
+    """A state's parameters as the fleet is served them (floating arrays cast to the serving
+    dtype), in arrays of their own, on the state's devices: what a publish serialises, taken in
+    one jitted call so the next training step may donate the originals at once while the copy
+    is serialised beside it (services/trainer/loop.py). Holds one extra copy of the serving
+    weights on the device until it is dropped."""
+
+    keys: tuple[str, ...]
+    """Sorted, as the format orders them."""
+    arrays: tuple[jax.Array, ...]
+
+    def to_bytes(self) -> bytes:
+        """Exactly `state_to_bytes(state, dtype)` of the state and dtype it was taken from; one
+        array at a time to the host (no lock needed: nothing else holds these arrays)."""
+        pairs = ((key, lambda x=x: x) for key, x in zip(self.keys, self.arrays, strict=True))
+        return b"".join(_packed(pairs, len(self.keys)))
+
+
+def serving_copy(state: nnx.State, dtype: str | None = None) -> ServingCopy:
+    """`state`'s serving arrays copied (see ServingCopy); raises NonFiniteWeights naming the first
+    parameter holding a NaN or inf in `dtype`, as `check_finite` does, in the same jitted call."""
+    flat = sorted((_key(path), var.get_value()) for path, var in _flat(state))
+    keys = tuple(key for key, _ in flat)
+    finite, arrays = _finite_copies([x for _, x in flat], dtype)
+    finite = np.asarray(finite)
+    if finite.size and not finite.all():
+        raise NonFiniteWeights(f"weights: parameter {keys[int(np.flatnonzero(~finite)[0])]!r} holds NaN or inf")
+    return ServingCopy(keys=keys, arrays=tuple(arrays))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_copies(arrays: list[jax.Array], dtype: str | None) -> tuple[jax.Array, list[jax.Array]]:
+    # lax.copy, not the cast alone: an output that is its input unchanged (the serving dtype is
+    # the master's) may be handed back as that very array (JAX may forward it), which the next
+    # step donates; an explicit copy is a buffer of its own on every backend.
+    copies = [jax.lax.copy_p.bind(_cast(x, dtype)) for x in arrays]
+    flags = [jnp.all(jnp.isfinite(c)) if jnp.issubdtype(c.dtype, jnp.inexact) else jnp.array(True) for c in copies]
+    return (jnp.stack(flags) if flags else jnp.zeros((0,), bool)), copies
 
 
 def _cast(x: Any, dtype: str | None) -> Any:

@@ -3,16 +3,21 @@
 Each step record carries (services/trainer/diagnostics.py):
 
 - `timing`: durations in seconds, exported like any scalar (TensorBoard `timing/*`). The step
-  is the interval between two pointer moves; the loop spends it, in order, on the previous
+  is the interval between two version cuts (a cut: the loop is done with a step and may start
+  the next; with the publish inline that is the pointer's move, with it overlapped the device
+  copy of the weights, the rest of the publish running beside the next step, as
+  `publish_overlapped_s`: loop.py). The loop spends it, in order, on the previous
   step's tail (its record, log and acknowledgements after its publish), waiting for data,
   intake (stream reads that returned data, decode, de-duplication, grouping), building the
-  batch, the jitted step, and publishing (serialise, store, move the pointer). `wait_s` is what
+  batch, the jitted step, and publishing (serialise, store, move the pointer; overlapped: the
+  device copy only). `wait_s` is what
   is left: the loop had nothing to train on. `intake_overlapped_s` (the next batch's intake) and
   `tail_overlapped_s` (the previous step's record and acknowledgements) ran while the jitted
   step did, off the critical path and in none of the above. The means over the batch's
   trajectories of their rollout phases (Trajectory.timings) and of their Redis wait (XADD to
   the trainer's read) are beside them.
-- `anatomy`: the step's wall-clock marks (Unix seconds) and the timings of its *critical*
+- `anatomy`: the step's wall-clock marks (Unix seconds: `prev_cut_at`, `cut_at`, and
+  `published_at`, when the pointer named this version) and the timings of its *critical*
   trajectory (the member of the last group to complete the batch that finished last), so a
   reader can lay the step's critical path across services (bench/step_anatomy.py).
 
@@ -45,8 +50,8 @@ def xadd_time(entry_id: str) -> float:
 class StepClock:
     """The loop's marks between two pointer moves; `since_publish` restarts it."""
 
-    published_at: float = 0.0
-    """When the previous step's pointer moved (0 before the first RL step)."""
+    cut_at: float = 0.0
+    """When the previous step's version was cut (0 before the first RL step)."""
     tail_s: float = 0.0
     """The previous step's work after its publish (record, log, acknowledgements)."""
     intake_s: float = 0.0
@@ -65,14 +70,14 @@ class StepClock:
     def add_overlapped_tail(self, seconds: float) -> None:
         self.overlapped_tail_s += seconds
 
-    def step_done(self, published_at: float) -> None:
-        """The step's pointer moved at `published_at`; its tail and the next intake start now."""
-        self.published_at, self.intake_s, self.tail_s = published_at, 0.0, 0.0
+    def step_done(self, cut_at: float) -> None:
+        """The step's version was cut at `cut_at`; its tail and the next intake start now."""
+        self.cut_at, self.intake_s, self.tail_s = cut_at, 0.0, 0.0
         self.overlapped_intake_s = self.overlapped_tail_s = 0.0
 
     def tail_done(self) -> None:
-        if self.published_at:
-            self.tail_s = time.time() - self.published_at
+        if self.cut_at:
+            self.tail_s = time.time() - self.cut_at
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,7 +92,11 @@ class StepMarks:
     """The loop took the batch's groups and started building it."""
     train_at: float
     trained_at: float
-    published_at: float
+    cut_at: float
+    """The loop was done with the step (see the module docstring)."""
+    published_at: float = 0.0
+    """The pointer named the step's version (the cut, with the publish inline; later, overlapped;
+    0 while unknown or when the publish failed)."""
 
 
 def step_timing(clock: StepClock, marks: StepMarks, trajectories: Sequence[common_pb2.Trajectory],
@@ -95,12 +104,12 @@ def step_timing(clock: StepClock, marks: StepMarks, trajectories: Sequence[commo
     """The record's `timing`: the step's durations (see the module docstring). `read_at[i]` is
     when the trainer's read returned trajectory i, `entry_ids[i]` its stream entry."""
     batch_s, train_s = marks.train_at - marks.batch_at, marks.trained_at - marks.train_at
-    publish_s = marks.published_at - marks.trained_at
+    publish_s = marks.cut_at - marks.trained_at
     out = {"batch_s": batch_s, "train_s": train_s, "publish_s": publish_s, "intake_s": clock.intake_s,
            "tail_s": clock.tail_s, "intake_overlapped_s": clock.overlapped_intake_s,
            "tail_overlapped_s": clock.overlapped_tail_s}
-    if clock.published_at:
-        step_s = marks.published_at - clock.published_at
+    if clock.cut_at:
+        step_s = marks.cut_at - clock.cut_at
         out["step_s"] = step_s
         out["wait_s"] = max(step_s - clock.tail_s - clock.intake_s - batch_s - train_s - publish_s, 0.0)
     n = len(trajectories)
@@ -116,9 +125,10 @@ def step_timing(clock: StepClock, marks: StepMarks, trajectories: Sequence[commo
 def step_anatomy(clock: StepClock, marks: StepMarks, trajectories: Sequence[common_pb2.Trajectory],
                  read_at: Sequence[float], entry_ids: Sequence[str]) -> dict[str, Any]:
     """The record's `anatomy`: the marks, and the critical trajectory's timings and XADD time."""
-    out: dict[str, Any] = {"prev_published_at": clock.published_at, "read_at": marks.read_at,
+    out: dict[str, Any] = {"prev_cut_at": clock.cut_at, "read_at": marks.read_at,
                            "ready_at": marks.ready_at, "batch_at": marks.batch_at, "train_at": marks.train_at,
-                           "trained_at": marks.trained_at, "published_at": marks.published_at}
+                           "trained_at": marks.trained_at, "cut_at": marks.cut_at,
+                           "published_at": marks.published_at}
     if not trajectories:
         return out
     last_read = max(read_at)

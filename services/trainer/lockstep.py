@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 import jax
 import numpy as np
 
-from arlo.model.weights import NonFiniteWeights
+from arlo.model.weights import NonFiniteWeights, ServingCopy, serving_copy
 from services.trainer.batching import Batch
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored, SaveArrays, host_copy
 from services.trainer.gather import state_bytes
@@ -153,6 +153,14 @@ class Replica:
     def state_bytes(self) -> bytes:
         self.channel.announce("publish", {})
         return state_bytes(self.learner.state, self.learner.param_dtype)
+
+    def serving_copy(self) -> ServingCopy | None:
+        """The weights to publish, copied on the device (raises NonFiniteWeights), so the publish
+        can serialise them beside the next step. None with several processes: there the gather
+        that a publish is must run in step order (`state_bytes`)."""
+        if self.channel is not SINGLE:
+            return None
+        return serving_copy(self.learner.state, self.learner.param_dtype)
 
     def set_reference(self) -> None:
         self.channel.announce("set_reference", {})

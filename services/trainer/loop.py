@@ -21,7 +21,7 @@ from typing import Any
 
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model.tokenizer import ByteTokenizer
-from arlo.model.weights import NonFiniteWeights, sha256_hex
+from arlo.model.weights import NonFiniteWeights, ServingCopy, sha256_hex
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
 from services.trainer.batching import Batch, ReadyGroup, build_batch
 from services.trainer.checkpoint import Checkpointer
@@ -31,7 +31,7 @@ from services.trainer.failures import StepFailures
 from services.trainer.intake import Intake
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
-from services.trainer.publish import VersionStore
+from services.trainer.publish import PublishedVersion, VersionStore
 from services.trainer.reader import READ_COUNT, StreamReader
 from services.trainer.state import TrainedStep, TrainerState
 from services.trainer.tail import StepTails
@@ -45,6 +45,10 @@ CLOSE_WAIT_S = 60.0
 POINTER_TRIES = 3
 
 __all__ = ["TrainedStep", "TrainerState", "TrainingLoop"]
+
+
+class PointerConflict(RuntimeError):
+    """An overlapped publish found the pointer at a version this trainer did not write."""
 
 OnStep = Callable[[dict[str, Any]], Awaitable[None]]
 """Called with each applied step's diagnostics record (services/trainer/diagnostics.py)."""
@@ -243,6 +247,7 @@ class TrainingLoop:
     async def checkpoint(self) -> tuple[int, str]:
         """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
         async with self._step_lock:
+            await self._tails.settle()  # the current version's overlapped publish (a save needs it stored)
             job = await self.durable.begin()
         return await asyncio.shield(job)  # a caller's deadline must not abandon the write
 
@@ -305,6 +310,7 @@ class TrainingLoop:
         if not self._publish_due and not self.durable.retry_due():
             return
         async with self._step_lock:
+            await self._tails.settle()  # a checkpoint saves the published current version
             if self._publish_due:
                 await self._publish_newest()
             if self.durable.retry_due():
@@ -383,30 +389,28 @@ class TrainingLoop:
             return metrics
         self.state.version += 1
         started = time.perf_counter()
-        published = True
+        cut, published = None, False
         try:
-            await self._publish()
+            if overlap and self._publish_may_overlap(self.state.version):
+                cut = await self._cut()
+            published = cut is None and await self._publish_or_owe()
         except NonFiniteWeights as e:
             self.state.version -= 1  # nothing was published under it
             await self._failures.refuse(groups, f"not published: {e}")
             return metrics
-        except Exception:
-            # The update applied: the step is trained (never retried); its acks wait for a publish.
-            published, self._publish_due = False, True
-            self.state.publish_failures += 1
-            log.exception("publishing version %d failed; retrying before the next step", self.state.version,
-                          extra={"publish_failures": self.state.publish_failures})
+        cut_at = time.time()
         marks = StepMarks(read_at=0.0, ready_at=0.0, batch_at=batch_at, train_at=train_at, trained_at=trained_at,
-                          published_at=time.time())
-        await self._finish_step(groups, batch, metrics, marks, published=published, defer_tail=overlap)
+                          cut_at=cut_at, published_at=cut_at if published else 0.0)
+        await self._finish_step(groups, batch, metrics, marks, published=published, cut=cut, defer_tail=overlap)
         self.state.io_s += time.perf_counter() - started
         self.clock.tail_done()
         return metrics
 
     async def _finish_step(self, groups: Sequence[ReadyGroup], batch: Batch, metrics: StepMetrics, marks: StepMarks, *,
-                           published: bool, defer_tail: bool = False) -> None:
-        """A published (or publish-pending) step: counters and hold now; its record, log line and
-        acks in its tail, which `defer_tail` runs beside the next step (tail.py)."""
+                           published: bool, cut: ServingCopy | None = None, defer_tail: bool = False) -> None:
+        """A published (or publish-pending, or `cut`: to be published first thing in its tail)
+        step: counters and hold now; its record, log line and acks in its tail, which
+        `defer_tail` runs beside the next step (tail.py)."""
         self.state.consumed += len(batch.trajectory_ids)
         self.state.last = metrics
         self.state.tokens_trained += batch.num_tokens
@@ -421,20 +425,22 @@ class TrainingLoop:
                       trajectories=trajs, trained_from=self.state.version - 1,
                       timing=step_timing(self.clock, marks, trajs, read_at, entry_ids),
                       anatomy=step_anatomy(self.clock, marks, trajs, read_at, entry_ids), now=time.time())
-        self.clock.step_done(marks.published_at)
+        self.clock.step_done(marks.cut_at)
         step = TrainedStep(version=self.state.version, entry_ids=entry_ids, trajectory_ids=batch.trajectory_ids)
         self.durable.hold(step)  # from here a producer's retry of these trajectories is a repeat
         counters = self._counters_now()  # as of this step, whenever its tail runs
         if defer_tail and not self.durable.acknowledges_before_next_step(step.version) and not self._pause_due():
-            self._tails.defer(self._step_tail(record, counters, step, published=published),
+            self._tails.defer(self._step_tail(record, counters, step, published=published, cut=cut),
                               on_done=self.clock.add_overlapped_tail)
         else:
             await self._tails.settle()  # records and acks stay in step order
             # Made only now: a coroutine made before a settle that is cancelled would never run.
-            await self._step_tail(record, counters, step, published=published)
+            await self._step_tail(record, counters, step, published=published, cut=cut)
 
     async def _step_tail(self, record: dict[str, Any], counters: dict[str, Any], step: TrainedStep, *,
-                         published: bool) -> None:
+                         published: bool, cut: ServingCopy | None = None) -> None:
+        if cut is not None:
+            published = await self._publish_cut(cut, step.version, record)
         counters = {**counters, "queue_depth": await self.stream.backlog()}
         await self._report(step_record(**record, counters=counters))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
@@ -446,28 +452,124 @@ class TrainingLoop:
         # Off the step's path: keeps the in-flight set to the groups a batch may still take.
         await self.intake.settle_in_flight(step.version - self.max_staleness)
 
+    # -- publishing -------------------------------------------------------------------------
+    #
+    # A step's publish is overlapped with the next step where it can be (the run loop's steps on
+    # one process, when the step's tail may be deferred): the loop copies the weights on the
+    # device (`_cut`, a few ms) and goes on; the step's tail serialises the copy, hashes it and
+    # moves the pointer while the next step trains, then writes the record and acknowledges
+    # (acks still follow the publish). Tails run in step order, so versions reach the pointer in
+    # order. A failed or refused overlapped publish is owed like an inline one: it is retried
+    # inline, with no step or tail in flight, before the step after next (`_publish_newest`), so
+    # at most one step trains past an unpublished version. A foreign pointer is overtaken only by
+    # that inline retry: the re-numbering never races a step in flight.
+
+    def _publish_may_overlap(self, version: int) -> bool:
+        """Whether `version`'s publish may run beside the next step: not when its tail may not
+        (a checkpoint due, saves failing, a pause due: `_finish_step`) nor while a publish is owed."""
+        return not (self._publish_due or self.durable.acknowledges_before_next_step(version) or self._pause_due())
+
+    async def _cut(self) -> ServingCopy | None:
+        """The current version's serving weights copied on the device, for an overlapped publish
+        (raises NonFiniteWeights); None when it must be inline (several processes, or the copy
+        failed: the inline publish needs one array's room at a time, not a whole copy)."""
+        try:
+            async with self._jax_lock:  # the next step donates the arrays copied
+                return await asyncio.to_thread(self.replica.serving_copy)
+        except NonFiniteWeights:
+            raise
+        except Exception:
+            log.exception("copying version %d's weights failed; publishing it inline", self.state.version)
+            return None
+
+    async def _publish_or_owe(self) -> bool:
+        """Publishes the current version inline; whether it did. A failure leaves it owed."""
+        try:
+            await self._publish()
+            return True
+        except NonFiniteWeights:
+            raise
+        except Exception:
+            # The update applied: the step is trained (never retried); its acks wait for a publish.
+            self._publish_failed("publishing version %d failed; retrying before the next step", self.state.version)
+            return False
+
+    def _publish_failed(self, message: str, *args: Any) -> None:
+        self._publish_due = True
+        self.state.publish_failures += 1
+        log.exception(message, *args, extra={"publish_failures": self.state.publish_failures})
+
+    async def _publish_cut(self, cut: ServingCopy, version: int, record: dict[str, Any]) -> bool:
+        """A step's overlapped publish, from its tail; whether it published. Fills in the record's
+        pointer mark and `publish_overlapped_s`."""
+        try:
+            await self._publish_version(version, cut)
+        except PointerConflict:  # counted and overtaken by the inline retry (`_publish`)
+            self._publish_due = True
+            log.warning("version %d's publish found a weight pointer this trainer did not write; re-publishing "
+                        "above it before the step after", version)
+            return False
+        except Exception:
+            self._publish_failed("publishing version %d beside the next step failed; retrying it inline before "
+                                 "the step after", version)
+            return False
+        published_at = time.time()
+        record["anatomy"]["published_at"] = published_at
+        record["timing"]["publish_overlapped_s"] = published_at - record["anatomy"]["cut_at"]
+        return True
+
     async def _publish_newest(self) -> None:
+        await self._tails.settle()  # an overlapped publish in flight goes first (and may leave it owed)
         await self._publish()
         self._publish_due = False
 
+    async def _publish_version(self, version: int, cut: ServingCopy) -> None:
+        """Publishes `cut` as `version`; raises PointerConflict (nothing re-numbered) when the
+        pointer holds a version this trainer did not write."""
+        published = await self._stored(version, cut)
+        # The tail acknowledges after (`Durability.acknowledge`): an ack that fails is a tail's
+        # failure (the loop restarts and re-reads), not a publish's.
+        if not await self._point_at(published, acknowledge=False):
+            raise PointerConflict(f"the weight pointer holds a version this trainer did not write; version "
+                                  f"{version} is re-published above it")
+
+    async def _stored(self, version: int, cut: ServingCopy | None = None) -> PublishedVersion:
+        """`version` in the store: serialised from `cut`, or from the learner (no step in flight)."""
+        published = self.store.get(version)
+        if published is not None:
+            return published
+        if cut is not None:
+            data = await asyncio.to_thread(cut.to_bytes)
+        else:
+            async with self._jax_lock:
+                data = await asyncio.to_thread(self.replica.state_bytes)
+        # Hashed off the event loop: a second or more at 0.5B, with pulls to serve meanwhile.
+        digest = await asyncio.to_thread(sha256_hex, data)
+        return self.store.put(version, data, sha256=digest)
+
+    async def _point_at(self, published: PublishedVersion, *, acknowledge: bool = True) -> bool:
+        """Moves the pointer to `published`; False when it holds a version this trainer did not
+        write. `acknowledge`: then acknowledge what the publish makes durable."""
+        if not await self.pointer.publish(published.version, source=self.source, sha256=published.sha256):
+            current = await self.pointer.get()
+            if current is not None and (current.version != published.version or current.sha256 != published.sha256):
+                return False
+            # else ours already (a retried call that had landed)
+        if acknowledge:
+            await self.durable.published(published.version)
+        return True
+
     async def _publish(self) -> None:
-        """Publishes the current version; a pointer this trainer did not write is reported and
-        overtaken (the version re-numbered above it), so a foreign HSET cannot live-lock training."""
+        """Publishes the current version (no step in flight); a pointer this trainer did not write
+        is reported and overtaken (the version re-numbered above it), so a foreign HSET cannot
+        live-lock training."""
         for _ in range(POINTER_TRIES):
-            published = self.store.get(self.state.version)
-            if published is None:
-                async with self._jax_lock:
-                    data = await asyncio.to_thread(self.replica.state_bytes)
-                # Hashed off the event loop: a second or more at 0.5B, with pulls to serve meanwhile.
-                digest = await asyncio.to_thread(sha256_hex, data)
-                published = self.store.put(self.state.version, data, sha256=digest)
-            if await self.pointer.publish(published.version, source=self.source, sha256=published.sha256):
-                await self.durable.published(published.version)
+            published = await self._stored(self.state.version)
+            if await self._point_at(published):
                 return
             current = await self.pointer.get()
-            if current is None or (current.version == published.version and current.sha256 == published.sha256):
-                await self.durable.published(published.version)  # ours already (a retried call that had landed)
-                return
+            if current is None:
+                continue  # the pointer went away between the refusal and the read: publish again
             self.state.pointer_conflicts += 1
             log.error("weight pointer holds version %d (source %r, sha256 %.12s) that this trainer did not write "
                       "(its version: %d); publishing above it as version %d", current.version, current.source,

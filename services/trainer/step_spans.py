@@ -2,10 +2,13 @@
 step record's marks (services/trainer/anatomy.py) once the step is done. The loop itself carries
 no tracing code; this is one more consumer of its records, like the metrics stream.
 
-The step runs from the previous step's publish to this one's. Its phases, in order: `tail` (the
-previous step's record and acks), `wait` (nothing to train on), `intake` (reads that returned
-data, decode, grouping), `batch`, `train` (the jitted step) and `publish`. The loop interleaves
-waiting and intake; their totals are laid end to end, so the children tile the step exactly.
+The step runs from the previous step's version cut to this one's (services/trainer/anatomy.py).
+Its phases, in order: `tail` (the previous step's record and acks), `wait` (nothing to train
+on), `intake` (reads that returned data, decode, grouping), `batch`, `train` (the jitted step)
+and `publish` (inline, or the device copy of an overlapped one). The loop interleaves waiting
+and intake; their totals are laid end to end, so these children tile the step exactly. An
+overlapped publish's rest (serialise, hash, move the pointer) ran beside the next step: it is
+one more child, `publish_overlapped`, from the cut to the pointer's move, past the step's end.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ def step_phases(record: dict[str, Any]) -> tuple[float, list[tuple[str, float, f
     if not marks or not timing:
         return None
     batch_at, train_at = marks["batch_at"], marks["train_at"]
-    trained_at, published_at = marks["trained_at"], marks["published_at"]
-    prev = marks.get("prev_published_at") or 0.0
+    trained_at, cut_at = marks["trained_at"], marks["cut_at"]
+    prev = marks.get("prev_cut_at") or 0.0
     phases: list[tuple[str, float, float]] = []
     if prev:  # the first RL step has no previous publish: its wait is not accounted
         at = prev
@@ -54,8 +57,11 @@ def step_phases(record: dict[str, Any]) -> tuple[float, list[tuple[str, float, f
     phases += [
         ("batch", batch_at, train_at),
         ("train", train_at, trained_at),
-        ("publish", trained_at, published_at),
+        ("publish", trained_at, cut_at),
     ]
+    published_at = marks.get("published_at") or 0.0
+    if published_at > cut_at:
+        phases.append(("publish_overlapped", cut_at, published_at))
     return start, phases
 
 
@@ -85,4 +91,4 @@ class StepSpans:
             self.tracer.start_span(f"trainer.{name}", context=parent, start_time=_ns(begin)).end(
                 end_time=_ns(end)
             )
-        step.end(end_time=_ns(record["anatomy"]["published_at"]))
+        step.end(end_time=_ns(record["anatomy"]["cut_at"]))

@@ -1,9 +1,11 @@
-"""A step's tail (its record, log line and acknowledgements), run beside the next step.
+"""A step's tail (its publish, record, log line and acknowledgements), run beside the next step.
 
-After a publish the loop still owes the step's record (metrics stream, Prometheus, span file),
-its log line and its acknowledgements: several Redis round trips, 13 ms of a 311 ms async
-step at the 596k workload (issue 17), during which nothing trained. The run loop defers them:
-the next step starts at once and its tail runs while the jitted update holds a worker thread.
+After an update the loop still owes the step's publish (serialise, hash, move the pointer: 8-14
+ms of a 170-200 ms async step at the 596k workload, issue 17), record (metrics stream,
+Prometheus, span file), log line and acknowledgements (several Redis round trips, 13 ms of a
+311 ms step), during which nothing trained. The run loop defers them: it copies the weights to
+publish (loop.py `_cut`), the next step starts at once and the tail runs while the jitted
+update holds a worker thread.
 
 What makes that safe: the step's entries are held (`Durability.hold`) before the tail is
 deferred, so a producer's retry of them is a repeat, never a second training; tails run one at

@@ -6,7 +6,7 @@ one per bucket up to the longest episode. Compiling one takes seconds to tens of
 stalls the step that needed it (the 5-19 s pauses seen mid-run when completions got shorter or
 longer). Here each is compiled ahead of time (`jit(...).lower(...).compile()`: nothing runs, the
 weights and optimizer state are untouched), with the small eager conversions a step makes on
-the way, and the finiteness check every publish runs. One process only: a multi-host trainer
+the way, and the finiteness check and copy a publish runs. One process only: a multi-host trainer
 compiles on first use (its programs are collectives all processes must enter together).
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from arlo.model.weights import nonfinite_param
+from arlo.model.weights import nonfinite_param, serving_copy
 from services.trainer.batching import Batch, bucket_length
 from services.trainer.learner import Learner
 
@@ -61,7 +61,8 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
                                        mini).compile()
         learner._rl_step.lower(learner.state, learner.opt_state, learner.ref_state, device_rows, rewards, key,
                                mini).compile()
-    nonfinite_param(learner.state, learner.param_dtype)  # every publish checks the weights it sends
+    nonfinite_param(learner.state, learner.param_dtype)  # every inline publish checks the weights it sends
+    serving_copy(learner.state, learner.param_dtype)  # an overlapped one copies them (and checks) in one call
     log.info("warm-up: RL step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
              extra={"programs": len(lengths)})
     return len(lengths)

@@ -78,11 +78,12 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         assert all(r["approx_kl"] > 0 and r["grad_norm"] > 0 and r["logprob_mismatch"] >= 0 for r in records)
         assert await MetricsStream(redis, run_id).latest() == second
         # Where each step's time went (services/trainer/anatomy.py): the second step's interval
-        # starts where the first one's pointer moved.
+        # starts where the first one's version was cut.
         assert first["timing"]["train_s"] > 0 and "step_s" not in first["timing"]
-        assert second["anatomy"]["prev_published_at"] == first["anatomy"]["published_at"]
-        assert second["timing"]["step_s"] == pytest.approx(
-            second["anatomy"]["published_at"] - first["anatomy"]["published_at"])
+        assert second["anatomy"]["prev_cut_at"] == first["anatomy"]["cut_at"]
+        assert second["timing"]["step_s"] == pytest.approx(second["anatomy"]["cut_at"] - first["anatomy"]["cut_at"])
+        for r in records:  # the pointer named each version once it was cut (inline or beside the next step)
+            assert r["anatomy"]["published_at"] >= r["anatomy"]["cut_at"] >= r["anatomy"]["trained_at"]
         metrics = await asyncio.to_thread(scrape, running.metrics_port)
         assert metrics["arlo_trainer_version"] == 2 and metrics["arlo_trainer_step"] == 2
         assert metrics["arlo_trainer_loss{phase=rl}"] == second["loss"]

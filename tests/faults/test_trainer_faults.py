@@ -358,3 +358,71 @@ async def test_an_intake_failure_during_a_step_publishes_the_step_then_rereads_w
         # Step 1 published despite the failure; the restarted loop re-read the second group's entries.
         assert [set(ids) for ids in trained] == [set(first), set(second)]
         assert sum(loop.dropped().values()) == 0
+
+
+async def test_a_publish_beside_the_next_step_sends_its_own_steps_weights(redis_url: str, run_id: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run loop copies a step's weights and publishes them while the next step trains (and
+    donates the arrays the copy came from): each version's published bytes are exactly what an
+    inline publish of its step's weights would have sent."""
+    from arlo.model.weights import ServingCopy, sha256_hex
+    from services.trainer.gather import state_bytes
+
+    async with trainer(redis_url, run_id) as (loop, _, io):
+        expected: dict[int, str] = {}  # version -> sha256 of its weights, serialised at once, inline
+        second_trained = threading.Event()
+        real_step, real_to_bytes = loop.replica.step, ServingCopy.to_bytes
+
+        def step(batch):
+            metrics = real_step(batch)
+            expected[loop.learner.step_count] = sha256_hex(state_bytes(loop.learner.state, loop.learner.param_dtype))
+            if loop.learner.step_count == 2:
+                second_trained.set()
+            return metrics
+
+        def late_to_bytes(copy: ServingCopy) -> bytes:  # version 1's serialisation waits for step 2
+            assert second_trained.wait(120), "step 2 never trained"
+            return real_to_bytes(copy)
+
+        loop.replica.step = step
+        monkeypatch.setattr(ServingCopy, "to_bytes", late_to_bytes)
+        records: list[dict] = []
+
+        async def keep(record: dict) -> None:
+            records.append(record)
+
+        loop.on_step.append(keep)
+        await add_group(io["stream"])
+        await add_group(io["stream"])
+        await wait_for(lambda: len(records) >= 2, seen=lambda: records)
+        await drained(io["stream"])
+        assert (await io["pointer"].get()).version == loop.state.version == 2
+        assert [loop.store.get(v).sha256 for v in (1, 2)] == [expected[1], expected[2]]
+        assert expected[1] != expected[2]
+        first, second = (r["anatomy"] for r in records)
+        assert first["published_at"] >= second["trained_at"]  # published after step 2 donated its arrays
+        assert records[0]["timing"]["publish_overlapped_s"] > 0
+        assert first["cut_at"] == second["prev_cut_at"]  # the step ends at the cut, not at the pointer
+
+
+async def test_a_failed_publish_beside_the_next_step_is_retried_inline_and_nothing_is_lost(
+        redis_url: str, run_id: str) -> None:
+    # Staleness 4: the three groups, all sampled from version 0, stay fresh until the third step.
+    async with trainer(redis_url, run_id, max_staleness=4) as (loop, _, io), slow_steps(loop, 0.5) as (trained, _):
+        real_publish, failures = loop.pointer.publish, []
+
+        async def failing(version: int, **kw: Any) -> bool:
+            if version == 1 and not failures:
+                failures.append(version)
+                raise ConnectionError("injected: Redis went away during version 1's publish")
+            return await real_publish(version, **kw)
+
+        loop.pointer.publish = failing
+        groups = [await add_group(io["stream"]) for _ in range(3)]
+        await wait_for(lambda: loop.state.version >= 3, seen=lambda: loop.state)
+        await drained(io["stream"])  # every step's entries acknowledged once a later version published
+        assert failures == [1] and loop.state.publish_failures == 1
+        assert [set(ids) for ids in trained] == [set(g) for g in groups]  # each once, none lost
+        pointer = await io["pointer"].get()
+        assert pointer.version == 3 and pointer.sha256 == loop.store.get(3).sha256
+        assert sum(loop.dropped().values()) == 0 and loop.state.held_entries == 0

@@ -123,3 +123,31 @@ def test_the_streamed_checksum_is_the_bytes_checksum(state: nnx.State, dtype: st
     from arlo.model.weights import state_sha256
 
     assert state_sha256(state, dtype) == sha256_hex(state_to_bytes(state, dtype))
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_a_serving_copy_serialises_to_flaxs_bytes_after_its_originals_are_donated(dtype: str | None) -> None:
+    # An overlapped publish (services/trainer/loop.py) copies the weights, then serialises the copy
+    # while the next step donates the originals: the copy must be buffers of its own, and its
+    # bytes exactly what an inline publish of the same state writes (flax's, cast included).
+    from arlo.model.weights import serving_copy
+
+    state = nnx.state(create_model(CFG, seed=1))
+    expected = flax_bytes(state, dtype)
+    copy = serving_copy(state, dtype)
+    donate = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)
+    donate(jax.tree.map(lambda v: v, nnx.to_pure_dict(state)))  # the step that comes next
+    assert all(x.is_deleted() for x in jax.tree.leaves(nnx.to_pure_dict(state)))
+    assert copy.to_bytes() == expected
+
+
+def test_a_serving_copy_names_a_parameter_not_finite_in_the_serving_dtype(state: nnx.State) -> None:
+    from arlo.model.weights import NonFiniteWeights, serving_copy
+
+    flat = list(nnx.to_flat_state(state))
+    path, var = next((p, v) for p, v in flat if v.get_value().ndim == 2)
+    big = var.get_value().at[0, 0].set(3.4e38)  # finite in float32, inf once rounded to bfloat16
+    broken = nnx.from_flat_state([(p, v.copy(big) if p == path else v) for p, v in flat])
+    assert serving_copy(broken).to_bytes() == state_to_bytes(broken)
+    with pytest.raises(NonFiniteWeights, match="/".join(str(k) for k in path)):
+        serving_copy(broken, "bfloat16")

@@ -36,7 +36,7 @@ def test_timing_splits_the_interval_between_two_publishes() -> None:
     clock.tail_s = 0.01
     clock.add_intake(0.02)
     marks = StepMarks(read_at=T0 + 0.30, ready_at=T0 + 0.31, batch_at=T0 + 0.31, train_at=T0 + 0.32,
-                      trained_at=T0 + 0.42, published_at=T0 + 0.45)
+                      trained_at=T0 + 0.42, cut_at=T0 + 0.45)
     trajs = [traj(T0 + 0.05, 0.2, generate_s=0.15, reset_s=0.01), traj(T0 + 0.06, 0.22, generate_s=0.17)]
     timing = step_timing(clock, marks, trajs, [T0 + 0.30, T0 + 0.30], [entry(T0 + 0.28), entry(T0 + 0.29)])
     assert timing["step_s"] == pytest.approx(0.45, **APPROX)
@@ -51,21 +51,21 @@ def test_anatomy_names_the_last_trajectory_of_the_last_read() -> None:
     clock = StepClock()
     clock.step_done(T0)
     marks = StepMarks(read_at=T0 + 0.5, ready_at=T0 + 0.5, batch_at=T0 + 0.5, train_at=T0 + 0.5,
-                      trained_at=T0 + 0.6, published_at=T0 + 0.6)
+                      trained_at=T0 + 0.6, cut_at=T0 + 0.6)
     early, late, latest_of_earlier_read = traj(T0, 0.3), traj(T0, 0.4, env_s=0.02), traj(T0, 0.45)
     anatomy = step_anatomy(clock, marks, [early, late, latest_of_earlier_read], [T0 + 0.5, T0 + 0.5, T0 + 0.46],
                            [entry(T0 + 0.41), entry(T0 + 0.41), entry(T0 + 0.455)])
     c = anatomy["critical"]
     assert c["total_s"] == 0.4 and c["env_s"] == 0.02 and c["xadd_at"] == pytest.approx(T0 + 0.41, **APPROX)
-    assert c["min_version"] == 3 and anatomy["prev_published_at"] == T0
+    assert c["min_version"] == 3 and anatomy["prev_cut_at"] == T0
 
 
 def record(*, wait_s: float, started: float, sync: bool = True) -> dict:
     """A synchronous step: publish at T0, swap done at +0.05, episode +0.06..+0.26, read at +0.28."""
     return {"phase": "rl", "version": 7, "timing": {
         "batch_s": 0.01, "train_s": 0.1, "publish_s": 0.02, "tail_s": 0.01, "wait_s": wait_s},
-        "anatomy": {"prev_published_at": T0, "read_at": T0 + 0.28, "ready_at": T0 + 0.29, "batch_at": T0 + 0.29,
-                    "published_at": T0 + 0.42, "critical": {
+        "anatomy": {"prev_cut_at": T0, "read_at": T0 + 0.28, "ready_at": T0 + 0.29, "batch_at": T0 + 0.29,
+                    "cut_at": T0 + 0.42, "published_at": T0 + 0.42, "critical": {
                         "started_at": started, "reset_s": 0.01, "generate_s": 0.15, "generate_queue_s": 0.01,
                         "generate_engine_s": 0.12, "env_s": 0.01, "reward_s": 0.01, "total_s": 0.2,
                         "xadd_at": started + 0.21}}}

@@ -16,10 +16,11 @@ T0 = 1_800_000_000.0
 
 def record(prev: float = T0) -> dict:
     anatomy = {
-        "prev_published_at": prev,
+        "prev_cut_at": prev,
         "batch_at": T0 + 1.0,
         "train_at": T0 + 1.1,
         "trained_at": T0 + 1.6,
+        "cut_at": T0 + 1.8,
         "published_at": T0 + 1.8,
     }
     timing = {
@@ -75,3 +76,20 @@ async def test_step_span_is_a_root_with_one_child_per_phase(tmp_path: Path) -> N
     ]
     assert all(c["parent_id"] == step["span_id"] and c["trace_id"] == step["trace_id"] for c in children)
     assert (step["start_ns"], step["end_ns"]) == (children[0]["start_ns"], children[-1]["end_ns"])
+
+
+async def test_an_overlapped_publish_is_a_child_past_the_step(tmp_path: Path) -> None:
+    """The publish's rest ran beside the next step: its span runs from the cut to the pointer's
+    move, after the phases that tile the step."""
+    overlapped = record()
+    overlapped["anatomy"] = {**overlapped["anatomy"], "cut_at": T0 + 1.61, "published_at": T0 + 1.65}
+    start, phases = step_phases(overlapped)
+    assert [p[0] for p in phases][-2:] == ["publish", "publish_overlapped"]
+    assert phases[-2][1:] == (T0 + 1.6, T0 + 1.61) and phases[-1][1:] == (T0 + 1.61, T0 + 1.65)
+    tracing = start_tracing(TracingConfig(enabled=True, dir=str(tmp_path)), service="trainer", run_id="r")
+    assert tracing is not None
+    await StepSpans(tracing.tracer("test")).add(overlapped)
+    tracing.shutdown()
+    spans = {s["name"]: s for s in map(json.loads, (tmp_path / "trainer.jsonl").read_text().splitlines())}
+    assert spans["trainer.step"]["end_ns"] == spans["trainer.publish"]["end_ns"] == int((T0 + 1.61) * 1e9)
+    assert spans["trainer.publish_overlapped"]["parent_id"] == spans["trainer.step"]["span_id"]
