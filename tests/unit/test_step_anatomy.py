@@ -124,3 +124,13 @@ def test_a_batch_read_while_the_previous_step_trained_puts_no_intake_on_the_path
     assert path is not None and path["intake"] == 0.0
     assert path["trainer other"] == pytest.approx(0.29 - 0.01, **APPROX)
     assert sum(path.values()) == pytest.approx(0.42, **APPROX)
+
+
+def test_an_overlapped_publish_of_the_previous_version_is_its_own_phase_on_a_data_bound_path() -> None:
+    # The previous step's version was cut at T0 and its pointer moved at +0.005, beside this step
+    # (services/trainer/loop.py): the swap chain starts at the pointer's move.
+    path = critical_path(record(wait_s=0.2, started=T0 + 0.06), SYNCS, {6: T0 + 0.005})
+    assert path is not None
+    assert path["publish: overlapped"] == pytest.approx(0.005, **APPROX)
+    assert path["publish -> notify"] == pytest.approx(0.005, **APPROX)
+    assert sum(path.values()) == pytest.approx(0.42, **APPROX)
