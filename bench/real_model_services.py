@@ -78,8 +78,10 @@ def serving_param_bytes(path: Path, dtype: str) -> int:
     return total
 
 
-def step_split(record: dict[str, Any], syncs: dict[int, dict[str, float]]) -> dict[str, Any]:
-    """One RL step's phases (seconds unless named otherwise), from its record and its version's swap."""
+def step_split(record: dict[str, Any], syncs: dict[int, dict[str, float]],
+               pointer_at: dict[int, float] | None = None) -> dict[str, Any]:
+    """One RL step's phases (seconds unless named otherwise), from its record and its version's
+    swap. `pointer_at`: version -> when the pointer named it (the records' `published_at`)."""
     a, t = record["anatomy"], record["timing"]
     c = a["critical"]
     generation = c["xadd_at"] - a["first_started_at"]
@@ -94,8 +96,10 @@ def step_split(record: dict[str, Any], syncs: dict[int, dict[str, float]]) -> di
         out.update(pull_s=sync["pull_s"], verify_s=sync["verify_s"], swap_s=sync["swap_s"],
                    pull_verify_swap_s=sync["pull_s"] + sync["verify_s"] + sync["swap_s"],
                    publish_to_serving_s=sync["served_at"] - a["trained_at"],
-                   pointer_to_serving_s=sync["served_at"] - a["published_at"], bytes_per_publish=sync.get("bytes"))
-    path = critical_path(record, syncs)
+                   bytes_per_publish=sync.get("bytes"))
+        if a.get("published_at"):  # 0: the publish failed (a later version covered it)
+            out["pointer_to_serving_s"] = sync["served_at"] - a["published_at"]
+    path = critical_path(record, syncs, pointer_at)
     if path is not None:
         out["critical_path_s"] = path
     return out
@@ -110,7 +114,9 @@ def service_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     run = run_cluster(cfg, home, args.step_cpus or "off", args.rl_steps, start_timeout_s=900.0,
                       stall_s=SLOW_S)
     syncs = inference_syncs(home / "logs" / "inference.log")
-    steps = [step_split(r, syncs) for r in run.records if r.get("phase") == "rl" and r.get("anatomy", {}).get("critical")]
+    rl = [r for r in run.records if r.get("phase") == "rl" and r.get("anatomy", {}).get("critical")]
+    pointer_at = {r["version"]: r["anatomy"].get("published_at", 0.0) for r in rl}
+    steps = [step_split(r, syncs, pointer_at) for r in rl]
     publishes = {s["bytes_per_publish"] for s in steps if s.get("bytes_per_publish")}
     param_bytes = serving_param_bytes(path, args.param_dtype)
     workload = {k: getattr(args, k) for k in ("groups", "group_size", "step_tokens", "micro_batch", "logprob_chunk", "param_dtype",
@@ -126,7 +132,7 @@ def service_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-ROWS = (("step (pointer to pointer)", "step_s"), ("generation (first start -> last XADD)", "generation_s"),
+ROWS = (("step (cut to cut)", "step_s"), ("generation (first start -> last XADD)", "generation_s"),
         ("  engine (critical trajectory)", "generation_engine_s"), ("  engine share", "generation_engine_share"),
         ("  queue (critical trajectory)", "generation_queue_s"), ("trainer wait for data", "wait_s"),
         ("intake", "intake_s"), ("batch", "batch_s"), ("train step", "train_step_s"), ("publish", "publish_s"),

@@ -248,6 +248,8 @@ class TrainingLoop:
         """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
         async with self._step_lock:
             await self._tails.settle()  # the current version's overlapped publish (a save needs it stored)
+            if self._publish_due:  # it failed or met a foreign pointer: published (re-numbered) first
+                await self._publish_newest()
             job = await self.durable.begin()
         return await asyncio.shield(job)  # a caller's deadline must not abandon the write
 
@@ -389,6 +391,11 @@ class TrainingLoop:
             return metrics
         self.state.version += 1
         started = time.perf_counter()
+        # The previous step's tail (its overlapped publish first) ends before this step publishes:
+        # versions reach the pointer in order, and one copy of the weights is held, not one per
+        # step ahead of a slow publish (a hung Redis, a hash slower than a step, would let
+        # training run ahead of the pointer). Normally it ended while this step trained.
+        await self._tails.settle()
         cut, published = None, False
         try:
             if overlap and self._publish_may_overlap(self.state.version):
@@ -441,6 +448,7 @@ class TrainingLoop:
                          published: bool, cut: ServingCopy | None = None) -> None:
         if cut is not None:
             published = await self._publish_cut(cut, step.version, record)
+            del cut  # the device copy goes now, not when the tail ends
         counters = {**counters, "queue_depth": await self.stream.backlog()}
         await self._report(step_record(**record, counters=counters))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
@@ -458,11 +466,11 @@ class TrainingLoop:
     # one process, when the step's tail may be deferred): the loop copies the weights on the
     # device (`_cut`, a few ms) and goes on; the step's tail serialises the copy, hashes it and
     # moves the pointer while the next step trains, then writes the record and acknowledges
-    # (acks still follow the publish). Tails run in step order, so versions reach the pointer in
-    # order. A failed or refused overlapped publish is owed like an inline one: it is retried
-    # inline, with no step or tail in flight, before the step after next (`_publish_newest`), so
-    # at most one step trains past an unpublished version. A foreign pointer is overtaken only by
-    # that inline retry: the re-numbering never races a step in flight.
+    # (acks still follow the publish). A step publishes only once the previous step's tail is
+    # done, so versions reach the pointer in order, one copy is held at a time, and at most one
+    # step trains past an unpublished version. A failed or refused overlapped publish is owed
+    # like an inline one: the next publish is inline, with no tail in flight, and covers it (a
+    # newer version), re-numbering above a foreign pointer; the re-numbering never races a publish.
 
     def _publish_may_overlap(self, version: int) -> bool:
         """Whether `version`'s publish may run beside the next step: not when its tail may not
@@ -486,6 +494,7 @@ class TrainingLoop:
         """Publishes the current version inline; whether it did. A failure leaves it owed."""
         try:
             await self._publish()
+            self._publish_due = False  # an overlapped publish owed before is covered by this newer version
             return True
         except NonFiniteWeights:
             raise

@@ -426,3 +426,62 @@ async def test_a_failed_publish_beside_the_next_step_is_retried_inline_and_nothi
         pointer = await io["pointer"].get()
         assert pointer.version == 3 and pointer.sha256 == loop.store.get(3).sha256
         assert sum(loop.dropped().values()) == 0 and loop.state.held_entries == 0
+
+
+async def test_a_step_that_must_publish_inline_waits_for_the_previous_overlapped_publish(
+        redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pause-due step publishes inline (its tail may not run beside a next step): it must not
+    overtake the previous step's publish still in its tail, or that one finds its own newer
+    version on the pointer (a spurious conflict and failure, a version never published)."""
+    from arlo.model.weights import ServingCopy
+
+    async with trainer(redis_url, run_id, max_staleness=4) as (loop, _, io):
+        second_trained = threading.Event()
+        real_step, real_to_bytes = loop.replica.step, ServingCopy.to_bytes
+
+        def step(batch):
+            metrics = real_step(batch)
+            if loop.learner.step_count == 2:
+                second_trained.set()
+            return metrics
+
+        def late_to_bytes(copy: ServingCopy) -> bytes:
+            # Version 1's publish is still running when step 2 ends, and gives step 2's publish
+            # 3 s to overtake it (which it must not take).
+            assert second_trained.wait(120), "step 2 never trained"
+            deadline = time.monotonic() + 3.0
+            while loop.store.get(2) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return real_to_bytes(copy)
+
+        loop.replica.step = step
+        monkeypatch.setattr(ServingCopy, "to_bytes", late_to_bytes)
+        loop.resume(until_step=2)  # step 2 is pause-due: published inline
+        await add_group(io["stream"])
+        await add_group(io["stream"])
+        await wait_for(lambda: loop.state.paused and loop.learner.step_count == 2, seen=lambda: loop.state)
+        await loop.pause()
+        assert loop.state.publish_failures == 0 and loop.state.pointer_conflicts == 0
+        assert [v for v in (1, 2) if loop.store.get(v) is not None] == [1, 2]  # both published, in order
+        assert (await io["pointer"].get()).version == loop.state.version == 2
+
+
+async def test_training_runs_at_most_one_step_ahead_of_a_slow_publish(redis_url: str, run_id: str) -> None:
+    """Each overlapped publish holds a device copy of the weights: with the pointer slower than a
+    step (a slow Redis, a hash slower than the update), steps wait for the previous publish
+    rather than pile up copies and run ahead of what the fleet can be given."""
+    async with trainer(redis_url, run_id, max_staleness=8) as (loop, _, io):
+        real_publish, ahead = loop.pointer.publish, []
+
+        async def slow(version: int, **kw: Any) -> bool:
+            ahead.append(loop.state.version - version)
+            await asyncio.sleep(0.3)
+            return await real_publish(version, **kw)
+
+        loop.pointer.publish = slow
+        for _ in range(6):
+            await add_group(io["stream"])
+        await wait_for(lambda: loop.learner.step_count >= 6, seen=lambda: loop.state)
+        await drained(io["stream"])
+        assert len(ahead) >= 6 and max(ahead) <= 1, ahead
+        assert loop.state.publish_failures == 0 and (await io["pointer"].get()).version == 6
