@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from arlo.app import stopping
 from arlo.app.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
 from arlo.app.live import LiveRun, eval_text
 from arlo.app.local import (
@@ -34,19 +34,12 @@ from arlo.app.local import (
 )
 from arlo.app.resilient import DEFAULT_RETRY, RetryPolicy
 from arlo.app.run_record import RunRecorder
+from arlo.app.stopping import Stop, stop_on_sigterm
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
 from arlo.data import resource_path
 
 console = Console(stderr=True)
-
-
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop()
 
 
 DEMO_RUN_ID = "demo"
@@ -76,7 +69,7 @@ def _start_cluster(config: str | None, *, free_ports: bool, with_rollout: bool, 
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _raise_stop)
+    stop_on_sigterm()
     cluster = _start_cluster(args.config, free_ports=False, with_rollout=False)
     table = Table(title=f"arlo run '{cluster.cfg.run_id}'")
     for col in ("service", "address", "log"):
@@ -90,7 +83,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for name in cluster.supervisor.check():
                 console.print(f"[yellow]{name} died and was restarted")
             time.sleep(1.0)
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, Stop):
         console.print("stopping...")
     finally:
         cluster.stop()
@@ -99,12 +92,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *,
                          evaluate: bool, retry: RetryPolicy = DEFAULT_RETRY) -> tuple[TrainReport, RunRecorder]:
-    recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}", run_id=cfg.run_id)
+    with stopping.deferred():  # it imports tensorboardX, and torch: native code a raised stop would abort
+        recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}",
+                               run_id=cfg.run_id)
     display = LiveRun(console, rl_steps=steps)
     check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
     try:
         with display:
-            report = asyncio.run(run_training(cfg, token, steps=steps, on_progress=display.update,
+            report = stopping.run(run_training(cfg, token, steps=steps, on_progress=display.update,
                                               check_children=check, recorder=recorder, evaluate=evaluate,
                                               retry_policy=retry))
     finally:
@@ -133,7 +128,7 @@ def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | N
 
 def cmd_train(args: argparse.Namespace) -> int:
     # SIGTERM stops like Ctrl-C: the trainer is paused and the rollout worker stopped.
-    signal.signal(signal.SIGTERM, _raise_stop)
+    stop_on_sigterm()
     cfg = load_cli_config(args.config)
     token = resolve_token(cfg)
     require_serving(cfg, INFRA_SERVICES)
@@ -143,7 +138,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         report, recorder = _train_with_progress(cluster, cfg, token, args.steps, evaluate=not args.no_eval,
                                                 retry=RetryPolicy(outage_s=args.outage_s))
         _export_at_end(cfg, token, args.export)
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, Stop):
         console.print("interrupted; pausing the trainer")
         return 130
     finally:
@@ -153,13 +148,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _raise_stop)
+    stop_on_sigterm()
     cluster = _start_cluster(args.config, free_ports=True, with_rollout=True, demo=True)
     try:
         steps = args.steps if args.steps is not None else DEMO_RL_STEPS
         report, recorder = _train_with_progress(cluster, cluster.cfg, cluster.token, steps, evaluate=not args.no_eval)
         _export_at_end(cluster.cfg, cluster.token, args.export)  # while the trainer still serves its weights
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, Stop):
         console.print("interrupted")
         return 130
     finally:
@@ -173,9 +168,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _export_at_end(cfg, token, out: str | None) -> None:
     if out:
-        from arlo.app.export import export_run  # JAX and Flax: only a command that exports pays for them
+        # JAX and Flax, imported only by a command that exports: native code a raised stop would abort.
+        with stopping.deferred(), console.status(f"exporting the policy to {out}..."):
+            from arlo.app.export import export_run
 
-        with console.status(f"exporting the policy to {out}..."):
             result = export_run(cfg, out, token=token)
         console.print(f"exported the policy to {result.out}")
 

@@ -208,15 +208,21 @@ def test_train_rides_out_trainer_kill_hang_and_redis_kill(tmp_path: Path) -> Non
         seen = [v for v in versions if v]  # 0: Redis was down for that sample
         assert seen == sorted(seen)  # the pointer never went back, through both restarts
 
-        # Item 11: SIGTERM of `arlo train` stops its rollout worker.
-        train = subprocess.Popen([*cli, "train", "-c", str(config), "--no-eval"], env=env, cwd=ROOT,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rollout = wait_for(lambda: [p for p, (pp, cmd) in processes().items()
-                                    if pp == train.pid and "services.rollout" in cmd], 300, "the rollout worker")
-        wait_for(lambda: is_serving(f"127.0.0.1:{cfg['rollout']['server']['port']}"), 300, "rollout serving")
-        train.send_signal(signal.SIGTERM)
-        assert train.wait(timeout=120) == 130
-        assert gone(rollout)
+        # Item 11: SIGTERM of `arlo train` stops its rollout worker, wherever it lands as the run
+        # starts (CI: one landed in torch's import under tensorboardX and `arlo train` aborted,
+        # SIGABRT; one repro hung: arlo/app/stopping.py).
+        for delay_s in (0.0, 0.1, 0.3, 0.6, 1.2):
+            err = tmp_path / "train-term.err"
+            train = subprocess.Popen([*cli, "train", "-c", str(config), "--no-eval"], env=env, cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=open(err, "w"))  # noqa: SIM115
+            rollout = wait_for(lambda pid=train.pid: [p for p, (pp, cmd) in processes().items()
+                                                      if pp == pid and "services.rollout" in cmd], 300,
+                               "the rollout worker")
+            wait_for(lambda: is_serving(f"127.0.0.1:{cfg['rollout']['server']['port']}"), 300, "rollout serving")
+            time.sleep(delay_s)
+            train.send_signal(signal.SIGTERM)
+            assert train.wait(timeout=120) == 130, (delay_s, err.read_text()[-3000:])
+            assert wait_for(lambda pids=rollout: gone(pids), 30, "the rollout worker to stop")
 
         # Item 11: kill -9 of `arlo up` takes every child down, Redis included.
         children = [p for p, (pp, _) in processes().items() if pp == up.pid]

@@ -1,0 +1,89 @@
+"""SIGTERM stops a command as Ctrl-C does, wherever it arrives.
+
+The handler raises `Stop`, a BaseException like KeyboardInterrupt, so no `except Exception` on
+the way swallows it (the driver's retries ride out outages by catching errors: a stop raised as
+an Exception inside one was taken for a failed call, and `arlo train` kept going, deaf to it).
+Inside an event loop the signal raises nothing at an arbitrary bytecode, in asyncio's or gRPC's
+own machinery, which could leave them unable to shut down (CI saw `arlo train` abort, SIGABRT, on
+a SIGTERM): `run` cancels the main task, as asyncio does for Ctrl-C, and raises Stop once it has
+unwound. Nor inside native code that calls back into Python: a SIGTERM while `arlo train`
+imported tensorboardX (and torch under it) raised in a pybind11 callback, and the process
+aborted ("terminate called after throwing an instance of 'pybind11::error_already_set'"):
+such work runs in `deferred()`, where a stop waits for the block's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Stop(BaseException):
+    """SIGTERM: stop as Ctrl-C would."""
+
+
+_deferring = 0
+_pending = False
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    global _pending
+    if _deferring:
+        _pending = True  # raised when the deferred block ends
+        return
+    raise Stop()
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """A SIGTERM inside the block raises Stop at its end, not in the middle of it (for native
+    code that calls Python back, or work that must not be cut in half)."""
+    global _deferring, _pending
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    if not _deferring and _pending:
+        _pending = False
+        raise Stop()
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM raises Stop (in the main thread, outside `run`'s event loop)."""
+    signal.signal(signal.SIGTERM, _raise_stop)
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)`; a SIGTERM meanwhile cancels `main` and raises Stop once it unwound."""
+    return asyncio.run(_until_stopped(main))
+
+
+async def _until_stopped(main: Coroutine[Any, Any, T]) -> T:
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        stopped = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    try:
+        result = await main
+    except asyncio.CancelledError:
+        if stopped:
+            raise Stop() from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)  # leaves SIG_DFL: the handler outside the loop again
+        stop_on_sigterm()
+    if stopped:  # `main` swallowed its cancellation: the stop stands all the same
+        raise Stop()
+    return result
