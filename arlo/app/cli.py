@@ -34,7 +34,6 @@ from arlo.app.local import (
 )
 from arlo.app.resilient import DEFAULT_RETRY, RetryPolicy
 from arlo.app.run_record import RunRecorder
-from arlo.app.stopping import Stop, stop_on_sigterm
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
 from arlo.data import resource_path
@@ -69,7 +68,7 @@ def _start_cluster(config: str | None, *, free_ports: bool, with_rollout: bool, 
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    stop_on_sigterm()
+    stopping.stop_on_sigterm()
     cluster = _start_cluster(args.config, free_ports=False, with_rollout=False)
     table = Table(title=f"arlo run '{cluster.cfg.run_id}'")
     for col in ("service", "address", "log"):
@@ -83,7 +82,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for name in cluster.supervisor.check():
                 console.print(f"[yellow]{name} died and was restarted")
             time.sleep(1.0)
-    except (KeyboardInterrupt, Stop):
+    except (KeyboardInterrupt, stopping.Stop):
         console.print("stopping...")
     finally:
         cluster.stop()
@@ -128,7 +127,7 @@ def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | N
 
 def cmd_train(args: argparse.Namespace) -> int:
     # SIGTERM stops like Ctrl-C: the trainer is paused and the rollout worker stopped.
-    stop_on_sigterm()
+    stopping.stop_on_sigterm()
     cfg = load_cli_config(args.config)
     token = resolve_token(cfg)
     require_serving(cfg, INFRA_SERVICES)
@@ -138,7 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         report, recorder = _train_with_progress(cluster, cfg, token, args.steps, evaluate=not args.no_eval,
                                                 retry=RetryPolicy(outage_s=args.outage_s))
         _export_at_end(cfg, token, args.export)
-    except (KeyboardInterrupt, Stop):
+    except (KeyboardInterrupt, stopping.Stop):
         console.print("interrupted; pausing the trainer")
         return 130
     finally:
@@ -148,13 +147,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    stop_on_sigterm()
+    stopping.stop_on_sigterm()
     cluster = _start_cluster(args.config, free_ports=True, with_rollout=True, demo=True)
     try:
         steps = args.steps if args.steps is not None else DEMO_RL_STEPS
         report, recorder = _train_with_progress(cluster, cluster.cfg, cluster.token, steps, evaluate=not args.no_eval)
         _export_at_end(cluster.cfg, cluster.token, args.export)  # while the trainer still serves its weights
-    except (KeyboardInterrupt, Stop):
+    except (KeyboardInterrupt, stopping.Stop):
         console.print("interrupted")
         return 130
     finally:

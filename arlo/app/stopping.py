@@ -2,7 +2,8 @@
 
 The handler raises `Stop`, a BaseException like KeyboardInterrupt, so no `except Exception` on
 the way swallows it (the driver's retries ride out outages by catching errors: a stop raised as
-an Exception inside one was taken for a failed call, and `arlo train` kept going, deaf to it).
+an Exception inside one could be taken for a failed call; a repro's `arlo train` once went on
+past a SIGTERM, hung).
 Inside an event loop the signal raises nothing at an arbitrary bytecode, in asyncio's or gRPC's
 own machinery, which could leave them unable to shut down (CI saw `arlo train` abort, SIGABRT, on
 a SIGTERM): `run` cancels the main task, as asyncio does for Ctrl-C, and raises Stop once it has
@@ -74,6 +75,7 @@ async def _until_stopped(main: Coroutine[Any, Any, T]) -> T:
         stopped = True
         task.cancel()
 
+    outside = signal.getsignal(signal.SIGTERM)
     loop.add_signal_handler(signal.SIGTERM, stop)
     try:
         result = await main
@@ -82,8 +84,8 @@ async def _until_stopped(main: Coroutine[Any, Any, T]) -> T:
             raise Stop() from None
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)  # leaves SIG_DFL: the handler outside the loop again
-        stop_on_sigterm()
+        loop.remove_signal_handler(signal.SIGTERM)  # leaves SIG_DFL: the handler from before the loop again
+        signal.signal(signal.SIGTERM, outside)
     if stopped:  # `main` swallowed its cancellation: the stop stands all the same
         raise Stop()
     return result

@@ -90,7 +90,7 @@ def serving_copy(state: nnx.State, dtype: str | None = None) -> ServingCopy:
     finite, arrays = _finite_copies([x for _, x in flat], dtype)
     finite = np.asarray(finite)
     if finite.size and not finite.all():
-        raise NonFiniteWeights(f"weights: parameter {keys[int(np.flatnonzero(~finite)[0])]!r} holds NaN or inf")
+        raise _nonfinite(keys[int(np.flatnonzero(~finite)[0])])
     return ServingCopy(keys=keys, arrays=tuple(arrays))
 
 
@@ -183,7 +183,11 @@ def check_finite(state: nnx.State, dtype: str | None = None) -> None:
     """Raises NonFiniteWeights naming the first parameter that holds a NaN or inf (in `dtype`)."""
     bad = nonfinite_param(state, dtype)
     if bad is not None:
-        raise NonFiniteWeights(f"weights: parameter {bad!r} holds NaN or inf")
+        raise _nonfinite(bad)
+
+
+def _nonfinite(key: str) -> NonFiniteWeights:
+    return NonFiniteWeights(f"weights: parameter {key!r} holds NaN or inf")
 
 
 def sha256_hex(data: bytes) -> str:
