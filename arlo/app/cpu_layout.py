@@ -39,6 +39,12 @@ def _join(cpus: Sequence[int]) -> str:
     return ",".join(str(c) for c in cpus)
 
 
+def is_cpu_platform(platform: str) -> bool:
+    """Whether JAX_PLATFORMS `platform` ("cpu", "cuda,cpu") puts JAX on the CPU: its first entry
+    decides. "" leaves the choice to JAX, which takes an accelerator where there is one: not CPU."""
+    return platform.split(",")[0].strip().lower() == "cpu"
+
+
 def cpu_shares(setting: str, *, cpus: Sequence[int], synchronous: bool, platform: str) -> Shares | None:
     """The services' CPU shares for `local.cpus` = `setting`; None: nothing is pinned.
 
@@ -56,7 +62,7 @@ def cpu_shares(setting: str, *, cpus: Sequence[int], synchronous: bool, platform
                              f"(available: {_join(sorted(cpus))})")
         return shares
     ordered = sorted(cpus)
-    if len(ordered) < 2 or platform.split(",")[0].strip().lower() not in ("", "cpu"):
+    if len(ordered) < 2 or not is_cpu_platform(platform):
         return None
     first, second = _join(ordered[: len(ordered) // 2]), _join(ordered[len(ordered) // 2:])
     big = _join(ordered) if synchronous else None

@@ -12,10 +12,11 @@ import logging
 import os
 import secrets
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from arlo.app.cpu_layout import Shares, cpu_shares
+from arlo.app.cpu_layout import Shares, cpu_shares, is_cpu_platform
 from arlo.app.redis_server import free_port, local_redis_url, redis_answers, redis_spec
 from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
@@ -80,6 +81,7 @@ class LocalCluster:
         env[COMPILE_CACHE_ENV] = os.environ.get(COMPILE_CACHE_ENV) or str(self.home / "jax-cache")
         # arlo.service_args.apply_niceness; always set, so a value exported in the shell does not leak in.
         env["ARLO_NICE"] = str(self.cfg.local.compute_nice if name in COMPUTE_SERVICES else 0)
+        env.update(accelerator_env(name, env["JAX_PLATFORMS"], self.cfg.local.accelerator_memory, os.environ))
         cpus = (self.cpu_shares or {}).get(name)
         if cpus:
             threads = len(cpus.split(","))
@@ -105,6 +107,27 @@ class LocalCluster:
 def services_platform() -> str:
     """The JAX platform the local services run on (they default to the CPU)."""
     return os.environ.get("JAX_PLATFORMS", "cpu")
+
+
+ACCELERATOR_MEMORY_ENV = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                          "XLA_PYTHON_CLIENT_ALLOCATOR")
+"""What the user may set to size the services' accelerator memory themselves (JAX's GPU memory docs)."""
+
+
+def accelerator_env(name: str, platform: str, memory_share: float, environ: Mapping[str, str]) -> dict[str, str]:
+    """What service `name` adds to its environment for the JAX `platform` of the local services.
+
+    On an accelerator every local process shares the same chips: the compute services split
+    `memory_share` of their memory evenly (each process's XLA allocator preallocates its part at
+    its first array), and the light services, which have no use for a chip, are kept to the CPU.
+    """
+    if is_cpu_platform(platform):
+        return {}
+    if name not in COMPUTE_SERVICES:
+        return {"JAX_PLATFORMS": "cpu"}
+    if any(key in environ for key in ACCELERATOR_MEMORY_ENV):
+        return {}
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{memory_share / len(COMPUTE_SERVICES):.3f}"}
 
 
 def local_cpu_shares(cfg: RunConfig) -> Shares | None:

@@ -217,8 +217,16 @@ class LocalConfig:
     and reward do little work but sit on every step's critical path: at one priority an env Step
     or a Score waited its turn behind them. 0: every service at the same priority."""
 
+    accelerator_memory: float = 0.9
+    """Share of one accelerator's memory that inference and the trainer take together when the
+    local services run on one (JAX_PLATFORMS cuda, rocm or tpu): each preallocates half of it
+    (XLA_PYTHON_CLIENT_MEM_FRACTION). JAX's default lets the first process take 75% and the second
+    fail for want of memory. Not applied when XLA_PYTHON_CLIENT_MEM_FRACTION, _PREALLOCATE or
+    _ALLOCATOR is set: the services then get that. The light services run JAX on the CPU."""
+
     def validate(self, path: str) -> None:
         _check(f"{path}.compute_nice", 0 <= self.compute_nice <= 19, "must be in [0, 19]")
+        _check(f"{path}.accelerator_memory", 0.0 < self.accelerator_memory <= 1.0, "must be in (0, 1]")
         if self.cpus in ("auto", "off"):
             return
         named: set[str] = set()
