@@ -369,11 +369,20 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+
+    def progress(new: list[dict[str, Any]]) -> None:  # a run of several minutes says how far it is
+        for r in new:
+            print(f"[{time.monotonic() - started:.0f}s] {r['workload']} {r['side']}: {r['steps_per_s']:.2f} steps/s",
+                  file=sys.stderr, flush=True)
+        rows.extend(new)
+
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
         if not args.no_inprocess:
-            rows += run_inprocess(w, args)
-        rows += [run_arlo(w, int(m), args) for m in args.modes.split(",")]
+            progress(run_inprocess(w, args))
+        for m in args.modes.split(","):
+            progress([run_arlo(w, int(m), args)])
     figures: dict[str, Any] = {"rows": rows, "cpus": args.cpus, "warmup": args.warmup, "steps": args.steps,
                                **ratios(rows, args.workloads.split(","))}
     keys = ["workload", "side", "steps_per_s", "completions_per_s", "generated_tokens_per_s", "turns_per_episode",
