@@ -31,8 +31,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +39,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from arlo.compile_parallel import compile_all
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import (
     KVCache,
@@ -156,18 +154,17 @@ class Runner:
     def warm_up(self, state: nnx.State, keys: set[Key]) -> None:
         """Compiles every program in `keys` ahead of time (nothing runs: the cache is untouched),
         so the jitted calls that need them later find them compiled."""
-        compile_all([partial(self._lower, state, key) for key in sorted(keys, key=str)])
+        for key in sorted(keys, key=str):
+            kind, *dims = key
+            if kind == "decode":
+                b, w = dims
+                _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, self.cache,
+                                  _decode_batch([], int(b), self.scratch)).compile()
+            else:
+                m, t, w, j = (int(d) for d in dims)
+                _prefill_jit.lower(self.graphdef, w, self.cache_sharding, state, self.cache,
+                                   _prefill_batch([], [], m, t, j, self.scratch)).compile()
         self.warm = set(keys)
-
-    def _lower(self, state: nnx.State, key: Key) -> Any:
-        kind, *dims = key
-        if kind == "decode":
-            b, w = dims
-            return _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, self.cache,
-                                     _decode_batch([], int(b), self.scratch))
-        m, t, w, j = (int(d) for d in dims)
-        return _prefill_jit.lower(self.graphdef, w, self.cache_sharding, state, self.cache,
-                                  _prefill_batch([], [], m, t, j, self.scratch))
 
     def _note(self, key: Key) -> None:
         if key in self.shapes:

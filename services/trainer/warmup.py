@@ -5,7 +5,7 @@ power of two, or the longest episode itself: services/trainer/batching.py), so t
 one per bucket up to the longest episode. Compiling one takes seconds to tens of seconds on a CPU host; compiled at first use it
 stalls the step that needed it (the 5-19 s pauses seen mid-run when completions got shorter or
 longer). Here each is compiled ahead of time (`jit(...).lower(...).compile()`: nothing runs, the
-weights and optimizer state are untouched; the lengths' compiles side by side), with the small eager conversions a step makes on
+weights and optimizer state are untouched), with the small eager conversions a step makes on
 the way, and the finiteness check and copy a publish runs. One process only: a multi-host trainer
 compiles on first use (its programs are collectives all processes must enter together).
 """
@@ -15,12 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from functools import partial
 
 import jax
 import numpy as np
 
-from arlo.compile_parallel import compile_all
 from arlo.model.weights import nonfinite_param, serving_copy
 from services.trainer.batching import Batch, bucket_length
 from services.trainer.learner import Learner
@@ -47,7 +45,6 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
     started = time.perf_counter()
     rows = groups * group_size
     mini = min(learner.cfg.mini_batches, rows)
-    lowerings = []
     for length in lengths:
         zeros = np.zeros((rows, length), np.float32)
         batch = Batch(tokens_bt=np.zeros((rows, length), np.int32), behaviour_logprobs_bt=zeros, mask_bt=zeros,
@@ -60,11 +57,10 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
         if learner.critic is not None:  # not donating: safe to run on the zeros
             device_rows, _ = learner._prepare_gae(learner.critic, learner.state, learner.ref_state, device_rows,
                                                   rewards)
-            lowerings.append(partial(learner._critic_step.lower, learner.critic, learner.critic_opt_state,
-                                     device_rows, rewards, key, mini))
-        lowerings.append(partial(learner._rl_step.lower, learner.state, learner.opt_state, learner.ref_state,
-                                 device_rows, rewards, key, mini))
-    compile_all(lowerings)  # the lengths' programs side by side (arlo/compile_parallel.py)
+            learner._critic_step.lower(learner.critic, learner.critic_opt_state, device_rows, rewards, key,
+                                       mini).compile()
+        learner._rl_step.lower(learner.state, learner.opt_state, learner.ref_state, device_rows, rewards, key,
+                               mini).compile()
     nonfinite_param(learner.state, learner.param_dtype)  # every inline publish checks the weights it sends
     serving_copy(learner.state, learner.param_dtype)  # an overlapped one copies them (and checks) in one call
     log.info("warm-up: RL step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
