@@ -52,7 +52,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout workers: the task, group sampling, episode limits."""
     local: LocalConfig = field(default_factory=LocalConfig)
-    """Local runs only (`arlo up`, `demo`, and the workers `arlo train` adds): how the services share this host's CPUs."""
+    """Local runs only (`arlo up`, `demo`, and the workers `arlo train` adds): how the services share this host's CPUs and accelerator."""
 
     def validate(self, path: str = "") -> None:
         check_run_id(self.run_id)
