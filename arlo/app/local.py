@@ -12,11 +12,11 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from arlo.app.cpu_layout import Shares, cpu_shares, is_cpu_platform
+from arlo.app.accelerator_layout import COMPUTE_SERVICES, accelerator_env, gpu_shares, on_gpus, visible_gpus
+from arlo.app.cpu_layout import Shares, cpu_shares
 from arlo.app.redis_server import free_port, local_redis_url, redis_answers, redis_spec
 from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 # Dependencies first: inference and the trainer need nothing else; rollout needs all four.
 INFRA_SERVICES = ("env_gateway", "reward", "inference", "trainer")
 SERVICE_SECTIONS = (*INFRA_SERVICES, "rollout")
-COMPUTE_SERVICES = ("inference", "trainer")
-"""The services whose XLA pools keep their cores busy: run at `local.compute_nice`."""
 
 
 def resolved_config_path(home: Path | None = None) -> Path:
@@ -71,6 +69,9 @@ class LocalCluster:
     """Service name -> the CPUs it may use ("0", "1", "0,1"), applied by the service at start
     (ARLO_CPUS) with one XLA/Eigen thread per CPU, so processes on a small host do not fight over
     cores (`local.cpus`, arlo/app/cpu_layout.py). None: the OS schedules everything."""
+    gpu_shares: Shares | None = None
+    """Inference / trainer -> the GPUs it sees (CUDA_VISIBLE_DEVICES; `local.accelerators`,
+    arlo/app/accelerator_layout.py). None: each sees every accelerator JAX finds."""
 
     def service_env(self, name: str = "") -> dict[str, str]:
         env = {"JAX_PLATFORMS": services_platform(), "PYTHONUNBUFFERED": "1",
@@ -81,7 +82,8 @@ class LocalCluster:
         env[COMPILE_CACHE_ENV] = os.environ.get(COMPILE_CACHE_ENV) or str(self.home / "jax-cache")
         # arlo.service_args.apply_niceness; always set, so a value exported in the shell does not leak in.
         env["ARLO_NICE"] = str(self.cfg.local.compute_nice if name in COMPUTE_SERVICES else 0)
-        env.update(accelerator_env(name, env["JAX_PLATFORMS"], self.cfg.local.accelerator_memory, os.environ))
+        env.update(accelerator_env(name, env["JAX_PLATFORMS"], memory_share=self.cfg.local.accelerator_memory,
+                                   shares=self.gpu_shares, environ=os.environ))
         cpus = (self.cpu_shares or {}).get(name)
         if cpus:
             threads = len(cpus.split(","))
@@ -109,27 +111,6 @@ def services_platform() -> str:
     return os.environ.get("JAX_PLATFORMS", "cpu")
 
 
-ACCELERATOR_MEMORY_ENV = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
-                          "XLA_PYTHON_CLIENT_ALLOCATOR")
-"""What the user may set to size the services' accelerator memory themselves (JAX's GPU memory docs)."""
-
-
-def accelerator_env(name: str, platform: str, memory_share: float, environ: Mapping[str, str]) -> dict[str, str]:
-    """What service `name` adds to its environment for the JAX `platform` of the local services.
-
-    On an accelerator every local process shares the same chips: the compute services split
-    `memory_share` of their memory evenly (each process's XLA allocator preallocates its part at
-    its first array), and the light services, which have no use for a chip, are kept to the CPU.
-    """
-    if is_cpu_platform(platform):
-        return {}
-    if name not in COMPUTE_SERVICES:
-        return {"JAX_PLATFORMS": "cpu"}
-    if any(key in environ for key in ACCELERATOR_MEMORY_ENV):
-        return {}
-    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{memory_share / len(COMPUTE_SERVICES):.3f}"}
-
-
 def local_cpu_shares(cfg: RunConfig) -> Shares | None:
     """The CPU shares `local.cpus` gives this run's services on this host (None: unpinned)."""
     if not hasattr(os, "sched_getaffinity"):  # no pinning on this OS: the services could not apply it
@@ -140,6 +121,18 @@ def local_cpu_shares(cfg: RunConfig) -> Shares | None:
                         synchronous=cfg.trainer.max_staleness == 0, platform=services_platform())
     if shares:
         log.info("CPU layout (local.cpus %s): %s", cfg.local.cpus, ", ".join(f"{k} {v}" for k, v in shares.items()))
+    return shares
+
+
+def local_gpu_shares(cfg: RunConfig) -> Shares | None:
+    """The GPUs `local.accelerators` gives inference and the trainer on this host (None: shared)."""
+    platform = services_platform()
+    if not on_gpus(platform):  # not even a look for GPUs (nvidia-smi) on the way
+        return None
+    shares = gpu_shares(cfg.local.accelerators, gpus=visible_gpus(os.environ), platform=platform)
+    if shares:
+        log.info("GPU layout (local.accelerators %s): %s", cfg.local.accelerators,
+                 ", ".join(f"{k} {v}" for k, v in shares.items()))
     return shares
 
 
@@ -188,6 +181,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     """
     private_dir(home)  # holds the token and a config that may carry a Redis password
     shares = local_cpu_shares(cfg)  # refused before anything starts (a CPU this host lacks)
+    gpus = local_gpu_shares(cfg)  # likewise a GPU
     overrides: dict = {}
     redis = None
     supervisor = Supervisor([])
@@ -225,7 +219,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
         supervisor.stop_all()
         raise
     return LocalCluster(cfg=resolved, config_path=config_path, home=home, token=token, redis=redis,
-                        supervisor=supervisor, cpu_shares=shares)
+                        supervisor=supervisor, cpu_shares=shares, gpu_shares=gpus)
 
 
 def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None) -> LocalCluster:

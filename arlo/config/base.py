@@ -217,25 +217,40 @@ class LocalConfig:
     and reward do little work but sit on every step's critical path: at one priority an env Step
     or a Score waited its turn behind them. 0: every service at the same priority."""
 
+    accelerators: str = "auto"
+    """Which GPUs inference and the trainer use when the local services run on GPUs (JAX_PLATFORMS
+    cuda; arlo/app/accelerator_layout.py). "auto": with 2+ GPUs visible (CUDA_VISIBLE_DEVICES, else
+    nvidia-smi), inference takes the first half (rounded up) and the trainer the rest, so
+    generation and training run at once on chips of their own; with one GPU they share it.
+    "shared": both see every GPU. Or explicit, e.g. "inference=0+1,trainer=2" (GPU ids as
+    CUDA_VISIBLE_DEVICES takes them; '+' joins GPUs of one service)."""
     accelerator_memory: float = 0.9
-    """Share of one accelerator's memory that inference and the trainer take together when the
-    local services run on one (JAX_PLATFORMS cuda, rocm or tpu): each preallocates half of it
-    (XLA_PYTHON_CLIENT_MEM_FRACTION). JAX's default lets the first process take 75% and the second
-    fail for want of memory. Not applied when XLA_PYTHON_CLIENT_MEM_FRACTION, _PREALLOCATE or
-    _ALLOCATOR is set: the services then get that. The light services run JAX on the CPU."""
+    """Share of each GPU's memory the local services take (XLA_PYTHON_CLIENT_MEM_FRACTION): split
+    evenly between inference and the trainer where they share a GPU, whole where a GPU is one
+    service's. JAX's default lets the first process on a GPU take 75% and the second fail for want
+    of memory. Not applied when XLA_PYTHON_CLIENT_MEM_FRACTION, _PREALLOCATE or _ALLOCATOR is set:
+    the services then get that. The light services keep JAX on the CPU."""
 
     def validate(self, path: str) -> None:
         _check(f"{path}.compute_nice", 0 <= self.compute_nice <= 19, "must be in [0, 19]")
         _check(f"{path}.accelerator_memory", 0.0 < self.accelerator_memory <= 1.0, "must be in (0, 1]")
-        if self.cpus in ("auto", "off"):
-            return
-        named: set[str] = set()
-        for item in self.cpus.split(","):
-            name, sep, cpus = item.partition("=")
-            name = name.strip()
-            _check(f"{path}.cpus", bool(sep) and name in SERVICE_NAMES,
-                   f"expected 'auto', 'off' or service=cpu[+cpu],... with services of {SERVICE_NAMES}, got {item!r}")
-            _check(f"{path}.cpus", name not in named, f"{name} is given twice")
-            named.add(name)
-            _check(f"{path}.cpus", all(c.strip().isascii() and c.strip().isdecimal() for c in cpus.split("+")),
-                   f"CPUs are numbers joined by '+', got {cpus!r} for {name}")
+        if self.cpus not in ("auto", "off"):
+            _check_shares(f"{path}.cpus", self.cpus, keywords=("auto", "off"), services=SERVICE_NAMES, unit="CPU")
+        if self.accelerators not in ("auto", "shared"):
+            _check_shares(f"{path}.accelerators", self.accelerators, keywords=("auto", "shared"),
+                          services=("inference", "trainer"), unit="GPU")
+
+
+def _check_shares(path: str, text: str, *, keywords: tuple[str, ...], services: tuple[str, ...], unit: str) -> None:
+    """`text` is service=id[+id],... with each service of `services` at most once, ids numbers."""
+    named: set[str] = set()
+    for item in text.split(","):
+        name, sep, ids = item.partition("=")
+        name = name.strip()
+        _check(path, bool(sep) and name in services,
+               f"expected {', '.join(repr(k) for k in keywords)} or service={unit.lower()}[+{unit.lower()}],... "
+               f"with services of {services}, got {item!r}")
+        _check(path, name not in named, f"{name} is given twice")
+        named.add(name)
+        _check(path, all(c.strip().isascii() and c.strip().isdecimal() for c in ids.split("+")),
+               f"{unit}s are numbers joined by '+', got {ids!r} for {name}")

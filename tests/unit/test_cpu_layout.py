@@ -162,38 +162,3 @@ def run_probe(probe: str, *, own_session: bool) -> list[str]:
     assert done.returncode == 0, f"probe exited {done.returncode}: {done.stderr[-3000:]}"
     return done.stdout.split()
 
-
-@pytest.mark.parametrize("platform", ["cuda", "tpu,cpu", ""])
-def test_on_an_accelerator_the_compute_services_split_its_memory_and_the_light_ones_stay_off_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str) -> None:
-    """Two JAX processes on one GPU with JAX's defaults: the first preallocates 75% of its memory
-    and the second fails for want of it. `local.accelerator_memory` is split between them."""
-    from arlo.app.local import ACCELERATOR_MEMORY_ENV, prepare_cluster
-
-    monkeypatch.setenv("JAX_PLATFORMS", platform)
-    for key in ACCELERATOR_MEMORY_ENV:
-        monkeypatch.delenv(key, raising=False)
-    cfg = load_config(None, {"run_id": "test-accel", "auth": {"disabled": True}, "local": {"accelerator_memory": 0.8}})
-    cluster = prepare_cluster(cfg, home=tmp_path, free_ports=True)
-    envs = {name: cluster.service_env(name) for name in SERVICE_NAMES}
-    assert {name: env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") for name, env in envs.items()} == {
-        "inference": "0.400", "trainer": "0.400", "rollout": None, "env_gateway": None, "reward": None}
-    assert {name: env["JAX_PLATFORMS"] for name, env in envs.items()} == {
-        "inference": platform, "trainer": platform, "rollout": "cpu", "env_gateway": "cpu", "reward": "cpu"}
-    assert all("ARLO_CPUS" not in env for env in envs.values())  # an accelerator's pools are not the host's
-
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the user's own sizing wins
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in cluster.service_env("inference")
-    with pytest.raises(ConfigError, match="local.accelerator_memory: must be in"):
-        load_config(None, {"local": {"accelerator_memory": 1.5}})
-
-
-def test_on_the_cpu_nothing_about_accelerator_memory_is_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from arlo.app.local import prepare_cluster
-
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    cluster = prepare_cluster(load_config(None, {"run_id": "test-cpu", "auth": {"disabled": True}}),
-                              home=tmp_path, free_ports=True)
-    for name in SERVICE_NAMES:
-        env = cluster.service_env(name)
-        assert env["JAX_PLATFORMS"] == "cpu" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
