@@ -38,6 +38,14 @@ session's Close; those of episodes that end together leave as one CloseBatch), `
 76k,agent` at d7d3313 (before) and after, back to back: agent sync 5.55 -> 7.30 and 5.95,
 async 7.21 -> 8.90 and 9.18 steps/s (arlo over the batch-1 loop 0.84 -> 1.03 and 1.05); 76k
 flat (12.5 / 13.7 -> 12.2 / 13.8).
+
+On one H200 (16 cores; JAX 0.11.2, the image's flax 0.12.10; `JAX_PLATFORMS=cuda python -m
+bench.grpo_tiny --workloads 596k --warmup 5 --steps 20 --inprocess-cpus ''`), two runs, steps/s,
+in-process | arlo sync | arlo async: 54.5 / 6.18 / 7.38 and 36.7 / 4.82 / 6.89. So arlo over
+in-process is 0.14 and 0.19, and async over sync 1.19 and 1.43. A step of this model costs the
+baseline 18-27 ms on the GPU, and arlo's fixed per-step cost (RPCs, Redis, the weight chain;
+bench/step_anatomy.py: 50% of an async step, 65% of a sync one there) decides. Inference and the
+trainer shared the one GPU, each with 45% of its memory (local.accelerator_memory).
 """
 
 from __future__ import annotations
