@@ -14,12 +14,13 @@ chip, and a TPU host's chips are not split here: run the services on Kubernetes,
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
 from arlo.app.cpu_layout import Shares, is_cpu_platform, parse_shares
-from arlo.config import ConfigError
+from arlo.config import ConfigError, MeshConfig
 
 COMPUTE_SERVICES = ("inference", "trainer")
 """The services that run the model: on the accelerator, at `local.compute_nice`."""
@@ -30,13 +31,27 @@ MEMORY_ENV = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
 SPLIT_PLATFORMS = ("cuda", "gpu")
 """JAX platforms whose devices CUDA_VISIBLE_DEVICES selects."""
 
+GPU_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+")
+"""A CUDA_VISIBLE_DEVICES entry CUDA takes: an index or a UUID. It stops at the first other one ("-1")."""
+
+
+def on_gpus(platform: str) -> bool:
+    """Whether JAX_PLATFORMS `platform` puts the services on CUDA GPUs (its first entry decides)."""
+    return platform.split(",")[0].strip().lower() in SPLIT_PLATFORMS
+
 
 def visible_gpus(environ: Mapping[str, str]) -> list[str]:
-    """The GPU ids the services could use: CUDA_VISIBLE_DEVICES' entries when set, else one per
-    GPU `nvidia-smi -L` lists; [] without either (the services then share what JAX finds)."""
+    """The GPU ids the services could use: CUDA_VISIBLE_DEVICES' entries up to the first CUDA
+    does not take (as CUDA reads it) when set, else one per GPU `nvidia-smi -L` lists; [] without
+    either (the services then share what JAX finds)."""
     configured = environ.get("CUDA_VISIBLE_DEVICES")
     if configured is not None:
-        return [d.strip() for d in configured.split(",") if d.strip()]
+        out = []
+        for entry in (e.strip() for e in configured.split(",")):
+            if not GPU_ID.fullmatch(entry):
+                break
+            out.append(entry)
+        return out
     smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
     if smi is None:
         return []
@@ -47,29 +62,48 @@ def visible_gpus(environ: Mapping[str, str]) -> list[str]:
     return [str(i) for i, _ in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
 
 
-def on_gpus(platform: str) -> bool:
-    """Whether JAX_PLATFORMS `platform` puts the services on CUDA GPUs (its first entry decides)."""
-    return platform.split(",")[0].strip().lower() in SPLIT_PLATFORMS
+def halves(gpus: Sequence[str]) -> Shares:
+    """`auto`'s split: inference the first half of `gpus` (rounded up), the trainer the rest."""
+    half = (len(gpus) + 1) // 2
+    return {"inference": ",".join(gpus[:half]), "trainer": ",".join(gpus[half:])}
 
 
-def gpu_shares(setting: str, *, gpus: Sequence[str], platform: str) -> Shares | None:
+def mesh_misfit(shares: Shares, *, gpus: Sequence[str], meshes: Mapping[str, MeshConfig]) -> str | None:
+    """Why a compute service's mesh (inference.mesh, trainer.mesh) cannot be laid over the GPUs
+    `shares` gives it (every GPU when it is left out); None when each fits."""
+    for name in COMPUTE_SERVICES:
+        count = len(shares[name].split(",")) if name in shares else len(gpus)
+        try:
+            meshes[name].shape(count)
+        except ValueError as e:
+            return f"{name} would see {count} GPU(s): {e}"
+    return None
+
+
+def gpu_shares(setting: str, *, gpus: Sequence[str], platform: str,
+               meshes: Mapping[str, MeshConfig]) -> Shares | None:
     """Compute service -> the GPU ids it sees (its CUDA_VISIBLE_DEVICES); None: each sees all.
 
-    "auto" splits 2+ GPUs of a CUDA platform, inference taking the first half (rounded up);
-    "shared" never splits; explicit shares ("inference=0+1,trainer=2") must name visible GPUs.
+    "auto" splits 2+ GPUs of a CUDA platform into `halves`, unless a service's mesh does not fit
+    its half (then they share, as before); "shared" never splits; explicit shares
+    ("inference=0+1,trainer=2") must name visible GPUs and fit the meshes (ConfigError).
     """
     if setting == "shared" or not on_gpus(platform):
         return None
     if setting == "auto":
         if len(gpus) < 2:
             return None
-        half = (len(gpus) + 1) // 2
-        return {"inference": ",".join(gpus[:half]), "trainer": ",".join(gpus[half:])}
+        split = halves(gpus)
+        return None if mesh_misfit(split, gpus=gpus, meshes=meshes) else split
     shares = parse_shares(setting)
     unknown = sorted({g for ids in shares.values() for g in ids.split(",")} - set(gpus))
     if unknown:
         raise ConfigError(f"local.accelerators {setting!r} names GPUs {unknown} this host does not show "
-                          f"(visible: {','.join(gpus) or 'none'})")
+                          f"(visible: {','.join(gpus) or 'none'}; CUDA_VISIBLE_DEVICES, else nvidia-smi -L, "
+                          "says which: set CUDA_VISIBLE_DEVICES where nvidia-smi is missing)")
+    misfit = mesh_misfit(shares, gpus=gpus, meshes=meshes)
+    if misfit:
+        raise ConfigError(f"local.accelerators {setting!r}: {misfit}")
     return shares
 
 

@@ -23,11 +23,12 @@ from collections.abc import Sequence
 from arlo.config import ConfigError
 
 Shares = dict[str, str]
-"""Service -> its CPUs, comma-separated ("0", "2,3"): the services' $ARLO_CPUS."""
+"""Service -> its CPUs or GPUs, comma-separated ("0", "2,3"): its $ARLO_CPUS or CUDA_VISIBLE_DEVICES."""
 
 
 def parse_shares(text: str) -> Shares:
-    """"inference=0,trainer=1+2" -> {"inference": "0", "trainer": "1,2"} (validated by LocalConfig)."""
+    """"inference=0,trainer=1+2" -> {"inference": "0", "trainer": "1,2"} (validated by LocalConfig;
+    CPUs of `local.cpus`, GPUs of `local.accelerators`)."""
     shares: Shares = {}
     for item in filter(None, text.split(",")):
         name, _, cpus = item.partition("=")
@@ -40,9 +41,9 @@ def _join(cpus: Sequence[int]) -> str:
 
 
 def is_cpu_platform(platform: str) -> bool:
-    """Whether JAX_PLATFORMS `platform` ("cpu", "cuda,cpu") puts JAX on the CPU: its first entry
-    decides. "" leaves the choice to JAX, which takes an accelerator where there is one: not CPU."""
-    return platform.split(",")[0].strip().lower() == "cpu"
+    """Whether JAX_PLATFORMS `platform` ("cpu", "cuda,cpu") puts the services on the CPU: its first
+    entry decides. "" counts as the CPU, the services' default (an accelerator is asked for by name)."""
+    return platform.split(",")[0].strip().lower() in ("", "cpu")
 
 
 def cpu_shares(setting: str, *, cpus: Sequence[int], synchronous: bool, platform: str) -> Shares | None:

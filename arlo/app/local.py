@@ -15,7 +15,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from arlo.app.accelerator_layout import COMPUTE_SERVICES, accelerator_env, gpu_shares, on_gpus, visible_gpus
+from arlo.app.accelerator_layout import (
+    COMPUTE_SERVICES,
+    accelerator_env,
+    gpu_shares,
+    halves,
+    mesh_misfit,
+    on_gpus,
+    visible_gpus,
+)
 from arlo.app.cpu_layout import Shares, cpu_shares
 from arlo.app.redis_server import free_port, local_redis_url, redis_answers, redis_spec
 from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
@@ -126,13 +134,22 @@ def local_cpu_shares(cfg: RunConfig) -> Shares | None:
 
 def local_gpu_shares(cfg: RunConfig) -> Shares | None:
     """The GPUs `local.accelerators` gives inference and the trainer on this host (None: shared)."""
-    platform = services_platform()
-    if not on_gpus(platform):  # not even a look for GPUs (nvidia-smi) on the way
+    setting, platform = cfg.local.accelerators, services_platform()
+    if not on_gpus(platform):  # no look for GPUs (nvidia-smi) on the way
+        if setting not in ("auto", "shared"):
+            log.warning("local.accelerators %r ignored: the services run on JAX platform %r, not CUDA GPUs",
+                        setting, platform)
         return None
-    shares = gpu_shares(cfg.local.accelerators, gpus=visible_gpus(os.environ), platform=platform)
+    if setting == "shared":
+        return None
+    gpus = visible_gpus(os.environ)
+    meshes = {"inference": cfg.inference.mesh, "trainer": cfg.trainer.mesh}
+    shares = gpu_shares(setting, gpus=gpus, platform=platform, meshes=meshes)
     if shares:
-        log.info("GPU layout (local.accelerators %s): %s", cfg.local.accelerators,
-                 ", ".join(f"{k} {v}" for k, v in shares.items()))
+        log.info("GPU layout (local.accelerators %s): %s", setting, ", ".join(f"{k} {v}" for k, v in shares.items()))
+    elif len(gpus) >= 2:  # auto, and a mesh does not fit the halves
+        log.warning("inference and the trainer share GPUs %s: %s", ",".join(gpus),
+                    mesh_misfit(halves(gpus), gpus=gpus, meshes=meshes))
     return shares
 
 

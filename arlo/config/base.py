@@ -222,12 +222,14 @@ class LocalConfig:
     cuda; arlo/app/accelerator_layout.py). "auto": with 2+ GPUs visible (CUDA_VISIBLE_DEVICES, else
     nvidia-smi), inference takes the first half (rounded up) and the trainer the rest, so
     generation and training run at once on chips of their own; with one GPU they share it.
-    "shared": both see every GPU. Or explicit, e.g. "inference=0+1,trainer=2" (GPU ids as
-    CUDA_VISIBLE_DEVICES takes them; '+' joins GPUs of one service)."""
+    "auto" shares them instead where a service's mesh does not fit its half (a warning says so).
+    "shared": both see every GPU. Or explicit, e.g. "inference=0+1,trainer=2" (GPU ids or UUIDs
+    as CUDA_VISIBLE_DEVICES takes them, numbered in CUDA_DEVICE_ORDER; '+' joins GPUs of one
+    service). Ignored, with a warning, on a platform other than CUDA."""
     accelerator_memory: float = 0.9
-    """Share of each GPU's memory the local services take (XLA_PYTHON_CLIENT_MEM_FRACTION): split
-    evenly between inference and the trainer where they share a GPU, whole where a GPU is one
-    service's. JAX's default lets the first process on a GPU take 75% and the second fail for want
+    """Share of each GPU's memory the local services take (XLA_PYTHON_CLIENT_MEM_FRACTION, set per
+    process): split evenly between inference and the trainer when they share any GPU, whole for
+    each when their GPUs are disjoint. JAX's default lets the first process on a GPU take 75% and the second fail for want
     of memory. Not applied when XLA_PYTHON_CLIENT_MEM_FRACTION, _PREALLOCATE or _ALLOCATOR is set:
     the services then get that. The light services keep JAX on the CPU."""
 
@@ -237,12 +239,19 @@ class LocalConfig:
         if self.cpus not in ("auto", "off"):
             _check_shares(f"{path}.cpus", self.cpus, keywords=("auto", "off"), services=SERVICE_NAMES, unit="CPU")
         if self.accelerators not in ("auto", "shared"):
+            # The services that run the model (arlo/app/accelerator_layout.py's COMPUTE_SERVICES).
             _check_shares(f"{path}.accelerators", self.accelerators, keywords=("auto", "shared"),
                           services=("inference", "trainer"), unit="GPU")
 
 
+def _is_id(unit: str, text: str) -> bool:
+    """A CPU is a number; a GPU a number or a UUID (GPU-..., MIG-...), as CUDA_VISIBLE_DEVICES takes it."""
+    text = text.strip()
+    return (text.isascii() and text.isdecimal()) or (unit == "GPU" and text.startswith(("GPU-", "MIG-")))
+
+
 def _check_shares(path: str, text: str, *, keywords: tuple[str, ...], services: tuple[str, ...], unit: str) -> None:
-    """`text` is service=id[+id],... with each service of `services` at most once, ids numbers."""
+    """`text` is service=id[+id],... with each service of `services` at most once."""
     named: set[str] = set()
     for item in text.split(","):
         name, sep, ids = item.partition("=")
@@ -252,5 +261,5 @@ def _check_shares(path: str, text: str, *, keywords: tuple[str, ...], services: 
                f"with services of {services}, got {item!r}")
         _check(path, name not in named, f"{name} is given twice")
         named.add(name)
-        _check(path, all(c.strip().isascii() and c.strip().isdecimal() for c in ids.split("+")),
-               f"{unit}s are numbers joined by '+', got {ids!r} for {name}")
+        _check(path, all(_is_id(unit, c) for c in ids.split("+")),
+               f"{unit}s are {'numbers' if unit == 'CPU' else 'numbers or UUIDs'} joined by '+', got {ids!r} for {name}")

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from arlo.app.accelerator_layout import MEMORY_ENV, gpu_shares, visible_gpus
-from arlo.config import ConfigError, load_config
+from arlo.config import ConfigError, MeshConfig, load_config
 from arlo.config.base import SERVICE_NAMES
 
 LIGHT = ("rollout", "env_gateway", "reward")
+ANY = {"inference": MeshConfig(), "trainer": MeshConfig()}  # data=-1: any number of devices
+TENSOR_2 = MeshConfig(axis_sizes=(1, 1, 2))  # exactly 2 devices
 
 
 @pytest.mark.parametrize(("gpus", "inference", "trainer"), [
@@ -19,7 +21,7 @@ LIGHT = ("rollout", "env_gateway", "reward")
     (["GPU-aa", "GPU-bb"], "GPU-aa", "GPU-bb"),  # CUDA_VISIBLE_DEVICES may hold UUIDs
 ])
 def test_auto_gives_inference_and_the_trainer_gpus_of_their_own(gpus: list[str], inference: str, trainer: str) -> None:
-    assert gpu_shares("auto", gpus=gpus, platform="cuda") == {"inference": inference, "trainer": trainer}
+    assert gpu_shares("auto", gpus=gpus, platform="cuda", meshes=ANY) == {"inference": inference, "trainer": trainer}
 
 
 @pytest.mark.parametrize(("setting", "gpus", "platform"), [
@@ -27,20 +29,32 @@ def test_auto_gives_inference_and_the_trainer_gpus_of_their_own(gpus: list[str],
     ("auto", ["0", "1"], "cpu"), ("auto", ["0", "1"], "tpu"), ("inference=0,trainer=1", ["0", "1"], "tpu"),
 ])
 def test_one_gpu_shared_on_request_or_not_cuda_splits_nothing(setting: str, gpus: list[str], platform: str) -> None:
-    assert gpu_shares(setting, gpus=gpus, platform=platform) is None
+    assert gpu_shares(setting, gpus=gpus, platform=platform, meshes=ANY) is None
 
 
 def test_explicit_shares_are_taken_as_written_and_must_name_visible_gpus() -> None:
-    assert gpu_shares("inference=0+1,trainer=2", gpus=["0", "1", "2"], platform="cuda") == {
+    assert gpu_shares("inference=0+1,trainer=2", gpus=["0", "1", "2"], platform="cuda", meshes=ANY) == {
         "inference": "0,1", "trainer": "2"}
-    with pytest.raises(ConfigError, match=r"names GPUs \['5'\] this host does not show \(visible: 0,1\)"):
-        gpu_shares("inference=0,trainer=5", gpus=["0", "1"], platform="cuda")
+    with pytest.raises(ConfigError, match=r"names GPUs \['5'\] this host does not show \(visible: 0,1;"):
+        gpu_shares("inference=0,trainer=5", gpus=["0", "1"], platform="cuda", meshes=ANY)
+
+
+def test_a_mesh_that_does_not_fit_its_half_keeps_auto_shared_and_refuses_explicit_shares() -> None:
+    """trainer.mesh tensor=2 ran on 2 shared GPUs before the split existed; one GPU cannot hold it."""
+    meshes = {"inference": MeshConfig(), "trainer": TENSOR_2}
+    assert gpu_shares("auto", gpus=["0", "1"], platform="cuda", meshes=meshes) is None
+    assert gpu_shares("auto", gpus=["0", "1", "2", "3"], platform="cuda", meshes=meshes) == {
+        "inference": "0,1", "trainer": "2,3"}
+    with pytest.raises(ConfigError, match="trainer would see 1 GPU"):
+        gpu_shares("inference=0,trainer=1", gpus=["0", "1"], platform="cuda", meshes=meshes)
+    # A service left out of explicit shares sees every GPU: its mesh is checked against all.
+    assert gpu_shares("inference=0", gpus=["0", "1"], platform="cuda", meshes=meshes) == {"inference": "0"}
 
 
 @pytest.mark.parametrize(("setting", "error"), [
     ("rollout=0", "expected 'auto', 'shared' or service=gpu"),
     ("inference=0,inference=1", "inference is given twice"),
-    ("trainer=a", "GPUs are numbers joined by"),
+    ("trainer=a", "GPUs are numbers or UUIDs joined by"),
 ])
 def test_malformed_shares_are_refused_when_the_config_loads(setting: str, error: str) -> None:
     with pytest.raises(ConfigError, match=f"local.accelerators: {error}"):
@@ -52,6 +66,8 @@ def test_malformed_shares_are_refused_when_the_config_loads(setting: str, error:
 def test_visible_gpus_reads_cuda_visible_devices_else_nvidia_smi(tmp_path: Path) -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []  # CUDA hides every GPU
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,-1,2"}) == ["0", "1"]  # CUDA stops at the first invalid id
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-8f2c1a,MIG-GPU-8f2c1a/1/0"}) == ["GPU-8f2c1a", "MIG-GPU-8f2c1a/1/0"]
     assert visible_gpus({"PATH": str(tmp_path)}) == []  # no nvidia-smi
     # This machine has no GPU: a script prints what `nvidia-smi -L` prints on a 2-GPU host, then
     # fails as it does where the driver is missing.
@@ -122,3 +138,31 @@ def test_on_the_cpu_nothing_about_accelerators_is_set(tmp_path: Path, monkeypatc
     for env in envs.values():
         assert env["JAX_PLATFORMS"] == "cpu"
         assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_uuid_shares_load_and_apply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb")
+    envs = _envs(tmp_path, monkeypatch, "cuda", {"accelerators": "inference=GPU-bb,trainer=GPU-aa"})
+    assert [envs[n]["CUDA_VISIBLE_DEVICES"] for n in ("inference", "trainer")] == ["GPU-bb", "GPU-aa"]
+
+
+def test_explicit_shares_on_a_platform_that_is_not_cuda_are_ignored_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="arlo.app.local"):
+        envs = _envs(tmp_path, monkeypatch, "tpu", {"accelerators": "inference=0,trainer=1"})
+    assert "local.accelerators 'inference=0,trainer=1' ignored" in caplog.text
+    assert all("CUDA_VISIBLE_DEVICES" not in env for env in envs.values())
+
+
+def test_auto_on_gpus_a_mesh_cannot_split_says_why_they_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from arlo.app.local import prepare_cluster
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cfg = load_config(None, {"run_id": "test-accel", "auth": {"disabled": True},
+                             "trainer": {"mesh": {"axis_sizes": [1, 1, 2]}}})
+    with caplog.at_level("WARNING", logger="arlo.app.local"):
+        cluster = prepare_cluster(cfg, home=tmp_path, free_ports=True)
+    assert cluster.gpu_shares is None
+    assert "inference and the trainer share GPUs 0,1: trainer would see 1 GPU(s)" in caplog.text

@@ -59,6 +59,10 @@ def test_auto_pins_nothing_on_one_cpu_or_an_accelerator(cpus: list[int], platfor
         assert cpu_shares("auto", cpus=cpus, synchronous=synchronous, platform=platform) is None
 
 
+def test_an_empty_jax_platforms_counts_as_the_cpu_as_it_always_has() -> None:
+    assert cpu_shares("auto", cpus=[0, 1], synchronous=False, platform="") is not None
+
+
 def test_off_pins_nothing_and_explicit_shares_are_taken_as_written() -> None:
     assert cpu_shares("off", cpus=[0, 1], synchronous=False, platform="cpu") is None
     explicit = "inference=0+1,trainer=1"
@@ -161,4 +165,3 @@ def run_probe(probe: str, *, own_session: bool) -> list[str]:
     print(done.stderr, file=sys.stderr)  # shown if the test fails for any reason
     assert done.returncode == 0, f"probe exited {done.returncode}: {done.stderr[-3000:]}"
     return done.stdout.split()
-
