@@ -6,11 +6,17 @@ daemon thread, so it never blocks process exit (ThreadPoolExecutor and asyncio's
 executor join their threads at exit: one stuck verifier would hang SIGTERM forever), and
 (c) stuck threads are counted and capped. Verifiers that can hang for real (code
 execution) belong in a subprocess sandbox; this guards the in-process ones.
+
+The daemon threads are kept and reused: a worker that finishes a call waits for the next. A
+thread started per call cost ~115 us a call (32 trivial calls: 3.8 ms, against 1.1 ms through
+reused threads, on the 2-core dev machine), and a ScoreBatch of 32 items sits on the critical
+path of a step. A worker stuck past a deadline is not waited for: the next call starts another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -54,6 +60,11 @@ class DeadlineRunner:
         self._max_stuck = max_stuck
         self._stuck = 0
         self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any], _Job]]
+        self._jobs = queue.SimpleQueue()
+        self._idle = 0  # workers done with their last call and not yet promised another (under _lock)
+        self.threads = 0
+        """Worker threads started so far: at most max_concurrency + the stuck ones at any time."""
 
     @property
     def stuck(self) -> int:
@@ -70,8 +81,7 @@ class DeadlineRunner:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[T] = loop.create_future()
             job = _Job()
-            thread = threading.Thread(target=self._work, args=(fn, loop, future, job), name="verifier", daemon=True)
-            thread.start()
+            self._dispatch((fn, loop, future, job))
             try:
                 return await asyncio.wait_for(future, timeout_s)
             except BaseException as e:
@@ -83,20 +93,40 @@ class DeadlineRunner:
                     raise DeadlineExceeded(f"call ran past its deadline of {timeout_s:g}s") from None
                 raise
 
-    def _work(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop,
-              future: asyncio.Future[Any], job: _Job) -> None:
-        try:
-            ok, value = True, fn()
-        except Exception as e:
-            ok, value = False, e
-        except BaseException as e:  # SystemExit & co. must not escape into the event loop
-            ok, value = False, RuntimeError(f"verifier raised {type(e).__name__}: {e}")
+    def _dispatch(self, item: tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any], _Job]) -> None:
+        """Queues a call for an idle worker, or starts one. Each queued call is matched by one
+        worker that will take a call: an idle one promised here, or the new one."""
         with self._lock:
-            job.finished = True
-            if job.abandoned:
-                self._stuck -= 1
-                return
-        try:
-            loop.call_soon_threadsafe(_settle, future, ok, value)
-        except RuntimeError:  # the loop closed while we ran
-            pass
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+            else:
+                self.threads += 1
+        self._jobs.put(item)
+        if start:
+            threading.Thread(target=self._serve, name="verifier", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, loop, future, job = self._jobs.get()
+            ok, value = _call(fn)
+            with self._lock:
+                job.finished = True
+                # Idle before the caller hears back: its slot then goes to a call this worker can take.
+                self._idle += 1
+                if job.abandoned:
+                    self._stuck -= 1
+                    continue
+            try:
+                loop.call_soon_threadsafe(_settle, future, ok, value)
+            except RuntimeError:  # the loop closed while we ran
+                pass
+
+
+def _call(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    try:
+        return True, fn()
+    except Exception as e:
+        return False, e
+    except BaseException as e:  # SystemExit & co. must not escape into the event loop
+        return False, RuntimeError(f"verifier raised {type(e).__name__}: {e}")

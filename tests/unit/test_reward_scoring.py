@@ -114,6 +114,37 @@ async def test_slow_verifier_times_out_and_its_thread_is_counted() -> None:
     assert (await scorer.score(exact_match, "1", "1", {})).status is ScoreStatus.OK
 
 
+async def test_worker_threads_are_reused_and_a_stuck_one_is_replaced_not_waited_for() -> None:
+    """A thread per call cost ~115 us each: a ScoreBatch of 32 spent ~4 ms starting threads."""
+    release = threading.Event()
+
+    def hangs(response: str, reference: str, metadata: Mapping[str, Any]) -> Verdict:
+        release.wait(10)
+        return Verdict(reward=1.0)
+
+    runner = DeadlineRunner(max_concurrency=2, max_stuck=2)
+    scorer = Scorer(timeout_s=0.3, runner=runner)
+    for _ in range(5):
+        outcomes = await asyncio.gather(*(scorer.score(exact_match, "1", "1", {}) for _ in range(16)))
+        assert all(o.status is ScoreStatus.OK for o in outcomes)
+    assert runner.threads <= 2  # 80 calls, two at a time, on the same two threads
+    stuck = await scorer.score(hangs, "1", "1", {})
+    assert stuck.status is ScoreStatus.TIMEOUT and runner.stuck == 1
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(*(scorer.score(exact_match, "1", "1", {}) for _ in range(16)))
+    assert all(o.status is ScoreStatus.OK for o in outcomes) and time.perf_counter() - started < 0.3
+    assert runner.threads <= 3  # one more beside the stuck one
+    release.set()
+    for _ in range(100):
+        if runner.stuck == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert runner.stuck == 0
+    for _ in range(5):  # the freed worker serves again: no new threads
+        await asyncio.gather(*(scorer.score(exact_match, "1", "1", {}) for _ in range(16)))
+    assert runner.threads <= 3
+
+
 async def test_deadline_starts_when_the_verifier_starts() -> None:
     def slowish(response: str, reference: str, metadata: Mapping[str, Any]) -> Verdict:
         time.sleep(0.15)
