@@ -64,7 +64,8 @@ class DeadlineRunner:
         self._jobs = queue.SimpleQueue()
         self._idle = 0  # workers done with their last call and not yet promised another (under _lock)
         self.threads = 0
-        """Worker threads started so far: at most max_concurrency + the stuck ones at any time."""
+        """Worker threads started. They never exit: the count stays at its highest, at most
+        max_concurrency + max_stuck."""
 
     @property
     def stuck(self) -> int:
@@ -98,18 +99,24 @@ class DeadlineRunner:
         worker that will take a call: an idle one promised here, or the new one."""
         with self._lock:
             start = self._idle == 0
-            if not start:
-                self._idle -= 1
-            else:
+            if start:
                 self.threads += 1
-        self._jobs.put(item)
+            else:
+                self._idle -= 1
         if start:
-            threading.Thread(target=self._serve, name="verifier", daemon=True).start()
+            try:  # started before the call is queued: a failed start leaves no call without its worker
+                threading.Thread(target=self._serve, name="verifier", daemon=True).start()
+            except BaseException:
+                with self._lock:
+                    self.threads -= 1
+                raise
+        self._jobs.put(item)
 
     def _serve(self) -> None:
         while True:
             fn, loop, future, job = self._jobs.get()
-            ok, value = _call(fn)
+            # A call whose caller gave up before it started is not run (it was counted stuck).
+            ok, value = (False, None) if job.abandoned else _call(fn)
             with self._lock:
                 job.finished = True
                 # Idle before the caller hears back: its slot then goes to a call this worker can take.
@@ -121,6 +128,8 @@ class DeadlineRunner:
                 loop.call_soon_threadsafe(_settle, future, ok, value)
             except RuntimeError:  # the loop closed while we ran
                 pass
+            finally:
+                del fn, loop, future, job, value  # an idle worker holds nothing of its last call
 
 
 def _call(fn: Callable[[], Any]) -> tuple[bool, Any]:

@@ -145,6 +145,27 @@ async def test_worker_threads_are_reused_and_a_stuck_one_is_replaced_not_waited_
     assert runner.threads <= 3
 
 
+async def test_a_worker_that_fails_to_start_leaves_no_call_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS refusing a thread (out of threads or memory) fails that call alone; before the fix
+    its call stayed queued for the next worker, whose own call then ran past its deadline."""
+    runner = DeadlineRunner(max_concurrency=2)
+    start = threading.Thread.start
+    failures = iter([RuntimeError("can't start new thread")])
+
+    def flaky_start(thread: threading.Thread) -> None:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", flaky_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        await runner.run(lambda: "lost", 1.0)
+    assert runner.threads == 0
+    assert [await runner.run(lambda i=i: i, 0.5) for i in range(4)] == [0, 1, 2, 3]
+    assert runner.threads == 1
+
+
 async def test_deadline_starts_when_the_verifier_starts() -> None:
     def slowish(response: str, reference: str, metadata: Mapping[str, Any]) -> Verdict:
         time.sleep(0.15)
