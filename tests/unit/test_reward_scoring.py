@@ -15,7 +15,7 @@ import pytest
 from services.reward.registry import RewardRegistry, RewardSpec, builtin_specs
 from services.reward.runner import DeadlineRunner
 from services.reward.scoring import ScoreOutcome, Scorer, ScoreStatus, check_verdict, parse_metadata
-from services.reward.verifiers.base import Verdict
+from services.reward.verifiers.base import RewardFn, Verdict
 from services.reward.verifiers.exact import exact_match
 
 
@@ -89,13 +89,25 @@ async def test_verifier_calling_sys_exit_does_not_escape() -> None:
     assert outcome.status is ScoreStatus.ERROR and "SystemExit" in outcome.error
 
 
-async def test_slow_verifier_times_out_and_its_thread_is_counted() -> None:
-    release = threading.Event()
-
+def hanging_verifier(release: threading.Event) -> RewardFn:
+    """A verifier that blocks until `release` is set (10 s at most)."""
     def hangs(response: str, reference: str, metadata: Mapping[str, Any]) -> Verdict:
         release.wait(10)
         return Verdict(reward=1.0)
+    return hangs
 
+
+async def until_none_stuck(runner: DeadlineRunner) -> None:
+    for _ in range(100):
+        if runner.stuck == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert runner.stuck == 0
+
+
+async def test_slow_verifier_times_out_and_its_thread_is_counted() -> None:
+    release = threading.Event()
+    hangs = hanging_verifier(release)
     runner = DeadlineRunner(max_concurrency=2, max_stuck=1)
     scorer = Scorer(timeout_s=0.2, runner=runner)
     start = time.perf_counter()
@@ -106,22 +118,14 @@ async def test_slow_verifier_times_out_and_its_thread_is_counted() -> None:
     saturated = await scorer.score(exact_match, "1", "1", {})  # max_stuck reached: refuse, loudly
     assert saturated.status is ScoreStatus.ERROR and "past their deadlines" in saturated.error
     release.set()
-    for _ in range(100):
-        if runner.stuck == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert runner.stuck == 0
+    await until_none_stuck(runner)
     assert (await scorer.score(exact_match, "1", "1", {})).status is ScoreStatus.OK
 
 
 async def test_worker_threads_are_reused_and_a_stuck_one_is_replaced_not_waited_for() -> None:
     """A thread per call cost ~115 us each: a ScoreBatch of 32 spent ~4 ms starting threads."""
     release = threading.Event()
-
-    def hangs(response: str, reference: str, metadata: Mapping[str, Any]) -> Verdict:
-        release.wait(10)
-        return Verdict(reward=1.0)
-
+    hangs = hanging_verifier(release)
     runner = DeadlineRunner(max_concurrency=2, max_stuck=2)
     scorer = Scorer(timeout_s=0.3, runner=runner)
     for _ in range(5):
@@ -135,11 +139,7 @@ async def test_worker_threads_are_reused_and_a_stuck_one_is_replaced_not_waited_
     assert all(o.status is ScoreStatus.OK for o in outcomes) and time.perf_counter() - started < 0.3
     assert runner.threads <= 3  # one more beside the stuck one
     release.set()
-    for _ in range(100):
-        if runner.stuck == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert runner.stuck == 0
+    await until_none_stuck(runner)
     for _ in range(5):  # the freed worker serves again: no new threads
         await asyncio.gather(*(scorer.score(exact_match, "1", "1", {}) for _ in range(16)))
     assert runner.threads <= 3
