@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from arlo.config import AuthConfig, ConfigError, ServerConfig
+from arlo.gc_pauses import GcPauses, freeze_startup
 from arlo.rpc.auth import AuthInterceptor, load_token
 from arlo.rpc.concurrency import ClientLimitInterceptor, WatchLimitInterceptor
 from arlo.rpc.interceptors import ErrorInterceptor, MetricsInterceptor, RequestIdInterceptor
@@ -196,8 +197,13 @@ async def _serve(start: Callable[[], Awaitable[RunningServer]],
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop_requested.set)
+    pauses = None
     try:
         running = await start()
+        # Start-up's objects (imports, the model, the warm-up) out of the collector's way (arlo/gc_pauses.py).
+        frozen = freeze_startup()
+        pauses = GcPauses(running.registry)
+        log.info("%s: %d start-up objects frozen out of the garbage collector's walks", running.service, frozen)
         waiters = [asyncio.create_task(stop_requested.wait()), asyncio.create_task(running.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for task in waiters:
@@ -208,5 +214,8 @@ async def _serve(start: Callable[[], Awaitable[RunningServer]],
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+        if pauses is not None:
+            pauses.close()
+            log.info(pauses.summary())
         if on_stop is not None:
             await on_stop()

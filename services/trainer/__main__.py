@@ -21,6 +21,7 @@ from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.coord.metrics import MetricsStream
 from arlo.distributed import initialize_from_env, make_mesh
+from arlo.gc_pauses import freeze_startup
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import (
     RunningServer,
@@ -71,6 +72,9 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
             log.warning("warm-up skipped: %d batch lengths %s (trainer.warmup_programs = %d); each compiles on "
                         "first use, mid-run", len(lengths), lengths, tc.warmup_programs)
         compiles.mark_warm()
+        # The warm-up runs after the server started (and froze start-up's objects): what tracing
+        # and compiling left is long-lived too (arlo/gc_pauses.py).
+        freeze_startup()
 
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
