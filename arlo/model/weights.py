@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -76,10 +76,40 @@ class ServingCopy:
     arrays: tuple[jax.Array, ...]
 
     def to_bytes(self) -> bytes:
-        """Exactly `state_to_bytes(state, dtype)` of the state and dtype it was taken from; one
-        array at a time to the host (no lock needed: nothing else holds these arrays)."""
-        pairs = ((key, lambda x=x: x) for key, x in zip(self.keys, self.arrays, strict=True))
+        """Exactly `state_to_bytes(state, dtype)` of the state and dtype it was taken from (no
+        lock needed: nothing else holds these arrays). Host copies run ahead of the packing by up
+        to PREFETCH_BYTES on an accelerator, where one blocking copy per array costs a round trip
+        each (an H200's whole sync-mode publish of the 596k preset, 46 arrays, 2.4 MB: 26.6 ms
+        before this; not yet measured after)."""
+        arrays = prefetched(self.arrays, PREFETCH_BYTES) if _on_accelerator(self.arrays) else self.arrays
+        pairs = ((key, lambda x=x: x) for key, x in zip(self.keys, arrays, strict=True))
         return b"".join(_packed(pairs, len(self.keys)))
+
+
+PREFETCH_BYTES = 256 * 2**20
+"""How far a publish's device-to-host copies may run ahead of the packing: enough to keep the
+link busy, a bounded extra on the host for a model of any size."""
+
+
+def _on_accelerator(arrays: Sequence[jax.Array]) -> bool:
+    """Whether the arrays live off the host (on the CPU a host copy is the buffer itself, and
+    starting one ahead only costs a call per array)."""
+    return bool(arrays) and any(d.platform != "cpu" for d in arrays[0].sharding.device_set)
+
+
+def prefetched(arrays: Sequence[Any], window_bytes: int) -> Iterator[Any]:
+    """`arrays` in order. Before one is handed out, its host copy (`copy_to_host_async`) and
+    those of the arrays after it are started, as far as the copies started and not yet handed
+    out fit in `window_bytes`; an array bigger than the window starts alone when its turn comes."""
+    started = 0
+    in_flight = 0
+    for i, x in enumerate(arrays):
+        while started < len(arrays) and (started == i or in_flight + arrays[started].nbytes <= window_bytes):
+            arrays[started].copy_to_host_async()
+            in_flight += arrays[started].nbytes
+            started += 1
+        in_flight -= x.nbytes
+        yield x
 
 
 def serving_copy(state: nnx.State, dtype: str | None = None) -> ServingCopy:

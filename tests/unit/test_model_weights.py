@@ -151,3 +151,33 @@ def test_a_serving_copy_names_a_parameter_not_finite_in_the_serving_dtype(state:
     assert serving_copy(broken).to_bytes() == state_to_bytes(broken)
     with pytest.raises(NonFiniteWeights, match="/".join(str(k) for k in path)):
         serving_copy(broken, "bfloat16")
+
+
+class _RecordedArray:
+    """Stands in for a device array only to record when its host copy was started (on the CPU a
+    real one's `copy_to_host_async` leaves no trace to check the window against)."""
+
+    def __init__(self, nbytes: int, log: list[str], name: str) -> None:
+        self.nbytes, self.log, self.name = nbytes, log, name
+
+    def copy_to_host_async(self) -> None:
+        self.log.append(f"start {self.name}")
+
+
+@pytest.mark.parametrize(("sizes", "window", "expected"), [
+    # all fit: every copy starts before the first array is packed
+    ([10, 10, 10], 100, "start 0,start 1,start 2,take 0,take 1,take 2"),
+    # a window of two arrays: the third starts only once the first is handed out
+    ([10, 10, 10, 10], 20, "start 0,start 1,take 0,start 2,take 1,start 3,take 2,take 3"),
+    # an array bigger than the window still starts, alone, when its turn comes
+    ([10, 50, 10], 20, "start 0,take 0,start 1,take 1,start 2,take 2"),
+])
+def test_a_publish_starts_host_copies_ahead_within_its_window(sizes: list[int], window: int, expected: str) -> None:
+    from arlo.model.weights import prefetched
+
+    log: list[str] = []
+    arrays = [_RecordedArray(n, log, str(i)) for i, n in enumerate(sizes)]
+    for x in prefetched(arrays, window):
+        log.append(f"take {x.name}")
+    assert ",".join(log) == expected
+
