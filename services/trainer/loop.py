@@ -21,7 +21,7 @@ from typing import Any
 
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model.tokenizer import ByteTokenizer
-from arlo.model.weights import NonFiniteWeights, ServingCopy, sha256_hex
+from arlo.model.weights import NonFiniteWeights, ServingCopy
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
 from services.trainer.batching import Batch, ReadyGroup, build_batch
 from services.trainer.checkpoint import Checkpointer
@@ -31,7 +31,7 @@ from services.trainer.failures import StepFailures
 from services.trainer.intake import Intake
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
-from services.trainer.publish import PublishedVersion, VersionStore
+from services.trainer.publish import PublishedVersion, VersionStore, hashed_payload
 from services.trainer.reader import READ_COUNT, StreamReader
 from services.trainer.state import TrainedStep, TrainerState
 from services.trainer.tail import StepTails
@@ -552,9 +552,10 @@ class TrainingLoop:
         else:
             async with self._jax_lock:
                 data = await asyncio.to_thread(self.replica.state_bytes)
-        # Hashed off the event loop: a second or more at 0.5B, with pulls to serve meanwhile.
-        digest = await asyncio.to_thread(sha256_hex, data)
-        return self.store.put(version, data, sha256=digest)
+        # Hashed off the event loop (a second or more at 0.5B, with pulls to serve meanwhile), the
+        # chunks a pull sends with it, beside the whole.
+        digests = await asyncio.to_thread(hashed_payload, data)
+        return self.store.put(version, data, sha256=digests.sha256, chunk_digests=digests.chunks)
 
     async def _point_at(self, published: PublishedVersion, *, acknowledge: bool = True) -> bool:
         """Moves the pointer to `published`; False when it holds a version this trainer did not
@@ -585,5 +586,6 @@ class TrainingLoop:
                       current.sha256, published.version, current.version + 1,
                       extra={"pointer_conflicts": self.state.pointer_conflicts, "pointer_version": current.version})
             self.state.version = max(self.state.version, current.version) + 1
-            self.store.put(self.state.version, published.data, sha256=published.sha256)
+            self.store.put(self.state.version, published.data, sha256=published.sha256,
+                           chunk_digests={k: v for k, v in published.chunk_digests.items() if isinstance(v, str)})
         raise RuntimeError(f"the weight pointer kept moving ahead of version {self.state.version}")

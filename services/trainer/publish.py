@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from arlo.model.weights import sha256_hex
@@ -21,9 +22,40 @@ class PublishedVersion:
     data: bytes
     sha256: str
     time: float
-    chunk_digests: dict[tuple[int, int], asyncio.Future[str]] = field(default_factory=dict)
-    """The sha256 of each aligned chunk served so far (or its hashing under way), by (offset,
-    length): every replica pulls the same chunks of a version, hashed once (`iter_chunks`)."""
+    chunk_digests: dict[tuple[int, int], str | asyncio.Future[str]] = field(default_factory=dict)
+    """The sha256 of each aligned chunk, by (offset, length): hashed with the payload when it was
+    published (`hashed_payload`), else on its first pull (the future of that hashing while under
+    way); every replica pulls the same chunks of a version, hashed once (`iter_chunks`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadDigests:
+    sha256: str
+    """The whole payload's: what the weight pointer names."""
+    chunks: dict[tuple[int, int], str]
+    """Each aligned chunk's at `DEFAULT_CHUNK_BYTES`, by (offset, length): what a pull sends."""
+
+
+def hashed_payload(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PayloadDigests:
+    """The payload's digest and its chunks', the two passes side by side (hashlib lets go of the
+    GIL): a pull then sends every chunk at once instead of hashing each on the way, which
+    serialised hashing and sending on the swap's path (bench/weight_sync.py). Blocking: run it
+    in a worker thread."""
+    chunks: dict[tuple[int, int], str] = {}
+    view = memoryview(data)
+
+    def hash_chunks() -> None:
+        for start in range(0, len(data), chunk_bytes):
+            piece = view[start : start + chunk_bytes]
+            chunks[(start, len(piece))] = sha256_hex(piece)
+
+    worker = threading.Thread(target=hash_chunks, name="chunk-digests", daemon=True)
+    worker.start()
+    whole = sha256_hex(data)
+    worker.join()
+    if len(chunks) != -(-len(data) // chunk_bytes):
+        raise RuntimeError("hashing the payload's chunks failed (see the thread's traceback)")
+    return PayloadDigests(sha256=whole, chunks=chunks)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,11 +74,14 @@ class VersionStore:
         self._keep = keep
         self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()
 
-    def put(self, version: int, data: bytes, *, sha256: str = "") -> PublishedVersion:
-        """`sha256`: the data's digest when the caller has it (computed off the event loop)."""
+    def put(self, version: int, data: bytes, *, sha256: str = "",
+            chunk_digests: Mapping[tuple[int, int], str] | None = None) -> PublishedVersion:
+        """`sha256`: the data's digest when the caller has it (computed off the event loop);
+        `chunk_digests`: its chunks' (`hashed_payload`), else each is hashed on its first pull."""
         if self._versions and version <= next(reversed(self._versions)):
             raise ValueError(f"version {version} is not newer than {next(reversed(self._versions))}")
-        pv = PublishedVersion(version=version, data=data, sha256=sha256 or sha256_hex(data), time=time.time())
+        pv = PublishedVersion(version=version, data=data, sha256=sha256 or sha256_hex(data), time=time.time(),
+                              chunk_digests=dict(chunk_digests or {}))
         self._versions[version] = pv
         while len(self._versions) > self._keep:
             self._versions.popitem(last=False)
@@ -95,6 +130,9 @@ async def iter_chunks(published: PublishedVersion, *, offset: int, chunk_bytes: 
         else:
             key = (start, len(piece))
             hashing = memo.get(key)
+            if isinstance(hashing, str):
+                yield Chunk(offset=start, data=piece, sha256=hashing)
+                continue
             if hashing is None:
                 hashing = memo[key] = asyncio.ensure_future(asyncio.to_thread(sha256_hex, piece))
             try:

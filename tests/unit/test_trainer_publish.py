@@ -78,3 +78,34 @@ def test_chunk_size_bounds() -> None:
     for bad in (1, 65535, (4 << 20) + 1):
         with pytest.raises(ValueError, match="chunk_bytes"):
             check_chunk_bytes(bad)
+
+
+@pytest.mark.parametrize("size", [0, 1, DEFAULT_CHUNK_BYTES, 2 * DEFAULT_CHUNK_BYTES + 7])
+def test_a_payload_is_hashed_whole_and_by_chunk_as_a_pull_sends_it(size: int) -> None:
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    digests = publish.hashed_payload(data)
+    assert digests.sha256 == hashlib.sha256(data).hexdigest()
+    expected = {(s, len(data[s : s + DEFAULT_CHUNK_BYTES])): hashlib.sha256(data[s : s + DEFAULT_CHUNK_BYTES]).hexdigest()
+                for s in range(0, len(data), DEFAULT_CHUNK_BYTES)}
+    assert digests.chunks == expected
+
+
+async def test_a_version_put_with_its_chunk_digests_is_pulled_without_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer hashes a version's chunks when it publishes (beside the whole payload, in a
+    thread): a pull at the default chunk size then sends each at once; another size or an odd
+    offset is still hashed on the way."""
+    data = bytes(range(256)) * 10_000  # 3 chunks of 1 MiB, the last short
+    digests = publish.hashed_payload(data)
+    published = VersionStore().put(1, data, sha256=digests.sha256, chunk_digests=digests.chunks)
+    hashed: list[int] = []
+
+    def counted(piece: bytes) -> str:
+        hashed.append(len(piece))
+        return sha256_hex(piece)
+
+    monkeypatch.setattr(publish, "sha256_hex", counted)
+    pulled = await chunks_of(published, 0, DEFAULT_CHUNK_BYTES)
+    assert b"".join(c.data for c in pulled) == data and hashed == []
+    assert all(hashlib.sha256(c.data).hexdigest() == c.sha256 for c in pulled)
+    odd = await chunks_of(published, 1000, DEFAULT_CHUNK_BYTES)
+    assert len(hashed) == len(odd) and all(hashlib.sha256(c.data).hexdigest() == c.sha256 for c in odd)

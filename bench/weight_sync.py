@@ -1,0 +1,159 @@
+"""How fast a published version's bytes reach an inference replica: the trainer's hashing at
+publish, then a PullWeights stream into the replica's checked buffer.
+
+    python -m bench.weight_sync [--sizes-mb 2.4,64,256] [--pulls 10] [--json PATH]
+
+The trainer side runs in a subprocess: the real TrainerServicer, served by `start_server` as the
+trainer serves it, over a VersionStore. For each version the parent asks it to publish a payload
+of the size (random bytes; hashed as `TrainingLoop._stored` hashes a version, timed there), then
+pulls it with `services.inference.weights.pull_weights` over one cached channel, as WeightSync
+does. Serialisation, the pointer's Redis round trips, the restore and the swap are not in it
+(bench/step_anatomy.py has the whole chain); this is the part that grows with the model.
+
+Two ways of hashing a version's chunks, alternating version by version, in one run:
+- `at publish`: `hashed_payload`, the chunks' digests beside the payload's, in two threads;
+- `on first pull`: the payload's digest alone at publish, each chunk hashed as the first pull
+  sends it (what the trainer did before).
+
+Reported per size and way (medians): publish (hashing + store), pull, publish + pull, the pull's
+MB/s, and for scale one sha256 pass over the payload in this process. 2.4 MB is the 596k preset's
+float32 payload; 256 MB about a 0.13B model in bfloat16.
+
+On the 2-core machine, idle otherwise, two runs (`--sizes-mb 2.4,64,256 --pulls 8`), publish +
+pull in ms, chunks hashed at publish / on first pull: 64 MB 217 / 238 and 227 / 235; 256 MB
+875 / 990 and 861 / 926 (the pull alone 729 / 846 and 717 / 778; the publish 145 either way: the
+chunks are hashed on the second core beside the whole). At 2.4 MB the two are within noise
+(12.5-14.3 ms). The pull runs at ~350 MB/s here, where a bare gRPC stream of 1 MiB messages
+moves 1.2-1.7 GB/s: the receiving side's two sha256 passes (chunk, payload) and copies share the
+two cores with the sender. Receiving while hashing the previous chunk in two threads was tried
+and was slower on two cores (64 MB: 194-217 ms against 180-189).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from typing import Any
+
+from bench.common import print_table, write_json
+
+WAYS = ("at publish", "on first pull")
+
+
+async def serve(size: int) -> None:
+    """The trainer side: reads `publish VERSION WAY` lines, answers `published SECONDS`."""
+    from arlo.config.base import AuthConfig, ServerConfig
+    from arlo.model.weights import sha256_hex
+    from arlo.proto.v1 import trainer_pb2_grpc
+    from arlo.rpc.server import ServiceBinding, start_server
+    from services.trainer.publish import VersionStore, hashed_payload
+    from services.trainer.server import TrainerServicer
+
+    data = os.urandom(size)
+    store = VersionStore(keep=2)
+    loop = types.SimpleNamespace(store=store, source="grpc://bench",
+                                 state=types.SimpleNamespace(checkpoint_version=0, checkpoint_uri=""))
+    running = await start_server("trainer", ServerConfig(metrics_port=-1), AuthConfig(disabled=True),
+                                 [ServiceBinding("arlo.v1.Trainer", trainer_pb2_grpc.add_TrainerServicer_to_server,
+                                                 TrainerServicer(loop))])
+    print(running.port, flush=True)
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := (await reader.readline()).decode().split():
+        version, way = int(line[1]), " ".join(line[2:])
+        started = time.perf_counter()
+        if way == WAYS[0]:
+            digests = await asyncio.to_thread(hashed_payload, data)
+            store.put(version, data, sha256=digests.sha256, chunk_digests=digests.chunks)
+        else:
+            store.put(version, data, sha256=await asyncio.to_thread(sha256_hex, data))
+        print(f"published {time.perf_counter() - started}", flush=True)
+    await running.stop(None)
+
+
+async def measure(size: int, pulls: int) -> dict[str, dict[str, float]]:
+    from arlo.rpc import make_channel
+    from services.inference.weights import pull_weights
+
+    proc = subprocess.Popen([sys.executable, "-m", "bench.weight_sync", "--serve", str(size)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        target = f"127.0.0.1:{int(proc.stdout.readline())}"
+        channel = make_channel(target, token=None)
+        times: dict[str, dict[str, list[float]]] = {way: {"publish": [], "pull": []} for way in WAYS}
+        for version in range(1, 2 * (pulls + 1) + 1):  # the first of each way warms the channel up
+            way = WAYS[version % 2]
+            proc.stdin.write(f"publish {version} {way}\n")
+            proc.stdin.flush()
+            publish_s = float(proc.stdout.readline().split()[1])
+            started = time.perf_counter()
+            data, _ = await pull_weights(target, version, token=None, channel=channel)
+            pull_s = time.perf_counter() - started
+            assert len(data) == size
+            if version > 2:
+                times[way]["publish"].append(publish_s)
+                times[way]["pull"].append(pull_s)
+        await channel.close()
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    out = {}
+    for way, t in times.items():
+        publish, pull = statistics.median(t["publish"]), statistics.median(t["pull"])
+        both = statistics.median(a + b for a, b in zip(t["publish"], t["pull"], strict=True))
+        out[way] = {"publish_ms": publish * 1e3, "pull_ms": pull * 1e3, "publish_and_pull_ms": both * 1e3,
+                    "pull_mb_per_s": size / pull / 1e6}
+    return out
+
+
+def sha256_pass_ms(size: int) -> float:
+    data = os.urandom(size)
+    started = time.perf_counter()
+    for _ in range(3):
+        hashlib.sha256(data).digest()
+    return (time.perf_counter() - started) / 3 * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mb", default="2.4,64,256", help="payload sizes, MB (10^6 bytes)")
+    parser.add_argument("--pulls", type=int, default=10, help="timed versions per size and way")
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the trainer side (a subprocess)
+    args = parser.parse_args()
+    if args.serve is not None:
+        asyncio.run(serve(args.serve))
+        return
+    if args.pulls < 1:
+        parser.error("--pulls must be >= 1")
+    figures: dict[str, Any] = {"pulls": args.pulls, "sizes": {}}
+    rows = []
+    for mb in (float(s) for s in args.sizes_mb.split(",")):
+        size = int(mb * 1e6)
+        per_way = asyncio.run(measure(size, args.pulls))
+        sha_ms = sha256_pass_ms(size)
+        figures["sizes"][f"{mb:g}"] = {"bytes": size, "sha256_pass_ms": sha_ms, **per_way}
+        for way, f in per_way.items():
+            rows.append((f"{mb:g} MB", way, f["publish_ms"], f["pull_ms"], f["publish_and_pull_ms"],
+                         f["pull_mb_per_s"], sha_ms))
+        print(f"{mb:g} MB done", file=sys.stderr, flush=True)
+    print_table(f"Weight sync: publish hashing + PullWeights, medians of {args.pulls}",
+                ["payload", "chunk digests", "publish ms", "pull ms", "publish + pull ms", "pull MB/s",
+                 "one sha256 pass ms"], rows)
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
