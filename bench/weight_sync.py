@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -45,6 +47,8 @@ from typing import Any
 from bench.common import print_table, write_json
 
 WAYS = ("at publish", "on first pull")
+START_S = 60.0
+"""How long the trainer side may take to import and listen."""
 
 
 async def serve(size: int) -> None:
@@ -86,6 +90,8 @@ async def measure(size: int, pulls: int) -> dict[str, dict[str, float]]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
+        if not select.select([proc.stdout], [], [], START_S)[0]:
+            raise TimeoutError(f"the trainer side did not start within {START_S:.0f}s")
         target = f"127.0.0.1:{int(proc.stdout.readline())}"
         channel = make_channel(target, token=None)
         times: dict[str, dict[str, list[float]]] = {way: {"publish": [], "pull": []} for way in WAYS}
@@ -103,7 +109,8 @@ async def measure(size: int, pulls: int) -> dict[str, dict[str, float]]:
                 times[way]["pull"].append(pull_s)
         await channel.close()
     finally:
-        proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):  # it died: what it raised is the story
+            proc.stdin.close()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

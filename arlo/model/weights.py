@@ -88,7 +88,8 @@ class ServingCopy:
 
 PREFETCH_BYTES = 256 * 2**20
 """How far a publish's device-to-host copies may run ahead of the packing: enough to keep the
-link busy, a bounded extra on the host for a model of any size."""
+link busy without starting every transfer of a large model at once. (It bounds transfers in
+flight, not host memory: each host copy stays cached on its array until the ServingCopy goes.)"""
 
 
 def _on_accelerator(arrays: Sequence[jax.Array]) -> bool:

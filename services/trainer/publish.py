@@ -42,19 +42,23 @@ def hashed_payload(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Paylo
     serialised hashing and sending on the swap's path (bench/weight_sync.py). Blocking: run it
     in a worker thread."""
     chunks: dict[tuple[int, int], str] = {}
+    failed: list[BaseException] = []
     view = memoryview(data)
 
     def hash_chunks() -> None:
-        for start in range(0, len(data), chunk_bytes):
-            piece = view[start : start + chunk_bytes]
-            chunks[(start, len(piece))] = sha256_hex(piece)
+        try:
+            for start in range(0, len(data), chunk_bytes):
+                piece = view[start : start + chunk_bytes]
+                chunks[(start, len(piece))] = sha256_hex(piece)
+        except BaseException as e:  # raised in the caller's thread below, with its cause
+            failed.append(e)
 
     worker = threading.Thread(target=hash_chunks, name="chunk-digests", daemon=True)
     worker.start()
     whole = sha256_hex(data)
     worker.join()
-    if len(chunks) != -(-len(data) // chunk_bytes):
-        raise RuntimeError("hashing the payload's chunks failed (see the thread's traceback)")
+    if failed:
+        raise RuntimeError(f"hashing the payload's chunks failed: {failed[0]!r}") from failed[0]
     return PayloadDigests(sha256=whole, chunks=chunks)
 
 
@@ -115,9 +119,10 @@ async def iter_chunks(published: PublishedVersion, *, offset: int, chunk_bytes: 
     A chunk's digest is computed once, in a worker thread, and shared: every replica pulls a new
     version at the same moment, and each waits on the one hashing of a chunk already under way
     (at a real model's size, 1 GB a version at 0.5B parameters in bfloat16, hashing per pull, or
-    on the event loop, would cost the trainer seconds per version). Only chunks that start on a
-    multiple of their size are kept (every fresh pull's, and a resumed one's): what a client's odd
-    offsets ask for is hashed for it alone, so the memo stays bounded."""
+    on the event loop, would cost the trainer seconds per version). Only chunks of the default
+    size that start on a multiple of it are kept (every replica's fresh pull, and a resumed one's):
+    what a client asks for at another size or an odd offset is hashed for it alone, so the memo
+    holds at most one digest per default chunk of the version."""
     data = published.data
     if offset < 0 or (offset >= len(data) and len(data) > 0):
         raise ValueError(f"offset {offset} is outside the {len(data)}-byte payload")
@@ -125,7 +130,7 @@ async def iter_chunks(published: PublishedVersion, *, offset: int, chunk_bytes: 
     memo = published.chunk_digests
     for start in range(offset, len(data), chunk_bytes):
         piece = bytes(view[start : start + chunk_bytes])
-        if start % chunk_bytes:
+        if start % chunk_bytes or chunk_bytes != DEFAULT_CHUNK_BYTES:
             digest = await asyncio.to_thread(sha256_hex, piece)
         else:
             key = (start, len(piece))

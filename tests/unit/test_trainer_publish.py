@@ -54,14 +54,19 @@ async def test_each_chunk_is_hashed_once_however_many_replicas_pull(monkeypatch:
         hashed.append(len(data))
         return sha256_hex(data)
 
-    published = VersionStore().put(1, bytes(range(256)) * 1000)  # 4 chunks of 64 KiB, the last short
+    size = DEFAULT_CHUNK_BYTES
+    published = VersionStore().put(1, bytes(range(256)) * (14 * size // 1024))  # 4 chunks, the last short
     monkeypatch.setattr(publish, "sha256_hex", counted)
-    pulls = await asyncio.gather(*(chunks_of(published, 0) for _ in range(8)))
+    pulls = await asyncio.gather(*(chunks_of(published, 0, size) for _ in range(8)))
     assert len(hashed) == 4 and all(pull == pulls[0] for pull in pulls)
-    await chunks_of(published, 65536)
+    await chunks_of(published, size, size)
     assert len(hashed) == 4
-    await chunks_of(published, 1000)  # an odd offset: hashed for that pull alone, not kept
+    await chunks_of(published, 1000, size)  # an odd offset: hashed for that pull alone, not kept
     assert len(hashed) == 8 and len(published.chunk_digests) == 4
+    # Another chunk size: hashed for that pull alone too, however many sizes a client tries.
+    for other in (65536, 65536 * 3, 2 * size):
+        await chunks_of(published, 0, other)
+    assert len(published.chunk_digests) == 4
 
 
 async def test_a_puller_that_goes_away_leaves_the_shared_hashing_alone() -> None:
@@ -109,3 +114,18 @@ async def test_a_version_put_with_its_chunk_digests_is_pulled_without_hashing(mo
     assert all(hashlib.sha256(c.data).hexdigest() == c.sha256 for c in pulled)
     odd = await chunks_of(published, 1000, DEFAULT_CHUNK_BYTES)
     assert len(hashed) == len(odd) and all(hashlib.sha256(c.data).hexdigest() == c.sha256 for c in odd)
+
+
+def test_a_failure_hashing_the_chunks_fails_the_publish_with_its_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def failing_on_chunks(data: bytes) -> str:
+        calls.append(len(data))
+        if len(data) <= DEFAULT_CHUNK_BYTES:  # a chunk, on the worker thread
+            raise MemoryError("no room")
+        return sha256_hex(data)
+
+    monkeypatch.setattr(publish, "sha256_hex", failing_on_chunks)
+    with pytest.raises(RuntimeError, match="hashing the payload's chunks failed") as caught:
+        publish.hashed_payload(bytes(2 * DEFAULT_CHUNK_BYTES + 1))
+    assert isinstance(caught.value.__cause__, MemoryError)
