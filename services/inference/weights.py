@@ -80,9 +80,10 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
                     raise WeightPullError(f"asked for version {version}, got {chunk.version.version}")
                 if chunk.offset != len(buf):
                     raise WeightPullError(f"chunk at offset {chunk.offset}, expected {len(buf)}")
-                if not await asyncio.to_thread(_take, payload, chunk.data, chunk.chunk_sha256):
+                data = chunk.data  # once: each read of a bytes field is a copy of it
+                if not await asyncio.to_thread(_take, payload, data, chunk.chunk_sha256):
                     raise WeightPullError(f"chunk at offset {chunk.offset} fails its checksum")
-                buf += chunk.data
+                buf += data
                 total, sha = chunk.total_bytes, chunk.version.sha256
             break
         except grpc.aio.AioRpcError as e:
