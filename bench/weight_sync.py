@@ -19,14 +19,20 @@ Reported per size and way (medians): publish (hashing + store), pull, publish + 
 MB/s, and for scale one sha256 pass over the payload in this process. 2.4 MB is the 596k preset's
 float32 payload; 256 MB about a 0.13B model in bfloat16.
 
-On the 2-core machine, idle otherwise, two runs (`--sizes-mb 2.4,64,256 --pulls 8`), publish +
-pull in ms, chunks hashed at publish / on first pull: 64 MB 217 / 238 and 227 / 235; 256 MB
-875 / 990 and 861 / 926 (the pull alone 729 / 846 and 717 / 778; the publish 145 either way: the
-chunks are hashed on the second core beside the whole). At 2.4 MB the two are within noise
-(12.5-14.3 ms). The pull runs at ~350 MB/s here, where a bare gRPC stream of 1 MiB messages
-moves 1.2-1.7 GB/s: the receiving side's two sha256 passes (chunk, payload) and copies share the
-two cores with the sender. Receiving while hashing the previous chunk in two threads was tried
-and was slower on two cores (64 MB: 194-217 ms against 180-189).
+On the 2-core machine, idle otherwise, `--sizes-mb 2.4,64,256 --pulls 8`, publish + pull in ms
+(medians, two runs each):
+
+| trainer hashes chunks | replica checks | 64 MB | 256 MB | 2.4 MB |
+| --- | --- | --- | --- | --- |
+| on first pull (before) | every chunk, then the payload | 235-261 | 926-1032 | 13-16 |
+| at publish | every chunk, then the payload | 217-253 | 852-969 | 12-16 |
+| at publish (now) | the payload; the chunks only to name a bad one | 203-205 | 779-797 | 11-15 |
+
+The publish itself stays at ~37 / ~150 ms (the chunks are hashed on the second core beside the
+whole); the pull alone went from 703-809 to 628-642 ms at 256 MB (~400 MB/s). A bare gRPC
+stream of 1 MiB messages moves 1.2-1.7 GB/s here: what is left is one sha256 pass and the
+copies, sharing two cores with the sender. Receiving while checking the previous chunk in two
+threads was tried and was slower on two cores (64 MB: 194-217 ms against 180-189).
 """
 
 from __future__ import annotations

@@ -54,21 +54,29 @@ async def pull_weights(target: str, version: int, *, token: str | None, timeout_
     return await _pull(trainer_pb2_grpc.TrainerStub(channel), version, timeout_s=timeout_s, attempts=attempts)
 
 
-def _take(payload: hashlib._Hash, data: bytes, chunk_sha256: str) -> bool:
-    """Whether `data` matches its chunk checksum; if so, added to the payload's running digest."""
-    if hashlib.sha256(data).hexdigest() != chunk_sha256:
-        return False
-    payload.update(data)
-    return True
+def _first_bad_chunk(buf: bytearray, chunks: list[tuple[int, str]]) -> int | None:
+    """The offset of the first received chunk that does not match its own checksum, if any."""
+    view = memoryview(buf)
+    try:
+        for (offset, digest), (end, _) in zip(chunks, [*chunks[1:], (len(buf), "")], strict=True):
+            if hashlib.sha256(view[offset:end]).hexdigest() != digest:
+                return offset
+        return None
+    finally:
+        view.release()  # `buf` is returned and must stay resizable
 
 
 async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: float,
                 attempts: int) -> tuple[bytearray, str]:
     # The payload's digest grows chunk by chunk, hashed in a worker thread (hashlib releases the
     # GIL): no second pass over the whole payload once it is in, and the event loop (which serves
-    # Generate streams meanwhile) never hashes; at 1 GB a version that is a second or more.
+    # Generate streams meanwhile) never hashes; at 1 GB a version that is a second or more. Each
+    # chunk's own checksum is checked only when the whole does not match, to name the bad chunk:
+    # checking every chunk on the way was a second pass over the payload on every swap's path
+    # (bench/weight_sync.py), and the payload's digest refuses the same payloads.
     payload = hashlib.sha256()
     buf = bytearray()
+    chunks: list[tuple[int, str]] = []  # (offset, sha256) of each chunk received
     total: int | None = None
     sha = ""
     for attempt in range(attempts):
@@ -81,8 +89,8 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
                 if chunk.offset != len(buf):
                     raise WeightPullError(f"chunk at offset {chunk.offset}, expected {len(buf)}")
                 data = chunk.data  # once: each read of a bytes field is a copy of it
-                if not await asyncio.to_thread(_take, payload, data, chunk.chunk_sha256):
-                    raise WeightPullError(f"chunk at offset {chunk.offset} fails its checksum")
+                await asyncio.to_thread(payload.update, data)
+                chunks.append((len(buf), chunk.chunk_sha256))
                 buf += data
                 total, sha = chunk.total_bytes, chunk.version.sha256
             break
@@ -93,6 +101,9 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
     if total is None or len(buf) != total:
         raise WeightPullError(f"received {len(buf)} of {total} bytes")
     if payload.hexdigest() != sha:
+        bad = await asyncio.to_thread(_first_bad_chunk, buf, chunks)
+        if bad is not None:
+            raise WeightPullError(f"chunk at offset {bad} fails its checksum")
         raise WeightPullError("payload sha256 does not match the published checksum")
     return buf, sha  # not copied into bytes: at a real model's size that is a second copy of it
 

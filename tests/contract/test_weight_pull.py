@@ -63,16 +63,17 @@ async def test_a_broken_stream_resumes_at_the_last_good_offset(trainer: tuple[Sc
 
 @pytest.mark.parametrize(("corrupt", "break_after"), [
     (0, None), (3 * CHUNK, None),
-    (5 * CHUNK, None),  # the last chunk: its checks are still running when the stream ends
-    (CHUNK, 2),  # the stream breaks while the bad chunk is checked: refused, never resumed past
+    (5 * CHUNK, None),  # the last chunk
+    (CHUNK, 2),  # the stream breaks after the bad chunk: the resumed pull is refused all the same
 ])
 async def test_a_chunk_that_fails_its_checksum_is_refused(trainer: tuple[ScriptedTrainer, str], corrupt: int,
                                                           break_after: int | None) -> None:
+    """The payload's digest refuses it; the chunks' own checksums name the bad one."""
     servicer, target = trainer
     servicer.corrupt_offset, servicer.break_after = corrupt, break_after
     with pytest.raises(WeightPullError, match=f"chunk at offset {corrupt} fails its checksum"):
         await pull_weights(target, 3, token=None, timeout_s=10)
-    assert servicer.offsets == [0]
+    assert servicer.offsets == ([0] if break_after is None else [0, break_after * CHUNK])
 
 
 async def test_a_payload_that_is_not_the_versions_is_refused(trainer: tuple[ScriptedTrainer, str]) -> None:
