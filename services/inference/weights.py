@@ -56,6 +56,8 @@ async def pull_weights(target: str, version: int, *, token: str | None, timeout_
 
 def _first_bad_chunk(buf: bytearray, chunks: list[tuple[int, str]]) -> int | None:
     """The offset of the first received chunk that does not match its own checksum, if any."""
+    if not chunks:
+        return None
     view = memoryview(buf)
     try:
         for (offset, digest), (end, _) in zip(chunks, [*chunks[1:], (len(buf), "")], strict=True):
@@ -63,7 +65,7 @@ def _first_bad_chunk(buf: bytearray, chunks: list[tuple[int, str]]) -> int | Non
                 return offset
         return None
     finally:
-        view.release()  # `buf` is returned and must stay resizable
+        view.release()  # a view left on a bytearray would forbid resizing it
 
 
 async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: float,
@@ -80,6 +82,8 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
     total: int | None = None
     sha = ""
     for attempt in range(attempts):
+        if total is not None and len(buf) == total:
+            break  # every byte came before the stream broke: a resume would ask past the end
         try:
             call = stub.PullWeights(trainer_pb2.PullWeightsRequest(version=version, offset=len(buf)),
                                     timeout=timeout_s)

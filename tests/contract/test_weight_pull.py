@@ -28,6 +28,8 @@ class ScriptedTrainer(trainer_pb2_grpc.TrainerServicer):
 
     async def PullWeights(self, request, context) -> AsyncIterator[trainer_pb2.PullWeightsResponse]:  # noqa: N802
         self.offsets.append(request.offset)
+        if request.offset >= len(PAYLOAD):  # as the real trainer answers (services/trainer/server.py)
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} >= payload size")
         version = common_pb2.WeightVersion(version=request.version, sha256=self.version_sha)
         for sent, start in enumerate(range(request.offset, len(PAYLOAD), CHUNK)):
             if self.break_after is not None and sent == self.break_after:
@@ -39,6 +41,9 @@ class ScriptedTrainer(trainer_pb2_grpc.TrainerServicer):
                 piece = bytes([piece[0] ^ 1]) + piece[1:]
             yield trainer_pb2.PullWeightsResponse(version=version, offset=start, data=piece,
                                                   total_bytes=len(PAYLOAD), chunk_sha256=digest)
+        if self.break_after is not None:  # at or past the last chunk: the stream breaks after it
+            self.break_after = None
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "stream broke after the last chunk")
 
 
 @pytest.fixture
@@ -59,6 +64,16 @@ async def test_a_broken_stream_resumes_at_the_last_good_offset(trainer: tuple[Sc
     servicer.break_after = 2
     data, _ = await pull_weights(target, 3, token=None, timeout_s=10)
     assert bytes(data) == PAYLOAD and servicer.offsets == [0, 2 * CHUNK]
+
+
+async def test_a_stream_that_breaks_after_its_last_chunk_keeps_the_whole_payload(
+        trainer: tuple[ScriptedTrainer, str]) -> None:
+    """Every byte arrived, then the status did not (a deadline, a dropped connection): nothing is
+    left to resume, and a resume at the end would be refused as OUT_OF_RANGE by the trainer."""
+    servicer, target = trainer
+    servicer.break_after = 6  # the payload's 6 chunks, then the break
+    data, _ = await pull_weights(target, 3, token=None, timeout_s=10)
+    assert bytes(data) == PAYLOAD and servicer.offsets == [0]
 
 
 @pytest.mark.parametrize(("corrupt", "break_after"), [
