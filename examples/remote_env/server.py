@@ -149,11 +149,13 @@ def main() -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     env_pb2_grpc.add_EnvironmentServicer_to_server(WordReverse(os.environ.get("REMOTE_ENV_TOKEN") or None), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
-    server.start()
-    print(f"listening on {args.host}:{port}", flush=True)
     stop = threading.Event()
+    # Before the ready line: whoever reads it may stop us at once, and a SIGTERM that came before
+    # the handler would kill the process uncleanly (-15) instead of stopping the server.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"listening on {args.host}:{port}", flush=True)
     stop.wait()
     server.stop(grace=2.0).wait()
     sys.exit(0)

@@ -62,6 +62,15 @@ def example() -> Iterator[ExampleProcess]:
         process.stop()
 
 
+def test_the_example_stops_cleanly_the_moment_it_says_it_is_listening() -> None:
+    # CI saw -15: the ready line came before the SIGTERM handler, and a test that stopped the
+    # process at once (its body needed no call) caught it in between, under load.
+    for _ in range(3):
+        process = ExampleProcess(None)
+        process.start()
+        process.stop()
+
+
 def config(*remotes: RemoteEnvConfig) -> RunConfig:
     return RunConfig(auth=AuthConfig(token_env=TOKEN_ENV), env_gateway=EnvGatewayConfig(
         server=ServerConfig(port=0, metrics_port=-1), remotes=remotes))
