@@ -54,16 +54,13 @@ async def pull_weights(target: str, version: int, *, token: str | None, timeout_
     return await _pull(trainer_pb2_grpc.TrainerStub(channel), version, timeout_s=timeout_s, attempts=attempts)
 
 
-def _first_bad_chunk(buf: bytearray, chunks: list[tuple[int, str]]) -> int | None:
-    """The offset of the first received chunk that does not match its own checksum, if any."""
-    if not chunks:
-        return None
+def _first_bad_chunk(buf: bytearray, chunks: list[tuple[int, int, str]]) -> int | None:
+    """The offset of the first received chunk (offset, length, sha256) that does not match its
+    own checksum, if any."""
     view = memoryview(buf)
     try:
-        for (offset, digest), (end, _) in zip(chunks, [*chunks[1:], (len(buf), "")], strict=True):
-            if hashlib.sha256(view[offset:end]).hexdigest() != digest:
-                return offset
-        return None
+        return next((offset for offset, length, digest in chunks
+                     if hashlib.sha256(view[offset : offset + length]).hexdigest() != digest), None)
     finally:
         view.release()  # a view left on a bytearray would forbid resizing it
 
@@ -78,7 +75,7 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
     # (bench/weight_sync.py), and the payload's digest refuses the same payloads.
     payload = hashlib.sha256()
     buf = bytearray()
-    chunks: list[tuple[int, str]] = []  # (offset, sha256) of each chunk received
+    chunks: list[tuple[int, int, str]] = []  # (offset, length, sha256) of each chunk received
     total: int | None = None
     sha = ""
     for attempt in range(attempts):
@@ -94,7 +91,7 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
                     raise WeightPullError(f"chunk at offset {chunk.offset}, expected {len(buf)}")
                 data = chunk.data  # once: each read of a bytes field is a copy of it
                 await asyncio.to_thread(payload.update, data)
-                chunks.append((len(buf), chunk.chunk_sha256))
+                chunks.append((len(buf), len(data), chunk.chunk_sha256))
                 buf += data
                 total, sha = chunk.total_bytes, chunk.version.sha256
             break

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from arlo.model.weights import sha256_hex
@@ -41,25 +41,22 @@ def hashed_payload(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Paylo
     GIL): a pull then sends every chunk at once instead of hashing each on the way, which
     serialised hashing and sending on the swap's path (bench/weight_sync.py). Blocking: run it
     in a worker thread."""
-    chunks: dict[tuple[int, int], str] = {}
-    failed: list[BaseException] = []
-    view = memoryview(data)
-
-    def hash_chunks() -> None:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-digests") as pool:
+        chunks = pool.submit(_chunk_digests, data, chunk_bytes)
+        whole = sha256_hex(data)
         try:
-            for start in range(0, len(data), chunk_bytes):
-                piece = view[start : start + chunk_bytes]
-                chunks[(start, len(piece))] = sha256_hex(piece)
-        except BaseException as e:  # raised in the caller's thread below, with its cause
-            failed.append(e)
+            return PayloadDigests(sha256=whole, chunks=chunks.result())
+        except Exception as e:
+            raise RuntimeError(f"hashing the payload's chunks failed: {e!r}") from e
 
-    worker = threading.Thread(target=hash_chunks, name="chunk-digests", daemon=True)
-    worker.start()
-    whole = sha256_hex(data)
-    worker.join()
-    if failed:
-        raise RuntimeError(f"hashing the payload's chunks failed: {failed[0]!r}") from failed[0]
-    return PayloadDigests(sha256=whole, chunks=chunks)
+
+def _chunk_digests(data: bytes, chunk_bytes: int) -> dict[tuple[int, int], str]:
+    view = memoryview(data)
+    digests = {}
+    for start in range(0, len(data), chunk_bytes):
+        piece = view[start : start + chunk_bytes]
+        digests[(start, len(piece))] = sha256_hex(piece)
+    return digests
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
