@@ -6,7 +6,9 @@ and the Score. Closing is a courtesy (the gateway expires idle sessions), so not
 answer: a close is handed over here and the episode goes on. Closes to one replica that arrive
 within `CLOSE_WINDOW_S` of each other leave as one CloseBatch (services/rollout/coalescing.py);
 a replica that answers CloseBatch with UNIMPLEMENTED (a gateway from before it, a proxy) gets
-one Close each from then on. A failed close is logged at debug level.
+one Close each for the next `REPROBE_S`, then is offered CloseBatch again: a gateway upgraded in
+place behind the same address batches again without a rollout restart. A failed close is logged
+at debug level.
 
 While closes to a replica are owed, its channel must stay open (`owed`): the env client keeps a
 replica that left the address list until they are sent. `drain` sends every close still owed
@@ -40,13 +42,18 @@ MAX_BATCH_CLOSES = 256
 CLOSE_WINDOW_S = 0.002
 """Closes to one replica that arrive within this of each other leave as one CloseBatch. Nobody
 waits for a close, so the window costs no episode anything."""
+REPROBE_S = 60.0
+"""How long a replica that refused CloseBatch (UNIMPLEMENTED) gets lone Closes before it is
+offered a CloseBatch again: one refused call a minute, off every episode's path, against a
+gateway that stays unbatched for the rest of the run once it is upgraded."""
 
 
 class SessionCloses:
     """The closes owed to the gateway replicas, sent in the background (see the module doc)."""
 
     def __init__(self, channel_of: Callable[[str], grpc.aio.Channel | None], *, timeout_s: float, coalesce: bool,
-                 calls: Counter[str], on_sent: Callable[[str], None], tracer: Tracer | None = None) -> None:
+                 calls: Counter[str], on_sent: Callable[[str], None], tracer: Tracer | None = None,
+                 reprobe_s: float = REPROBE_S) -> None:
         self._channel_of = channel_of
         """The open channel to a replica, or None once the client has dropped it."""
         self.timeout_s = timeout_s
@@ -58,7 +65,9 @@ class SessionCloses:
         self._owed: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
         self._coalescers: dict[str, Coalescer[str, None]] = {}
-        self._without_batch: set[str] = set()
+        self.reprobe_s = reprobe_s
+        self._without_batch: dict[str, float] = {}
+        """Replicas that refused CloseBatch, with when (loop time) to offer it again."""
 
     def owed(self, address: str) -> int:
         """Closes handed over for `address` and not yet ended."""
@@ -85,7 +94,7 @@ class SessionCloses:
 
     async def _close(self, address: str, session_id: str) -> None:
         try:
-            if not self.coalesce or address in self._without_batch:
+            if not self.coalesce or not self._may_batch(address):
                 await self._close_one(address, session_id)
             else:
                 coalescer = self._coalescers.get(address)
@@ -103,6 +112,15 @@ class SessionCloses:
                 del self._owed[address]
                 self._coalescers.pop(address, None)  # none of its batches is open: all were owed
             self._on_sent(address)
+
+    def _may_batch(self, address: str) -> bool:
+        reprobe_at = self._without_batch.get(address)
+        if reprobe_at is None:
+            return True
+        if asyncio.get_running_loop().time() < reprobe_at:
+            return False
+        del self._without_batch[address]
+        return True
 
     async def _close_one(self, address: str, session_id: str) -> None:
         channel = self._channel_of(address)
@@ -122,7 +140,7 @@ class SessionCloses:
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
-                self._without_batch.add(address)
+                self._without_batch[address] = asyncio.get_running_loop().time() + self.reprobe_s
                 await each_alone(functools.partial(self._close_one, address), session_ids, settle)
                 return
         for i in range(len(session_ids)):

@@ -18,6 +18,7 @@ from arlo.rpc import RunningServer, make_channel
 from arlo.rpc.replicas import parse_target, resolve
 from services.env_gateway.__main__ import start_env_gateway
 from services.rollout.env_affinity import AffinityEnvironmentClient
+from services.rollout.env_closes import SessionCloses
 from services.rollout.types import BackendError, RetryableError
 from tests.support.scripted_server import scripted_server
 
@@ -210,6 +211,52 @@ async def test_closes_never_wait_for_the_gateway_and_end_together(servicer: type
         assert env.calls == {"CloseBatch": 2, "batched_closes": 16}
     else:  # refused as UNIMPLEMENTED once, then sent one Close each
         assert gateway.calls["Close"] == 16 and env.calls == {"CloseBatch": 1, "batched_closes": 8, "Close": 16}
+
+
+class UpgradedInPlace(HeldCloseBatches):
+    """A gateway that answers CloseBatch UNIMPLEMENTED until it is `upgraded` (a rolling
+    upgrade behind the same address)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release.set()
+        self.upgraded = False
+
+    async def CloseBatch(self, request, context):  # noqa: N802
+        if not self.upgraded:
+            self.calls["refused CloseBatch"] += 1
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not yet")
+        return await super().CloseBatch(request, context)
+
+
+async def test_a_gateway_upgraded_in_place_is_offered_close_batch_again() -> None:
+    """A replica that refused CloseBatch gets lone Closes only for `reprobe_s`: after that it is
+    offered CloseBatch again, so an upgrade behind the same address batches again (the refusal
+    used to be remembered for the client's whole life)."""
+    gateway = UpgradedInPlace()
+    calls: Counter[str] = Counter()
+    async with scripted_server(env_pb2_grpc.add_EnvironmentServicer_to_server, gateway) as address:
+        channel = make_channel(f"ipv4:{address}", token=None)
+        closes = SessionCloses(lambda _: channel, timeout_s=10, coalesce=True, calls=calls,
+                               on_sent=lambda _: None, reprobe_s=0.5)
+        try:
+            async def burst(first: int) -> None:
+                for i in range(first, first + 4):
+                    closes.send(address, f"s{i}")
+                await asyncio.wait_for(_until(lambda: closes.owed(address) == 0), timeout=10)
+
+            await burst(0)  # refused, then sent alone
+            gateway.upgraded = True
+            await burst(4)  # inside reprobe_s: still alone, not offered a batch
+            assert gateway.calls["refused CloseBatch"] == 1 and gateway.calls["CloseBatch"] == 0
+            assert gateway.calls["Close"] == 8
+            await asyncio.sleep(0.6)
+            await burst(8)  # offered again, and taken
+            assert gateway.calls["CloseBatch"] == 1 and gateway.calls["Close"] == 8
+            assert sorted(gateway.closed) == sorted(f"s{i}" for i in range(12))
+        finally:
+            await closes.drain(5)
+            await channel.close()
 
 
 async def test_closes_handed_over_while_the_client_closes_are_sent() -> None:
