@@ -31,7 +31,8 @@ from services.trainer.failures import StepFailures
 from services.trainer.intake import Intake
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
-from services.trainer.publish import PublishedVersion, VersionStore, hashed_payload
+from services.trainer.publish import VersionStore
+from services.trainer.publisher import Publisher
 from services.trainer.reader import READ_COUNT, StreamReader
 from services.trainer.state import TrainedStep, TrainerState
 from services.trainer.tail import StepTails
@@ -42,13 +43,9 @@ log = logging.getLogger(__name__)
 CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
 CLOSE_WAIT_S = 60.0
-POINTER_TRIES = 3
 
 __all__ = ["TrainedStep", "TrainerState", "TrainingLoop"]
 
-
-class PointerConflict(RuntimeError):
-    """An overlapped publish found the pointer at a version this trainer did not write."""
 
 OnStep = Callable[[dict[str, Any]], Awaitable[None]]
 """Called with each applied step's diagnostics record (services/trainer/diagnostics.py)."""
@@ -80,7 +77,6 @@ class TrainingLoop:
         self.stream = stream
         self.pointer = pointer
         self.store = store
-        self.source = source
         self.read_block_ms = read_block_ms
         self.checkpoint_every = checkpoint_every
         self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
@@ -93,12 +89,13 @@ class TrainingLoop:
         self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
         self._tails = StepTails()  # steps' records and acks, run beside the next step (tail.py)
         self._failures = StepFailures(stream, self.state)
-        self._publish_due = False  # the newest version's publish failed: retry before the next step
         self._jax_lock = asyncio.Lock()
         self.durable = Durability(replica=self.replica, checkpointer=self.checkpointer, stream=stream,
                                   pointer=pointer, store=store, state=self.state, jax_lock=self._jax_lock,
                                   every=checkpoint_every, max_held=max(stream.max_backlog // 2, 1))
         self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
+        self.publisher = Publisher(store=store, pointer=pointer, replica=self.replica, state=self.state,
+                                   durable=self.durable, tails=self._tails, jax_lock=self._jax_lock, source=source)
         self.intake = Intake(stream=stream, groups_per_step=groups_per_step, max_staleness=max_staleness,
                              vocab_size=learner.model_cfg.vocab_size, filter_zero_variance=filter_zero_variance,
                              expiring_wait_s=expiring_wait_s, held_elsewhere=self.durable.held)
@@ -114,7 +111,16 @@ class TrainingLoop:
         if base > 0:
             # The fleet may hold another trainer's weights under that version: publish ours above it.
             self.state.version = base + 1
-            await self._publish()
+            await self.publisher.publish()
+
+    @property
+    def source(self) -> str:
+        """Where the fleet pulls the weights from (the pointer's `source`); set once the server's port is known."""
+        return self.publisher.source
+
+    @source.setter
+    def source(self, source: str) -> None:
+        self.publisher.source = source
 
     @property
     def jax_lock(self) -> asyncio.Lock:
@@ -231,7 +237,7 @@ class TrainingLoop:
                     async with self._jax_lock:  # the KL reference is the warm-started policy
                         await asyncio.to_thread(self.replica.set_reference)
                 self.state.version += 1
-                await self._publish()
+                await self.publisher.publish()
                 log.info("warm start done: %d SFT steps -> version %d, loss %.4f", self.learner.step_count,
                          self.state.version, metrics.loss)
             self._pause_if_due()
@@ -248,8 +254,8 @@ class TrainingLoop:
         """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
         async with self._step_lock:
             await self._tails.settle()  # the current version's overlapped publish (a save needs it stored)
-            if self._publish_due:  # it failed or met a foreign pointer: published (re-numbered) first
-                await self._publish_newest()
+            if self.publisher.due:  # it failed or met a foreign pointer: published (re-numbered) first
+                await self.publisher.publish_owed()
             job = await self.durable.begin()
         return await asyncio.shield(job)  # a caller's deadline must not abandon the write
 
@@ -309,12 +315,12 @@ class TrainingLoop:
 
     async def _catch_up(self) -> None:
         """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
-        if not self._publish_due and not self.durable.retry_due():
+        if not self.publisher.due and not self.durable.retry_due():
             return
         async with self._step_lock:
             await self._tails.settle()  # a checkpoint saves the published current version
-            if self._publish_due:
-                await self._publish_newest()
+            if self.publisher.due:
+                await self.publisher.publish_owed()
             if self.durable.retry_due():
                 await self.durable.try_checkpoint()
 
@@ -338,8 +344,8 @@ class TrainingLoop:
                 log.exception("step %s: diagnostics not exported", record.get("step"))
 
     async def _train_once(self, *, overlap: bool = False) -> StepMetrics:
-        if self._publish_due:
-            await self._publish_newest()  # raises while it keeps failing: no step past an unpublished one
+        if self.publisher.due:
+            await self.publisher.publish_owed()  # raises while it keeps failing: no step past an unpublished one
         groups = self.intake.take_batch()
         try:
             return await self._train_groups(groups, overlap=overlap)
@@ -399,8 +405,8 @@ class TrainingLoop:
         cut, published = None, False
         try:
             if overlap and self._publish_may_overlap(self.state.version):
-                cut = await self._cut()
-            published = cut is None and await self._publish_or_owe()
+                cut = await self.publisher.cut()
+            published = cut is None and await self.publisher.publish_or_owe()
         except NonFiniteWeights as e:
             self.state.version -= 1  # nothing was published under it
             await self._failures.refuse(groups, f"not published: {e}")
@@ -447,7 +453,7 @@ class TrainingLoop:
     async def _step_tail(self, record: dict[str, Any], counters: dict[str, Any], step: TrainedStep, *,
                          published: bool, cut: ServingCopy | None = None) -> None:
         if cut is not None:
-            published = await self._publish_cut(cut, step.version, record)
+            published = await self.publisher.publish_cut(cut, step.version, record)
             del cut  # the device copy goes now, not when the tail ends
         counters = {**counters, "queue_depth": await self.stream.backlog()}
         await self._report(step_record(**record, counters=counters))
@@ -460,132 +466,9 @@ class TrainingLoop:
         # Off the step's path: keeps the in-flight set to the groups a batch may still take.
         await self.intake.settle_in_flight(step.version - self.max_staleness)
 
-    # -- publishing -------------------------------------------------------------------------
-    #
-    # A step's publish is overlapped with the next step where it can be (the run loop's steps on
-    # one process, when the step's tail may be deferred): the loop copies the weights on the
-    # device (`_cut`, a few ms) and goes on; the step's tail serialises the copy, hashes it and
-    # moves the pointer while the next step trains, then writes the record and acknowledges
-    # (acks still follow the publish). A step publishes only once the previous step's tail is
-    # done, so versions reach the pointer in order, one copy is held at a time, and at most one
-    # step trains past an unpublished version. A failed or refused overlapped publish is owed
-    # like an inline one: the next publish is inline, with no tail in flight, and covers it (a
-    # newer version), re-numbering above a foreign pointer; the re-numbering never races a publish.
+    # -- publishing (publisher.py) --------------------------------------------------------
 
     def _publish_may_overlap(self, version: int) -> bool:
         """Whether `version`'s publish may run beside the next step: not when its tail may not
         (a checkpoint due, saves failing, a pause due: `_finish_step`) nor while a publish is owed."""
-        return not (self._publish_due or self.durable.acknowledges_before_next_step(version) or self._pause_due())
-
-    async def _cut(self) -> ServingCopy | None:
-        """The current version's serving weights copied on the device, for an overlapped publish
-        (raises NonFiniteWeights); None when it must be inline (several processes, or the copy
-        failed: the inline publish needs one array's room at a time, not a whole copy)."""
-        try:
-            async with self._jax_lock:  # the next step donates the arrays copied
-                return await asyncio.to_thread(self.replica.serving_copy)
-        except NonFiniteWeights:
-            raise
-        except Exception:
-            log.exception("copying version %d's weights failed; publishing it inline", self.state.version)
-            return None
-
-    async def _publish_or_owe(self) -> bool:
-        """Publishes the current version inline; whether it did. A failure leaves it owed."""
-        try:
-            await self._publish()
-            self._publish_due = False  # an overlapped publish owed before is covered by this newer version
-            return True
-        except NonFiniteWeights:
-            raise
-        except Exception:
-            # The update applied: the step is trained (never retried); its acks wait for a publish.
-            self._publish_failed("publishing version %d failed; retrying before the next step", self.state.version)
-            return False
-
-    def _publish_failed(self, message: str, *args: Any) -> None:
-        self._publish_due = True
-        self.state.publish_failures += 1
-        log.exception(message, *args, extra={"publish_failures": self.state.publish_failures})
-
-    async def _publish_cut(self, cut: ServingCopy, version: int, record: dict[str, Any]) -> bool:
-        """A step's overlapped publish, from its tail; whether it published. Fills in the record's
-        pointer mark and `publish_overlapped_s`."""
-        try:
-            await self._publish_version(version, cut)
-        except PointerConflict:  # counted and overtaken by the inline retry (`_publish`)
-            self._publish_due = True
-            log.warning("version %d's publish found a weight pointer this trainer did not write; re-publishing "
-                        "above it before the step after", version)
-            return False
-        except Exception:
-            self._publish_failed("publishing version %d beside the next step failed; retrying it inline before "
-                                 "the step after", version)
-            return False
-        published_at = time.time()
-        record["anatomy"]["published_at"] = published_at
-        record["timing"]["publish_overlapped_s"] = published_at - record["anatomy"]["cut_at"]
-        return True
-
-    async def _publish_newest(self) -> None:
-        await self._tails.settle()  # an overlapped publish in flight goes first (and may leave it owed)
-        await self._publish()
-        self._publish_due = False
-
-    async def _publish_version(self, version: int, cut: ServingCopy) -> None:
-        """Publishes `cut` as `version`; raises PointerConflict (nothing re-numbered) when the
-        pointer holds a version this trainer did not write."""
-        published = await self._stored(version, cut)
-        # The tail acknowledges after (`Durability.acknowledge`): an ack that fails is a tail's
-        # failure (the loop restarts and re-reads), not a publish's.
-        if not await self._point_at(published, acknowledge=False):
-            raise PointerConflict(f"the weight pointer holds a version this trainer did not write; version "
-                                  f"{version} is re-published above it")
-
-    async def _stored(self, version: int, cut: ServingCopy | None = None) -> PublishedVersion:
-        """`version` in the store: serialised from `cut`, or from the learner (no step in flight)."""
-        published = self.store.get(version)
-        if published is not None:
-            return published
-        if cut is not None:
-            data = await asyncio.to_thread(cut.to_bytes)
-        else:
-            async with self._jax_lock:
-                data = await asyncio.to_thread(self.replica.state_bytes)
-        # Hashed off the event loop (a second or more at 0.5B, with pulls to serve meanwhile), the
-        # chunks a pull sends with it, beside the whole.
-        digests = await asyncio.to_thread(hashed_payload, data)
-        return self.store.put(version, data, sha256=digests.sha256, chunk_digests=digests.chunks)
-
-    async def _point_at(self, published: PublishedVersion, *, acknowledge: bool = True) -> bool:
-        """Moves the pointer to `published`; False when it holds a version this trainer did not
-        write. `acknowledge`: then acknowledge what the publish makes durable."""
-        if not await self.pointer.publish(published.version, source=self.source, sha256=published.sha256):
-            current = await self.pointer.get()
-            if current is not None and (current.version != published.version or current.sha256 != published.sha256):
-                return False
-            # else ours already (a retried call that had landed)
-        if acknowledge:
-            await self.durable.published(published.version)
-        return True
-
-    async def _publish(self) -> None:
-        """Publishes the current version (no step in flight); a pointer this trainer did not write
-        is reported and overtaken (the version re-numbered above it), so a foreign HSET cannot
-        live-lock training."""
-        for _ in range(POINTER_TRIES):
-            published = await self._stored(self.state.version)
-            if await self._point_at(published):
-                return
-            current = await self.pointer.get()
-            if current is None:
-                continue  # the pointer went away between the refusal and the read: publish again
-            self.state.pointer_conflicts += 1
-            log.error("weight pointer holds version %d (source %r, sha256 %.12s) that this trainer did not write "
-                      "(its version: %d); publishing above it as version %d", current.version, current.source,
-                      current.sha256, published.version, current.version + 1,
-                      extra={"pointer_conflicts": self.state.pointer_conflicts, "pointer_version": current.version})
-            self.state.version = max(self.state.version, current.version) + 1
-            self.store.put(self.state.version, published.data, sha256=published.sha256,
-                           chunk_digests={k: v for k, v in published.chunk_digests.items() if isinstance(v, str)})
-        raise RuntimeError(f"the weight pointer kept moving ahead of version {self.state.version}")
+        return not (self.publisher.due or self.durable.acknowledges_before_next_step(version) or self._pause_due())

@@ -4,7 +4,7 @@ After an update the loop still owes the step's publish (serialise, hash, move th
 ms of a 170-200 ms async step at the 596k workload, issue 17), record (metrics stream,
 Prometheus, span file), log line and acknowledgements (several Redis round trips, 13 ms of a
 311 ms step), during which nothing trained. The run loop defers them: it copies the weights to
-publish (loop.py `_cut`), the next step starts at once and the tail runs while the jitted
+publish (publisher.py `cut`), the next step starts at once and the tail runs while the jitted
 update holds a worker thread.
 
 What makes that safe: the step's entries are held (`Durability.hold`) before the tail is
