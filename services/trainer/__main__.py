@@ -107,16 +107,21 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     await loop.start()
     heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
     tasks.spawn("training-loop", loop.run)
-    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "address": f"{advertise_host(tc.server.host)}:{running.port}", "version": loop.state.version,
-        "step": loop.learner.step_count, "consumed": loop.state.consumed,
-        "busy_s": round(loop.state.busy_s, 3), "io_s": round(loop.state.io_s, 3),
-        "tokens_trained": loop.state.tokens_trained, "staleness": round(loop.state.last_staleness, 3),
-        **loop.fault_counters(), "loop_restarts": sum(tasks.restarts.values()),
-        "staleness_max": loop.state.last_staleness_max, "generated_tokens": loop.state.generated_tokens,
-        "skipped_steps": loop.state.skipped_steps, **compiles.metrics(),
-        **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}))
+    address = f"{advertise_host(tc.server.host)}:{running.port}"
+    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: heartbeat_fields(loop, tasks, compiles, address)))
     return running, loop
+
+
+def heartbeat_fields(loop: TrainingLoop, tasks: TaskGroup, compiles: CompileWatch, address: str) -> dict:
+    """The trainer's heartbeat (`arlo status`): where it serves, how far it is, what it survived."""
+    state = loop.state
+    return {
+        "address": address, "version": state.version, "step": loop.learner.step_count, "consumed": state.consumed,
+        "busy_s": round(state.busy_s, 3), "io_s": round(state.io_s, 3), "tokens_trained": state.tokens_trained,
+        "staleness": round(state.last_staleness, 3), **loop.fault_counters(),
+        "loop_restarts": sum(tasks.restarts.values()), "staleness_max": state.last_staleness_max,
+        "generated_tokens": state.generated_tokens, "skipped_steps": state.skipped_steps, **compiles.metrics(),
+        **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}
 
 
 async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyncio.Task[None]]) -> RunningServer:
