@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from flax import nnx
 from redis.exceptions import RedisError
 
 from arlo.config import TlsConfig
@@ -109,6 +110,12 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
     return buf, sha  # not copied into bytes: at a real model's size that is a second copy of it
 
 
+def _checked_state(data: bytearray, like: nnx.State) -> tuple[nnx.State, str | None]:
+    """The pulled payload as a state shaped like `like`, and its first non-finite parameter (None: all finite)."""
+    state = state_from_bytes(data, like)
+    return state, nonfinite_param(state)
+
+
 class WeightSync:
     """Keeps `engine` on the newest published version."""
 
@@ -178,10 +185,10 @@ class WeightSync:
         if sha != pointer.sha256:
             raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
         pulled = loop.time()
-        state = await asyncio.to_thread(state_from_bytes, data, self.engine.state)
         # A checksum proves the bytes are the trainer's, not that they are usable: a NaN
-        # version would make the replica emit token 0 forever.
-        bad = await asyncio.to_thread(nonfinite_param, state)
+        # version would make the replica emit token 0 forever. Both on one worker thread: each
+        # hop to a thread and back is on a synchronous step's critical path.
+        state, bad = await asyncio.to_thread(_checked_state, data, self.engine.state)
         if bad is not None:
             self._refused = (pointer.version, pointer.sha256)
             self.stats.refused_nonfinite += 1
