@@ -91,25 +91,37 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *,
                          evaluate: bool, retry: RetryPolicy = DEFAULT_RETRY) -> tuple[TrainReport, RunRecorder]:
+    """Drives the run with the live display. A Ctrl-C or SIGTERM during the drive ends it early
+    and is not raised: the report it returns says `interrupted` and holds what the drive saw."""
     with stopping.deferred():  # it imports tensorboardX, and torch: native code a raised stop would abort
         recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}",
                                run_id=cfg.run_id)
     display = LiveRun(console, rl_steps=steps)
     check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
+    report = TrainReport()
     try:
         with display:
-            report = stopping.run(run_training(cfg, token, steps=steps, on_progress=display.update,
-                                              check_children=check, recorder=recorder, evaluate=evaluate,
-                                              retry_policy=retry))
+            stopping.run(run_training(cfg, token, steps=steps, on_progress=display.update, check_children=check,
+                                      recorder=recorder, evaluate=evaluate, retry_policy=retry, report=report))
+    except (KeyboardInterrupt, stopping.Stop):
+        report.interrupted = True
     finally:
         recorder.close()
     return report, recorder
 
 
 def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | None) -> None:
-    console.print(f"trained {report.steps} steps ({report.sft_steps} SFT) in {report.wall_s:.1f}s; pointer at "
-                  f"version {report.pointer_version}; inference serving {report.inference_versions}")
+    if report.interrupted:
+        console.print(f"interrupted after {report.steps} steps ({report.rl_steps} RL) in {report.wall_s:.1f}s")
+    else:
+        console.print(f"trained {report.steps} steps ({report.sft_steps} SFT) in {report.wall_s:.1f}s; pointer at "
+                      f"version {report.pointer_version}; inference serving {report.inference_versions}")
     summary = report.to_json()
+    if summary["rl_steps_per_s"] is not None:
+        console.print(f"RL throughput: {summary['rl_steps_per_s']:.2f} steps/s, "
+                      f"{summary['trajectories_per_s']:.1f} trajectories/s, "
+                      f"{summary['generated_tokens_per_s']:.0f} generated tokens/s over the RL phase's "
+                      f"{report.rl_wall_s:.1f}s (its first step's wait included)")
     if report.evals:
         line = ", ".join(f"{tag} {summary[f'reward_{tag}']:.3f}" for tag in ("start", "after_sft", "end")
                          if summary.get(f"reward_{tag}") is not None)
@@ -122,7 +134,45 @@ def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | N
     console.print(f"metrics: {recorder.metrics_path}, TensorBoard: {recorder.out_dir / 'tensorboard'}, "
                   f"plot: {recorder.plot_path}")
     if json_path:
-        Path(json_path).write_text(json.dumps(summary, indent=2))
+        path = Path(json_path)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(summary, indent=2))
+        partial.replace(path)  # whole or absent, even if the process dies while writing
+
+
+def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: int | None, retry: RetryPolicy,
+                     start: Sequence[str] = (), report_exits: bool = False) -> int:
+    """`arlo train` and `arlo demo` after their services are up: starts `start`, drives the run,
+    exports, reports, then stops what `cluster` started; the exit status (130: interrupted).
+
+    The report (and `--json`) is written before the services stop, interrupted or not, so a
+    Ctrl-C keeps what the run did; a second one while they stop kills them (supervisor.py)."""
+    cfg, token = cluster.cfg, cluster.token
+    report: TrainReport | None = None
+    recorder: RunRecorder | None = None
+    interrupted = False
+    try:
+        cluster.start(tuple(start))
+        report, recorder = _train_with_progress(cluster, cfg, token, steps, evaluate=not args.no_eval, retry=retry)
+        interrupted = report.interrupted
+        if not interrupted:
+            _export_at_end(cfg, token, args.export)  # while the trainer still serves its weights
+    except (KeyboardInterrupt, stopping.Stop):
+        interrupted = True
+    finally:
+        try:
+            with stopping.sigint_ignored():  # a few ms: a Ctrl-C here must not cost the report or the stop
+                if report is not None and recorder is not None:
+                    report.interrupted = interrupted
+                    _print_report(report, recorder, args.json)
+                elif interrupted:
+                    console.print("interrupted")
+        finally:
+            codes = cluster.stop()
+        bad = {k: v for k, v in codes.items() if v not in (0, None)}
+        if report_exits and bad:
+            console.print(f"[yellow]services exited uncleanly: {bad}")
+    return 130 if interrupted else 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -132,37 +182,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     token = resolve_token(cfg)
     require_serving(cfg, INFRA_SERVICES)
     cluster = attach_cluster(cfg, token, config_path=args.config)
-    try:
-        cluster.start(("rollout",))
-        report, recorder = _train_with_progress(cluster, cfg, token, args.steps, evaluate=not args.no_eval,
-                                                retry=RetryPolicy(outage_s=args.outage_s))
-        _export_at_end(cfg, token, args.export)
-    except (KeyboardInterrupt, stopping.Stop):
-        console.print("interrupted; pausing the trainer")
-        return 130
-    finally:
-        cluster.stop()
-    _print_report(report, recorder, args.json)
-    return 0
+    return _drive_then_stop(cluster, args, steps=args.steps, retry=RetryPolicy(outage_s=args.outage_s),
+                            start=("rollout",))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     stopping.stop_on_sigterm()
     cluster = _start_cluster(args.config, free_ports=True, with_rollout=True, demo=True)
-    try:
-        steps = args.steps if args.steps is not None else DEMO_RL_STEPS
-        report, recorder = _train_with_progress(cluster, cluster.cfg, cluster.token, steps, evaluate=not args.no_eval)
-        _export_at_end(cluster.cfg, cluster.token, args.export)  # while the trainer still serves its weights
-    except (KeyboardInterrupt, stopping.Stop):
-        console.print("interrupted")
-        return 130
-    finally:
-        codes = cluster.stop()
-        bad = {k: v for k, v in codes.items() if v not in (0, None)}
-        if bad:
-            console.print(f"[yellow]services exited uncleanly: {bad}")
-    _print_report(report, recorder, args.json)
-    return 0
+    steps = args.steps if args.steps is not None else DEMO_RL_STEPS
+    return _drive_then_stop(cluster, args, steps=steps, retry=DEFAULT_RETRY, report_exits=True)
 
 
 def _export_at_end(cfg, token, out: str | None) -> None:

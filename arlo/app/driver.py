@@ -50,9 +50,32 @@ class TrainReport:
     wall_s: float = 0.0
     rl_wall_s: float = 0.0
     """Wall time of the RL phase alone."""
+    rl_steps: int = 0
+    """RL steps seen during this drive."""
+    trajectories: int = 0
+    """Trajectories trained on by those RL steps."""
+    generated_tokens: int = 0
+    """Model tokens of those trajectories (what the fleet generated and the trainer used)."""
+    interrupted: bool = False
+    """The drive was stopped (Ctrl-C, SIGTERM) before its steps were done: the figures are what it saw."""
+
+    def add_rl_step(self, record: dict[str, Any]) -> None:
+        """Counts one RL step record of the trainer (services/trainer/diagnostics.py `step_record`)."""
+        trajectories = record.get("num_trajectories", 0)
+        self.rl_steps += 1
+        self.trajectories += trajectories
+        self.generated_tokens += round(record.get("response_length_mean", 0.0) * trajectories)
+
+    def throughput(self) -> dict[str, float | None]:
+        """Per second of the RL phase (None before any): steps, trajectories, generated tokens."""
+        def per_s(n: int) -> float | None:
+            return round(n / self.rl_wall_s, 4) if self.rl_wall_s > 0 and self.rl_steps else None
+        return {"rl_steps_per_s": per_s(self.rl_steps), "trajectories_per_s": per_s(self.trajectories),
+                "generated_tokens_per_s": per_s(self.generated_tokens)}
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        out.update(self.throughput())
         for tag in ("start", "after_sft", "end"):  # reward_start, reward_after_sft, reward_end, greedy_*
             result = self.evals.get(tag, {})
             out[f"reward_{tag}"] = result.get("sampled_reward")
@@ -103,7 +126,10 @@ class RunDriver:
                  evaluate: bool = True, rl_seconds: float | None = None,
                  on_phase: Callable[[str], Awaitable[None]] | None = None,
                  eval_tags: tuple[str, ...] = ("start", "after_sft", "end"), poll_s: float = 0.2,
-                 stall_s: float = 300.0, retry_policy: RetryPolicy = DEFAULT_RETRY) -> None:
+                 stall_s: float = 300.0, retry_policy: RetryPolicy = DEFAULT_RETRY,
+                 report: TrainReport | None = None) -> None:
+        """`report`: filled in as the drive goes, so a caller that holds it has what was seen
+        even when the drive is interrupted (`arlo demo --json` on Ctrl-C)."""
         self.retry = retry_policy
         self.eval_tags = eval_tags
         self.rl_seconds = rl_seconds
@@ -114,12 +140,13 @@ class RunDriver:
         self.recorder = recorder
         self.evaluate = evaluate
         self.poll_s, self.stall_s = poll_s, stall_s
-        self.report = TrainReport()
+        self.report = report if report is not None else TrainReport()
         self.started = time.monotonic()
         self._meter = _Meter()
         self._pending_evals: dict[str, tuple[str, int]] = {}  # tag -> (request id, version asked for)
         self._version_step: dict[int, int] = {}  # version -> the last step that trained from it or published it
         self._last_step = 0
+        self._first_step = 0  # the trainer's step when this drive began
         self._last_id = "0-0"  # the newest metrics-stream entry handled
         self._sft_steps = 0
         self._until_step = 0
@@ -138,14 +165,14 @@ class RunDriver:
                                      token=self.token, tls=self.cfg.auth.tls, policy=self.retry) as trainer:
                 await self._run_phases(trainer, steps)
         finally:
+            self.report.wall_s = time.monotonic() - self.started
             await redis.aclose()
-        self.report.wall_s = time.monotonic() - self.started
         return self.report
 
     async def _run_phases(self, trainer: trainer_pb2_grpc.TrainerStub, steps: int | None) -> None:
         status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
-        first_step = self._last_step = status.step
-        self._sft_steps = status.sft_steps
+        first_step = self._first_step = self._last_step = status.step
+        self._sft_steps = self.report.sft_steps = status.sft_steps
         await self._evaluate_now("start", status.version)
         sft_left = max(status.sft_steps - status.step, 0)
         if sft_left:
@@ -157,8 +184,10 @@ class RunDriver:
             await self.on_phase("rl_start")  # e.g. a benchmark's counters, measured over RL alone
         self.rl_started = time.monotonic()
         deadline = self.rl_started + self.rl_seconds if self.rl_seconds else None
-        status = await self._drive(trainer, until=until, deadline=deadline)
-        self.report.rl_wall_s = time.monotonic() - self.rl_started
+        try:
+            status = await self._drive(trainer, until=until, deadline=deadline)
+        finally:
+            self.report.rl_wall_s = time.monotonic() - self.rl_started
         if self.on_phase:
             await self.on_phase("rl_end")
         self.report.steps = status.step - first_step
@@ -234,9 +263,11 @@ class RunDriver:
                "elapsed_s": time.monotonic() - self.started,
                "sft_steps": self._sft_steps, "until_step": self._until_step}
         self._last_step = record["step"]
+        self.report.steps = record["step"] - self._first_step  # the final status confirms it at the end
         self._version_step[record["version"]] = record["step"]  # SFT steps share one version: the last
         if rl:
             self.report.rewards.append(record.get("reward_mean", 0.0))
+            self.report.add_rl_step(record)
         if self.recorder is not None:
             self.recorder.step(row)
         self.on_progress(row)
@@ -302,12 +333,12 @@ async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, 
                        evaluate: bool = True, rl_seconds: float | None = None,
                        on_phase: Callable[[str], Awaitable[None]] | None = None,
                        eval_tags: tuple[str, ...] = ("start", "after_sft", "end"),
-                       retry_policy: RetryPolicy = DEFAULT_RETRY) -> TrainReport:
+                       retry_policy: RetryPolicy = DEFAULT_RETRY, report: TrainReport | None = None) -> TrainReport:
     """Warm start (if configured), then `steps` RL steps (forever when None; at most `rl_seconds`
-    of RL when given), evaluating on the way."""
+    of RL when given), evaluating on the way. `report`: filled in as the drive goes (`RunDriver`)."""
     driver = RunDriver(cfg, token, on_progress=on_progress, check_children=check_children, recorder=recorder,
                        evaluate=evaluate, rl_seconds=rl_seconds, on_phase=on_phase, eval_tags=eval_tags,
-                       retry_policy=retry_policy)
+                       retry_policy=retry_policy, report=report)
     return await driver.run(steps)
 
 

@@ -89,3 +89,19 @@ async def _until_stopped(main: Coroutine[Any, Any, T]) -> T:
     if stopped:  # `main` swallowed its cancellation: the stop stands all the same
         raise Stop()
     return result
+
+
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ctrl-C does nothing inside the block (short work that must not be cut: writing a run's
+    report before its services stop); the handler from before comes back at its end. Off the
+    main thread, where signal handlers cannot be set, the block runs as it is."""
+    try:
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)

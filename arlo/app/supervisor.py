@@ -7,6 +7,7 @@ because gRPC does not survive fork() without exec.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from arlo.app.stopping import Stop, sigint_ignored
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +164,32 @@ class Supervisor:
         return restarted
 
     def stop_all(self, grace_s: float = 10.0) -> dict[str, int | None]:
-        """SIGTERM in reverse start order, SIGKILL what is left after `grace_s`; returns exit codes."""
+        """SIGTERM in reverse start order, SIGKILL what is left after `grace_s`; returns exit codes.
+        A Ctrl-C (or SIGTERM's Stop) while it waits is the user saying "now": what is still
+        running is killed at once (a second Ctrl-C of `arlo demo` used to escape from here as a
+        traceback and leave the rest to the kernel's parent-death signal)."""
         # Never raises: it runs on every way out (a child may be gone, stopped or a zombie).
         children = list(reversed(self.children.values()))
-        for batch in ([c for c in children if not c.spec.stop_last], [c for c in children if c.spec.stop_last]):
-            self._stop_batch(batch, grace_s)
+        try:
+            for batch in ([c for c in children if not c.spec.stop_last], [c for c in children if c.spec.stop_last]):
+                self._stop_batch(batch, grace_s)
+        except (KeyboardInterrupt, Stop) as e:
+            log.warning("stopping interrupted (%s); killing the services still running", type(e).__name__)
+            self._kill_all(children)
         return {name: c.process.returncode for name, c in self.children.items()}
+
+    @staticmethod
+    def _kill_all(children: list[_Child], wait_s: float = 10.0) -> None:
+        """SIGKILL to every child still running, then reaps them (bounded; nothing it does raises)."""
+        with sigint_ignored():
+            for child in children:
+                if child.process.poll() is None:
+                    with contextlib.suppress(OSError):
+                        os.killpg(child.process.pid, signal.SIGKILL)
+            deadline = time.monotonic() + wait_s
+            for child in children:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def _stop_batch(self, children: list[_Child], grace_s: float) -> None:
         for child in children:

@@ -20,7 +20,8 @@ from arlo.coord.metrics import MetricsStream
 def record(step: int, version: int, phase: str) -> dict:
     return {"step": step, "version": version, "phase": phase, "time": 1000.0 + step, "loss": 1.0 / step,
             "grad_norm": 1.0, "consumed": 8 * step, "tokens_trained": 100 * step,
-            **({"reward_mean": 0.1 * step, "staleness_mean": 0.5, "staleness_max": 1} if phase == "rl" else {})}
+            **({"reward_mean": 0.1 * step, "staleness_mean": 0.5, "staleness_max": 1, "num_trajectories": 8,
+                "response_length_mean": 2.5 * step} if phase == "rl" else {})}
 
 
 async def test_every_step_is_a_row_and_every_eval_is_placed_or_reported(redis_url: str, run_id: str,
@@ -42,6 +43,12 @@ async def test_every_step_is_a_row_and_every_eval_is_placed_or_reported(redis_ur
         await driver._read_steps()
         assert [r["step"] for r in seen] == [1, 2, 3, 4, 5, 6, 7]
         assert [r["reward"] for r in seen][:2] == [None, None] and seen[2]["reward"] == 0.1 * 3
+        # The report counts as it reads (what an interrupted drive writes): 7 steps, 5 of them RL.
+        report = driver.report
+        assert (report.steps, report.rl_steps, report.trajectories) == (7, 5, 40)
+        assert report.generated_tokens == sum(round(2.5 * s * 8) for s in range(3, 8))
+        report.rl_wall_s = 2.0
+        assert report.to_json()["rl_steps_per_s"] == 2.5 and report.to_json()["trajectories_per_s"] == 20.0
         # Asked at v2, v4, v6; a worker answers v4 with episodes sampled from v4 and v5.
         asked = [await worker.take(100, 60_000) for _ in range(3)]
         assert [(a.tag, a.min_version) for a in asked] == [("v2", 2), ("v4", 4), ("v6", 6)]

@@ -116,6 +116,11 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
         assert train.returncode == 0, train.stderr[-4000:]
         report = json.loads((tmp_path / "train.json").read_text())
         assert report["steps"] >= 2 and report["pointer_version"] >= 2
+        # Throughput over the RL phase: 2 prompts x 4 samples a step (write_config).
+        assert report["interrupted"] is False and report["rl_steps"] == report["steps"]
+        assert report["trajectories"] == 8 * report["rl_steps"] and report["generated_tokens"] > 0
+        assert report["rl_steps_per_s"] == pytest.approx(report["rl_steps"] / report["rl_wall_s"], rel=1e-3)
+        assert report["generated_tokens_per_s"] > report["trajectories_per_s"] > 0
         after = json.loads(arlo("status", "--json", home=home, timeout=60).stdout)
         inference = next(s for s in after["services"] if s["name"] == "inference")
         assert inference["weight_version"] == after["pointer_version"] >= 2
@@ -147,3 +152,74 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
     episode_traces = {s["trace_id"] for s in spans if s["name"] == "rollout.episode"}
     assert any(s["service"] == "inference" and s["kind"] == "SERVER" and s["trace_id"] in episode_traces
                for s in spans)
+
+
+@pytest.mark.timeout(600)  # the waits inside: 300 s for the first steps, 120 s for the stop
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_services(
+        tmp_path: Path, redis_url: str, run_id: str) -> None:
+    """Ctrl-C of `arlo demo` mid-run: exit 130 and a `--json` report of what the run did (it was
+    not written at all), throughput included, written before the services stop; a second Ctrl-C
+    while they stop kills them: no traceback, no process left."""
+    config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=False)
+    home, out = tmp_path / "home", tmp_path / "demo.json"
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    err = tmp_path / "demo.err"
+    demo = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "demo", "-c", str(config), "--steps", "100000",
+                             "--no-eval", "--json", str(out)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(err, "w"))  # noqa: SIM115
+    try:
+        deadline = time.monotonic() + 300
+        while not rl_rows(home, at_least=2):
+            assert demo.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
+            time.sleep(0.2)
+        services = [pid for pid, parent in children_of(demo.pid)]
+        assert len(services) == 5, services  # four services and the rollout worker (Redis is the test's)
+        demo.send_signal(signal.SIGINT)
+        while not out.exists():
+            assert demo.poll() is None and time.monotonic() < deadline + 60, err.read_text()[-4000:]
+            time.sleep(0.05)
+        demo.send_signal(signal.SIGINT)  # the services are stopping now: stop them at once
+        assert demo.wait(timeout=120) == 130, err.read_text()[-4000:]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    text = err.read_text()
+    assert "Traceback" not in text, text[-4000:]
+    assert not [pid for pid in services if Path(f"/proc/{pid}").exists() and not zombie(pid)]
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True and report["rl_steps"] >= 2 and report["steps"] >= report["rl_steps"]
+    assert report["trajectories"] == 8 * report["rl_steps"] and report["generated_tokens_per_s"] > 0
+    assert report["rl_steps_per_s"] > 0 and len(report["rewards"]) == report["rl_steps"]
+    assert len(rl_rows(home, at_least=0)) >= report["rl_steps"]  # the run record has every step it reports
+
+
+def rl_rows(home: Path, *, at_least: int) -> list[dict]:
+    """The RL step rows of the run record under `home` (empty until there are `at_least`)."""
+    rows = [json.loads(line) for path in (home / "runs").glob("*/metrics.jsonl")
+            for line in path.read_text().splitlines() if line.strip()]
+    rl = [r for r in rows if r.get("kind") == "step" and r.get("phase") == "rl"]
+    return rl if len(rl) >= at_least else []
+
+
+def children_of(parent: int) -> list[tuple[int, int]]:
+    """(pid, parent pid) of the live processes whose parent is `parent`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                out.append((int(entry.name), parent))
+    return out
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False

@@ -130,6 +130,42 @@ def test_stop_all_never_raises_on_dead_or_stopped_children(tmp_path: Path) -> No
     assert codes == {"a": -signal.SIGKILL, "b": -signal.SIGTERM}
 
 
+STOP_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from arlo.app.supervisor import ProcessSpec, Supervisor
+    sup = Supervisor([])
+    for name in ("a", "b"):  # children that ignore SIGTERM: a graceful stop waits out its grace
+        log = Path(sys.argv[1]) / f"{name}.log"
+        sup.start(ProcessSpec(name=name, argv=("sh", "-c", "trap '' TERM; echo up; sleep 600 & wait"), address="",
+                              log_path=log, ready=lambda a, t, log=log: "up" in log.read_text()), 10)
+    print(" ".join(str(c.process.pid) for c in sup.children.values()), flush=True)
+    print(sup.stop_all(grace_s=300), flush=True)
+""")
+
+
+def test_a_ctrl_c_while_stopping_kills_the_children_and_does_not_raise(tmp_path: Path) -> None:
+    """`stop_all` waiting out children's grace is cut short by Ctrl-C (a second Ctrl-C of `arlo
+    demo`): every child is killed at once and it still returns their codes (the interrupt used
+    to escape from the wait as a traceback)."""
+    proc = subprocess.Popen([sys.executable, "-c", STOP_SCRIPT, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read()
+        time.sleep(1.0)  # inside stop_all's wait now (the children ignore its SIGTERM)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert out.strip() == str({"b": -signal.SIGKILL, "a": -signal.SIGKILL}) or \
+        out.strip() == str({"a": -signal.SIGKILL, "b": -signal.SIGKILL}), out
+    assert gone(pids)
+
+
 def write_config(path: Path, home: Path, redis_url: str) -> dict:
     cfg: dict = {"run_id": "drive", "redis": {"url": redis_url},
                  "trainer": {"groups_per_step": 2, "checkpoint_every": 2, "checkpoint_dir": str(home / "ckpt"),
