@@ -196,6 +196,9 @@ class MeshConfig:
 
 
 SERVICE_NAMES = ("inference", "trainer", "env_gateway", "reward", "rollout")
+MAX_POLL_S = 300.0
+"""The longest re-check interval of a waiter that an event normally wakes (`*_poll_s`): the
+re-check is what recovers a lost event, so one slower than this is a wait that never ends."""
 """arlo's services: each a config section and a `python -m services.<name>` process."""
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from arlo.config.base import MeshConfig, ServerConfig, _check, _frozen
+from arlo.config.base import MAX_POLL_S, MeshConfig, ServerConfig, _check, _frozen
 
 
 @_frozen
@@ -72,5 +72,5 @@ class InferenceConfig:
         _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's)")
         _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
         _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
-        _check(f"{path}.weight_poll_s", self.weight_poll_s > 0, "must be > 0")
+        _check(f"{path}.weight_poll_s", 0 < self.weight_poll_s <= MAX_POLL_S, f"must be in (0, {MAX_POLL_S:g}]")
         self.mesh.validate(f"{path}.mesh")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import field
@@ -110,6 +111,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        # No setting means anything by NaN or infinity, and each slips past range checks written
+        # as comparisons (NaN fails them all; an infinite poll interval passed `> 0` and never woke).
+        if tp is float and not math.isfinite(value):
+            raise ConfigError(f"{path}: must be a finite number, got {value!r}")
         return value
     if origin is dict:
         if not isinstance(value, dict):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal, get_args
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 import pytest
 
@@ -136,3 +139,39 @@ def test_the_docs_generator_refuses_an_undocumented_field(tmp_path: Path) -> Non
     result = subprocess.run([sys.executable, str(copy / "scripts" / "gen_config_docs.py")], capture_output=True,
                             text=True, timeout=60, cwd=copy)
     assert result.returncode == 1 and "TrainerConfig.max_grad_norm" in result.stderr, result.stderr
+
+
+def _float_fields(cls: type, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The path of every float setting under `cls` (nested sections included)."""
+    out = []
+    for name, tp in get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out += _float_fields(tp, (*prefix, name))
+        elif tp is float or (get_origin(tp) in (Union, UnionType) and float in get_args(tp)):
+            out.append((*prefix, name))
+    return out
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_no_float_setting_takes_nan_or_infinity(value: float) -> None:
+    """Every float setting, not the ones a range check happened to cover: NaN fails comparisons
+    and so slipped past checks like `x > 0` as a value of no setting; an infinite
+    `rollout.admission_poll_s` passed `> 0` and the gate's re-check never came."""
+    paths = _float_fields(RunConfig)
+    assert len(paths) > 30 and ("rollout", "admission_poll_s") in paths
+    for path in paths:
+        overrides: dict = {}
+        node = overrides
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+        with pytest.raises(ConfigError, match=rf"{re.escape('.'.join(path))}: must be a finite number"):
+            load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize("path", ["rollout.admission_poll_s", "inference.weight_poll_s"])
+def test_poll_intervals_are_bounded(path: str) -> None:
+    section, name = path.split(".")
+    with pytest.raises(ConfigError, match=rf"{path}: must be in \(0, 300\]"):
+        load_config(overrides={section: {name: 1e300}})
+    assert getattr(getattr(load_config(overrides={section: {name: 300}}), section), name) == 300.0
