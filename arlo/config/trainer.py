@@ -165,7 +165,8 @@ class TrainerConfig:
     warmup_programs: int = 3
     """At start, compile the RL step for every batch length bucket up to the longest episode
     (`rollout.max_episode_tokens`, within the model's context) when there are at most this many
-    buckets, so no step compiles mid-run; more buckets compile on first use (each logged). 0: never."""
+    buckets, so no step compiles mid-run; more buckets compile on first use (each logged). The SFT
+    warm start's step likewise, for the lengths its demonstrations' batches can take. 0: never."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")

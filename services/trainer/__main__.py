@@ -7,6 +7,7 @@ one host; the others only replay its JAX work (services/trainer/lockstep.py) and
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -42,7 +43,7 @@ from services.trainer.publish import VersionStore
 from services.trainer.server import TrainerServicer
 from services.trainer.step_spans import StepSpans
 from services.trainer.warmstart import WarmStart
-from services.trainer.warmup import length_buckets, warm_up_learner
+from services.trainer.warmup import length_buckets, warm_up_learner, warm_up_sft
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +63,6 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     source = cfg.model.source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
 
-    async def warm_up() -> None:
-        lengths = length_buckets(cfg.rollout.max_episode_tokens, learner.model_cfg.max_seq_len)
-        if len(lengths) <= tc.warmup_programs:
-            async with loop.jax_lock:
-                await asyncio.to_thread(warm_up_learner, learner, lengths=lengths, groups=tc.groups_per_step,
-                                        group_size=cfg.rollout.group_size)
-        else:
-            log.warning("warm-up skipped: %d batch lengths %s (trainer.warmup_programs = %d); each compiles on "
-                        "first use, mid-run", len(lengths), lengths, tc.warmup_programs)
-        compiles.mark_warm()
-        # The warm-up runs after the server started (and froze start-up's objects): what tracing
-        # and compiling left is long-lived too (arlo/gc_pauses.py).
-        freeze_startup()
-
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
@@ -86,9 +73,10 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
         pad_id=tok.pad_id, filter_zero_variance=tc.algorithm.filter_zero_variance,
         overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                   if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
-        warm_start=warm_start, start_paused=tc.start_paused, before_run=warm_up,
+        warm_start=warm_start, start_paused=tc.start_paused,
         longest_episode=cfg.rollout.max_episode_tokens, expiring_wait_s=tc.expiring_wait_s,
     )
+    loop.before_run = functools.partial(warm_up, cfg, loop, compiles)
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
     running = await start_server("trainer", tc.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=trainer_pb2_grpc.add_TrainerServicer_to_server,
@@ -122,6 +110,31 @@ def heartbeat_fields(loop: TrainingLoop, tasks: TaskGroup, compiles: CompileWatc
         "loop_restarts": sum(tasks.restarts.values()), "staleness_max": state.last_staleness_max,
         "generated_tokens": state.generated_tokens, "skipped_steps": state.skipped_steps, **compiles.metrics(),
         **{f"dropped_{reason}": n for reason, n in loop.dropped().items()}}
+
+
+async def warm_up(cfg: RunConfig, loop: TrainingLoop, compiles: CompileWatch) -> None:
+    """The loop's `before_run`: compiles the RL step (and the SFT warm start's, when steps of it
+    remain) for every batch length a run can need, each kind when it has at most
+    `trainer.warmup_programs` lengths; from then on every compile is logged as late."""
+    tc, learner, warm_start = cfg.trainer, loop.learner, loop.warm_start
+    rl_lengths = length_buckets(cfg.rollout.max_episode_tokens, learner.model_cfg.max_seq_len)
+    sft_lengths = warm_start.batch_lengths if warm_start and learner.step_count < warm_start.steps else []
+    for kind, lengths in (("RL", rl_lengths), ("SFT", sft_lengths)):
+        if len(lengths) > tc.warmup_programs:
+            log.warning("%s warm-up skipped: %d batch lengths %s (trainer.warmup_programs = %d); each compiles "
+                        "on first use, mid-run", kind, len(lengths), lengths, tc.warmup_programs)
+        elif lengths:
+            async with loop.jax_lock:
+                if kind == "RL":
+                    await asyncio.to_thread(warm_up_learner, learner, lengths=lengths, groups=tc.groups_per_step,
+                                            group_size=cfg.rollout.group_size)
+                else:
+                    assert warm_start is not None
+                    await asyncio.to_thread(warm_up_sft, learner, lengths=lengths, rows=warm_start.batch_size)
+    compiles.mark_warm()
+    # The warm-up runs after the server started (and froze start-up's objects): what tracing
+    # and compiling left is long-lived too (arlo/gc_pauses.py).
+    freeze_startup()
 
 
 async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyncio.Task[None]]) -> RunningServer:

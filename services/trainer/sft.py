@@ -149,9 +149,27 @@ def demonstration_batches(demos: Sequence[Demonstration | Messages], tok: Tokeni
                           max_seq_len: int, seed: int = 0) -> Iterator[SFTBatch]:
     """Endless shuffled batches; each demonstration is tokenized once."""
     examples = [tokenize_demonstration(d, tok) for d in demos]
+    return example_batches(examples, tok.pad_id, batch_size, max_seq_len=max_seq_len, seed=seed)
+
+
+def batch_lengths(examples: Sequence[Example], max_seq_len: int) -> list[int]:
+    """Every length `sft_batch` can give a batch of these examples: the buckets from the
+    shortest example's to the longest's (a batch takes its longest member's bucket)."""
+    shortest = min(min(len(e.token_ids) for e in examples), max_seq_len)
+    top = min(bucket_length(min(max(len(e.token_ids) for e in examples), max_seq_len)), max_seq_len)
+    out, length = [], min(bucket_length(shortest), max_seq_len)
+    while length < top:
+        out.append(length)
+        length = min(length * 2, top)
+    return [*out, top]
+
+
+def example_batches(examples: Sequence[Example], pad_id: int, batch_size: int, *, max_seq_len: int,
+                    seed: int = 0) -> Iterator[SFTBatch]:
+    """Endless shuffled batches of `batch_size` tokenized examples (whole batches only: one row count)."""
     rng = random.Random(seed)
     order = list(range(len(examples)))
     while True:
         rng.shuffle(order)
         for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield sft_batch([examples[i] for i in order[start:start + batch_size]], max_seq_len, tok.pad_id)
+            yield sft_batch([examples[i] for i in order[start:start + batch_size]], max_seq_len, pad_id)

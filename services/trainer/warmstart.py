@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from arlo.config import SFTConfig
 from arlo.model.tokenizer import Tokenizer
-from services.trainer.sft import SFTBatch, demonstration_batches, load_demonstrations
+from services.trainer.sft import (
+    SFTBatch,
+    batch_lengths,
+    example_batches,
+    load_demonstrations,
+    tokenize_demonstration,
+)
 
 
 class WarmStart:
@@ -18,7 +24,11 @@ class WarmStart:
         if len(demos) < cfg.batch_size:
             raise ValueError(f"trainer.sft.data has {len(demos)} demonstrations; batch_size is {cfg.batch_size}")
         self.steps = cfg.steps
-        self._batches = demonstration_batches(demos, tokenizer, cfg.batch_size, max_seq_len=max_seq_len, seed=seed)
+        self.batch_size = cfg.batch_size
+        examples = [tokenize_demonstration(d, tokenizer) for d in demos]
+        self.batch_lengths = batch_lengths(examples, max_seq_len)
+        """Every length a batch can take: the SFT step programs the start-up warm-up compiles."""
+        self._batches = example_batches(examples, tokenizer.pad_id, cfg.batch_size, max_seq_len=max_seq_len, seed=seed)
 
     def next_batch(self) -> SFTBatch:
         return next(self._batches)

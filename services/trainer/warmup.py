@@ -66,3 +66,21 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
     log.info("warm-up: RL step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
              extra={"programs": len(lengths)})
     return len(lengths)
+
+
+def warm_up_sft(learner: Learner, *, lengths: Sequence[int], rows: int) -> int:
+    """Compiles the SFT warm start's step for batches of `rows` at each length (the warm start's
+    `batch_lengths`); returns the number compiled (0 with several JAX processes). Its optimizer
+    state is made here, as the first SFT step would make it."""
+    if jax.process_count() > 1:
+        return 0
+    started = time.perf_counter()
+    if learner.sft_opt_state is None:
+        learner.sft_opt_state = learner._sft_tx.init(learner.state)
+    for length in lengths:
+        device_rows = learner._on_device({"tokens_bt": np.zeros((rows, length), np.int32),
+                                          "mask_bt": np.zeros((rows, length), np.float32)})
+        learner._sft_step.lower(learner.state, learner.sft_opt_state, device_rows).compile()
+    log.info("warm-up: SFT step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
+             extra={"programs": len(lengths)})
+    return len(lengths)

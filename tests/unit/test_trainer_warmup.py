@@ -3,17 +3,21 @@ step of that shape then compiles nothing, and the weights are those the learner 
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
 from arlo.compile_watch import CompileWatch
-from arlo.config import TrainerConfig
+from arlo.config import SFTConfig, TrainerConfig
 from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.trainer.batching import bucket_length, build_batch, trained_length
 from services.trainer.learner import Learner
-from services.trainer.warmup import length_buckets, warm_up_learner
+from services.trainer.sft import Example, batch_lengths
+from services.trainer.warmstart import WarmStart
+from services.trainer.warmup import length_buckets, warm_up_learner, warm_up_sft
 
 
 def test_length_buckets_cover_every_episode_length() -> None:
@@ -52,3 +56,37 @@ def test_a_warmed_length_steps_without_compiling() -> None:
         assert not metrics.skipped and watch.late == 0, list(watch.late_names)
     finally:
         watch.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_sft_warm_start_steps_without_compiling(tmp_path) -> None:
+    """The SFT step is warmed for every length the warm start's batches can take (it compiled on
+    the first SFT step, logged as late, while the demo's services already served)."""
+    rows = [{"messages": [{"role": "user", "content": "q" * n}, {"role": "assistant", "content": "a" * n}]}
+            for n in (2, 5, 9, 20, 40)]  # lengths over several buckets
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    learner = Learner(preset_source("tiny"), cfg=TrainerConfig(groups_per_step=1))
+    warm = WarmStart(SFTConfig(data=str(data), steps=8, batch_size=2), preset_source("tiny").tokenizer(),
+                     max_seq_len=learner.model_cfg.max_seq_len)
+    assert len(warm.batch_lengths) >= 2, warm.batch_lengths
+    watch = CompileWatch().install()
+    try:
+        assert warm_up_sft(learner, lengths=warm.batch_lengths, rows=warm.batch_size) == len(warm.batch_lengths)
+        watch.mark_warm()
+        seen = set()
+        for _ in range(20):  # every pairing of the shuffled demonstrations comes up
+            batch = warm.next_batch()
+            seen.add(batch.tokens_bt.shape[1])
+            learner.sft_step(batch)
+        assert seen <= set(warm.batch_lengths) and len(seen) >= 2, (seen, warm.batch_lengths)
+        assert watch.late == 0, list(watch.late_names)
+    finally:
+        watch.close()
+
+
+def test_sft_batch_lengths_cover_every_batch() -> None:
+    examples = [Example(token_ids=[0] * n, loss_mask=[1] * n) for n in (3, 17, 40, 200)]
+    assert batch_lengths(examples, 128) == [16, 32, 64, 128]
+    assert batch_lengths(examples[:2], 1024) == [16, 32]
+    assert batch_lengths([Example(token_ids=[0] * 5, loss_mask=[1] * 5)], 12) == [12]  # cut at the context
