@@ -9,10 +9,12 @@ turns on `jax_log_compiles`, so the service's log says which shapes came in late
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -21,6 +23,19 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 RECENT = 16
 """Late compiles remembered by name (the newest), for the heartbeat and tests."""
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def ahead_of_use() -> Iterator[None]:
+    """Compiles on this thread inside the block are made ahead of any use (a warm-up that goes
+    on in the background after the service is up): counted as `ahead`, not as late."""
+    _thread.ahead = True
+    try:
+        yield
+    finally:
+        _thread.ahead = False
 
 
 class CompileWatch:
@@ -35,6 +50,8 @@ class CompileWatch:
         """Compiles after `mark_warm()`: the number a run should keep at 0."""
         self.late_s = 0.0
         self.late_names: deque[str] = deque(maxlen=RECENT)
+        self.ahead = 0
+        """Compiles after `mark_warm()` made ahead of use (`ahead_of_use`): not stalls."""
         self._lock = threading.Lock()  # compiles happen on any thread (the engine's, to_thread's)
         self._installed = False
         self._log_compiles: bool | None = None  # jax_log_compiles before mark_warm, restored by close
@@ -77,10 +94,12 @@ class CompileWatch:
         if event != COMPILE_EVENT:
             return
         name = str(kwargs.get("fun_name", "?"))
+        ahead = getattr(_thread, "ahead", False)
         with self._lock:
             self.compiles += 1
             self.compile_s += duration
-            late = self.warm_at is not None
+            late = self.warm_at is not None and not ahead
+            self.ahead += self.warm_at is not None and ahead
             if late:
                 self.late += 1
                 self.late_s += duration
@@ -98,4 +117,5 @@ class CompileWatch:
         """For heartbeats and /metrics: plain numbers."""
         with self._lock:
             return {"compiles": self.compiles, "compile_s": round(self.compile_s, 3), "compile_cache_hits": self.cache_hits,
-                    "late_compiles": self.late, "late_compile_s": round(self.late_s, 3)}
+                    "late_compiles": self.late, "late_compile_s": round(self.late_s, 3),
+                    "ahead_compiles": self.ahead}

@@ -53,6 +53,12 @@ class InferenceConfig:
     max_batch, max_prefill_rows) when they allow at most this many, before serving, so a run
     compiles nothing mid-run; a larger set compiles on first use (the start-up log gives its
     size: tighten the limits to the workload to bring it under). 0: never."""
+    compile_when_idle: bool = True
+    """A program set larger than `warmup_programs` is compiled in the background instead, one
+    program at a time while the engine has served nothing for a moment (an SFT warm start, a
+    synchronous run's train step, a quiet endpoint), so the shapes a run needs later are ready
+    when it needs them; a shape needed before its turn compiles on first use, as without it.
+    False: the larger set only compiles on first use."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")

@@ -29,11 +29,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from arlo.compile_watch import ahead_of_use
 from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, abstract_model
+from arlo.model.kv_cache import KVCache
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource
-from services.inference.programs import row_floor
+from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
+from services.inference.idle_compile import IdleCompiler
+from services.inference.programs import Key, row_floor
 from services.inference.requests import (
     MAX_STOP_IDS,
     MAX_STOP_STRING_BYTES,
@@ -46,7 +50,7 @@ from services.inference.requests import (
     stop_string_cut,
     validate_request,
 )
-from services.inference.runner import Emitted, Runner
+from services.inference.runner import Emitted, Runner, abstract
 from services.inference.scheduler import Request, Scheduler
 from services.inference.scheduler import Sequence as Seq
 
@@ -62,64 +66,6 @@ log = logging.getLogger(__name__)
 class _Policy:
     state: nnx.State
     version: int
-
-
-@dataclass(kw_only=True)
-class EngineStats:
-    requests: int = 0
-    generated_tokens: int = 0
-    swaps: int = 0
-    prefills: int = 0
-    decode_chunks: int = 0
-    decode_rows: int = 0
-    """Sum over chunks of the sequences in the chunk: decode_rows / decode_chunks is the mean batch."""
-    largest_batch: int = 0
-    """Most sequences decoded in one chunk so far (inference.max_batch is the capacity)."""
-    aborted: int = 0
-    busy_s: float = 0.0
-    """Wall time inside engine steps (prefill + decode); the rest of the time it waited for work."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ChunkRecord:
-    """One decode chunk on the timeline (for the bench's swap pause and batch figures)."""
-
-    start: float
-    end: float
-    steps: int
-    rows: int
-    positions: int
-    """Sum over rows of the cached length at the chunk's start (what attention reads)."""
-    version: int
-
-
-class RequestHandle:
-    """A submitted request: `result()` blocks; the callbacks run on the engine thread."""
-
-    def __init__(self, request_id: int, on_tokens: OnTokens | None, on_done: OnDone | None) -> None:
-        self.id = request_id
-        self._on_tokens = on_tokens
-        self._on_done = on_done
-        self._event = threading.Event()
-        self._result: list[Sample] | BaseException | None = None
-
-    def result(self, timeout: float | None = None) -> list[Sample]:
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout}s")
-        if isinstance(self._result, BaseException):
-            raise self._result
-        assert self._result is not None
-        return self._result
-
-    def _tokens(self, delta: TokenDelta) -> None:
-        if self._on_tokens is not None:
-            self._on_tokens(delta)
-
-    def _done(self, result: list[Sample] | BaseException) -> None:
-        self._result = result
-        self._event.set()
-        if self._on_done is not None:
-            self._on_done(result)
 
 
 class Engine:
@@ -164,6 +110,9 @@ class Engine:
         self._handles: dict[int, RequestHandle] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._busy_until = time.monotonic()  # when the loop last had work
+        self._idle_compiler: IdleCompiler | None = None  # warm_up's deferred programs (idle_compile.py)
+        self._avals: tuple[nnx.State, KVCache] | None = None
 
     # ----- policy -----
 
@@ -252,6 +201,14 @@ class Engine:
         keys = self.runner.program_set(max_prompt=min(self.config.max_prompt_tokens, limit),
                                        max_tokens=min(self.config.max_tokens, limit))
         if len(keys) > self.config.warmup_programs:
+            if self.config.compile_when_idle:
+                self._idle_compiler = IdleCompiler(keys, idle_s=self._idle_s, compile_one=self._compile_ahead)
+                self._avals = (abstract(self.state), abstract(self.runner.cache))
+                self.runner.warm = set()  # filled as they compile; a shape used before its turn is late
+                log.info("warm-up deferred: the limits allow %d programs (inference.warmup_programs = %d); they "
+                         "compile while the engine is idle, or on first use", len(keys), self.config.warmup_programs,
+                         extra={"programs": len(keys)})
+                return 0
             log.warning("warm-up skipped: the limits allow %d programs (inference.warmup_programs = %d); they "
                         "compile on first use, mid-run. Tighten max_prompt_tokens, max_tokens, max_batch or "
                         "max_prefill_rows to the workload", len(keys), self.config.warmup_programs,
@@ -262,6 +219,23 @@ class Engine:
         log.info("warm-up: %d programs compiled in %.1fs", len(keys), time.perf_counter() - started,
                  extra={"programs": len(keys)})
         return len(keys)
+
+    def _idle_s(self) -> float:
+        """How long the engine has had nothing to do (0 while it has work)."""
+        with self._cv:
+            if self._inbox or self._cancels or self.scheduler.has_work():
+                return 0.0
+            return time.monotonic() - self._busy_until
+
+    def _compile_ahead(self, key: Key) -> bool:
+        """The idle compiler's job: compiles `key` unless a request already did."""
+        assert self._avals is not None and self.runner.warm is not None
+        if key in self.runner.shapes:
+            return False
+        with ahead_of_use():
+            self.runner.compile_program(key, *self._avals)
+        self.runner.warm.add(key)
+        return True
 
     def metrics(self) -> dict[str, int | float]:
         """A snapshot for heartbeats and /metrics (read from another thread: plain ints only)."""
@@ -286,9 +260,13 @@ class Engine:
             if self._thread is None and not self._stopping:
                 self._thread = threading.Thread(target=self._loop, name="inference-engine", daemon=True)
                 self._thread.start()
+        if self._idle_compiler is not None:
+            self._idle_compiler.start()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops the loop; requests still queued or running end with an error."""
+        if self._idle_compiler is not None:
+            self._idle_compiler.stop()
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -316,6 +294,7 @@ class Engine:
                 log.exception("engine step failed; failing the running requests")
                 self._fail_running(e)
             self.stats.busy_s += time.perf_counter() - started
+            self._busy_until = time.monotonic()
 
     def _step(self) -> None:
         policy = self._policy  # read once: the whole step runs under one version

@@ -98,6 +98,12 @@ class Emitted:
     logprobs: list[float]
 
 
+def abstract(tree):  # noqa: ANN001, ANN201 (any pytree of arrays)
+    """The tree's shapes, dtypes and shardings, without its buffers: what a compile needs, and a
+    compiled call then finds its program (the same lowering as with the arrays)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 class Runner:
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, num_slots: int, slot_len: int,
                  decode_steps: int, max_prefill_rows: int, max_n: int = 1, min_rows: int = MIN_ROWS,
@@ -155,16 +161,21 @@ class Runner:
         """Compiles every program in `keys` ahead of time (nothing runs: the cache is untouched),
         so the jitted calls that need them later find them compiled."""
         for key in sorted(keys, key=str):
-            kind, *dims = key
-            if kind == "decode":
-                b, w = dims
-                _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, self.cache,
-                                  _decode_batch([], int(b), self.scratch)).compile()
-            else:
-                m, t, w, j = (int(d) for d in dims)
-                _prefill_jit.lower(self.graphdef, w, self.cache_sharding, state, self.cache,
-                                   _prefill_batch([], [], m, t, j, self.scratch)).compile()
+            self.compile_program(key, state, self.cache)
         self.warm = set(keys)
+
+    def compile_program(self, key: Key, state: nnx.State, cache: KVCache) -> None:
+        """Compiles the program of `key` (nothing runs). `state` and `cache` may be abstract
+        (`abstract`): a compile beside the engine must not touch the arrays its calls donate."""
+        kind, *dims = key
+        if kind == "decode":
+            b, w = dims
+            _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, cache,
+                              _decode_batch([], int(b), self.scratch)).compile()
+        else:
+            m, t, w, j = (int(d) for d in dims)
+            _prefill_jit.lower(self.graphdef, w, self.cache_sharding, state, cache,
+                               _prefill_batch([], [], m, t, j, self.scratch)).compile()
 
     def _note(self, key: Key) -> None:
         if key in self.shapes:

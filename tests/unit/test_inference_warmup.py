@@ -5,6 +5,7 @@ prefix, concurrent arrivals) compiles nothing, and uses every program the warm-u
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -41,6 +42,57 @@ def test_after_the_warm_up_a_mix_of_requests_compiles_nothing(min_rows: int) -> 
         assert engine.runner.shapes <= engine.runner.warm
         if min_rows == 0:  # the set is exact: every program was needed (the mix never runs 2 rows alone)
             assert engine.runner.shapes == engine.runner.warm
+    finally:
+        engine.close()
+        watch.close()
+
+
+@pytest.mark.timeout(300)
+def test_programs_past_the_warm_up_compile_while_the_engine_is_idle() -> None:
+    """Limits that allow more programs than `warmup_programs`: none compile at start, the engine
+    serves at once (what it needs first compiles on first use), and the rest compile while it is
+    idle, on their own thread, so the requests after that compile nothing (the demo's RL steps
+    met compiles after its SFT warm start, when inference had been idle for minutes)."""
+    watch = CompileWatch().install()
+    # decode_steps 2: programs of their own (jit's cache is the process's; the test above filled it).
+    engine = Engine(preset_source("tiny"), config=dataclasses.replace(CONFIG, min_rows=1, warmup_programs=1,
+                                                                     decode_steps=2))
+    programs = len(engine.runner.program_set(max_prompt=16, max_tokens=8))
+    try:
+        assert engine.warm_up() == 0 and programs >= 5
+        watch.mark_warm()
+        engine.start()
+        engine.generate(SamplingRequest(prompt=(1, 2, 3), max_tokens=8), 120)  # served at once: compiled on use
+        used_first = set(engine.runner.shapes)
+        assert watch.late >= 1 and set(engine.runner.late) == used_first
+        deadline = time.monotonic() + 240
+        while engine.metrics()["warm_programs"] + len(used_first) < programs:
+            assert time.monotonic() < deadline, engine.metrics()
+            time.sleep(0.1)
+        late_before, ahead = watch.late, watch.ahead
+        assert ahead == engine.metrics()["warm_programs"] == programs - len(used_first)
+        requests = [SamplingRequest(prompt=tuple(range(1, length + 1)), n=n, max_tokens=8, temperature=1.0)
+                    for length in (1, 9, 16) for n in (1, 4)]
+        for handle in engine.submit_many(requests):
+            handle.result(120)
+        assert (watch.late, watch.ahead) == (late_before, ahead), list(watch.late_names)
+        assert engine.runner.shapes <= engine.runner.warm | used_first
+    finally:
+        engine.close()
+        watch.close()
+
+
+@pytest.mark.timeout(120)
+def test_without_compile_when_idle_the_larger_set_waits_for_first_use() -> None:
+    engine = Engine(preset_source("tiny"), config=dataclasses.replace(CONFIG, min_rows=1, warmup_programs=1,
+                                                                     decode_steps=3, compile_when_idle=False))
+    watch = CompileWatch().install()
+    try:
+        assert engine.warm_up() == 0
+        watch.mark_warm()
+        engine.start()
+        time.sleep(1.5)  # idle for three times IDLE_S: nothing compiles
+        assert (watch.compiles, watch.ahead, engine.runner.warm) == (0, 0, None)
     finally:
         engine.close()
         watch.close()
