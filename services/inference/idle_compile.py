@@ -29,9 +29,15 @@ POLL_S = 0.1
 
 
 def idle_order(keys: Iterable[Key]) -> list[Key]:
-    """Decode programs first (every request decodes; a few cover most runs), then prefills by
-    token bucket, window and rows, small first (short prompts come first in a multi-turn run)."""
-    return sorted(keys, key=lambda k: (k[0] != "decode", [int(d) for d in k[1:]]))
+    """Small windows first (short sequences: every run's first turns, and all of a run whose
+    episodes are short), within a window decode before prefill (every request decodes), then by
+    token bucket and rows, small first. A key's window: decode ("decode", rows, w); prefill
+    ("prefill", rows, tokens, w, samples)."""
+    def order(key: Key) -> tuple[int, bool, int, int]:
+        if key[0] == "decode":
+            return int(key[2]), False, 0, int(key[1])
+        return int(key[3]), True, int(key[2]), int(key[1])
+    return sorted(keys, key=order)
 
 
 class IdleCompiler:

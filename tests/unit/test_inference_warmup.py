@@ -13,6 +13,7 @@ from arlo.compile_watch import CompileWatch
 from arlo.config import InferenceConfig
 from arlo.model.source import preset_source
 from services.inference.engine import Engine, SamplingRequest
+from services.inference.idle_compile import idle_order
 
 # Tight limits, as a workload would set them: two programs (one prefill, one decode).
 CONFIG = InferenceConfig(max_n=4, max_tokens=8, max_prompt_tokens=16, max_batch=16, max_prefill_rows=4,
@@ -96,3 +97,11 @@ def test_without_compile_when_idle_the_larger_set_waits_for_first_use() -> None:
     finally:
         engine.close()
         watch.close()
+
+
+def test_idle_order_takes_small_windows_first_and_decode_before_prefill() -> None:
+    keys = [("prefill", 16, 64, 128, 16), ("decode", 64, 128), ("prefill", 1, 16, 64, 16), ("decode", 16, 64),
+            ("prefill", 8, 16, 64, 16), ("decode", 64, 64), ("prefill", 2, 32, 64, 16)]
+    assert idle_order(keys) == [("decode", 16, 64), ("decode", 64, 64), ("prefill", 1, 16, 64, 16),
+                                ("prefill", 8, 16, 64, 16), ("prefill", 2, 32, 64, 16), ("decode", 64, 128),
+                                ("prefill", 16, 64, 128, 16)]
