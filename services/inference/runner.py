@@ -198,9 +198,11 @@ class Runner:
         out = []
         for (t, w), by_prompt in sorted(groups.items()):
             members = list(by_prompt.values())
-            self.shared_prefills += sum(len(same) - 1 for same in members)
             for call in pack_calls(members, rows=self.buckets.prefill_rows_cap(), samples=self.buckets.samples,
                                    size=lambda req: req.params.n):
+                # Counted per row as packed: a prompt whose samples fill more than one call is
+                # prefilled once per row it was split into, and shares only within each.
+                self.shared_prefills += sum(len(row) - 1 for row in call)
                 out += self._prefill_call(state, call, t, w)
         return out
 

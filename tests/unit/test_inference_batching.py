@@ -148,6 +148,22 @@ def test_requests_with_one_prompt_share_one_prefill_row_and_keep_their_streams(e
     assert g1.token_ids == g2.token_ids == reference  # the shared row is the exact prefill
 
 
+def test_a_prompt_split_over_calls_counts_only_the_prefills_it_shared() -> None:
+    """Requests of one prompt whose samples exceed a call's (`Buckets.samples`) are split into
+    rows, each prefilled once: only the requests riding on another's row are shared (the count
+    took the unsplit group, one per request past the first)."""
+    engine = new_engine(max_batch=32)  # room to admit 32 samples at once, two calls' worth
+    try:
+        j = engine.runner.buckets.samples
+        reqs = [SamplingRequest(prompt=PROMPTS[5], n=j // 2, max_tokens=4, temperature=1.0, **NO_STOP)
+                for _ in range(4)]
+        for handle in engine.submit_many(reqs):
+            handle.result(120)
+        assert (engine.runner.prefill_rows, engine.runner.shared_prefills) == (2, 2)
+    finally:
+        engine.close()
+
+
 def test_stop_ids_and_max_tokens_end_a_sample(engine: Engine) -> None:
     (full,) = engine.generate(greedy(PROMPTS[0], 10), 120)
     stop = full.token_ids[4]
