@@ -270,8 +270,9 @@ class RolloutConfig:
     batch_window_s: float = 0.001
     """Generate calls to one inference replica, and Score calls, that arrive within this of each
     other leave as one GenerateBatch / ScoreBatch (at most 8 windows after the first); inference
-    admits a batch at once. 0 sends one call each. At 596k, a sync burst of 32 Generates went from
-    4-5 prefills to 1 (services/rollout/coalescing.py)."""
+    admits a batch at once. 0 sends one call each: a group's first turns then reach the engine at
+    different steps and share their prompt's prefill less (about two per group instead of one).
+    At 596k, a sync burst of 32 Generates went from 4-5 prefills to 1 (services/rollout/coalescing.py)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (greedy and pass@k), reported apart from the training reward."""
     envs: tuple[RolloutEnvConfig, ...] = ()
