@@ -17,6 +17,7 @@ import yaml
 
 from arlo.app.redis_server import free_port
 from arlo.tracing.summary import read_spans
+from tests.support.procs import children_of, gone
 
 pytestmark = pytest.mark.e2e
 
@@ -174,7 +175,7 @@ def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_service
         while not rl_rows(home, at_least=2):
             assert demo.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
             time.sleep(0.2)
-        services = [pid for pid, parent in children_of(demo.pid)]
+        services = children_of(demo.pid)
         assert len(services) == 5, services  # four services and the rollout worker (Redis is the test's)
         demo.send_signal(signal.SIGINT)
         while not out.exists():
@@ -188,7 +189,7 @@ def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_service
             demo.wait()
     text = err.read_text()
     assert "Traceback" not in text, text[-4000:]
-    assert not [pid for pid in services if Path(f"/proc/{pid}").exists() and not zombie(pid)]
+    assert gone(services)
     report = json.loads(out.read_text())
     assert report["interrupted"] is True and report["rl_steps"] >= 2 and report["steps"] >= report["rl_steps"]
     assert report["trajectories"] == 8 * report["rl_steps"] and report["generated_tokens_per_s"] > 0
@@ -202,24 +203,3 @@ def rl_rows(home: Path, *, at_least: int) -> list[dict]:
             for line in path.read_text().splitlines() if line.strip()]
     rl = [r for r in rows if r.get("kind") == "step" and r.get("phase") == "rl"]
     return rl if len(rl) >= at_least else []
-
-
-def children_of(parent: int) -> list[tuple[int, int]]:
-    """(pid, parent pid) of the live processes whose parent is `parent`."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent and fields[0] != "Z":
-                out.append((int(entry.name), parent))
-    return out
-
-
-def zombie(pid: int) -> bool:
-    try:
-        return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False

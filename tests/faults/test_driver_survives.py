@@ -27,28 +27,12 @@ import yaml
 
 from arlo.app.redis_server import free_port, redis_answers
 from arlo.app.supervisor import ProcessSpec, Supervisor, is_serving
+from tests.support.procs import gone, processes
 
 pytestmark = [pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ("env_gateway", "reward", "inference", "trainer")
-
-
-def processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every live process (zombies excluded)."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z":
-            out[int(entry.name)] = (int(fields[1]), cmdline)
-    return out
 
 
 def find(fragment: str, *, under: str) -> list[int]:
@@ -64,11 +48,6 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
             return value
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-
-
-def gone(pids: list[int]) -> bool:
-    alive = processes()
-    return not any(p in alive for p in pids)
 
 
 def test_children_die_with_their_parent_and_redis_restarts_from_its_aof(tmp_path: Path) -> None:
