@@ -14,6 +14,7 @@ shapes of the weights and the cache (`runner.abstract`), never the buffers the e
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ IDLE_S = 0.5
 """How long the engine must have been idle before the next program compiles: a pause between
 two requests of a burst is not idleness."""
 POLL_S = 0.1
+NICE = 19
 
 
 def idle_order(keys: Iterable[Key]) -> list[Key]:
@@ -70,6 +72,7 @@ class IdleCompiler:
         return self._thread is not None and not self._thread.is_alive()
 
     def _run(self) -> None:
+        _lower_this_threads_priority()
         started, spent = time.monotonic(), 0.0
         for key in self.keys:
             while self.idle_s() < IDLE_S:
@@ -87,3 +90,12 @@ class IdleCompiler:
                 log.exception("compiling program %s while idle failed; it compiles on first use", key)
         log.info("idle-time warm-up done: %d programs compiled in %.1fs of idle time (over %.0fs)", self.compiled,
                  spent, time.monotonic() - started, extra={"programs": self.compiled})
+
+
+def _lower_this_threads_priority() -> None:
+    """The compiles yield the CPU to anything else (Linux nice values are per thread): on a small
+    host a request, the trainer beside it or a test's processes come first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compiles at the usual priority
+        pass
