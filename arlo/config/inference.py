@@ -58,7 +58,8 @@ class InferenceConfig:
     program at a time while the engine has served nothing for a moment (an SFT warm start, a
     synchronous run's train step, a quiet endpoint), so the shapes a run needs later are ready
     when it needs them; a shape needed before its turn compiles on first use, as without it.
-    False: the larger set only compiles on first use."""
+    Compiles made this way count as `ahead_compiles`, not late ones. False: the larger set only
+    compiles on first use."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
