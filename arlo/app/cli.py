@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -106,7 +107,10 @@ def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps
     except (KeyboardInterrupt, stopping.Stop):
         report.interrupted = True
     finally:
-        recorder.close()
+        # Closing draws the plot (half a second or more): a second Ctrl-C there lost the report.
+        with stopping.shielded() as shield:
+            recorder.close()
+    report.interrupted |= shield.signalled
     return report, recorder
 
 
@@ -136,8 +140,28 @@ def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | N
     if json_path:
         path = Path(json_path)
         partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps(summary, indent=2))
-        partial.replace(path)  # whole or absent, even if the process dies while writing
+        try:
+            partial.write_text(json.dumps(summary, indent=2))
+            partial.replace(path)  # whole or absent, even if the process dies while writing
+        except OSError as e:  # checked before the run (`check_json_path`); the disk may still fill up
+            partial.unlink(missing_ok=True)
+            console.print(f"[red]could not write --json {path}: {e}")
+
+
+def check_json_path(json_path: str | None) -> str | None:
+    """Why `--json` could not be written at the end of the run (None: it can), so a run is not
+    spent before that is found."""
+    if not json_path:
+        return None
+    path = Path(json_path)
+    if path.is_dir():
+        return f"--json {json_path} is a directory"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"--json {json_path}: no directory {parent}"
+    if not os.access(parent, os.W_OK):
+        return f"--json {json_path}: {parent} is not writable"
+    return None
 
 
 def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: int | None, retry: RetryPolicy,
@@ -161,12 +185,13 @@ def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: 
         interrupted = True
     finally:
         try:
-            with stopping.sigint_ignored():  # a few ms: a Ctrl-C here must not cost the report or the stop
+            with stopping.shielded() as shield:  # a few ms: a stop here must not cost the report or the stop
                 if report is not None and recorder is not None:
                     report.interrupted = interrupted
                     _print_report(report, recorder, args.json)
                 elif interrupted:
                     console.print("interrupted")
+            interrupted |= shield.signalled
         finally:
             codes = cluster.stop()
         bad = {k: v for k, v in codes.items() if v not in (0, None)}
@@ -300,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "steps", None) is not None and args.steps < 1:
         console.print("arlo: --steps must be >= 1")
         return 2
+    if args.command in ("train", "demo") and (problem := check_json_path(args.json)):
+        console.print(f"[red]arlo {args.command}: {problem}")
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return COMMANDS[args.command](args)
@@ -309,6 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NotRunning, ServiceFailed, RuntimeError) as e:
         console.print(f"[red]arlo {args.command}: {e}")
         return 1
+    except (KeyboardInterrupt, stopping.Stop):  # before a command's own handling (services starting)
+        console.print("interrupted")
+        return 130
 
 
 if __name__ == "__main__":

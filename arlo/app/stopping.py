@@ -91,17 +91,30 @@ async def _until_stopped(main: Coroutine[Any, Any, T]) -> T:
     return result
 
 
+class Shield:
+    """What `shielded` noted: whether a SIGINT or SIGTERM arrived inside its block."""
+
+    signalled = False
+
+
 @contextlib.contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """Ctrl-C does nothing inside the block (short work that must not be cut: writing a run's
-    report before its services stop); the handler from before comes back at its end. Off the
-    main thread, where signal handlers cannot be set, the block runs as it is."""
+def shielded() -> Iterator[Shield]:
+    """Ctrl-C and SIGTERM inside the block are noted (`Shield.signalled`), not raised: short work
+    that must not be cut (closing a run's record, writing its report before the services stop,
+    killing them); the handlers from before come back at its end, and the caller decides what a
+    noted stop means. Off the main thread, where handlers cannot be set, the block runs as it is."""
+    shield = Shield()
+
+    def note(signum: int, frame: object) -> None:
+        shield.signalled = True
+
     try:
-        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        before = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread
-        yield
+        yield shield
         return
     try:
-        yield
+        yield shield
     finally:
-        signal.signal(signal.SIGINT, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

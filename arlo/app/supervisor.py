@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from arlo.app.stopping import Stop, sigint_ignored
+from arlo.app.stopping import Stop, shielded
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Supervisor:
     @staticmethod
     def _kill_all(children: list[_Child], wait_s: float = 10.0) -> None:
         """SIGKILL to every child still running, then reaps them (bounded; nothing it does raises)."""
-        with sigint_ignored():
+        with shielded():
             for child in children:
                 if child.process.poll() is None:
                     with contextlib.suppress(OSError):

@@ -159,9 +159,9 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_services(
         tmp_path: Path, redis_url: str, run_id: str) -> None:
-    """Ctrl-C of `arlo demo` mid-run: exit 130 and a `--json` report of what the run did (it was
-    not written at all), throughput included, written before the services stop; a second Ctrl-C
-    while they stop kills them: no traceback, no process left."""
+    """Ctrl-C of `arlo demo` mid-run, twice: exit 130 and a `--json` report of what the run did
+    (it was not written at all; then a second Ctrl-C while the run record closed lost it),
+    throughput included; no traceback, no process left."""
     config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=False)
     home, out = tmp_path / "home", tmp_path / "demo.json"
     env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
@@ -178,10 +178,8 @@ def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_service
         services = children_of(demo.pid)
         assert len(services) == 5, services  # four services and the rollout worker (Redis is the test's)
         demo.send_signal(signal.SIGINT)
-        while not out.exists():
-            assert demo.poll() is None and time.monotonic() < deadline + 60, err.read_text()[-4000:]
-            time.sleep(0.05)
-        demo.send_signal(signal.SIGINT)  # the services are stopping now: stop them at once
+        time.sleep(0.3)  # an impatient second Ctrl-C: while the drive unwinds, the record closes or they stop
+        demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=120) == 130, err.read_text()[-4000:]
     finally:
         if demo.poll() is None:
@@ -203,3 +201,32 @@ def rl_rows(home: Path, *, at_least: int) -> list[dict]:
             for line in path.read_text().splitlines() if line.strip()]
     rl = [r for r in rows if r.get("kind") == "step" and r.get("phase") == "rl"]
     return rl if len(rl) >= at_least else []
+
+
+@pytest.mark.timeout(300)
+def test_demo_interrupted_while_its_services_start_stops_them_cleanly(tmp_path: Path, redis_url: str,
+                                                                       run_id: str) -> None:
+    """Ctrl-C while `arlo demo` waits for its services: exit 130, no traceback (it escaped from the
+    supervisor's wait), no service left; a --json it could never write is refused before anything starts."""
+    config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=False)
+    home = tmp_path / "home"
+    refused = arlo("demo", "-c", str(config), "--json", str(tmp_path), home=home, timeout=60)
+    assert refused.returncode == 2 and "is a directory" in refused.stderr and not (home / "logs").exists()
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    err = tmp_path / "demo.err"
+    demo = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "demo", "-c", str(config), "--no-eval"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))  # noqa: SIM115
+    try:
+        deadline = time.monotonic() + 120
+        while len(services := children_of(demo.pid)) < 4:  # the four backends, starting
+            assert demo.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
+            time.sleep(0.05)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=120) == 130, err.read_text()[-4000:]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert "Traceback" not in err.read_text(), err.read_text()[-4000:]
+    assert gone(services)
