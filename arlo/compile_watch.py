@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -28,14 +28,16 @@ _thread = threading.local()
 
 
 @contextlib.contextmanager
-def ahead_of_use() -> Iterator[None]:
+def ahead_of_use(still_ahead: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """Compiles on this thread inside the block are made ahead of any use (a warm-up that goes
-    on in the background after the service is up): counted as `ahead`, not as late."""
-    _thread.ahead = True
+    on in the background after the service is up): counted as `ahead`, not as late, unless
+    `still_ahead()` is False when one ends (a request needed the program meanwhile and waited
+    for it: a stall, counted late)."""
+    _thread.ahead = still_ahead
     try:
         yield
     finally:
-        _thread.ahead = False
+        _thread.ahead = None
 
 
 class CompileWatch:
@@ -94,7 +96,8 @@ class CompileWatch:
         if event != COMPILE_EVENT:
             return
         name = str(kwargs.get("fun_name", "?"))
-        ahead = getattr(_thread, "ahead", False)
+        still_ahead = getattr(_thread, "ahead", None)
+        ahead = still_ahead is not None and still_ahead()
         with self._lock:
             self.compiles += 1
             self.compile_s += duration

@@ -257,7 +257,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         table.add_column(col)
     for s in status["services"]:
         rates = ", ".join(f"{v:.1f} {unit}" for unit, v in s.get("throughput", {}).items()) or "-"
-        errors = ", ".join(f"{k} {v}" for k, v in s.get("errors", {}).items() if v) or "-"
+        errors = ", ".join(f"{k} {v}" for k, v in {**s.get("errors", {}),
+                                                   "late_compiles": s.get("compiles", {}).get("late_compiles")}.items()
+                           if v) or "-"
         table.add_row(s["name"], s["address"], "yes" if s["healthy"] else "[red]no",
                       "-" if s["weight_version"] is None else str(s["weight_version"]),
                       str(s.get("instances", "-")), rates, errors)

@@ -382,6 +382,8 @@ ERRORS = {"trainer": ("dropped_stale", "dropped_failed", "dropped_malformed", "d
                       "publish_failures", "pointer_conflicts", "checkpoint_failures", "acked_undurable",
                       "loop_restarts"),
           "rollout": ("retries", "failed_groups"), "inference": ("aborted",)}
+COMPILES = ("compiles", "late_compiles", "ahead_compiles")
+"""XLA compile counters of the services that run a model (arlo/compile_watch.py): late ones stall a run."""
 
 
 async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float = 2.5) -> dict[str, Any]:
@@ -446,6 +448,10 @@ def service_activity(first: list[dict[str, str]], second: list[dict[str, str]]) 
         for counter in ERRORS.get(name, ()):
             if counter in s:
                 entry["errors"][counter] = entry["errors"].get(counter, 0) + int(float(s[counter]))
+        for counter in COMPILES:
+            if counter in s:
+                compiles = entry.setdefault("compiles", {})
+                compiles[counter] = compiles.get(counter, 0) + int(float(s[counter]))
     return out
 
 

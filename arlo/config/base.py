@@ -196,6 +196,8 @@ class MeshConfig:
 
 
 SERVICE_NAMES = ("inference", "trainer", "env_gateway", "reward", "rollout")
+MIN_POLL_S = 0.01
+"""The shortest: a waiter's fallback re-check more often than this only hammers Redis."""
 MAX_POLL_S = 300.0
 """The longest re-check interval of a waiter that an event normally wakes (`*_poll_s`): the
 re-check is what recovers a lost event, so one slower than this is a wait that never ends."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from arlo.config.base import MAX_POLL_S, MeshConfig, ServerConfig, _check, _frozen
+from arlo.config.base import MAX_POLL_S, MIN_POLL_S, MeshConfig, ServerConfig, _check, _frozen
 
 
 @_frozen
@@ -58,8 +58,8 @@ class InferenceConfig:
     program at a time while the engine has served nothing for a moment (an SFT warm start, a
     synchronous run's train step, a quiet endpoint), so the shapes a run needs later are ready
     when it needs them; a shape needed before its turn compiles on first use, as without it.
-    Compiles made this way count as `ahead_compiles`, not late ones. False: the larger set only
-    compiles on first use."""
+    Compiles made this way count as `ahead_compiles`, not late ones. False (or `warmup_programs`
+    0): the larger set only compiles on first use."""
 
     def validate(self, path: str) -> None:
         self.server.validate(f"{path}.server")
@@ -79,5 +79,6 @@ class InferenceConfig:
         _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's)")
         _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
         _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
-        _check(f"{path}.weight_poll_s", 0 < self.weight_poll_s <= MAX_POLL_S, f"must be in (0, {MAX_POLL_S:g}]")
+        _check(f"{path}.weight_poll_s", MIN_POLL_S <= self.weight_poll_s <= MAX_POLL_S,
+               f"must be in [{MIN_POLL_S:g}, {MAX_POLL_S:g}]")
         self.mesh.validate(f"{path}.mesh")

@@ -7,7 +7,7 @@ import json
 import re
 from dataclasses import field
 
-from arlo.config.base import MAX_POLL_S, ConfigError, ServerConfig, _check, _frozen
+from arlo.config.base import MAX_POLL_S, MIN_POLL_S, ConfigError, ServerConfig, _check, _frozen
 from arlo.jsonfields import parse_json_object
 
 
@@ -322,7 +322,8 @@ class RolloutConfig:
         _check(f"{path}.task_lease_s", self.task_lease_s > 0, "must be > 0")
         _check(f"{path}.agent", not self.agent or self.agent.count(":") == 1 and all(self.agent.split(":")),
                'must be "module:function" (or empty for the built-in loop)')
-        _check(f"{path}.admission_poll_s", 0 < self.admission_poll_s <= MAX_POLL_S, f"must be in (0, {MAX_POLL_S:g}]")
+        _check(f"{path}.admission_poll_s", MIN_POLL_S <= self.admission_poll_s <= MAX_POLL_S,
+               f"must be in [{MIN_POLL_S:g}, {MAX_POLL_S:g}]")
         _check(f"{path}.batch_window_s", 0 <= self.batch_window_s <= 1, "must be in [0, 1]")
         _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
         _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")

@@ -81,6 +81,9 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return cls(**kwargs)
 
 
+MAX_INT = 2**63 - 1
+"""The largest magnitude an int (or an int given for a float) setting may have."""
+
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
@@ -107,10 +110,12 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 continue
         raise ConfigError(f"{path}: expected {' or '.join(type_name(o) for o in options)}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value) if abs(value) <= MAX_INT else math.inf  # float() raises past ~1.8e308
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        if tp is int and abs(value) > MAX_INT:  # no setting counts past int64 (protobuf, numpy, JAX)
+            raise ConfigError(f"{path}: must be within +-{MAX_INT}, got {value}")
         # No setting means anything by NaN or infinity, and each slips past range checks written
         # as comparisons (NaN fails them all; an infinite poll interval passed `> 0` and never woke).
         if tp is float and not math.isfinite(value):

@@ -90,6 +90,7 @@ INFERENCE_COUNTERS = {
     "session_reused_tokens": "Prompt tokens whose KV was reused instead of prefilled.",
     "compiles": "XLA programs compiled or loaded from the persistent cache (arlo.compile_watch).",
     "late_compiles": "XLA compiles after the warm-up: stalls of the engine loop (a run should have none).",
+    "ahead_compiles": "XLA compiles after the warm-up made while idle, ahead of any use (inference.compile_when_idle).",
 }
 INFERENCE_GAUGES = {
     "weight_version": "Policy version being served.",

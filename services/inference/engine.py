@@ -201,7 +201,7 @@ class Engine:
         keys = self.runner.program_set(max_prompt=min(self.config.max_prompt_tokens, limit),
                                        max_tokens=min(self.config.max_tokens, limit))
         if len(keys) > self.config.warmup_programs:
-            if self.config.compile_when_idle:
+            if self.config.compile_when_idle and self.config.warmup_programs > 0:  # 0: no warm-up at all
                 self._idle_compiler = IdleCompiler(keys, idle_s=self._idle_s, compile_one=self._compile_ahead)
                 self._avals = (abstract(self.state), abstract(self.runner.cache))
                 self.runner.warm = set()  # filled as they compile; a shape used before its turn is late
@@ -232,7 +232,7 @@ class Engine:
         assert self._avals is not None and self.runner.warm is not None
         if key in self.runner.shapes:
             return False
-        with ahead_of_use():
+        with ahead_of_use(lambda: key not in self.runner.shapes):
             self.runner.compile_program(key, *self._avals)
         self.runner.warm.add(key)
         return True

@@ -171,7 +171,24 @@ def test_no_float_setting_takes_nan_or_infinity(value: float) -> None:
 
 @pytest.mark.parametrize("path", ["rollout.admission_poll_s", "inference.weight_poll_s"])
 def test_poll_intervals_are_bounded(path: str) -> None:
+    """A fallback re-check rarer than 300 s never recovers a lost event; one more often than
+    every 10 ms (1e-300: accepted before) is a busy loop on Redis."""
     section, name = path.split(".")
-    with pytest.raises(ConfigError, match=rf"{path}: must be in \(0, 300\]"):
-        load_config(overrides={section: {name: 1e300}})
-    assert getattr(getattr(load_config(overrides={section: {name: 300}}), section), name) == 300.0
+    for bad in (1e300, 300.0001, 1e-300, 0.0099, 0):
+        with pytest.raises(ConfigError, match=rf"{path}: must be in \[0.01, 300\]"):
+            load_config(overrides={section: {name: bad}})
+    for good in (300, 0.01):
+        assert getattr(getattr(load_config(overrides={section: {name: good}}), section), name) == float(good)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"trainer": {"learning_rate": 10**400}}, "trainer.learning_rate: must be a finite number"),
+    ({"rollout": {"sampling": {"top_p": -(10**400)}}}, "rollout.sampling.top_p: must be a finite number"),
+    ({"inference": {"max_batch": 10**400}}, "inference.max_batch: must be within"),
+    ({"trainer": {"groups_per_step": 2**63}}, "trainer.groups_per_step: must be within"),
+])
+def test_integers_past_int64_are_refused_not_a_crash(overrides: dict, message: str) -> None:
+    """A 400-digit integer for a float setting crashed the loader (OverflowError, a traceback);
+    for an int setting it was accepted."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=overrides)

@@ -16,11 +16,15 @@ def test_rates_sum_over_instances_and_errors_are_by_kind() -> None:
     second = [beat("rollout", "a", 102.0, episodes=30, retries=2, failed_groups=0),
               beat("rollout", "b", 104.0, episodes=70, retries=0, failed_groups=2),
               beat("trainer", "t", 102.5, consumed=150, tokens_trained=1500, step=5, dropped_stale=3),
-              beat("inference", "new", 103.0, generated_tokens=7, aborted=0)]
+              beat("inference", "new", 103.0, generated_tokens=7, aborted=0, compiles=30, late_compiles=1,
+                   ahead_compiles=12),
+              beat("inference", "other", 103.0, compiles=20, late_compiles=0, ahead_compiles=5)]
     activity = service_activity(first, second)
     assert activity["rollout"] == {"instances": 2, "throughput": {"episodes/s": 10.0 + 5.0},
                                    "errors": {"retries": 2, "failed_groups": 2}}
     assert activity["trainer"]["throughput"] == {"trajectories/s": 20.0, "tokens/s": 200.0, "steps/s": 0.4}
     assert activity["trainer"]["errors"] == {"dropped_stale": 3}
     # An instance seen once (just started) counts, but has no rate yet.
-    assert activity["inference"] == {"instances": 1, "throughput": {}, "errors": {"aborted": 0}}
+    # Compile counters summed over replicas: late ones are stalls, ahead ones were made while idle.
+    assert activity["inference"] == {"instances": 2, "throughput": {}, "errors": {"aborted": 0},
+                                     "compiles": {"compiles": 50, "late_compiles": 1, "ahead_compiles": 17}}
