@@ -40,8 +40,11 @@ class TrainReport:
     steps: int = 0
     """Optimizer steps taken during this drive (SFT and RL)."""
     sft_steps: int = 0
+    """The warm start's SFT steps as configured (an interrupted drive may have done fewer: `steps`)."""
     trainer_version: int = 0
+    """The trainer's newest version (as of the last step seen, when interrupted)."""
     pointer_version: int = 0
+    """The weight pointer's version once the fleet served it (0 when interrupted before that)."""
     inference_versions: dict[str, int] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list)
     """Training batch reward of each RL step seen."""
@@ -264,6 +267,7 @@ class RunDriver:
                "sft_steps": self._sft_steps, "until_step": self._until_step}
         self._last_step = record["step"]
         self.report.steps = record["step"] - self._first_step  # the final status confirms it at the end
+        self.report.trainer_version = max(self.report.trainer_version, record["version"])
         self._version_step[record["version"]] = record["step"]  # SFT steps share one version: the last
         if rl:
             self.report.rewards.append(record.get("reward_mean", 0.0))
