@@ -28,6 +28,9 @@ IDLE_S = 0.5
 two requests of a burst is not idleness."""
 POLL_S = 0.1
 NICE = 19
+IN_FLIGHT_WAIT_S = 300.0
+"""How long `stop` waits for the compile in flight (seconds on a CPU; an accelerator's autotuning
+can take tens)."""
 
 
 def idle_order(keys: Iterable[Key]) -> list[Key]:
@@ -53,6 +56,8 @@ class IdleCompiler:
         self.compile_one = compile_one
         self.compiled = 0
         self.failed = 0
+        self.compiling: Key | None = None
+        """The program being compiled now."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -61,11 +66,15 @@ class IdleCompiler:
             self._thread = threading.Thread(target=self._run, name="inference-idle-compile", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout_s: float = 1.0) -> None:
-        """Compiles no further program; one in flight ends on its own (daemon thread)."""
+    def stop(self, timeout_s: float = IN_FLIGHT_WAIT_S) -> None:
+        """Compiles no further program, and waits for the one in flight: the thread is a daemon,
+        and XLA still compiling on it while the interpreter exits aborts the process ("pure
+        virtual method called", SIGABRT: CI saw an inference service die so on SIGTERM)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("a program compiled while idle is still compiling after %.0fs; stopping anyway", timeout_s)
 
     @property
     def done(self) -> bool:
@@ -81,6 +90,7 @@ class IdleCompiler:
             if self._stop.is_set():
                 return
             begun = time.monotonic()
+            self.compiling = key
             try:
                 if self.compile_one(key):
                     self.compiled += 1
@@ -88,6 +98,8 @@ class IdleCompiler:
             except Exception:  # the program compiles on first use instead
                 self.failed += 1
                 log.exception("compiling program %s while idle failed; it compiles on first use", key)
+            finally:
+                self.compiling = None
         log.info("idle-time warm-up done: %d programs compiled in %.1fs of idle time (over %.0fs)", self.compiled,
                  spent, time.monotonic() - started, extra={"programs": self.compiled})
 

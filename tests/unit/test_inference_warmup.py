@@ -5,6 +5,9 @@ prefix, concurrent arrivals) compiles nothing, and uses every program the warm-u
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -105,3 +108,34 @@ def test_idle_order_takes_small_windows_first_and_decode_before_prefill() -> Non
     assert idle_order(keys) == [("decode", 16, 64), ("decode", 64, 64), ("prefill", 1, 16, 64, 16),
                                 ("prefill", 8, 16, 64, 16), ("prefill", 2, 32, 64, 16), ("decode", 64, 128),
                                 ("prefill", 16, 64, 128, 16)]
+
+
+CLOSE_DURING_COMPILE = """
+import sys, time
+from arlo.config import InferenceConfig
+from arlo.model.source import preset_source
+from services.inference.engine import Engine
+engine = Engine(preset_source("tiny"), config=InferenceConfig(max_n=4, max_tokens=64, max_prompt_tokens=128,
+                                                              warmup_programs=1))
+engine.warm_up()
+engine.start()
+deadline = time.monotonic() + 120
+while engine._idle_compiler.compiling is None:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+engine.close()  # a compile is in flight: close waits for it
+assert engine._idle_compiler.compiling is None
+print("closed", flush=True)
+sys.exit(0)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attempt", range(2))
+def test_closing_while_a_program_compiles_in_the_background_exits_cleanly(attempt: int) -> None:
+    """The process exits right after `close`, with an idle-time compile in flight when it was
+    called: close waits for it (XLA compiling on a daemon thread while the interpreter exits
+    aborted an inference service on SIGTERM in CI: "pure virtual method called", -6)."""
+    done = subprocess.run([sys.executable, "-c", CLOSE_DURING_COMPILE], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and "closed" in done.stdout, (done.returncode, done.stderr[-3000:])
