@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,14 +165,8 @@ def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_service
     (it was not written at all; then a second Ctrl-C while the run record closed lost it),
     throughput included; no traceback, no process left."""
     config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=False)
-    home, out = tmp_path / "home", tmp_path / "demo.json"
-    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
-    env.pop("ARLO_TOKEN", None)
-    err = tmp_path / "demo.err"
-    demo = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "demo", "-c", str(config), "--steps", "100000",
-                             "--no-eval", "--json", str(out)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(err, "w"))  # noqa: SIM115
-    try:
+    home, out, err = tmp_path / "home", tmp_path / "demo.json", tmp_path / "demo.err"
+    with demo_process(home, err, "-c", str(config), "--steps", "100000", "--no-eval", "--json", str(out)) as demo:
         deadline = time.monotonic() + 300
         while not rl_rows(home, at_least=2):
             assert demo.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
@@ -181,10 +177,6 @@ def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_service
         time.sleep(0.3)  # an impatient second Ctrl-C: while the drive unwinds, the record closes or they stop
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=120) == 130, err.read_text()[-4000:]
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
     text = err.read_text()
     assert "Traceback" not in text, text[-4000:]
     assert gone(services)
@@ -193,6 +185,22 @@ def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_service
     assert report["trajectories"] == 8 * report["rl_steps"] and report["generated_tokens_per_s"] > 0
     assert report["rl_steps_per_s"] > 0 and len(report["rewards"]) == report["rl_steps"]
     assert len(rl_rows(home, at_least=0)) >= report["rl_steps"]  # the run record has every step it reports
+
+
+@contextlib.contextmanager
+def demo_process(home: Path, err: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """`arlo demo ARGS` as a subprocess (stderr to `err`), killed at the end if still running."""
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    with open(err, "w") as stderr:
+        demo = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "demo", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            yield demo
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+                demo.wait()
 
 
 def rl_rows(home: Path, *, at_least: int) -> list[dict]:
@@ -212,21 +220,13 @@ def test_demo_interrupted_while_its_services_start_stops_them_cleanly(tmp_path: 
     home = tmp_path / "home"
     refused = arlo("demo", "-c", str(config), "--json", str(tmp_path), home=home, timeout=60)
     assert refused.returncode == 2 and "is a directory" in refused.stderr and not (home / "logs").exists()
-    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
-    env.pop("ARLO_TOKEN", None)
     err = tmp_path / "demo.err"
-    demo = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "demo", "-c", str(config), "--no-eval"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))  # noqa: SIM115
-    try:
+    with demo_process(home, err, "-c", str(config), "--no-eval") as demo:
         deadline = time.monotonic() + 120
         while len(services := children_of(demo.pid)) < 4:  # the four backends, starting
             assert demo.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
             time.sleep(0.05)
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=120) == 130, err.read_text()[-4000:]
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
     assert "Traceback" not in err.read_text(), err.read_text()[-4000:]
     assert gone(services)
