@@ -82,7 +82,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 
 
 MAX_INT = 2**63 - 1
-"""The largest magnitude an int (or an int given for a float) setting may have."""
+"""The largest magnitude an int setting may have."""
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
@@ -110,7 +110,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 continue
         raise ConfigError(f"{path}: expected {' or '.join(type_name(o) for o in options)}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value) if abs(value) <= MAX_INT else math.inf  # float() raises past ~1.8e308
+        try:
+            value = float(value)
+        except OverflowError:  # past ~1.8e308: no float holds it
+            raise ConfigError(f"{path}: must be a finite number, got an integer of {len(str(value))} digits") from None
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")

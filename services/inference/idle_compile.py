@@ -76,10 +76,6 @@ class IdleCompiler:
             if self._thread.is_alive():
                 log.warning("a program compiled while idle is still compiling after %.0fs; stopping anyway", timeout_s)
 
-    @property
-    def done(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive()
-
     def _run(self) -> None:
         _lower_this_threads_priority()
         started, spent = time.monotonic(), 0.0
@@ -100,8 +96,8 @@ class IdleCompiler:
                 log.exception("compiling program %s while idle failed; it compiles on first use", key)
             finally:
                 self.compiling = None
-        log.info("idle-time warm-up done: %d programs compiled in %.1fs of idle time (over %.0fs)", self.compiled,
-                 spent, time.monotonic() - started, extra={"programs": self.compiled})
+        log.info("idle-time warm-up done: %d programs compiled in %.1fs of idle time (over %.0fs), %d failed",
+                 self.compiled, spent, time.monotonic() - started, self.failed, extra={"programs": self.compiled})
 
 
 def _lower_this_threads_priority() -> None:
