@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
+import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from arlo.app import stopping
+
+_senders: list[subprocess.Popen] = []
 
 
 @pytest.fixture
@@ -20,11 +22,20 @@ def sigterm_restored() -> Iterator[None]:
     try:
         yield
     finally:
+        for sender in _senders:  # its SIGTERM lands before the handler from before is back
+            sender.wait(timeout=30)
+        _senders.clear()
         signal.signal(signal.SIGTERM, before)
 
 
 def term_soon(after_s: float = 0.2) -> None:
-    threading.Timer(after_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    """SIGTERM to this process in `after_s`, from another process, as a real stop comes.
+
+    Not from a thread here: a `threading.Timer` needs the GIL to send it, and a busy event loop
+    (select(0) between tasks) releases and retakes the GIL so often that CPython never asks it
+    to hand over: on an idle machine such a timer fired 1.3 s, 1.7 s and more than 5 s late
+    (CI: 4.95 s, and the test's stop looked late)."""
+    _senders.append(subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -TERM {os.getpid()}"]))
 
 
 def test_a_stop_inside_the_event_loop_is_not_taken_for_an_error_a_retry_rides_out(sigterm_restored: None) -> None:
@@ -92,7 +103,6 @@ def test_a_stop_during_a_deferred_block_is_raised_at_its_end(sigterm_restored: N
 def test_sigterm_while_importing_torch_stops_the_command_without_an_abort(tmp_path) -> None:
     # `arlo train` imports tensorboardX (torch under it) as it starts recording; a SIGTERM then
     # raised inside torch's pybind11 import and the process aborted (SIGABRT, CI).
-    import subprocess
     import sys
 
     script = (
