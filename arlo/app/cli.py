@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from arlo.app import stopping
-from arlo.app.driver import NotRunning, TrainReport, collect_status, require_serving, run_training
+from arlo.app.driver import NotRunning, TrainReport, require_serving, run_training
 from arlo.app.live import LiveRun, eval_text
 from arlo.app.local import (
     INFRA_SERVICES,
@@ -35,6 +35,7 @@ from arlo.app.local import (
 )
 from arlo.app.resilient import DEFAULT_RETRY, RetryPolicy
 from arlo.app.run_record import RunRecorder
+from arlo.app.status import collect_status
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
 from arlo.data import resource_path

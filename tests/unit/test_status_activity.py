@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from arlo.app.driver import service_activity
+from arlo.app.status import service_activity
 
 
 def beat(service: str, instance: str, ts: float, **counters: float) -> dict[str, str]:
