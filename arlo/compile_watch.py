@@ -87,7 +87,10 @@ class CompileWatch:
         if self._log_compiles is None:
             self._log_compiles = bool(jax.config.jax_log_compiles)
         jax.config.update("jax_log_compiles", True)  # JAX then logs each compile's shapes at WARNING
-        log.info("warm-up done: %d programs compiled or loaded in %.1fs (%d from the persistent cache)",
+        # Every compile of the start counts (loading weights, small helpers), not only the warm-up's
+        # programs: with the warm-up skipped, "warm-up done: 23 programs" read as a contradiction.
+        log.info("start done: %d XLA programs compiled or loaded so far, in %.1fs (%d from the persistent "
+                 "cache); later compiles are logged as late",
                  self.compiles, self.compile_s, self.cache_hits,
                  extra={"compiles": self.compiles, "compile_s": round(self.compile_s, 3),
                         "cache_hits": self.cache_hits})

@@ -12,12 +12,12 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
+import grpc
+from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
@@ -39,6 +39,7 @@ from arlo.app.status import collect_status
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
 from arlo.data import resource_path
+from arlo.report_file import report_path_problem, write_report
 
 console = Console(stderr=True)
 
@@ -91,114 +92,124 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *,
-                         evaluate: bool, retry: RetryPolicy = DEFAULT_RETRY) -> tuple[TrainReport, RunRecorder]:
+def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps: int | None, *, evaluate: bool,
+                         started: float, retry: RetryPolicy = DEFAULT_RETRY,
+                         ) -> tuple[TrainReport, RunRecorder, Exception | None]:
     """Drives the run with the live display. A Ctrl-C or SIGTERM during the drive ends it early
-    and is not raised: the report it returns says `interrupted` and holds what the drive saw."""
+    and is not raised: the report it returns says `interrupted` and holds what the drive saw. An
+    error is returned beside the report (its `failed` says it), for the caller to raise once the
+    report is written: a run that failed at step 500 keeps the figures of its 499 steps."""
     with stopping.deferred():  # it imports tensorboardX, and torch: native code a raised stop would abort
         recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}",
                                run_id=cfg.run_id)
     display = LiveRun(console, rl_steps=steps)
     check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
-    report = TrainReport()
+    report, error = TrainReport(), None
+
+    def on_progress(row: dict) -> None:
+        if row.get("phase") == "rl" and report.first_rl_step_s is None:
+            report.first_rl_step_s = round(time.monotonic() - started, 3)
+        display.update(row)
+
     try:
         with display:
-            stopping.run(run_training(cfg, token, steps=steps, on_progress=display.update, check_children=check,
+            stopping.run(run_training(cfg, token, steps=steps, on_progress=on_progress, check_children=check,
                                       recorder=recorder, evaluate=evaluate, retry_policy=retry, report=report))
     except (KeyboardInterrupt, stopping.Stop):
         report.interrupted = True
+    except Exception as e:
+        report.failed, error = f"{type(e).__name__}: {e}", e
     finally:
         # Closing draws the plot (half a second or more): a second Ctrl-C there lost the report.
         with stopping.shielded() as shield:
             recorder.close()
     report.interrupted |= shield.signalled
-    return report, recorder
+    return report, recorder, error
 
 
-def _print_report(report: TrainReport, recorder: RunRecorder, json_path: str | None) -> None:
-    if report.interrupted:
-        console.print(f"interrupted after {report.steps} steps ({report.rl_steps} RL) in {report.wall_s:.1f}s")
+def _write_json(report: TrainReport, json_path: str | None) -> bool:
+    """`--json`, first of all a run's output: False when it could not be written (said why)."""
+    if not json_path:
+        return True
+    try:
+        write_report(json_path, json.dumps(report.to_json(), indent=2))
+        return True
+    except OSError as e:  # checked before the run (`report_path_problem`); the disk may still fill up
+        _say(f"[red]could not write --json {json_path}: {e}")
+        return False
+
+
+def _say(text: str) -> None:
+    """Prints to the terminal unless it is gone (a SIGHUP: writing there fails), which must not
+    cost what comes after (the services' stop)."""
+    try:
+        console.print(text)
+    except OSError:
+        pass
+
+
+def _print_report(report: TrainReport, recorder: RunRecorder) -> None:
+    if report.failed:
+        _say(f"[red]failed after {report.steps} steps ({report.rl_steps} RL) in {report.wall_s:.1f}s")
+    elif report.interrupted:
+        _say(f"interrupted after {report.steps} steps ({report.rl_steps} RL) in {report.wall_s:.1f}s")
     else:
-        console.print(f"trained {report.steps} steps ({report.sft_steps} SFT) in {report.wall_s:.1f}s; pointer at "
-                      f"version {report.pointer_version}; inference serving {report.inference_versions}")
+        _say(f"trained {report.steps} steps ({report.sft_steps} SFT) in {report.wall_s:.1f}s; pointer at "
+             f"version {report.pointer_version}; inference serving {report.inference_versions}")
     summary = report.to_json()
     if summary["rl_steps_per_s"] is not None:
-        console.print(f"RL throughput: {summary['rl_steps_per_s']:.2f} steps/s, "
-                      f"{summary['trajectories_per_s']:.1f} trajectories/s, "
-                      f"{summary['generated_tokens_per_s']:.0f} generated tokens/s over the RL phase's "
-                      f"{report.rl_wall_s:.1f}s (its first step's wait included)")
+        _say(f"RL throughput: {summary['rl_steps_per_s']:.2f} steps/s, {summary['trajectories_per_s']:.1f} "
+             f"trajectories/s, {summary['generated_tokens_per_s']:.0f} generated tokens/s over the RL phase's "
+             f"{report.rl_wall_s:.1f}s (its first step's wait included)")
     if report.evals:
         line = ", ".join(f"{tag} {summary[f'reward_{tag}']:.3f}" for tag in ("start", "after_sft", "end")
                          if summary.get(f"reward_{tag}") is not None)
-        console.print(f"held-out reward (sampled): {line}")
+        _say(f"held-out reward (sampled): {line}")
         if summary.get("reward_end_by_env"):
-            console.print("held-out reward (sampled) at the end, by environment: " + ", ".join(
+            _say("held-out reward (sampled) at the end, by environment: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in summary["reward_end_by_env"].items() if v is not None))
     elif report.rewards:
-        console.print(f"training reward: first step {report.rewards[0]:.3f}, last step {report.rewards[-1]:.3f}")
-    console.print(f"metrics: {recorder.metrics_path}, TensorBoard: {recorder.out_dir / 'tensorboard'}, "
-                  f"plot: {recorder.plot_path}")
-    if json_path:
-        path = Path(json_path)
-        partial = path.with_name(f".{path.name}.partial")
-        try:
-            partial.write_text(json.dumps(summary, indent=2))
-            partial.replace(path)  # whole or absent, even if the process dies while writing
-        except OSError as e:  # checked before the run (`check_json_path`); the disk may still fill up
-            partial.unlink(missing_ok=True)
-            console.print(f"[red]could not write --json {path}: {e}")
-
-
-def check_json_path(json_path: str | None) -> str | None:
-    """Why `--json` could not be written at the end of the run (None: it can), so a run is not
-    spent before that is found."""
-    if not json_path:
-        return None
-    path = Path(json_path)
-    if path.is_dir():
-        return f"--json {json_path} is a directory"
-    parent = path.parent
-    if not parent.is_dir():
-        return f"--json {json_path}: no directory {parent}"
-    if not os.access(parent, os.W_OK):
-        return f"--json {json_path}: {parent} is not writable"
-    return None
+        _say(f"training reward: first step {report.rewards[0]:.3f}, last step {report.rewards[-1]:.3f}")
+    _say(f"metrics: {recorder.metrics_path}, TensorBoard: {recorder.out_dir / 'tensorboard'}, "
+         f"plot: {recorder.plot_path}")
 
 
 def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: int | None, retry: RetryPolicy,
                      start: Sequence[str] = (), report_exits: bool = False) -> int:
     """`arlo train` and `arlo demo` after their services are up: starts `start`, drives the run,
-    exports, reports, then stops what `cluster` started; the exit status (130: interrupted).
+    exports, reports, then stops what `cluster` started; the exit status (130: interrupted, 1:
+    `--json` could not be written). A failed drive's error is raised once all that is done.
 
-    The report (and `--json`) is written before the services stop, interrupted or not, so a
-    Ctrl-C keeps what the run did; a second one while they stop kills them (supervisor.py)."""
+    The report (and `--json`) is written before the services stop, interrupted, failed or not,
+    so a Ctrl-C keeps what the run did; a second one while they stop kills them (supervisor.py)."""
     cfg, token = cluster.cfg, cluster.token
-    report: TrainReport | None = None
-    recorder: RunRecorder | None = None
-    interrupted = False
+    report, recorder, error = TrainReport(), None, None
+    written = False
     try:
         cluster.start(tuple(start))
-        report, recorder = _train_with_progress(cluster, cfg, token, steps, evaluate=not args.no_eval, retry=retry)
-        interrupted = report.interrupted
-        if not interrupted:
+        report, recorder, error = _train_with_progress(cluster, cfg, token, steps, evaluate=not args.no_eval,
+                                                       started=args.started, retry=retry)
+        if not report.interrupted and error is None:
             _export_at_end(cfg, token, args.export)  # while the trainer still serves its weights
     except (KeyboardInterrupt, stopping.Stop):
-        interrupted = True
+        report.interrupted = True
     finally:
         try:
             with stopping.shielded() as shield:  # a few ms: a stop here must not cost the report or the stop
-                if report is not None and recorder is not None:
-                    report.interrupted = interrupted
-                    _print_report(report, recorder, args.json)
-                elif interrupted:
-                    console.print("interrupted")
-            interrupted |= shield.signalled
+                written = args.json_written = _write_json(report, args.json)
+                if recorder is not None:
+                    _print_report(report, recorder)
+                elif report.interrupted:
+                    _say("interrupted")
+            report.interrupted |= shield.signalled
         finally:
             codes = cluster.stop()
         bad = {k: v for k, v in codes.items() if v not in (0, None)}
         if report_exits and bad:
-            console.print(f"[yellow]services exited uncleanly: {bad}")
-    return 130 if interrupted else 0
+            _say(f"[yellow]services exited uncleanly: {bad}")
+    if error is not None:
+        raise error
+    return 130 if report.interrupted else 0 if written else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -323,26 +334,53 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"up": cmd_up, "train": cmd_train, "demo": cmd_demo, "status": cmd_status, "export": cmd_export}
 
 
+MAX_STEPS = 10**12
+"""`--steps` above this is a typo, not a run (and past int64 once added to the trainer's step)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()  # the report's `first_rl_step_s` counts from here
     args = build_parser().parse_args(argv)
-    if getattr(args, "steps", None) is not None and args.steps < 1:
-        console.print("arlo: --steps must be >= 1")
+    args.started = started
+    if getattr(args, "steps", None) is not None and not 1 <= args.steps <= MAX_STEPS:
+        console.print(f"arlo: --steps must be in [1, {MAX_STEPS:.0e}], got {args.steps}")
         return 2
-    if args.command in ("train", "demo") and (problem := check_json_path(args.json)):
+    if args.command in ("train", "demo") and args.json is not None and (problem := report_path_problem(args.json)):
         console.print(f"[red]arlo {args.command}: {problem}")
         return 2
+    args.json_written = False
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:
         console.print(f"[red]arlo: bad config: {e}")
         return 2
-    except (NotRunning, ServiceFailed, RuntimeError) as e:
-        console.print(f"[red]arlo {args.command}: {e}")
+    except (NotRunning, ServiceFailed, RuntimeError, OSError, RedisError, grpc.RpcError) as e:
+        _report_no_run(args, failed=f"{type(e).__name__}: {e}")
+        _say(f"[red]arlo {args.command}: {_what_failed(e)}")
         return 1
     except (KeyboardInterrupt, stopping.Stop):  # before a command's own handling (services starting)
-        console.print("interrupted")
+        _report_no_run(args, failed=None)
+        _say("interrupted")
         return 130
+
+
+def _report_no_run(args: argparse.Namespace, *, failed: str | None) -> None:
+    """`--json` when the command ended before its drive wrote one (stopped or failed while the
+    services started): a report of no steps that says why, not no file."""
+    if args.command in ("train", "demo") and args.json and not args.json_written:
+        _write_json(TrainReport(interrupted=failed is None, failed=failed), args.json)
+
+
+def _what_failed(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):  # what outlasted the retries (`--outage-s`)
+        return f"a service call failed past the retries: {e.code().name}: {e.details()}"
+    if isinstance(e, RedisError):
+        return f"Redis: {e} (is it running where the config's redis.url says?)"
+    if isinstance(e, OSError) and e.filename:
+        return f"{e.strerror or e}: {e.filename}" + (" (ARLO_HOME, where arlo keeps its runs)" if
+                                                     str(e.filename).startswith(str(arlo_home())) else "")
+    return str(e)
 
 
 if __name__ == "__main__":

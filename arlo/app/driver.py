@@ -60,7 +60,13 @@ class TrainReport:
     generated_tokens: int = 0
     """Model tokens of those trajectories (what the fleet generated and the trainer used)."""
     interrupted: bool = False
-    """The drive was stopped (Ctrl-C, SIGTERM) before its steps were done: the figures are what it saw."""
+    """The drive was stopped (Ctrl-C, SIGTERM, SIGHUP) before its steps were done: the figures are
+    what it saw (all 0 when stopped while the services started)."""
+    first_rl_step_s: float | None = None
+    """Seconds from the command's start to the first RL step seen: services starting, compiles and
+    the SFT warm start included (issue 17's start time; `arlo train` against running services: no start)."""
+    failed: str | None = None
+    """The error that ended the drive early, if one did ("Stalled: ..."); the figures are what it saw."""
 
     def add_rl_step(self, record: dict[str, Any]) -> None:
         """Counts one RL step record of the trainer (services/trainer/diagnostics.py `step_record`)."""

@@ -1,4 +1,4 @@
-"""SIGTERM stops a command as Ctrl-C does, wherever it arrives.
+"""SIGTERM (and SIGHUP: the terminal closed) stops a command as Ctrl-C does, wherever it arrives.
 
 The handler raises `Stop`, a BaseException like KeyboardInterrupt, so no `except Exception` on
 the way swallows it (the driver's retries ride out outages by catching errors: a stop raised as
@@ -25,7 +25,17 @@ T = TypeVar("T")
 
 
 class Stop(BaseException):
-    """SIGTERM: stop as Ctrl-C would."""
+    """SIGTERM or SIGHUP: stop as Ctrl-C would."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""What stops a command as Ctrl-C does: a supervisor's or Kubernetes' stop, a closed terminal
+(SIGHUP's default ended `arlo demo` at once, 129, its report unwritten). A signal the process
+was started ignoring stays ignored: `nohup arlo up` keeps running when its terminal closes."""
+
+
+def _stop_signals() -> list[signal.Signals]:
+    return [s for s in STOP_SIGNALS if s == signal.SIGTERM or signal.getsignal(s) is not signal.SIG_IGN]
 
 
 _deferring = 0
@@ -56,12 +66,13 @@ def deferred() -> Iterator[None]:
 
 
 def stop_on_sigterm() -> None:
-    """From now on SIGTERM raises Stop (in the main thread, outside `run`'s event loop)."""
-    signal.signal(signal.SIGTERM, _raise_stop)
+    """From now on SIGTERM and SIGHUP raise Stop (in the main thread, outside `run`'s event loop)."""
+    for signum in _stop_signals():
+        signal.signal(signum, _raise_stop)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)`; a SIGTERM meanwhile cancels `main` and raises Stop once it unwound."""
+    """`asyncio.run(main)`; a SIGTERM or SIGHUP meanwhile cancels `main` and raises Stop once it unwound."""
     return asyncio.run(_until_stopped(main))
 
 
@@ -75,8 +86,9 @@ async def _until_stopped(main: Coroutine[Any, Any, T]) -> T:
         stopped = True
         task.cancel()
 
-    outside = signal.getsignal(signal.SIGTERM)
-    loop.add_signal_handler(signal.SIGTERM, stop)
+    outside = {signum: signal.getsignal(signum) for signum in _stop_signals()}
+    for signum in outside:
+        loop.add_signal_handler(signum, stop)
     try:
         result = await main
     except asyncio.CancelledError:
@@ -84,22 +96,23 @@ async def _until_stopped(main: Coroutine[Any, Any, T]) -> T:
             raise Stop() from None
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)  # leaves SIG_DFL: the handler from before the loop again
-        signal.signal(signal.SIGTERM, outside)
+        for signum, handler in outside.items():
+            loop.remove_signal_handler(signum)  # leaves SIG_DFL: the handler from before the loop again
+            signal.signal(signum, handler)
     if stopped:  # `main` swallowed its cancellation: the stop stands all the same
         raise Stop()
     return result
 
 
 class Shield:
-    """What `shielded` noted: whether a SIGINT or SIGTERM arrived inside its block."""
+    """What `shielded` noted: whether a SIGINT, SIGTERM or SIGHUP arrived inside its block."""
 
     signalled = False
 
 
 @contextlib.contextmanager
 def shielded() -> Iterator[Shield]:
-    """Ctrl-C and SIGTERM inside the block are noted (`Shield.signalled`), not raised: short work
+    """Ctrl-C, SIGTERM and SIGHUP inside the block are noted (`Shield.signalled`), not raised: short work
     that must not be cut (closing a run's record, writing its report before the services stop,
     killing them); the handlers from before come back at its end, and the caller decides what a
     noted stop means. Off the main thread, where handlers cannot be set, the block runs as it is."""
@@ -109,7 +122,7 @@ def shielded() -> Iterator[Shield]:
         shield.signalled = True
 
     try:
-        before = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
+        before = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, *_stop_signals())}
     except ValueError:  # not the main thread
         yield shield
         return

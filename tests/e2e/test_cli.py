@@ -19,7 +19,7 @@ import yaml
 
 from arlo.app.redis_server import free_port
 from arlo.tracing.summary import read_spans
-from tests.support.procs import children_of, gone
+from tests.support.procs import children_of, gone, processes
 
 pytestmark = pytest.mark.e2e
 
@@ -184,6 +184,7 @@ def test_demo_interrupted_keeps_its_report_and_a_second_ctrl_c_kills_the_service
     assert report["interrupted"] is True and report["rl_steps"] >= 2 and report["steps"] >= report["rl_steps"]
     assert report["trajectories"] == 8 * report["rl_steps"] and report["generated_tokens_per_s"] > 0
     assert report["rl_steps_per_s"] > 0 and len(report["rewards"]) == report["rl_steps"]
+    assert 0 < report["first_rl_step_s"] < 300 and report["failed"] is None
     assert len(rl_rows(home, at_least=0)) >= report["rl_steps"]  # the run record has every step it reports
 
 
@@ -212,21 +213,97 @@ def rl_rows(home: Path, *, at_least: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_demo_interrupted_while_its_services_start_stops_them_cleanly(tmp_path: Path, redis_url: str,
-                                                                       run_id: str) -> None:
-    """Ctrl-C while `arlo demo` waits for its services: exit 130, no traceback (it escaped from the
-    supervisor's wait), no service left; a --json it could never write is refused before anything starts."""
+def test_demo_stopped_while_its_services_start_stops_them_cleanly(tmp_path: Path, redis_url: str,
+                                                                    run_id: str) -> None:
+    """SIGHUP (its terminal closed) while `arlo demo` waits for its services: exit 130, no
+    traceback (a Ctrl-C escaped from the supervisor's wait; SIGHUP's default ended the demo at once,
+    129, without a report), no service left, and a `--json` report of no steps that says so."""
     config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=False)
-    home = tmp_path / "home"
-    refused = arlo("demo", "-c", str(config), "--json", str(tmp_path), home=home, timeout=60)
-    assert refused.returncode == 2 and "is a directory" in refused.stderr and not (home / "logs").exists()
-    err = tmp_path / "demo.err"
-    with demo_process(home, err, "-c", str(config), "--no-eval") as demo:
+    home, out, err = tmp_path / "home", tmp_path / "demo.json", tmp_path / "demo.err"
+    with demo_process(home, err, "-c", str(config), "--no-eval", "--json", str(out)) as demo:
         deadline = time.monotonic() + 120
         while len(services := children_of(demo.pid)) < 4:  # the four backends, starting
             assert demo.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
             time.sleep(0.05)
-        demo.send_signal(signal.SIGINT)
+        demo.send_signal(signal.SIGHUP)
         assert demo.wait(timeout=120) == 130, err.read_text()[-4000:]
     assert "Traceback" not in err.read_text(), err.read_text()[-4000:]
     assert gone(services)
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True and report["failed"] is None and report["rl_steps"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_demo_refuses_what_it_could_not_finish_before_it_starts_and_reports_a_failed_start(
+        tmp_path: Path, redis_url: str, run_id: str) -> None:
+    """Bad `--json` paths and `--steps` are refused (exit 2) before anything starts; a start that
+    fails (ARLO_HOME is a file) is one line, not a traceback, and `--json` says why."""
+    config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=False)
+    home = tmp_path / "home"
+    for bad, says in ((["--json", str(tmp_path)], "is a folder"),
+                      (["--json", str(tmp_path / ("a" * 256 + ".json"))], "cannot be written"),
+                      (["--json", str(tmp_path / "r.json") + "/"], "names a folder"),
+                      (["--steps", "99999999999999999999"], "--steps must be in")):
+        refused = arlo("demo", "-c", str(config), *bad, home=home, timeout=60)
+        assert refused.returncode == 2 and says in " ".join(refused.stderr.split()), (bad, refused.stderr[-2000:])
+        assert "Traceback" not in refused.stderr and not (home / "logs").exists()
+    home.write_text("not a folder")
+    out = tmp_path / "failed.json"
+    failed = arlo("demo", "-c", str(config), "--json", str(out), home=home, timeout=60)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    assert str(home) in "".join(failed.stderr.split())
+    report = json.loads(out.read_text())
+    assert report["failed"].startswith("FileExistsError") and report["interrupted"] is False
+
+
+@pytest.mark.slow  # ~2 min: `arlo up`, then a run that fails when its trainer hangs
+@pytest.mark.timeout(900)  # the waits inside: 300 s for health, 300 s for RL steps, 120 s for the failure
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_run_that_fails_mid_way_keeps_its_report(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    """`arlo train` whose trainer hangs past `--outage-s`: exit 1 with one line saying why, and the
+    `--json` report holds the steps it saw (it was lost with any error but a signal)."""
+    config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=True)
+    home, out = tmp_path / "home", tmp_path / "train.json"
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    with open(tmp_path / "up.out", "w") as up_out:
+        up = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "up", "-c", str(config)], env=env,
+                              stdout=up_out, stderr=subprocess.STDOUT)
+    trainer = None
+    try:
+        deadline = time.monotonic() + 300
+        while arlo("status", "-c", str(config), home=home, timeout=60).returncode != 0 or not all(
+                s["healthy"] for s in json.loads(arlo("status", "-c", str(config), "--json", home=home,
+                                                      timeout=60).stdout)["services"] if s["name"] != "rollout"):
+            assert up.poll() is None and time.monotonic() < deadline, (tmp_path / "up.out").read_text()[-4000:]
+            time.sleep(1)
+        trainer = next(pid for pid in children_of(up.pid) if "services.trainer" in processes()[pid][1])
+        with open(tmp_path / "train.err", "w") as err:
+            train = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "train", "-c", str(config), "--steps",
+                                      "100000", "--no-eval", "--outage-s", "2", "--json", str(out)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 300
+            while not rl_rows(home, at_least=2):
+                assert train.poll() is None and time.monotonic() < deadline, (tmp_path / "train.err").read_text()
+                time.sleep(0.2)
+            os.kill(trainer, signal.SIGSTOP)  # hung: every call to it times out
+            assert train.wait(timeout=120) == 1, (tmp_path / "train.err").read_text()[-4000:]
+        finally:
+            if train.poll() is None:
+                train.kill()
+                train.wait()
+    finally:
+        if trainer is not None:
+            os.kill(trainer, signal.SIGCONT)
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    text = (tmp_path / "train.err").read_text()
+    assert "Traceback" not in text and "arlo train:" in text, text[-4000:]
+    report = json.loads(out.read_text())
+    assert report["failed"] and report["interrupted"] is False, report
+    assert report["rl_steps"] >= 2 and len(report["rewards"]) == report["rl_steps"]

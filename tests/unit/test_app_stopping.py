@@ -18,24 +18,25 @@ _senders: list[subprocess.Popen] = []
 
 @pytest.fixture
 def sigterm_restored() -> Iterator[None]:
-    before = signal.getsignal(signal.SIGTERM)
+    before = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
     try:
         yield
     finally:
-        for sender in _senders:  # its SIGTERM lands before the handler from before is back
+        for sender in _senders:  # its signal lands before the handlers from before are back
             sender.wait(timeout=30)
         _senders.clear()
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
-def term_soon(after_s: float = 0.2) -> None:
-    """SIGTERM to this process in `after_s`, from another process, as a real stop comes.
+def term_soon(after_s: float = 0.2, signame: str = "TERM") -> None:
+    """SIG`signame` to this process in `after_s`, from another process, as a real stop comes.
 
     Not from a thread here: a `threading.Timer` needs the GIL to send it, and a busy event loop
     (select(0) between tasks) releases and retakes the GIL so often that CPython never asks it
     to hand over: on an idle machine such a timer fired 1.3 s, 1.7 s and more than 5 s late
     (CI: 4.95 s, and the test's stop looked late)."""
-    _senders.append(subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -TERM {os.getpid()}"]))
+    _senders.append(subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -{signame} {os.getpid()}"]))
 
 
 def test_a_stop_inside_the_event_loop_is_not_taken_for_an_error_a_retry_rides_out(sigterm_restored: None) -> None:
@@ -127,3 +128,35 @@ def test_sigterm_while_importing_torch_stops_the_command_without_an_abort(tmp_pa
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_closed_terminal_sighup_stops_as_sigterm_does(sigterm_restored: None) -> None:
+    # SIGHUP's default ended `arlo demo` at once (129): no report, no orderly stop.
+    async def forever() -> None:
+        await asyncio.sleep(30)
+
+    stopping.stop_on_sigterm()
+    term_soon(signame="HUP")
+    started = time.monotonic()
+    with pytest.raises(stopping.Stop):
+        stopping.run(forever())
+    assert time.monotonic() - started < 10
+    assert signal.getsignal(signal.SIGHUP) is stopping._raise_stop
+
+
+def test_a_sighup_the_process_started_ignoring_stays_ignored(sigterm_restored: None) -> None:
+    # `nohup arlo up`: closing the terminal must not stop it.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    stopping.stop_on_sigterm()
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    assert stopping.run(_hup_then_sleep()) == "slept through"
+    with stopping.shielded() as shield:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.1)
+    assert not shield.signalled and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+
+
+async def _hup_then_sleep() -> str:
+    os.kill(os.getpid(), signal.SIGHUP)
+    await asyncio.sleep(0.2)
+    return "slept through"
