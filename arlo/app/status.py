@@ -36,18 +36,8 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
     throughput per service (two heartbeat snapshots `interval_s` apart); errors by kind."""
     from arlo.app.local import SERVICE_SECTIONS
 
-    services = []
-    trainer_version = None
-    for name in SERVICE_SECTIONS:
-        address = getattr(cfg, name).server.address
-        healthy = await asyncio.to_thread(is_serving, address, 1.0)
-        version = None
-        if healthy and name in ("inference", "trainer"):
-            version = await _served_version(name, address, token, cfg.auth.tls)
-            if name == "trainer":
-                trainer_version = version
-        services.append({"name": name, "address": address, "healthy": healthy, "weight_version": version})
-    redis = await connect(cfg.redis)
+    # Redis first, once: `arlo status` with Redis down said so only after 37 s of retries.
+    redis = await connect(cfg.redis, retries=0)
     try:
         pointer = await WeightPointer(redis, cfg.run_id).get()
         stream = TrajectoryStream(redis, cfg.run_id, consumer="status")
@@ -59,6 +49,17 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
         second = await read_statuses(redis, cfg.run_id)
     finally:
         await redis.aclose()
+    services = []
+    trainer_version = None
+    for name in SERVICE_SECTIONS:
+        address = getattr(cfg, name).server.address
+        healthy = await asyncio.to_thread(is_serving, address, 1.0)
+        version = None
+        if healthy and name in ("inference", "trainer"):
+            version = await _served_version(name, address, token, cfg.auth.tls)
+            if name == "trainer":
+                trainer_version = version
+        services.append({"name": name, "address": address, "healthy": healthy, "weight_version": version})
     activity = service_activity(first, second)
     for s in services:
         s.update(activity.get(s["name"], {}))

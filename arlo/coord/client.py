@@ -26,18 +26,19 @@ BACKOFF_BASE_S = 0.05
 HEALTH_CHECK_INTERVAL_S = 15
 
 
-async def connect(cfg: RedisConfig) -> aioredis.Redis:
+async def connect(cfg: RedisConfig, *, retries: int = RETRIES) -> aioredis.Redis:
     """A client that retries ConnectionError/TimeoutError with capped exponential backoff.
 
     Responses stay bytes (trajectories are protobuf bytes). The first PING is awaited so a
-    wrong URL fails here, after the retries, not at the first real call.
+    wrong URL fails here, after the retries, not at the first real call. `retries=0`: a look
+    from outside (`arlo status`) that says at once that Redis is down instead of riding it out.
     """
     client: aioredis.Redis = aioredis.from_url(
         cfg.url,
         socket_timeout=cfg.socket_timeout_s,
         socket_connect_timeout=cfg.socket_timeout_s,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        retry=Retry(ExponentialBackoff(cap=cfg.reconnect_max_s, base=BACKOFF_BASE_S), RETRIES),
+        retry=Retry(ExponentialBackoff(cap=cfg.reconnect_max_s, base=BACKOFF_BASE_S), retries),
     )
     try:
         await client.ping()

@@ -254,6 +254,11 @@ def test_demo_refuses_what_it_could_not_finish_before_it_starts_and_reports_a_fa
     assert str(home) in "".join(failed.stderr.split())
     report = json.loads(out.read_text())
     assert report["failed"].startswith("FileExistsError") and report["interrupted"] is False
+    no_redis = tmp_path / "no_redis.yaml"
+    no_redis.write_text(yaml.safe_dump({"run_id": run_id, "redis": {"url": f"redis://127.0.0.1:{free_port()}"}}))
+    # At once, not after the ~37 s a service rides out a Redis outage for.
+    status = arlo("status", "-c", str(no_redis), home=tmp_path / "home2", timeout=30)
+    assert status.returncode == 1 and "Traceback" not in status.stderr and "Redis" in status.stderr, status.stderr
 
 
 @pytest.mark.slow  # ~2 min: `arlo up`, then a run that fails when its trainer hangs
