@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from arlo import config as config_module  # noqa: E402
+from arlo.config.base import range_of  # noqa: E402
 
 OUT = ROOT / "docs" / "configuration.md"
 PACKAGE = Path(config_module.__file__).parent
@@ -85,7 +86,7 @@ def render() -> str:
         lines.extend([f"## `{path or '(top level)'}` ({cls.__name__})", ""])
         if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
             lines.extend([" ".join(cls.__doc__.split()), ""])
-        lines.extend(["| field | type | default | meaning |", "| --- | --- | --- | --- |"])
+        lines.extend(["| field | type | default | range | meaning |", "| --- | --- | --- | --- | --- |"])
         nested = []
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
@@ -100,7 +101,10 @@ def render() -> str:
                 shown = "`[]`" if is_list else "see below"
             else:
                 shown = f"`{value!r}`"
-            lines.append(f"| `{f.name}` | {config_module.type_name(tp)} | {shown} | {class_docs(docs, cls).get(f.name, '')} |")
+            bounds = range_of(f)  # checked at load (arlo/config/base.py `ranged`)
+            allowed = bounds.describe() if bounds is not None else ""
+            lines.append(f"| `{f.name}` | {config_module.type_name(tp)} | {shown} | {allowed} | "
+                         f"{class_docs(docs, cls).get(f.name, '')} |")
         lines.append("")
         for inner, sub, value in nested:
             section(inner, sub, value)

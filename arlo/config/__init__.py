@@ -2,7 +2,10 @@
 
 A run is one YAML file whose sections map onto `RunConfig`'s fields; every field has a
 default, so `{}` is a valid (the built-in) config. Unknown keys and wrong types are errors
-that name the field's full path, e.g. `trainer.learning_rate: expected float, got 'abc'`.
+that name the field's full path, e.g. `trainer.learning_rate: expected float, got 'abc'`, and
+so is a key given twice in the YAML. Every int and float field declares its valid range with
+the field (`ranged(default, gt=0, ...)`, arlo/config/base.py), which its section's validate
+checks at load (`check_ranges`): `rollout.rpc_timeout_s: must be in (0, 604800], got 0.0`.
 
 One module per subject (base: errors, the run-id rule and the shared sections; model;
 inference; trainer; env: env_gateway and reward; rollout; run: RunConfig and the loader);

@@ -5,38 +5,34 @@ from __future__ import annotations
 from dataclasses import field
 
 from arlo.choices import Isolation
-from arlo.config.base import ServerConfig, _check, _frozen
+from arlo.config.base import MAX_WAIT_S, ServerConfig, _check, _frozen, check_ranges, ranged
 
 
 @_frozen
 class SandboxConfig:
     """Limits for untrusted code (env code execution, reward code tests)."""
 
-    cpu_seconds: int = 5
+    cpu_seconds: int = ranged(5, ge=1, le=3600)
     """CPU time limit (RLIMIT_CPU) of the sandboxed process."""
-    memory_mb: int = 512
+    memory_mb: int = ranged(512, ge=16, le=1 << 20)
     """Memory of the whole tool call (all its processes together, one cgroup) and address-space limit of each
     process; where no cgroup can be created, only the per-process limit holds (docs/reliability.md)."""
-    file_size_mb: int = 16
+    file_size_mb: int = ranged(16, ge=1, le=1 << 20)
     """Largest file the sandboxed process may write (RLIMIT_FSIZE)."""
-    max_processes: int = 32
+    max_processes: int = ranged(32, ge=1, le=4096)
     """Processes (threads included) the tool call may run at once: its cgroup's pids.max, and RLIMIT_NPROC."""
-    wall_timeout_s: float = 10.0
+    wall_timeout_s: float = ranged(10.0, gt=0, le=3600)
     """Wall-clock limit; past it the whole process group is killed."""
     isolation: Isolation = "auto"
     """"auto" (bubblewrap if installed, else unshare; says so when namespaces are refused), "bwrap", "unshare", "none"."""
-    uid: int = 65534
-    """Unprivileged uid the code runs as (when started as root)."""
-    max_output_bytes: int = 65536
+    uid: int = ranged(65534, ge=1, le=2**32 - 2)
+    """Unprivileged uid the code runs as (when started as root): not 0, which would leave it root,
+    nor 4294967295, which is no uid."""
+    max_output_bytes: int = ranged(65536, ge=1024, le=1 << 24)
     """stdout/stderr are each cut to this many bytes."""
 
     def validate(self, path: str) -> None:
-        _check(f"{path}.cpu_seconds", 1 <= self.cpu_seconds <= 3600, "must be in [1, 3600]")
-        _check(f"{path}.memory_mb", 16 <= self.memory_mb <= 1 << 20, "must be in [16, 1048576]")
-        _check(f"{path}.file_size_mb", 1 <= self.file_size_mb <= 1 << 20, "must be in [1, 1048576]")
-        _check(f"{path}.max_processes", 1 <= self.max_processes <= 4096, "must be in [1, 4096]")
-        _check(f"{path}.wall_timeout_s", 0 < self.wall_timeout_s <= 3600, "must be in (0, 3600]")
-        _check(f"{path}.max_output_bytes", 1024 <= self.max_output_bytes <= 1 << 24, "must be in [1 KiB, 16 MiB]")
+        check_ranges(self, path)
 
 
 @_frozen
@@ -47,26 +43,22 @@ class RemoteEnvConfig:
     """host:port (or a dns:/// target) of the remote Environment service."""
     env_names: tuple[str, ...] = ()
     """Environment names served by this backend; empty means ask it (ListEnvironments) at start."""
-    max_concurrency: int = 64
+    max_concurrency: int = ranged(64, ge=1)
     """In-flight calls to this backend; more wait."""
-    timeout_s: float = 30.0
+    timeout_s: float = ranged(30.0, gt=0, le=MAX_WAIT_S)
     """Deadline of each call (shortened to the caller's remaining deadline)."""
-    retries: int = 2
+    retries: int = ranged(2, ge=0, le=10)
     """Retries of idempotent calls (ListEnvironments, Close) on UNAVAILABLE."""
-    breaker_failures: int = 5
+    breaker_failures: int = ranged(5, ge=1)
     """Consecutive failures that open the circuit breaker."""
-    breaker_reset_s: float = 10.0
+    breaker_reset_s: float = ranged(10.0, gt=0, le=MAX_WAIT_S)
     """How long an open breaker fails fast before letting one call through."""
     token_env: str = ""
     """Env var with the backend's bearer token; empty sends the gateway's own token."""
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         _check(f"{path}.address", bool(self.address), "must be set")
-        _check(f"{path}.max_concurrency", self.max_concurrency >= 1, "must be >= 1")
-        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
-        _check(f"{path}.retries", 0 <= self.retries <= 10, "must be in [0, 10]")
-        _check(f"{path}.breaker_failures", self.breaker_failures >= 1, "must be >= 1")
-        _check(f"{path}.breaker_reset_s", self.breaker_reset_s > 0, "must be > 0")
 
 
 @_frozen
@@ -104,23 +96,24 @@ class McpServerConfig:
     """streamable HTTP: the server's endpoint, e.g. "http://127.0.0.1:8000/mcp"."""
     headers: dict[str, str] = field(default_factory=dict)
     """streamable HTTP: headers sent with every request (e.g. Authorization)."""
-    timeout_s: float = 30.0
+    timeout_s: float = ranged(30.0, gt=0, le=MAX_WAIT_S)
     """Deadline of one tool call (shortened to the caller's remaining deadline); past it the agent
     gets an error observation."""
-    connect_timeout_s: float = 20.0
+    connect_timeout_s: float = ranged(20.0, gt=0, le=MAX_WAIT_S)
     """Deadline of (re)connecting: starting the process or reaching the URL, and the MCP handshake."""
-    max_concurrency: int = 64
+    max_concurrency: int = ranged(64, ge=1)
     """Tool calls in flight on this server; more wait (within their deadline)."""
-    breaker_failures: int = 3
+    breaker_failures: int = ranged(3, ge=1)
     """Consecutive failures (crashes, timeouts, failed connects) that open the circuit breaker."""
-    breaker_reset_s: float = 5.0
+    breaker_reset_s: float = ranged(5.0, gt=0, le=MAX_WAIT_S)
     """How long an open breaker fails fast before one reconnect is tried: the restart backoff."""
-    max_turns: int = 8
+    max_turns: int = ranged(8, ge=1, le=64)
     """Upper bound on an episode's turns (Reset's config may ask for fewer)."""
     description: str = ""
     """What ListEnvironments says about the environment; empty describes the server's tools."""
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         _check(f"{path}.name", bool(self.name) and all(c.isascii() and (c.isalnum() or c in "-_.") for c in self.name),
                f"must be non-empty and use only letters, digits, '-', '_' and '.', got {self.name!r}")
         _check(path, bool(self.command) != bool(self.url),
@@ -131,21 +124,15 @@ class McpServerConfig:
         else:
             _check(f"{path}.url", self.url.startswith(("http://", "https://")), f"must be http(s)://..., got {self.url!r}")
             _check(f"{path}.env", not self.env and not self.cwd, "env and cwd are for command servers")
-        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
-        _check(f"{path}.connect_timeout_s", self.connect_timeout_s > 0, "must be > 0")
-        _check(f"{path}.max_concurrency", self.max_concurrency >= 1, "must be >= 1")
-        _check(f"{path}.breaker_failures", self.breaker_failures >= 1, "must be >= 1")
-        _check(f"{path}.breaker_reset_s", self.breaker_reset_s > 0, "must be > 0")
-        _check(f"{path}.max_turns", 1 <= self.max_turns <= 64, "must be in [1, 64]")
 
 
 @_frozen
 class EnvGatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50053, metrics_port=9103))
     """Where the environment gateway listens."""
-    session_idle_timeout_s: float = 600.0
+    session_idle_timeout_s: float = ranged(600.0, gt=0, le=MAX_WAIT_S)
     """An episode session untouched this long is closed and its state freed."""
-    max_sessions: int = 10000
+    max_sessions: int = ranged(10000, ge=1)
     """Live sessions at most; new ones are refused past it."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits for environments that run untrusted code."""
@@ -165,8 +152,8 @@ class EnvGatewayConfig:
     """MCP tool servers, each served as the environment `mcp:<name>` (see docs/mcp.md)."""
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         self.server.validate(f"{path}.server")
-        _check(f"{path}.session_idle_timeout_s", self.session_idle_timeout_s > 0, "must be > 0")
         self.sandbox.validate(f"{path}.sandbox")
         for i, root in enumerate(self.dataset_roots):
             _check(f"{path}.dataset_roots[{i}]", bool(root.strip()), "must be a directory, not empty")
@@ -205,7 +192,7 @@ class RewardPluginConfig:
 class RewardConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50054, metrics_port=9104))
     """Where the reward service listens."""
-    timeout_s: float = 15.0
+    timeout_s: float = ranged(15.0, gt=0, le=MAX_WAIT_S)
     """Per-item verifier deadline; past it the item gets SCORE_STATUS_TIMEOUT. Keep it above
     sandbox.wall_timeout_s, or a slow code test times out while its program still runs."""
     plugins: tuple[RewardPluginConfig, ...] = ()
@@ -214,8 +201,8 @@ class RewardConfig:
     """Limits for running code-correctness tests."""
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         self.server.validate(f"{path}.server")
-        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
         self.sandbox.validate(f"{path}.sandbox")
         _check(f"{path}.timeout_s", self.timeout_s > self.sandbox.wall_timeout_s,
                f"must exceed sandbox.wall_timeout_s ({self.sandbox.wall_timeout_s}) so code tests finish in time")

@@ -4,51 +4,61 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from arlo.config.base import MAX_POLL_S, MIN_POLL_S, MeshConfig, ServerConfig, _check, _frozen
+from arlo.config.base import (
+    MAX_POLL_S,
+    MAX_WAIT_S,
+    MIN_POLL_S,
+    MeshConfig,
+    ServerConfig,
+    _check,
+    _frozen,
+    check_ranges,
+    ranged,
+)
 
 
 @_frozen
 class InferenceConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051, metrics_port=9101))
     """Where the inference service listens."""
-    max_n: int = 64
+    max_n: int = ranged(64, ge=1, le=1024)
     """Most samples one request may ask for (its `n`)."""
-    max_tokens: int = 256
+    max_tokens: int = ranged(256, ge=1, le=65536)
     """Most new tokens one request may ask for."""
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int = ranged(512, ge=1, le=1 << 20)
     """Longest prompt a request may send, in tokens."""
-    weight_poll_s: float = 2.0
+    weight_poll_s: float = ranged(2.0, ge=MIN_POLL_S, le=MAX_POLL_S)
     """Poll the weight pointer this often in case a pub/sub event was missed."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
-    max_batch: int = 64
+    max_batch: int = ranged(64, ge=1)
     """Sequences decoded together (engine slots); at least max_n."""
-    kv_cache_mib: float = 0.0
+    kv_cache_mib: float = ranged(0.0, ge=0)
     """KV cache budget; fewer slots are made when it holds fewer, and requests then queue. 0 = max_batch full-length slots."""
-    decode_steps: int = 8
+    decode_steps: int = ranged(8, ge=1, le=1024)
     """Tokens decoded per host round trip: more amortises the sync, fewer admits new requests sooner."""
-    prefill_tokens: int = 2048
+    prefill_tokens: int = ranged(2048, ge=1)
     """Prompt tokens prefilled per engine step, so a burst of long prompts does not stall decoding."""
-    max_prefill_rows: int = 16
+    max_prefill_rows: int = ranged(16, ge=1)
     """Prompts prefilled together in one call (at least one request is admitted per step)."""
-    max_seq_len: int = 0
+    max_seq_len: int = ranged(0, ge=0)
     """Prompt + completion tokens one slot holds (KV cache length); 0 = the model's max_seq_len."""
-    openai_port: int = 0
+    openai_port: int = ranged(0, ge=0, le=65535, special={-1: "off"})
     """Port of the OpenAI-compatible HTTP endpoint (/v1/chat/completions, /v1/completions, /v1/models)
     on server.host: 0 picks a free one (its URL is in the heartbeat and GetModelInfo), -1 turns it off."""
-    openai_max_episodes: int = 4096
+    openai_max_episodes: int = ranged(4096, ge=1)
     """Episodes whose OpenAI calls are recorded at once (X-Arlo-Episode); the least recently used is dropped."""
-    openai_max_calls: int = 256
+    openai_max_calls: int = ranged(256, ge=1)
     """Calls recorded per episode at most; later ones are served but counted as dropped."""
-    openai_episode_ttl_s: float = 1800.0
+    openai_episode_ttl_s: float = ranged(1800.0, gt=0, le=MAX_WAIT_S)
     """An episode record nobody fetched (GetEpisode) or extended for this long is dropped."""
-    min_rows: int = 0
+    min_rows: int = ranged(0, ge=0)
     """Fewest rows a decode step runs (a power of two; fewer sequences are padded up to it): a
     higher floor means fewer programs to compile. 0 = automatic: 16, where a step costs the same
     at 1 and 16 rows (accelerators; small models anywhere), and 1 on a CPU with a model of 16.8M
     parameters or more, where a step costs in proportion to its rows. A prefill's sampling runs
     at least 16 rows (or this floor when higher), so one call can prefill that many prompts."""
-    warmup_programs: int = 16
+    warmup_programs: int = ranged(16, ge=0)
     """At start, compile every program the limits above allow (max_prompt_tokens, max_tokens,
     max_batch, max_prefill_rows) when they allow at most this many, before serving, so a run
     compiles nothing mid-run; a larger set compiles on first use (the start-up log gives its
@@ -62,23 +72,8 @@ class InferenceConfig:
     0): the larger set only compiles on first use."""
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         self.server.validate(f"{path}.server")
-        _check(f"{path}.warmup_programs", self.warmup_programs >= 0, "must be >= 0")
-        _check(f"{path}.min_rows", self.min_rows >= 0 and self.min_rows & (self.min_rows - 1) == 0,
-               "must be 0 (automatic) or a power of two")
-        _check(f"{path}.openai_port", -1 <= self.openai_port < 65536, "must be in [-1, 65535] (0 = free, -1 = off)")
-        _check(f"{path}.openai_max_episodes", self.openai_max_episodes >= 1, "must be >= 1")
-        _check(f"{path}.openai_max_calls", self.openai_max_calls >= 1, "must be >= 1")
-        _check(f"{path}.openai_episode_ttl_s", self.openai_episode_ttl_s > 0, "must be > 0")
-        _check(f"{path}.max_n", 1 <= self.max_n <= 1024, "must be in [1, 1024]")
+        _check(f"{path}.min_rows", self.min_rows & (self.min_rows - 1) == 0, "must be 0 (automatic) or a power of two")
         _check(f"{path}.max_batch", self.max_batch >= self.max_n, "must be >= max_n (a request's samples run together)")
-        _check(f"{path}.kv_cache_mib", self.kv_cache_mib >= 0, "must be >= 0")
-        _check(f"{path}.decode_steps", 1 <= self.decode_steps <= 1024, "must be in [1, 1024]")
-        _check(f"{path}.prefill_tokens", self.prefill_tokens >= 1, "must be >= 1")
-        _check(f"{path}.max_prefill_rows", self.max_prefill_rows >= 1, "must be >= 1")
-        _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's)")
-        _check(f"{path}.max_tokens", 1 <= self.max_tokens <= 65536, "must be in [1, 65536]")
-        _check(f"{path}.max_prompt_tokens", 1 <= self.max_prompt_tokens <= 1 << 20, "must be in [1, 1048576]")
-        _check(f"{path}.weight_poll_s", MIN_POLL_S <= self.weight_poll_s <= MAX_POLL_S,
-               f"must be in [{MIN_POLL_S:g}, {MAX_POLL_S:g}]")
         self.mesh.validate(f"{path}.mesh")

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from arlo.choices import Dtype
-from arlo.config.base import ConfigError, _check, _frozen
+from arlo.config.base import ConfigError, _frozen, check_ranges, ranged
 
 
 @_frozen
@@ -22,19 +22,20 @@ class ModelSpec:
     tokenizer: str = "byte"
     """Tokenizer of a preset ("byte") or a Hugging Face directory holding tokenizer.json; with
     `path` set, "byte" (the default) means the checkpoint's own tokenizer."""
-    seed: int = 0
-    """Seed of a preset's initial weights (trainer and a cold inference server agree on it)."""
+    seed: int = ranged(0, ge=0, le=2**32 - 1)
+    """Seed of a preset's initial weights (trainer and a cold inference server agree on it); JAX
+    keeps 32 bits of it, so a larger one would silently repeat a smaller one's weights."""
     dtype: Dtype = "float32"
     """Compute dtype of the forward pass (matmuls); norms and softmax run in float32."""
     param_dtype: Dtype = "float32"
     """Dtype of the stored parameters that inference serves and every publish carries
     (bfloat16 halves the bytes); the trainer keeps a float32 master copy either way."""
-    max_seq_len: int = 0
+    max_seq_len: int = ranged(0, ge=0)
     """Longest sequence (prompt + generated); 0 = the preset's or the checkpoint's
     max_position_embeddings (often far more than a run needs: cap it)."""
 
     def validate(self, path: str) -> None:
-        _check(f"{path}.max_seq_len", self.max_seq_len >= 0, "must be >= 0 (0 = the model's own)")
+        check_ranges(self, path)
         if self.path:
             from arlo.model.source import check_model_dir
 

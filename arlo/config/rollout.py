@@ -7,7 +7,18 @@ import json
 import re
 from dataclasses import field
 
-from arlo.config.base import MAX_POLL_S, MIN_POLL_S, ConfigError, ServerConfig, _check, _frozen
+from arlo.config.base import (
+    MAX_INT,
+    MAX_POLL_S,
+    MAX_WAIT_S,
+    MIN_POLL_S,
+    ConfigError,
+    ServerConfig,
+    _check,
+    _frozen,
+    check_ranges,
+    ranged,
+)
 from arlo.jsonfields import parse_json_object
 
 
@@ -17,25 +28,31 @@ class SamplingConfig:
     filters (arlo.model.logprobs.sampled_token_logprobs), so its importance ratios compare the
     policy it trains with the one that sampled."""
 
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, ge=0, le=10)
     """Sampling temperature; 0 is greedy."""
-    top_p: float = 1.0
+    top_p: float = ranged(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1 disables. Without top_k it costs the trainer a full vocabulary
     sort per token (top_k caps that to a top-k)."""
-    top_k: int = 0
+    top_k: int = ranged(0, ge=0)
     """Sample among the k most likely tokens; 0 disables."""
-    max_tokens: int = 8
+    max_tokens: int = ranged(8, ge=1)
     """New tokens per model turn."""
-    min_p: float = 0.0
+    min_p: float = ranged(0.0, ge=0, lt=1)
     """Drop tokens whose probability is below min_p times the top token's; 0 disables."""
     stop: tuple[str, ...] = ()
     """Strings that end a model turn (kept in the output), e.g. "</tool_call>"; at most 16, each at
     most 64 bytes. A turn ended so is closed with the tokenizer's end-of-turn token as context."""
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ranged((), ge=0)
     """Token ids that end a turn, besides the tokenizer's own stop ids (every eos id of the model)."""
-    seed: int | None = None
+    seed: int | None = ranged(None, ge=0, le=MAX_INT)
     """Set: each turn's sampling seed is derived from it, the task, the episode's place in its group
     and the turn, so a run with the same config and tasks samples the same tokens. null: fresh seeds."""
+
+    def validate(self, path: str) -> None:
+        check_ranges(self, path)
+        _check(f"{path}.stop", len(self.stop) <= 16 and all(0 < len(s.encode()) <= 64 for s in self.stop),
+               "at most 16 non-empty strings of <= 64 bytes")
+        _check(f"{path}.stop_token_ids", len(self.stop_token_ids) <= 32, "at most 32 ids")
 
 
 @_frozen
@@ -47,27 +64,24 @@ class EvalConfig:
     """JSON object merged over each mixture entry's config_json for evaluation, e.g. {"split": "eval"}
     for environments with a held-out split; an entry's own eval_config_json replaces it for that
     entry. Evaluation seeds are 0..num_tasks-1 either way."""
-    num_tasks: int = 64
+    num_tasks: int = ranged(64, ge=1, le=100_000)
     """Held-out tasks per evaluation and environment (seeds 0..num_tasks-1 of each mixture entry)."""
-    samples: int = 4
+    samples: int = ranged(4, ge=1, le=64)
     """k of pass@k, and the samples behind the mean sampled reward."""
-    every_versions: int = 0
+    every_versions: int = ranged(0, ge=0)
     """`arlo train`/`demo` request an evaluation whenever the version passes a multiple of this
     (and always at the start and the end); 0: start and end only."""
-    timeout_s: float = 600.0
+    timeout_s: float = ranged(600.0, gt=0, le=MAX_WAIT_S)
     """Deadline of one evaluation, all the mixture's entries together (num_tasks x (1 + samples)
     episodes each): past it the request reports an error and no figures, so raise it with the
     number of entries."""
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         try:
             parse_json_object(self.env_config_json.strip(), f"{path}.env_config_json")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        _check(f"{path}.num_tasks", 1 <= self.num_tasks <= 100_000, "must be in [1, 100000]")
-        _check(f"{path}.samples", 1 <= self.samples <= 64, "must be in [1, 64]")
-        _check(f"{path}.every_versions", self.every_versions >= 0, "must be >= 0")
-        _check(f"{path}.timeout_s", self.timeout_s > 0, "must be > 0")
 
 
 TASK_SEEDS = ("auto", "random", "cursor")
@@ -90,7 +104,7 @@ class RolloutEnvConfig:
     """JSON object passed to Reset, e.g. the dataset's path and field mapping."""
     reward_fn: str = "exact_match"
     """Reward function the reward service scores this environment's answers with."""
-    weight: float = 1.0
+    weight: float = ranged(1.0, gt=0)
     """Share of groups drawn from this entry: weight / sum of weights."""
     label: str = ""
     """Name of this entry in trajectories (Trajectory.env_name), metrics and its task cursor; empty
@@ -109,8 +123,8 @@ class RolloutEnvConfig:
         return self.label or self.name
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         _check(f"{path}.name", bool(self.name), "must be set")
-        _check(f"{path}.weight", 0 < self.weight < float("inf"), "must be > 0")
         _check(f"{path}.seeds", self.seeds in TASK_SEEDS, f"must be one of {', '.join(TASK_SEEDS)}")
         _check_label(f"{path}.label", self.label)
         for name in ("config_json", "eval_config_json"):
@@ -153,23 +167,24 @@ class DatasetConfig:
     """A system message put before the prompt (not with messages_field)."""
     split: str = "all"
     """"train" or "eval": the part of a fixed partition by task id; "all" for separate files."""
-    eval_fraction: float = 0.0
+    eval_fraction: float = ranged(0.0, ge=0, le=1)
     """Share of the tasks held out as "eval" (with split "train"/"eval")."""
-    split_seed: int = 0
+    split_seed: int = ranged(0, ge=0)
     """Seeds the partition: change it and another set of tasks is held out."""
-    shuffle_seed: int = 0
+    shuffle_seed: int = ranged(0, ge=0)
     """Seeds every epoch's order (epoch e is shuffled by (shuffle_seed, e))."""
     answer_format: str = "text"
     """How the final reply becomes the answer: "text" (stripped), "last_integer", or "normalized"
     (lower case, no punctuation or articles; the reference is normalised the same way)."""
     tool: bool = False
     """The agent has a calculator tool; the episode ends at its first reply without a tool call."""
-    max_turns: int = 1
+    max_turns: int = ranged(1, ge=1, le=DATASET_MAX_TURNS)
     """Turns before the episode ends unanswered (only matters with tool)."""
 
     def validate(self, path: str = "") -> None:
         """ValueError naming the key (the environment prefixes "dataset config: "); with `path`, a
         ConfigError prefixed with it."""
+        check_ranges(self, path)
         try:
             self._validate()
         except ValueError as e:
@@ -188,13 +203,9 @@ class DatasetConfig:
             raise ValueError("set prompt_field or messages_field")
         if not self.answer_field:
             raise ValueError("answer_field is required")
-        if not 0.0 <= self.eval_fraction <= 1.0:
-            raise ValueError(f"eval_fraction must be in [0.0, 1.0], got {self.eval_fraction}")
         if self.split != "all" and not 0 < self.eval_fraction < 1:
             raise ValueError(f"split {self.split!r} needs eval_fraction in (0, 1); for separate train and "
                              "eval files use split 'all' and a different path for evaluation")
-        if not 1 <= self.max_turns <= DATASET_MAX_TURNS:
-            raise ValueError(f"max_turns must be in [1, {DATASET_MAX_TURNS}], got {self.max_turns}")
 
     @property
     def metadata_columns(self) -> tuple[str, ...]:
@@ -217,6 +228,7 @@ class TasksConfig(DatasetConfig):
     "eval" part of the same partition; with split "all", rollout.eval.env_config_json applies."""
 
     def validate(self, path: str = "rollout.tasks") -> None:
+        check_ranges(self, path)
         if not self.path:  # off: any other key set means a forgotten path, and a run on arith
             given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
             _check(f"{path}.path", not given, f"must be set when {', '.join(given)} "
@@ -253,21 +265,21 @@ class RolloutConfig:
     """JSON object passed to the environment at each reset; empty = {}."""
     reward_fn: str = "exact_match"
     """Reward function (reward service) that scores each episode's final answer."""
-    group_size: int = 4
+    group_size: int = ranged(4, ge=1, le=1024)
     """Samples per task (a GRPO group): their rewards are compared with each other."""
-    max_turns: int = 3
+    max_turns: int = ranged(3, ge=1)
     """Model turns per episode at most."""
-    max_episode_tokens: int = 256
+    max_episode_tokens: int = ranged(256, ge=1)
     """Generated tokens per episode at most, over all its turns."""
-    episode_timeout_s: float = 120.0
+    episode_timeout_s: float = ranged(120.0, gt=0, le=MAX_WAIT_S)
     """Wall-time limit of an episode: no turn starts after it (finish_reason "max_wall_time")."""
-    concurrent_groups: int = 4
+    concurrent_groups: int = ranged(4, ge=1)
     """Groups in flight per worker."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How the policy samples during training episodes."""
-    rpc_timeout_s: float = 30.0
+    rpc_timeout_s: float = ranged(30.0, gt=0, le=MAX_WAIT_S)
     """Deadline of each call to inference, the env gateway and the reward service."""
-    batch_window_s: float = 0.001
+    batch_window_s: float = ranged(0.001, ge=0, le=1)
     """Generate calls to one inference replica, and Score calls, that arrive within this of each
     other leave as one GenerateBatch / ScoreBatch (at most 8 windows after the first); inference
     admits a batch at once. 0 sends one call each: a group's first turns then reach the engine at
@@ -278,7 +290,7 @@ class RolloutConfig:
     envs: tuple[RolloutEnvConfig, ...] = ()
     """A mixture of environments, each group drawn from one by weight; empty means the one entry
     {name: env_name, config_json: env_config_json, reward_fn: reward_fn}. Evaluation runs every entry."""
-    task_lease_s: float = 900.0
+    task_lease_s: float = ranged(900.0, gt=0, le=MAX_WAIT_S)
     """A cursor-drawn task not finished this long after it was handed out (its worker died) is
     handed out again: at-least-once. Keep it above the longest a group can take."""
     agent: str = ""
@@ -287,7 +299,7 @@ class RolloutConfig:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     """Tasks from a dataset file, the short form of a one-entry `envs` (docs/datasets.md): its
     path, field mapping and reward_fn. Set, it replaces env_name/env_config_json/reward_fn."""
-    admission_poll_s: float = 2.0
+    admission_poll_s: float = ranged(2.0, ge=MIN_POLL_S, le=MAX_POLL_S)
     """The staleness gate wakes on Redis pub/sub events (a new version, a version served, a stale
     drop, a finished group); it also re-checks this often in case an event was lost."""
 
@@ -302,7 +314,9 @@ class RolloutConfig:
         return (RolloutEnvConfig(name=self.env_name, config_json=self.env_config_json, reward_fn=self.reward_fn),)
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         self.server.validate(f"{path}.server")
+        self.sampling.validate(f"{path}.sampling")
         self.eval.validate(f"{path}.eval")
         keys: set[str] = set()
         for i, entry in enumerate(self.envs):
@@ -319,23 +333,5 @@ class RolloutConfig:
                 _check(f"{path}.{name}", getattr(self, name) == getattr(defaults, name),
                        f"conflicts with rollout.tasks, which sets the environment"
                        f"{' (give reward_fn under rollout.tasks)' if name == 'reward_fn' else ''}: remove it")
-        _check(f"{path}.task_lease_s", self.task_lease_s > 0, "must be > 0")
         _check(f"{path}.agent", not self.agent or self.agent.count(":") == 1 and all(self.agent.split(":")),
                'must be "module:function" (or empty for the built-in loop)')
-        _check(f"{path}.admission_poll_s", MIN_POLL_S <= self.admission_poll_s <= MAX_POLL_S,
-               f"must be in [{MIN_POLL_S:g}, {MAX_POLL_S:g}]")
-        _check(f"{path}.batch_window_s", 0 <= self.batch_window_s <= 1, "must be in [0, 1]")
-        _check(f"{path}.group_size", 1 <= self.group_size <= 1024, "must be in [1, 1024]")
-        _check(f"{path}.max_turns", self.max_turns >= 1, "must be >= 1")
-        _check(f"{path}.concurrent_groups", self.concurrent_groups >= 1, "must be >= 1")
-        _check(f"{path}.sampling.temperature", 0 <= self.sampling.temperature <= 10, "must be in [0, 10]")
-        _check(f"{path}.sampling.max_tokens", self.sampling.max_tokens >= 1, "must be >= 1")
-        _check(f"{path}.sampling.top_p", 0 < self.sampling.top_p <= 1, "must be in (0, 1]")
-        _check(f"{path}.sampling.top_k", self.sampling.top_k >= 0, "must be >= 0")
-        _check(f"{path}.sampling.min_p", 0 <= self.sampling.min_p < 1, "must be in [0, 1)")
-        _check(f"{path}.sampling.stop", len(self.sampling.stop) <= 16 and all(
-            0 < len(s.encode()) <= 64 for s in self.sampling.stop), "at most 16 non-empty strings of <= 64 bytes")
-        _check(f"{path}.sampling.stop_token_ids", len(self.sampling.stop_token_ids) <= 32 and all(
-            i >= 0 for i in self.sampling.stop_token_ids), "at most 32 ids, each >= 0")
-        _check(f"{path}.sampling.seed", self.sampling.seed is None or 0 <= self.sampling.seed < 2**63,
-               "must be null or in [0, 2**63)")

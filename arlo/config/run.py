@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import field
@@ -13,12 +14,14 @@ from typing import Any, Literal
 import yaml
 
 from arlo.config.base import (
+    MAX_INT,
     AuthConfig,
     ConfigError,
     LocalConfig,
     RedisConfig,
     T,
     TracingConfig,
+    _check,
     _frozen,
     check_run_id,
 )
@@ -61,6 +64,13 @@ class RunConfig:
             value = getattr(self, f.name)
             if hasattr(value, "validate"):
                 value.validate(f.name)
+        # The trainer's blocking stream reads against the Redis socket timeout: the rule of
+        # arlo/coord/stream.py (TrajectoryStream._check_block), which otherwise fails mid-run.
+        timeout = self.redis.socket_timeout_s
+        most_ms = math.floor((timeout - min(1.0, timeout / 2)) * 1000)
+        _check("trainer.read_block_ms", self.trainer.read_block_ms <= most_ms,
+               f"must stay below redis.socket_timeout_s ({timeout:g} s) by min(1 s, half of it): at most "
+               f"{most_ms} here, got {self.trainer.read_block_ms}")
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
@@ -81,8 +91,9 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return cls(**kwargs)
 
 
-MAX_INT = 2**63 - 1
-"""The largest magnitude an int setting may have."""
+_FLOAT_TEXT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+"""A decimal or scientific float literal, as a string: PyYAML (YAML 1.1) reads `1e-3` (no dot) as one."""
+
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
@@ -109,6 +120,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{path}: expected {' or '.join(type_name(o) for o in options)}, got {value!r}")
+    if tp is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value):
+        number = float(value)  # '1e-3', '5E+2'
+        if not math.isfinite(number):  # '1e999'
+            raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+        value = number
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)
@@ -173,14 +189,51 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = read_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
     if overrides:
         data = _merge(data, overrides)
     cfg = from_dict(RunConfig, data)
     cfg.validate()
     return cfg
+
+
+def read_yaml(text: str) -> Any:
+    """`yaml.safe_load`, but a key given twice in one mapping, at any depth, is a ConfigError
+    naming it and both lines: PyYAML keeps the last silently (a second `trainer:` section
+    dropped the whole first one). A `<<` merge key's entries may still be overridden."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, "", set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    if id(node) in seen:  # an alias: checked where its anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else f"<{key.tag}>"
+            where = f"{path}.{name}" if path else name
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line, first = key.start_mark.line + 1, lines.get((key.tag, key.value))
+                _check(where, first is None, f"duplicate key at line {line} (first at line {first}); "
+                       "YAML would silently keep only the last")
+                lines[(key.tag, key.value)] = line
+            _refuse_duplicate_keys(value, where, seen)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import field
 
 from arlo.choices import Advantage, Aggregation, KlKind, RatioLevel, Reference, Remat
-from arlo.config.base import MeshConfig, ServerConfig, _check, _frozen
+from arlo.config.base import (
+    MAX_WAIT_S,
+    MIN_POLL_S,
+    MeshConfig,
+    ServerConfig,
+    _check,
+    _frozen,
+    check_ranges,
+    ranged,
+)
 
 
 @_frozen
@@ -16,27 +25,28 @@ class AlgorithmConfig:
     """"grpo", "dr_grpo" (no std scaling), "rloo", "reinforce_pp" (batch whitening), or "gae":
     PPO with a learned critic (a value head on a copy of the policy backbone, its own AdamW),
     per-token advantages by GAE over the model tokens (docs/algorithms.md)."""
-    clip_eps: float = 0.2
-    """PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
-    clip_eps_high: float = 0.0
+    clip_eps: float = ranged(0.2, gt=0, lt=1)
+    """PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]; in (0, 1)."""
+    clip_eps_high: float = ranged(0.0, ge=0, lt=10)
     """Upper clip (DAPO clip-higher); 0 means the same as clip_eps."""
-    dual_clip: float = 0.0
+    dual_clip: float = ranged(0.0, gt=1, special={0: "off"})
     """Dual-clip constant c > 1; 0 disables."""
     ratio_level: RatioLevel = "token"
     """"token" (PPO/GRPO) or "sequence" (GSPO)."""
     aggregation: Aggregation = "token_mean"
     """"token_mean", "seq_mean_token_mean" or "seq_sum_norm" (needs norm_constant)."""
-    norm_constant: float = 0.0
-    """Divisor of "seq_sum_norm" per sequence (Dr. GRPO: a fixed token budget, so length does not bias the loss)."""
+    norm_constant: float = ranged(0.0, ge=0)
+    """Divisor of "seq_sum_norm" per sequence (Dr. GRPO: a fixed token budget, so length does not bias the
+    loss); must be > 0 with that aggregation, unused (0 is fine) with the others."""
     decoupled: bool = False
     """Clip the ratio against the trainer's own logprobs at the batch's start (the proximal
     policy) instead of the sampler's; the sampler's logprobs then only enter through is_cap.
     Implied by is_cap > 0."""
-    is_cap: float = 0.0
+    is_cap: float = ranged(0.0, ge=0)
     """Truncated importance sampling (TIS, as verl and TRL ship it): the ratio is against the
     proximal policy and each token's loss is weighted by min(pi_proximal / pi_sampler, is_cap),
     correcting for a stale or numerically different sampler; 0 disables."""
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0)
     """KL to the reference policy; 0 disables (and holds no reference copy)."""
     reference: Reference = "initial"
     """The KL reference: "initial" (the loaded checkpoint or the preset's init) or "after_sft"
@@ -45,22 +55,22 @@ class AlgorithmConfig:
     """KL estimator (Schulman's k1, k2 or k3) of the KL term."""
     kl_in_reward: bool = False
     """Subtract kl_coef x the sequence's summed KL from its reward instead of adding a loss term."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = ranged(0.0, ge=0)
     """Weight of the entropy bonus (subtracted from the loss); 0 disables."""
     filter_zero_variance: bool = False
     """Dynamic sampling: drop groups whose rewards are all equal (their advantage is 0)."""
-    overlong_max_tokens: int = 0
+    overlong_max_tokens: int = ranged(0, ge=0)
     """Generated tokens past which the overlong penalty is -1 (DAPO); 0 disables."""
-    overlong_buffer_tokens: int = 0
-    """Soft overlong penalty on generated tokens; both 0 disables."""
-    gae_gamma: float = 1.0
+    overlong_buffer_tokens: int = ranged(0, ge=0)
+    """Soft overlong penalty on generated tokens, at most overlong_max_tokens; both 0 disables."""
+    gae_gamma: float = ranged(1.0, ge=0, le=1)
     """advantage "gae": the discount per model token (1: undiscounted, as for a final reward)."""
-    gae_lambda: float = 0.95
+    gae_lambda: float = ranged(0.95, ge=0, le=1)
     """advantage "gae": GAE's lambda (1: Monte-Carlo returns minus the value, 0: one-step TD)."""
-    value_clip: float = 0.2
+    value_clip: float = ranged(0.2, ge=0)
     """advantage "gae": PPO's clipped value loss, the new value kept within +-value_clip of the
     batch-start value (the loss is the larger of the clipped and unclipped errors); 0 disables."""
-    critic_learning_rate: float = 0.0
+    critic_learning_rate: float = ranged(0.0, ge=0, lt=1)
     """advantage "gae": peak AdamW learning rate of the critic (the trainer's warmup, decay, weight
     decay and grad-norm clip); 0: trainer.learning_rate."""
     whiten_advantages: bool = True
@@ -68,20 +78,11 @@ class AlgorithmConfig:
     the critic learns are not whitened)."""
 
     def validate(self, path: str) -> None:
-        _check(f"{path}.clip_eps", 0 < self.clip_eps < 1, "must be in (0, 1)")
-        _check(f"{path}.clip_eps_high", 0 <= self.clip_eps_high < 10, "must be in [0, 10)")
-        _check(f"{path}.dual_clip", self.dual_clip == 0 or self.dual_clip > 1, "must be 0 (off) or > 1")
+        check_ranges(self, path)
         _check(f"{path}.norm_constant", self.aggregation != "seq_sum_norm" or self.norm_constant > 0,
                "must be > 0 with aggregation seq_sum_norm")
-        _check(f"{path}.is_cap", self.is_cap >= 0, "must be >= 0")
-        _check(f"{path}.kl_coef", self.kl_coef >= 0, "must be >= 0")
-        _check(f"{path}.entropy_coef", self.entropy_coef >= 0, "must be >= 0")
-        _check(f"{path}.gae_gamma", 0 <= self.gae_gamma <= 1, "must be in [0, 1]")
-        _check(f"{path}.gae_lambda", 0 <= self.gae_lambda <= 1, "must be in [0, 1]")
-        _check(f"{path}.value_clip", self.value_clip >= 0, "must be >= 0 (0: no value clipping)")
-        _check(f"{path}.critic_learning_rate", 0 <= self.critic_learning_rate < 1, "must be in [0, 1)")
         _check(f"{path}.overlong_buffer_tokens",
-               0 <= self.overlong_buffer_tokens <= self.overlong_max_tokens or self.overlong_max_tokens == 0,
+               self.overlong_buffer_tokens <= self.overlong_max_tokens or self.overlong_max_tokens == 0,
                "must be in [0, overlong_max_tokens]")
 
 
@@ -94,66 +95,64 @@ class SFTConfig:
     """Demonstrations: a JSONL path (one {"messages": [{role, content, ...}, ...], "tools": [...]}
     per line; messages may carry tool_calls and tool results with their name, `tools` is optional)
     or a built-in set ("builtin:arith", "builtin:arith_tool"). Rendered with the model's chat template."""
-    steps: int = 0
+    steps: int = ranged(0, ge=0)
     """SFT optimizer steps before RL; 0 disables the warm start."""
-    batch_size: int = 64
+    batch_size: int = ranged(64, ge=1)
     """Demonstrations per SFT step."""
-    learning_rate: float = 0.0
+    learning_rate: float = ranged(0.0, ge=0, lt=1)
     """0: trainer.learning_rate. SFT has its own AdamW state; RL starts with a fresh one."""
-    warmup_steps: int = 20
+    warmup_steps: int = ranged(20, ge=0)
     """Linear warmup of the SFT learning rate, in steps."""
 
     def validate(self, path: str) -> None:
-        _check(f"{path}.steps", self.steps >= 0, "must be >= 0")
+        check_ranges(self, path)
         _check(f"{path}.data", not self.steps or bool(self.data), "must name the demonstrations when steps > 0")
-        _check(f"{path}.batch_size", self.batch_size >= 1, "must be >= 1")
-        _check(f"{path}.learning_rate", 0 <= self.learning_rate < 1, "must be in [0, 1)")
-        _check(f"{path}.warmup_steps", self.warmup_steps >= 0, "must be >= 0")
 
 
 @_frozen
 class TrainerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50052, metrics_port=9102))
     """Where the trainer service listens (and serves weights from)."""
-    groups_per_step: int = 4
+    groups_per_step: int = ranged(4, ge=1)
     """GRPO groups in one optimizer step."""
-    micro_batch_size: int = 0
+    micro_batch_size: int = ranged(0, ge=0)
     """Rows per micro-batch (gradient accumulation); 0 = the whole batch at once."""
-    learning_rate: float = 1e-3
+    learning_rate: float = ranged(1e-3, gt=0, lt=1)
     """Peak AdamW learning rate of RL."""
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, ge=0)
     """AdamW weight decay."""
-    warmup_steps: int = 0
+    warmup_steps: int = ranged(0, ge=0)
     """Linear learning-rate warmup from 0, in optimizer steps (ppo_epochs x mini_batches per batch)."""
-    total_steps: int = 0
+    total_steps: int = ranged(0, ge=0)
     """> 0: cosine decay over this many optimizer steps."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = ranged(1, ge=1, le=64)
     """Passes over each batch. With several updates per batch the proximal policy is the
     trainer's own logprobs at the batch's start, computed once (one forward pass, no gradient)."""
-    mini_batches: int = 1
+    mini_batches: int = ranged(1, ge=1, le=1024)
     """Optimizer steps per epoch: each epoch shuffles the batch's rows into this many
     mini-batches (never more than its rows). One published version per batch either way."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = ranged(1.0, gt=0)
     """Gradients are clipped to this global norm."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL objective (GRPO and its variants)."""
-    max_staleness: int = 1
+    max_staleness: int = ranged(1, ge=0)
     """No trained token is more than this many versions behind the version its step trains from
     (groups are dropped as stale at intake and again just before their step); 0 = on-policy."""
-    expiring_wait_s: float = 10.0
+    expiring_wait_s: float = ranged(10.0, ge=0, le=3600)
     """How long a step may wait for a group still being generated that it would otherwise leave
     to age past max_staleness (younger groups filled the batch first; services/trainer/expiring.py).
     Bounded because a rollout worker may have died with the group; 0: never wait (it is dropped)."""
     checkpoint_dir: str = ""
     """Orbax checkpoint directory, local or mounted (every trainer host must see the same one);
     empty disables checkpoints. Not a URI: `gs://` and the like are refused."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = ranged(0, ge=0)
     """Write a checkpoint every k versions; 0 disables."""
-    read_block_ms: int = 1000
-    """How long one read of the trajectory stream blocks waiting for data."""
+    read_block_ms: int = ranged(1000, ge=round(MIN_POLL_S * 1000), le=round(MAX_WAIT_S * 1000))
+    """How long one read of the trajectory stream blocks waiting for data: at least 10 (a shorter
+    wait only polls Redis in a loop) and below redis.socket_timeout_s by min(1 s, half of it)."""
     remat: Remat = "none"
     """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
-    logprob_chunk: int = 0
+    logprob_chunk: int = ranged(0, ge=0)
     """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
@@ -162,30 +161,18 @@ class TrainerConfig:
     start_paused: bool = False
     """Take no step until a Resume RPC: `arlo up`/`demo` set it, so that `arlo train` drives the run
     (evaluation first, then the warm start, then RL). False: train as soon as data arrives."""
-    warmup_programs: int = 3
+    warmup_programs: int = ranged(3, ge=0)
     """At start, compile the RL step for every batch length bucket up to the longest episode
     (`rollout.max_episode_tokens`, within the model's context) when there are at most this many
     buckets, so no step compiles mid-run; more buckets compile on first use (each logged). The SFT
     warm start's step likewise, for the lengths its demonstrations' batches can take. 0: never."""
 
     def validate(self, path: str) -> None:
+        check_ranges(self, path)
         self.server.validate(f"{path}.server")
         self.sft.validate(f"{path}.sft")
-        _check(f"{path}.warmup_programs", self.warmup_programs >= 0, "must be >= 0")
-        _check(f"{path}.groups_per_step", self.groups_per_step >= 1, "must be >= 1")
-        _check(f"{path}.logprob_chunk", self.logprob_chunk >= 0, "must be >= 0")
         self.mesh.validate(f"{path}.mesh")
-        _check(f"{path}.micro_batch_size", self.micro_batch_size >= 0, "must be >= 0")
-        _check(f"{path}.ppo_epochs", 1 <= self.ppo_epochs <= 64, "must be in [1, 64]")
-        _check(f"{path}.mini_batches", 1 <= self.mini_batches <= 1024, "must be in [1, 1024]")
-        _check(f"{path}.learning_rate", 0 < self.learning_rate < 1, "must be in (0, 1)")
-        _check(f"{path}.weight_decay", self.weight_decay >= 0, "must be >= 0")
-        _check(f"{path}.warmup_steps", self.warmup_steps >= 0, "must be >= 0")
-        _check(f"{path}.total_steps", self.total_steps >= 0, "must be >= 0")
         self.algorithm.validate(f"{path}.algorithm")
-        _check(f"{path}.max_staleness", self.max_staleness >= 0, "must be >= 0")
-        _check(f"{path}.expiring_wait_s", 0 <= self.expiring_wait_s <= 3600, "must be in [0, 3600]")
-        _check(f"{path}.checkpoint_every", self.checkpoint_every >= 0, "must be >= 0")
         _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),
                "needs checkpoint_dir")
         # A URI would resolve to a relative local path ("./gs:/bucket"): checkpoints on the pod's
