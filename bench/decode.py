@@ -99,7 +99,7 @@ from arlo.config import InferenceConfig
 from arlo.hostmem import reexec_with_tunables
 from arlo.model import ModelConfig, create_model, state_from_bytes, state_to_bytes
 from arlo.model.source import preset_source
-from bench.common import print_table, write_json
+from bench.common import check_json_arg, int_at_least, int_list, print_table, run_main, write_json
 from bench.roofline import Ceilings, best_time, measure_ceilings
 from services.inference.engine import ChunkRecord, Engine, SamplingRequest
 
@@ -235,31 +235,44 @@ def measure_swap(args: argparse.Namespace, engine: Engine, batch: int) -> dict[s
             "chunk_s": statistics.median(c.end - c.start for c in chunks)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes")
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per host round trip")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batches", default="1,16,64,256", type=int_list(1), help="comma-separated batch sizes")
+    parser.add_argument("--prompt", type=int_at_least(1), default=32, help="prompt tokens per request")
+    parser.add_argument("--new-tokens", type=int_at_least(1), default=128)
+    parser.add_argument("--steps", type=int_at_least(1), default=8, help="decode steps per host round trip")
+    parser.add_argument("--repeats", type=int_at_least(1), default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--naive-batches", default="",
+    parser.add_argument("--naive-batches", default="", type=int_list(1, allow_empty=True),
                         help="batches (of --batches) to run the no-cache baseline at; default: the smallest, and 16")
-    parser.add_argument("--swap-batch", type=int, default=0, help="batch for the swap figures (default: 64 or the largest)")
+    parser.add_argument("--swap-batch", type=int_at_least(0), default=0,
+                        help="batch for the swap figures (default: 64 or the largest)")
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        ModelConfig.named(args.model)
+    except ValueError as e:
+        parser.error(f"--model: {e}")
+    batches = args.batches
+    args.naive_batches = args.naive_batches or sorted({min(batches), 16} & set(batches))
+    args.swap_batch = args.swap_batch or (64 if 64 in batches else max(batches))
+    if not set(args.naive_batches) <= set(batches) or args.swap_batch not in batches:
+        parser.error(f"--naive-batches {args.naive_batches} and --swap-batch {args.swap_batch} must be among "
+                     f"--batches {batches}")
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     reexec_with_tunables()  # the inference service runs with these (arlo/hostmem.py); ARLO_DEFAULT_MALLOC=1 opts out
-    batches = [int(b) for b in args.batches.split(",")]
+    batches, naive_batches, swap_batch = args.batches, args.naive_batches, args.swap_batch
     cfg = dataclasses.replace(ModelConfig.named(args.model), dtype=args.dtype)
     started = time.perf_counter()
     per_batch: dict[int, dict[str, Any]] = {}
     swap: dict[str, float] = {}
     naive_s: dict[int, float] = {}
-    naive_batches = [int(b) for b in args.naive_batches.split(",") if b] or sorted({min(batches), 16} & set(batches))
-    swap_batch = args.swap_batch or (64 if 64 in batches else max(batches))
-    if not set(naive_batches) <= set(batches) or swap_batch not in batches:
-        parser.error(f"--naive-batches {naive_batches} and --swap-batch {swap_batch} must be among --batches {batches}")
     for batch in batches:
         engine = make_engine(args, batch)
         try:
@@ -296,4 +309,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

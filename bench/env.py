@@ -37,7 +37,16 @@ from dataclasses import dataclass
 from arlo.config import AuthConfig, EnvGatewayConfig, RunConfig, ServerConfig
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc import make_channel
-from bench.common import percentile, print_table, write_json
+from bench.common import (
+    check_json_arg,
+    int_at_least,
+    int_list,
+    name_list,
+    percentile,
+    print_table,
+    run_main,
+    write_json,
+)
 from services.env_gateway.__main__ import build_gateway, start_env_gateway
 from services.env_gateway.envs.base import Environment
 from services.rollout.env_affinity import AffinityEnvironmentClient
@@ -225,31 +234,43 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], li
     try:
         async with make_channel(f"127.0.0.1:{running.port}", token=None) as channel:
             stub = env_pb2_grpc.EnvironmentStub(channel)
-            for name in args.envs.split(","):
+            for name in args.envs:
                 spec = local.registry.get(name)
                 assert spec is not None and name in WORKLOADS, f"no workload for {name!r}"
                 steps, batches = (args.python_steps, args.python_batches) if spec.blocking else (args.steps, args.batches)
                 results[name] = await bench_env(stub, name, lambda s=spec: local.registry.create(s), steps, batches)
         concurrent = [await bench_episodes(running.port, args.episode_env, n, args.episode_steps)
-                      for n in map(int, filter(None, args.episodes.split(",")))]
+                      for n in args.episodes]
     finally:
         await running.stop(None)
         local.shutdown()
     return results, concurrent
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--envs", default=",".join(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=2000, help="timed single Steps per inline environment")
-    parser.add_argument("--batches", type=int, default=200, help="timed StepBatch(64) calls per inline environment")
-    parser.add_argument("--python-steps", type=int, default=40)
-    parser.add_argument("--python-batches", type=int, default=3)
-    parser.add_argument("--episodes", default="1,64", help="concurrent episode counts ('' to skip)")
+    parser.add_argument("--envs", default=",".join(WORKLOADS), type=name_list(WORKLOADS, allow_empty=True),
+                        help=f"comma-separated, of {sorted(WORKLOADS)} ('' to skip)")
+    parser.add_argument("--steps", type=int_at_least(1), default=2000, help="timed single Steps per inline environment")
+    parser.add_argument("--batches", type=int_at_least(1), default=200,
+                        help="timed StepBatch(64) calls per inline environment")
+    parser.add_argument("--python-steps", type=int_at_least(1), default=40)
+    parser.add_argument("--python-batches", type=int_at_least(1), default=3)
+    parser.add_argument("--episodes", default="1,64", type=int_list(1, allow_empty=True),
+                        help="concurrent episode counts ('' to skip)")
     parser.add_argument("--episode-env", default="arith", choices=sorted(WORKLOADS))
-    parser.add_argument("--episode-steps", type=int, default=200, help="timed steps per episode loop per round")
+    parser.add_argument("--episode-steps", type=int_at_least(1), default=200,
+                        help="timed steps per episode loop per round")
     parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.envs and not args.episodes:
+        parser.error("--envs '' and --episodes '' leave nothing to run")
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     results, concurrent = asyncio.run(run(args))
     columns = ["env", "Step/s", "StepBatch64 steps/s", "Step p50 ms", "Step p99 ms", "in-process p50 ms",
@@ -278,4 +299,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -22,9 +22,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from arlo.app.redis_server import redis_answers
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
 from arlo.config import dump_config
-from bench.common import machine, print_table, write_json
+from bench.common import (
+    check_json_arg,
+    int_at_least,
+    machine,
+    print_table,
+    run_main,
+    wipe_namespace,
+    write_json,
+)
 from bench.grpo_tiny import WORKLOADS, service_config
 
 SERVICES = ("env_gateway", "reward", "inference", "trainer", "rollout")
@@ -74,22 +83,39 @@ def launch(workload: str, cache: Path, steps: int, label: str) -> dict[str, Any]
     dump_config(cfg, config)
     env = {**os.environ, "ARLO_HOME": str(home), COMPILE_CACHE_ENV: str(cache)}
     launched = time.time()
-    with open(home / "demo.out", "wb") as out:
-        code = subprocess.run([sys.executable, "-m", "arlo.app.cli", "demo", "-c", str(config), "--no-eval",
-                               "--steps", str(steps)], env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    try:
+        with open(home / "demo.out", "wb") as out:
+            code = subprocess.run([sys.executable, "-m", "arlo.app.cli", "demo", "-c", str(config), "--no-eval",
+                                   "--steps", str(steps)], env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    finally:
+        if redis_answers(cfg.redis.url):  # the shared Redis (a demo's own went with it): its run's keys go
+            wipe_namespace(cfg)
     first = first_rl_step(home)
     return {"cache": label, "exit_code": code, "home": str(home),
             "first_step_s": None if first is None else first - launched, **milestones(home, launched)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="76k", choices=sorted(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=3, help="RL steps each demo runs")
+    parser.add_argument("--steps", type=int_at_least(1), default=3, help="RL steps each demo runs")
     parser.add_argument("--cache", help="compile cache directory (default: a fresh temporary one, so cold)")
     parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.cache is not None:
+        cache = Path(args.cache)
+        if not args.cache or (cache.exists() and not cache.is_dir()):
+            parser.error(f"--cache {args.cache!r} is not a folder")
+        if not cache.exists() and not cache.resolve().parent.is_dir():
+            parser.error(f"--cache {args.cache}: no folder {cache.resolve().parent}")
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     cache = Path(args.cache or tempfile.mkdtemp(prefix="arlo-jax-cache-"))
+    cache.mkdir(exist_ok=True)
     runs = [launch(args.workload, cache, args.steps, "cold" if not any(cache.iterdir()) else "given"),
             launch(args.workload, cache, args.steps, "warm")]
     keys = ["first_step_s", *[f"{s}_{k}" for s in SERVICES for k in ("first_log_s", "warm_s")]]
@@ -101,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

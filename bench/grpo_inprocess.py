@@ -32,6 +32,7 @@ from arlo.model.sampling import sample
 from arlo.model.source import ModelSource
 from arlo.model.tokenizer import ByteTokenizer
 from bench.arith_turns import env_config
+from bench.common import float_above, int_at_least, run_main
 from services.env_gateway.envs.arith import ArithConfig, draw_task, parse_answer
 from services.trainer.batching import Batch
 from services.trainer.learner import Learner
@@ -128,12 +129,12 @@ def parser(doc: str) -> argparse.ArgumentParser:
     """The flags every in-process baseline takes (the workload's shapes and the timing)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-76k")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=16, help="new tokens per model turn")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--learning-rate", type=float, default=0.002)
+    p.add_argument("--prompts", type=int_at_least(1), default=4)
+    p.add_argument("--samples", type=int_at_least(1), default=4)
+    p.add_argument("--tokens", type=int_at_least(1), default=16, help="new tokens per model turn")
+    p.add_argument("--warmup", type=int_at_least(0), default=5)
+    p.add_argument("--steps", type=int_at_least(2, "the median step needs two timed steps"), default=30)
+    p.add_argument("--learning-rate", type=float_above(0), default=0.002)
     p.add_argument("--remat", default="none", choices=("none", "full", "dots"), help="the trainer's remat")
     return p
 
@@ -171,8 +172,18 @@ def run_timed(args: argparse.Namespace, cfg: ModelConfig, step: StepFn) -> dict[
             "turns_per_episode": turns / (args.steps * rows), "dropped_stale": 0, "params": cfg.num_params()}
 
 
+def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """`p`'s arguments, --model checked (an unknown one is argparse's exit 2)."""
+    args = p.parse_args(argv)
+    try:
+        ModelConfig.named(args.model)
+    except ValueError as e:
+        p.error(f"--model: {e}")
+    return args
+
+
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    args = parse_args(parser(__doc__))
     cfg, learner = make_learner(args)
     tok = ByteTokenizer()
     rows = args.prompts * args.samples
@@ -194,4 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from arlo.model.tokenizer import ByteTokenizer
 from bench.arith_turns import env_config, episode_tokens, turn_prompt_tokens
+from bench.common import int_at_least, run_main
 from bench.grpo_inprocess import (
     Episode,
     Generate,
@@ -35,6 +36,7 @@ from bench.grpo_inprocess import (
     make_learner,
     pack_batch,
     pad_prompts,
+    parse_args,
     parser,
     run_timed,
     turn_length,
@@ -139,17 +141,17 @@ class AgentBaseline:
 
 def agent_parser() -> argparse.ArgumentParser:
     p = parser(__doc__)
-    p.add_argument("--turns", type=int, default=3, help="model turns per episode (the env's max_turns)")
+    p.add_argument("--turns", type=int_at_least(1), default=3, help="model turns per episode (the env's max_turns)")
     p.add_argument("--batch1", action="store_true", help="one generate call per turn per episode")
     return p
 
 
 def main() -> None:
-    args = agent_parser().parse_args()
+    args = parse_args(agent_parser())
     baseline = AgentBaseline(args)
     # Every turn prefills each row's whole prompt: nothing is shared, within a group or across turns.
     print(json.dumps({**run_timed(args, baseline.cfg, baseline.step), "shared_prefill_fraction": 0.0}))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

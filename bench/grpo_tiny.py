@@ -55,6 +55,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,16 +66,26 @@ from pathlib import Path
 from typing import Any
 
 from arlo.app.driver import RunDriver
-from arlo.app.local import INFRA_SERVICES, prepare_cluster
+from arlo.app.local import INFRA_SERVICES, local_cpu_shares, prepare_cluster
 from arlo.app.supervisor import Supervisor
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
-from arlo.config import RunConfig, load_config, replace_config
+from arlo.config import ConfigError, RunConfig, load_config, replace_config
 from arlo.coord import Keys, connect, read_statuses
 from arlo.coord.metrics import MetricsStream
 from arlo.data import resource_path
 from arlo.model.tokenizer import ByteTokenizer
 from bench.arith_turns import env_config, env_config_json, episode_tokens, turn_prompt_tokens
-from bench.common import machine, print_table, write_json
+from bench.common import (
+    check_json_arg,
+    int_at_least,
+    int_list,
+    machine,
+    name_list,
+    print_table,
+    run_main,
+    stop_cluster,
+    write_json,
+)
 
 DEMO_CONFIG = resource_path("demo.yaml")
 DEFAULT_CPUS = "auto"
@@ -249,13 +260,16 @@ def peak_rss(supervisor: Supervisor) -> dict[str, int]:
     return out
 
 
+def local_overrides(cpus: str, compute_nice: int | None) -> dict[str, Any]:
+    return {"local": {"cpus": cpus, **({} if compute_nice is None else {"compute_nice": compute_nice})}}
+
+
 def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *, compute_nice: int | None = None,
                 start_timeout_s: float = 180.0, stall_s: float = 300.0) -> ServiceRun:
     """`cfg` through the services as local processes (a fresh run under `home`) for `steps` RL steps;
     `cpus`: their `local.cpus` ("auto", "off" or explicit shares); `compute_nice`: local.compute_nice
-    (None: the default)."""
-    cfg = replace_config(cfg, {"local": {"cpus": cpus, **({} if compute_nice is None else
-                                                            {"compute_nice": compute_nice})}})
+    (None: the default). The run's Redis keys are deleted at the end (its figures are read by then)."""
+    cfg = replace_config(cfg, local_overrides(cpus, compute_nice))
     cluster = prepare_cluster(cfg, home=home, free_ports=True, fresh_run=True)
     try:
         cluster.start(INFRA_SERVICES, timeout_s=start_timeout_s)
@@ -265,15 +279,35 @@ def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *, compute_ni
         peaks = peak_rss(cluster.supervisor)
         metrics = {name: scrape(getattr(cluster.cfg, name).server.metrics_port) for name in ("rollout", "inference")}
     finally:
-        cluster.stop()
+        stop_cluster(cluster)
     return ServiceRun(stamps=stamps, status=status, records=records, home=home, peak_rss=peaks, metrics=metrics)
+
+
+def bench_config(w: Workload, staleness: int, args: argparse.Namespace, tag: str) -> RunConfig:
+    """The workload's service config with the flags' overrides (--batch-window-s)."""
+    cfg = service_config(w, staleness, f"bench-{tag}-{w.name}-s{staleness}")
+    if getattr(args, "batch_window_s", None) is not None:  # A/B of the rollout's call coalescing
+        cfg = replace_config(cfg, {"rollout": {"batch_window_s": args.batch_window_s}})
+    return cfg
+
+
+def check_service_args(parser: argparse.ArgumentParser, args: argparse.Namespace, workloads: list[str],
+                       modes: list[int]) -> None:
+    """Builds every run's config as the run will (the flags' overrides, --cpus against this host's
+    CPUs) and refuses what arlo refuses (ConfigError) with argparse's exit 2, before anything runs."""
+    try:
+        for name in workloads:
+            for staleness in modes:
+                cfg = replace_config(bench_config(WORKLOADS[name], staleness, args, "check"),
+                                     local_overrides(args.cpus, args.compute_nice))
+                local_cpu_shares(cfg)
+    except ConfigError as e:
+        parser.error(str(e))
 
 
 def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: int, tag: str = "grpo") -> ServiceRun:
     """The workload through the services (local processes, CPU shares from --cpus) for `steps` RL steps."""
-    cfg = service_config(w, staleness, f"bench-{tag}-{w.name}-s{staleness}")
-    if getattr(args, "batch_window_s", None) is not None:  # A/B of the rollout's call coalescing
-        cfg = replace_config(cfg, {"rollout": {"batch_window_s": args.batch_window_s}})
+    cfg = bench_config(w, staleness, args, tag)
     # One compile cache for every run of the bench (a user's runs share $ARLO_HOME's the same way).
     os.environ.setdefault(COMPILE_CACHE_ENV, str(Path(args.home).resolve() / "jax-cache"))
     return run_cluster(cfg, Path(args.home).resolve() / f"{w.name}-s{staleness}", args.cpus, steps,
@@ -284,7 +318,11 @@ def run_arlo(w: Workload, staleness: int, args: argparse.Namespace) -> dict[str,
     run = run_services(w, staleness, args, args.warmup + args.steps)
     stamps, status = run.stamps, run.status
     versions = sorted(v for v in stamps if v >= args.warmup)
-    first, last = args.warmup, versions[-1]
+    first = args.warmup
+    if first not in stamps or len(versions) < 2:
+        raise RuntimeError(f"{w.name} staleness {staleness}: versions {sorted(stamps)} seen published, not "
+                           f"{first}..{first + args.steps}; the run's logs are under {run.home / 'logs'}")
+    last = versions[-1]
     wall = stamps[last] - stamps[first]
     steps_per_s = (last - first) / wall
     # A step that compiles a new shape mid-run (a new length bucket) stalls for seconds; the
@@ -334,7 +372,11 @@ def run_inprocess(w: Workload, args: argparse.Namespace) -> list[dict[str, Any]]
                "--steps", str(args.steps), "--learning-rate", str(LEARNING_RATE), "--remat", w.remat]
         if args.inprocess_cpus:
             cmd = ["taskset", "-c", args.inprocess_cpus, *cmd]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the {side} baseline ({' '.join(cmd)}) exited {proc.returncode}:\n"
+                               f"{proc.stderr[-3000:]}")
+        out = proc.stdout
         rows.append({"workload": w.name, "side": side, "staleness": 0, **json.loads(out.strip().splitlines()[-1])})
     return rows
 
@@ -360,12 +402,36 @@ def ratios(rows: list[dict[str, Any]], names: list[str]) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+MIN_INPROCESS_STEPS = 2
+"""Timed steps the in-process baseline needs: its median step is over the intervals between them."""
+
+
+def cpu_list_problem(text: str) -> str | None:
+    """Why taskset's CPU list `text` ("0,1", "0-3") would not pin the baseline here (None: it would)."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        return f"expected CPUs as taskset takes them (0,1 or 0-3), got {text!r}"
+    if hasattr(os, "sched_getaffinity") and not cpus <= (usable := os.sched_getaffinity(0)):
+        return f"CPUs {sorted(cpus - usable)} are not among this process's {','.join(map(str, sorted(usable)))}"
+    if shutil.which("taskset") is None:
+        return "taskset is not installed"
+    return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="76k", help=f"comma-separated, of {sorted(WORKLOADS)}")
-    parser.add_argument("--modes", default="0,1", help="arlo max_staleness values; 0 is synchronous")
-    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compilation)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
+    parser.add_argument("--workloads", default="76k", type=name_list(WORKLOADS),
+                        help=f"comma-separated, of {sorted(WORKLOADS)}")
+    parser.add_argument("--modes", default="0,1", type=int_list(0), help="arlo max_staleness values; 0 is synchronous")
+    parser.add_argument("--warmup", type=int_at_least(1, "arlo's timing starts at the version the last warm-up "
+                                                        "step publishes; the initial weights are never published"),
+                        default=10, help="steps left out of the timing (compilation)")
+    parser.add_argument("--steps", type=int_at_least(1), default=30,
+                        help=f"timed steps per side (>= {MIN_INPROCESS_STEPS} with the in-process baseline)")
     parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: auto, off or service=cpu[+cpu],...")
     parser.add_argument("--compute-nice", type=int, help="local.compute_nice (default: the config's)")
     parser.add_argument("--inprocess-cpus", default="0,1", help="taskset CPUs of the baseline ('' = no pinning)")
@@ -374,7 +440,19 @@ def main() -> None:
                         help="rollout.batch_window_s (default: the config's; 0: one Generate/Score call each)")
     parser.add_argument("--home", default=".arlo/bench-grpo", help="logs and state of the runs")
     parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.no_inprocess and args.steps < MIN_INPROCESS_STEPS:
+        parser.error(f"--steps must be >= {MIN_INPROCESS_STEPS} with the in-process baseline (its median step "
+                     f"needs two timed steps), got {args.steps}; --no-inprocess times arlo alone from 1")
+    if not args.no_inprocess and args.inprocess_cpus and (problem := cpu_list_problem(args.inprocess_cpus)):
+        parser.error(f"--inprocess-cpus {args.inprocess_cpus}: {problem} ('' runs the baseline unpinned)")
+    check_service_args(parser, args, args.workloads, args.modes)
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -385,14 +463,14 @@ def main() -> None:
                   file=sys.stderr, flush=True)
         rows.extend(new)
 
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         w = WORKLOADS[name]
         if not args.no_inprocess:
             progress(run_inprocess(w, args))
-        for m in args.modes.split(","):
-            progress([run_arlo(w, int(m), args)])
+        for m in args.modes:
+            progress([run_arlo(w, m, args)])
     figures: dict[str, Any] = {"rows": rows, "cpus": args.cpus, "warmup": args.warmup, "steps": args.steps,
-                               **ratios(rows, args.workloads.split(","))}
+                               **ratios(rows, args.workloads)}
     keys = ["workload", "side", "steps_per_s", "completions_per_s", "generated_tokens_per_s", "turns_per_episode",
             "median_step_s", "max_step_s", "dropped_stale", "shared_prefill_fraction"]
     print_table(f"GRPO tiny: {args.steps} timed steps after {args.warmup}; cpus {args.cpus}",
@@ -407,4 +485,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -37,12 +37,21 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from arlo.app.local import INFRA_SERVICES, prepare_cluster, wipe_run
-from arlo.config import RunConfig, load_config
+from arlo.app.local import INFRA_SERVICES, prepare_cluster
+from arlo.config import ConfigError, RunConfig, load_config
 from arlo.coord import TrajectoryStream, connect
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
-from bench.common import percentile, print_table, write_json
+from bench.common import (
+    check_json_arg,
+    float_above,
+    int_at_least,
+    percentile,
+    print_table,
+    run_main,
+    stop_cluster,
+    write_json,
+)
 from services.rollout.agent import Turn
 from services.rollout.clients import EnvironmentClient, InferenceClient, RewardClient
 from services.rollout.types import BackendError, ResetResult, ScoreResult, StepResult
@@ -214,29 +223,40 @@ def report(out: dict[str, Any]) -> None:
     print_table("load: totals", ["figure", "value"], [[k, out[k]] for k in summary])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=256, help="episodes in flight (groups of 4)")
-    parser.add_argument("--seconds", type=float, default=90.0, help="how long to hold (and measure) the load")
-    parser.add_argument("--warmup-s", type=float, default=30.0, help="load before measuring (JAX compiles)")
-    parser.add_argument("--max-backlog", type=int, default=256, help="redis.max_backlog for the run")
-    parser.add_argument("--rpc-timeout-s", type=float, default=60.0)
+    parser.add_argument("--episodes", type=int_at_least(1), default=256, help="episodes in flight (groups of 4)")
+    parser.add_argument("--seconds", type=float_above(0), default=90.0, help="how long to hold (and measure) the load")
+    parser.add_argument("--warmup-s", type=float_above(0, inclusive=True), default=30.0,
+                        help="load before measuring (JAX compiles)")
+    parser.add_argument("--max-backlog", type=int_at_least(1), default=256, help="redis.max_backlog for the run")
+    parser.add_argument("--rpc-timeout-s", type=float_above(0), default=60.0)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--openai", action="store_true", help="add the OpenAI endpoint phase (bench/openai_load.py)")
     parser.add_argument("--mcp", action="store_true", help="add the MCP environment phase, stdio (bench/mcp_load.py)")
     parser.add_argument("--mcp-http", action="store_true", help="the MCP phase over streamable HTTP instead")
-    parser.add_argument("--mcp-rounds", type=int, default=3, help="MCP phase: rounds of --episodes episodes")
-    parser.add_argument("--mcp-calls", type=int, default=3, help="MCP phase: tool calls per episode")
+    parser.add_argument("--mcp-rounds", type=int_at_least(1), default=3, help="MCP phase: rounds of --episodes episodes")
+    parser.add_argument("--mcp-calls", type=int_at_least(1), default=3, help="MCP phase: tool calls per episode")
     parser.add_argument("--no-rollout", action="store_true", help="skip the rollout phase (only --openai/--mcp)")
     parser.add_argument("--flood-only", action="store_true", help="the flood phase alone (bench/flood.py)")
-    parser.add_argument("--flood-calls", type=int, default=2200)
-    parser.add_argument("--flood-seconds", type=float, default=30.0)
-    args = parser.parse_args()
+    parser.add_argument("--flood-calls", type=int_at_least(1), default=2200)
+    parser.add_argument("--flood-seconds", type=float_above(0), default=30.0)
+    args = parser.parse_args(argv)
+    if not args.flood_only and args.no_rollout and not (args.openai or args.mcp or args.mcp_http):
+        parser.error("--no-rollout leaves nothing to run: add --openai, --mcp or --mcp-http")
+    try:
+        bench_config(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.flood_only:
         return flood_main(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    if args.no_rollout and not (args.openai or args.mcp or args.mcp_http):
-        parser.error("--no-rollout leaves nothing to run: add --openai, --mcp or --mcp-http")
     out = run_phases(args)
     report_phases(out)
     # The command that repeats the run: flags as given (a boolean only when set).
@@ -266,9 +286,7 @@ def run_phases(args: argparse.Namespace) -> dict[str, Any]:
                         cluster.cfg, cluster.token, episodes=args.episodes, seconds=args.seconds,
                         warmup_s=args.warmup_s, max_tokens=cluster.cfg.inference.max_tokens))
             finally:
-                cluster.stop()
-                if cluster.redis is None:
-                    wipe_run(cluster.cfg)
+                stop_cluster(cluster)
     if args.mcp or args.mcp_http:
         from contextlib import nullcontext
 
@@ -317,11 +335,11 @@ def flood_main(args: argparse.Namespace) -> None:
             cluster.start(("inference",))
             out = asyncio.run(flood(cluster.cfg, cluster.token, calls=args.flood_calls, seconds=args.flood_seconds))
         finally:
-            cluster.stop()
+            stop_cluster(cluster)
     print_table("flood", ["figure", "value"], [[k, v] for k, v in out.items()])
     write_json(args.json, {"bench": "flood", "command": f"python -m bench.load --flood-only --flood-calls "
                                                         f"{args.flood_calls} --flood-seconds {args.flood_seconds}", **out})
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import print_table, write_json
+from bench.common import check_json_arg, int_at_least, print_table, run_main, write_json
 
 
 def _status(field: str) -> int:
@@ -45,13 +45,20 @@ def measure(path: str, param_dtype: str) -> dict[str, float]:
             "ratio": (peak - before) / model_bytes}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int_at_least(1), default=1024)
+    parser.add_argument("--layers", type=int_at_least(1), default=4)
     parser.add_argument("--json")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.child:
+        check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.child:
         print(json.dumps(measure(*args.child)))
         return
@@ -75,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

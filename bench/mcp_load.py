@@ -28,7 +28,7 @@ import grpc
 from arlo.config import load_config
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc import make_channel
-from bench.common import percentile, print_table, write_json
+from bench.common import check_json_arg, int_at_least, percentile, print_table, run_main, write_json
 from services.env_gateway.__main__ import build_servicer, start_env_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,14 +117,20 @@ def report(out: dict[str, Any]) -> None:
     print("errors:", out["errors"] or "none")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=3, help="tool calls per episode")
+    parser.add_argument("--episodes", type=int_at_least(1), default=256)
+    parser.add_argument("--rounds", type=int_at_least(1), default=3)
+    parser.add_argument("--calls", type=int_at_least(1), default=3, help="tool calls per episode")
     parser.add_argument("--http", action="store_true", help="the MCP server on streamable HTTP instead of stdio")
     parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     with http_server() if args.http else nullcontext("") as url:
         out = asyncio.run(run(episodes=args.episodes, rounds=args.rounds, calls=args.calls, url=url))
     report(out)
@@ -133,4 +139,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,11 +29,20 @@ from typing import Any
 import httpx2
 import openai
 
-from arlo.app.local import prepare_cluster, wipe_run
-from arlo.config import RunConfig, load_config
+from arlo.app.local import prepare_cluster
+from arlo.config import ConfigError, RunConfig, load_config
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.rpc import make_channel
-from bench.common import percentile, print_table, write_json
+from bench.common import (
+    check_json_arg,
+    float_above,
+    int_at_least,
+    percentile,
+    print_table,
+    run_main,
+    stop_cluster,
+    write_json,
+)
 
 
 class Load:
@@ -118,18 +127,32 @@ def report(out: dict[str, Any]) -> None:
                 [[k, out[k]] for k in ("episodes_done", "episodes_per_s", "errors", "bad_records", "passed")])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=256, help="episodes in flight")
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--warmup-s", type=float, default=30.0)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    cfg = load_config(overrides={"run_id": f"openai-load-{int(time.time())}", "inference": {
+def bench_config(args: argparse.Namespace) -> RunConfig:
+    return load_config(overrides={"run_id": f"openai-load-{int(time.time())}", "inference": {
         "max_batch": max(64, args.episodes), "max_tokens": args.max_tokens,
         "openai_max_episodes": 4 * args.episodes}})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int_at_least(1), default=256, help="episodes in flight")
+    parser.add_argument("--seconds", type=float_above(0), default=60.0)
+    parser.add_argument("--warmup-s", type=float_above(0, inclusive=True), default=30.0)
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=16)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    try:
+        bench_config(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    cfg = bench_config(args)
     with tempfile.TemporaryDirectory(prefix="arlo-openai-load-") as home:
         cluster = prepare_cluster(cfg, home=Path(home), free_ports=True, fresh_run=True)
         try:
@@ -137,9 +160,7 @@ def main() -> None:
             out = asyncio.run(drive(cluster.cfg, cluster.token, episodes=args.episodes, seconds=args.seconds,
                                     warmup_s=args.warmup_s, max_tokens=args.max_tokens))
         finally:
-            cluster.stop()
-            if cluster.redis is None:
-                wipe_run(cluster.cfg)
+            stop_cluster(cluster)
     report(out)
     write_json(args.json, {"bench": "openai_load", "command": "python -m bench.openai_load " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json" and v is not None), **out})
@@ -148,4 +169,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

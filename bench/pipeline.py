@@ -33,11 +33,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from arlo.app.driver import run_training
-from arlo.app.local import INFRA_SERVICES, prepare_cluster
-from arlo.config import load_config
+from arlo.app.local import INFRA_SERVICES, local_cpu_shares, prepare_cluster
+from arlo.config import ConfigError, RunConfig, load_config
 from arlo.coord import connect, read_statuses
 from arlo.data import resource_path
-from bench.common import machine, print_table, write_json
+from bench.common import (
+    check_json_arg,
+    float_above,
+    int_at_least,
+    int_list,
+    machine,
+    print_table,
+    run_main,
+    stop_cluster,
+    write_json,
+)
 
 DEMO_CONFIG = resource_path("demo.yaml")
 # Two cores: inference and the trainer each get one; the light services share both.
@@ -76,10 +86,14 @@ def rpc_count(cfg) -> float:
     return total
 
 
+def mode_config(staleness: int, args: argparse.Namespace) -> RunConfig:
+    return load_config(DEMO_CONFIG, {"run_id": f"bench-pipeline-s{staleness}",
+                                     "trainer": {"max_staleness": staleness, "sft": {"steps": args.sft_steps}},
+                                     "rollout": {"eval": {"every_versions": 0}}, "local": {"cpus": args.cpus}})
+
+
 def run_mode(staleness: int, args: argparse.Namespace, home: Path) -> dict[str, Any]:
-    cfg = load_config(DEMO_CONFIG, {"run_id": f"bench-pipeline-s{staleness}",
-                                    "trainer": {"max_staleness": staleness, "sft": {"steps": args.sft_steps}},
-                                    "rollout": {"eval": {"every_versions": 0}}, "local": {"cpus": args.cpus}})
+    cfg = mode_config(staleness, args)
     cluster = prepare_cluster(cfg, home=home / f"s{staleness}", free_ports=True, fresh_run=True)
     marks: dict[str, dict[str, Any]] = {}
 
@@ -99,7 +113,7 @@ def run_mode(staleness: int, args: argparse.Namespace, home: Path) -> dict[str, 
                                           eval_tags=("after_sft", "end")))
         rtt = loopback_rpc_s(cluster.cfg.inference.server.address)
     finally:
-        cluster.stop()
+        stop_cluster(cluster)
     return summarise(staleness, report.evals, marks["rl_start"], marks["rl_end"], rtt)
 
 
@@ -130,18 +144,31 @@ def summarise(staleness: int, evals: dict[str, Any], before: dict[str, Any], aft
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="0,1,2,4", help="max_staleness values; 0 is synchronous")
-    parser.add_argument("--rl-seconds", type=float, default=120.0, help="RL wall time per mode")
-    parser.add_argument("--sft-steps", type=int, default=600, help="warm start before RL, the same in every mode")
+    parser.add_argument("--modes", default="0,1,2,4", type=int_list(0), help="max_staleness values; 0 is synchronous")
+    parser.add_argument("--rl-seconds", type=float_above(0), default=120.0, help="RL wall time per mode")
+    parser.add_argument("--sft-steps", type=int_at_least(0), default=600,
+                        help="warm start before RL, the same in every mode")
     parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: service=cpu[+cpu],... (or auto, off)")
     parser.add_argument("--home", default=".arlo/bench-pipeline", help="logs and state of the runs")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--plot", default="bench-pipeline.png", help="PNG of the table's main figures")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        for m in args.modes:
+            local_cpu_shares(mode_config(m, args))
+    except ConfigError as e:
+        parser.error(str(e))
+    check_json_arg(parser, args)
+    check_json_arg(parser, args, "plot", "--plot")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    results = [run_mode(int(m), args, Path(args.home).resolve()) for m in args.modes.split(",")]
+    results = [run_mode(m, args, Path(args.home).resolve()) for m in args.modes]
     keys = ["max_staleness", "trajectories_per_s", "tokens_per_s", "trainer_idle_fraction",
             "inference_idle_fraction", "reward_after_sft", "reward_end", "greedy_reward_end", "overhead_fraction"]
     print_table(f"pipeline: {args.rl_seconds:.0f}s of RL per mode after {args.sft_steps} SFT steps; cpus {args.cpus}",
@@ -184,4 +211,4 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import print_table, write_json
-from bench.real_model_services import print_service_step, service_step
+from bench.common import check_json_arg, int_at_least, int_list, print_table, run_main, write_json
+from bench.real_model_services import check_step_args, print_service_step, service_step
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -285,16 +285,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=".arlo/bench/qwen2.5-0.5b-shape", help="where the checkpoint is written")
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--step-tokens", type=int, default=128)
+    parser.add_argument("--batches", default="1,16,64", type=int_list(1))
+    parser.add_argument("--prompt", type=int_at_least(1), default=32)
+    parser.add_argument("--new-tokens", type=int_at_least(1), default=64)
+    parser.add_argument("--groups", type=int_at_least(1), default=8)
+    parser.add_argument("--group-size", type=int_at_least(1), default=4)
+    parser.add_argument("--step-tokens", type=int_at_least(1), default=128)
     parser.add_argument("--param-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--micro-batch", type=int, default=0,
+    parser.add_argument("--micro-batch", type=int_at_least(0), default=0,
                         help="trainer rows per micro-batch, 0 = the whole batch (remat is full)")
-    parser.add_argument("--logprob-chunk", type=int, default=32,
+    parser.add_argument("--logprob-chunk", type=int_at_least(0), default=32,
                         help="trainer.logprob_chunk: at 0.5B, 8x4 rows of 160 tokens, the step's XLA temporaries are "
                              "5.7 GiB with micro-batch 0 and chunk 32, 6.9 with micro-batch 8 and no chunk, 9.8 with neither")
     step = parser.add_mutually_exclusive_group()
@@ -303,13 +303,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     step.add_argument("--step-in-process", dest="step", action="store_const", const="in-process",
                       help="the GRPO step in this process, no services (for comparison)")
     step.add_argument("--skip-step", dest="step", action="store_const", const="none", help="no GRPO step")
-    parser.add_argument("--rl-steps", type=int, default=2, help="RL steps through the services (the first compiles)")
+    parser.add_argument("--rl-steps", type=int_at_least(1), default=2,
+                        help="RL steps through the services (the first compiles)")
     parser.add_argument("--step-cpus", default="off", help="local.cpus of the step's services (off: the OS schedules)")
     parser.add_argument("--step-home", default=".arlo/bench/real-model-step", help="the services' logs and state")
     parser.add_argument("--skip-load", action="store_true", help="no load figures")
     parser.add_argument("--skip-decode", action="store_true", help="no decode figures")
     parser.add_argument("--json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.step == "services":
+        check_step_args(parser, args)
+    check_json_arg(parser, args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -323,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         figures[f"load_{role}"] = {**load, "model_bytes": model_bytes,
                                    "peak_over_model": load["peak_over_base_bytes"] / model_bytes}
     if not args.skip_decode:
-        figures.update(decode_figures(path, args, [int(b) for b in args.batches.split(",")]))
+        figures.update(decode_figures(path, args, args.batches))
         for b in (16, 64):
             if b in figures["decode"]:
                 figures[f"decode_over_hf_b{b}"] = figures["decode"][b]["over_hf"]
@@ -357,4 +362,4 @@ def print_figures(figures: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

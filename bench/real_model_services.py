@@ -34,8 +34,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from arlo.app.local import local_cpu_shares
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
-from arlo.config import RunConfig, load_config
+from arlo.config import ConfigError, RunConfig, load_config, replace_config
 from bench.common import print_table
 from bench.grpo_tiny import run_cluster
 from bench.step_anatomy import critical_path, inference_syncs
@@ -49,10 +50,15 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "BF16": 2, "F32": 4, "F16": 2}
 
 
 def step_config(path: Path, args: argparse.Namespace, run_id: str) -> RunConfig:
+    return load_config(None, step_overrides(args, run_id, {"path": str(path.resolve())}))
+
+
+def step_overrides(args: argparse.Namespace, run_id: str, model: dict[str, Any]) -> dict[str, Any]:
+    """The step's config overrides; `model` names the checkpoint (its path, or a preset's name)."""
     rows, tokens = args.groups * args.group_size, args.step_tokens
-    return load_config(None, {
+    return {
         "run_id": run_id,
-        "model": {"path": str(path.resolve()), "param_dtype": args.param_dtype, "max_seq_len": PROMPT_TOKENS + tokens},
+        "model": {**model, "param_dtype": args.param_dtype, "max_seq_len": PROMPT_TOKENS + tokens},
         "inference": {"max_tokens": tokens, "max_n": args.group_size, "max_batch": rows,
                       "max_prompt_tokens": PROMPT_TOKENS, "decode_steps": 8, "warmup_programs": 0},
         "trainer": {"max_staleness": 0, "groups_per_step": args.groups, "remat": "full",
@@ -60,7 +66,7 @@ def step_config(path: Path, args: argparse.Namespace, run_id: str) -> RunConfig:
         "rollout": {"env_name": "arith", "env_config_json": ENV_CONFIG, "group_size": args.group_size,
                     "max_turns": 1, "max_episode_tokens": PROMPT_TOKENS + tokens, "concurrent_groups": args.groups,
                     "sampling": {"temperature": 1.0, "max_tokens": tokens}, "eval": {"every_versions": 0},
-                    "rpc_timeout_s": SLOW_S, "episode_timeout_s": SLOW_S, "task_lease_s": 2 * SLOW_S}})
+                    "rpc_timeout_s": SLOW_S, "episode_timeout_s": SLOW_S, "task_lease_s": 2 * SLOW_S}}
 
 
 def serving_param_bytes(path: Path, dtype: str) -> int:
@@ -103,6 +109,16 @@ def step_split(record: dict[str, Any], syncs: dict[int, dict[str, float]],
     if path is not None:
         out["critical_path_s"] = path
     return out
+
+
+def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The step's config as the run will build it (on a preset model: the checkpoint is written
+    later), --step-cpus against this host; what arlo refuses is argparse's exit 2, before anything runs."""
+    try:
+        cfg = load_config(None, step_overrides(args, "bench-real-model-step", {"name": "tiny"}))
+        local_cpu_shares(replace_config(cfg, {"local": {"cpus": args.step_cpus or "off"}}))
+    except ConfigError as e:
+        parser.error(str(e))
 
 
 def service_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -52,8 +52,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, print_table, write_json
-from bench.grpo_tiny import DEFAULT_CPUS, WORKLOADS, run_services
+from bench.common import check_json_arg, int_at_least, int_list, machine, print_table, run_main, write_json
+from bench.grpo_tiny import DEFAULT_CPUS, WORKLOADS, check_service_args, run_services
 
 PHASES = ("trainer tail", "publish: overlapped", "publish -> notify", "pull", "verify", "swap", "admission", "reset", "generate: queue",
           "generate: engine", "generate: rpc", "env step", "score", "episode other", "group wait + xadd",
@@ -193,21 +193,30 @@ def run_mode(workload: str, staleness: int, args: argparse.Namespace) -> dict[st
                               for s in ("inference", "trainer")}}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="76k", choices=sorted(WORKLOADS))
-    parser.add_argument("--modes", default="0,1", help="max_staleness values; 0 is synchronous")
-    parser.add_argument("--warmup", type=int, default=5, help="RL steps left out (the first publishes)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per mode")
+    parser.add_argument("--modes", default="0,1", type=int_list(0), help="max_staleness values; 0 is synchronous")
+    parser.add_argument("--warmup", type=int_at_least(1, "the first RL step has no previous version cut to "
+                                                        "measure from"),
+                        default=5, help="RL steps left out (the first publishes)")
+    parser.add_argument("--steps", type=int_at_least(1), default=30, help="timed steps per mode")
     parser.add_argument("--cpus", default=DEFAULT_CPUS, help="local.cpus: auto, off or service=cpu[+cpu],...")
     parser.add_argument("--compute-nice", type=int, help="local.compute_nice (default: the config's)")
     parser.add_argument("--home", default=".arlo/bench-anatomy", help="logs and state of the runs")
     parser.add_argument("--batch-window-s", type=float,
                         help="rollout.batch_window_s (default: the config's; 0: one Generate/Score call each)")
     parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_service_args(parser, args, [args.workload], args.modes)
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    modes = [run_mode(args.workload, int(m), args) for m in args.modes.split(",")]
+    modes = [run_mode(args.workload, m, args) for m in args.modes]
     names = [("sync" if m["staleness"] == 0 else f"async s={m['staleness']}") for m in modes]
     rows = []
     for phase in PHASES:
@@ -230,7 +239,10 @@ def main() -> None:
                   f"late compiles {m['late_compiles']}")
     write_json(args.json, {"workload": args.workload, "modes": modes, "cpus": args.cpus, "warmup": args.warmup,
                            "compute_nice": args.compute_nice, "steps": args.steps, "machine": machine()})
+    if empty := [n for n, m in zip(names, modes, strict=True) if not m.get("steps")]:
+        raise SystemExit(f"no step of {', '.join(empty)} could be laid out (records without anatomy?): "
+                         f"the figures above are empty; logs under {Path(args.home).resolve()}")
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,10 +25,13 @@ from arlo.hostmem import reexec_with_tunables
 from arlo.model import ModelConfig
 from arlo.model.source import ModelSource
 from arlo.proto.v1 import common_pb2
-from bench.common import print_table, write_json
+from bench.common import check_json_arg, int_at_least, print_table, run_main, write_json
 from bench.roofline import best_time, measure_ceilings
 from services.trainer.batching import build_batch
 from services.trainer.learner import Learner
+
+MIN_SWEEP_LEN = 256
+"""The memory sweep's shortest sequence length (it doubles up to --max-len)."""
 
 
 def synthetic_groups(groups: int, size: int, seq: int, seed: int = 0) -> list[list[common_pb2.Trajectory]]:
@@ -87,17 +90,28 @@ def longest_fitting(cfg: ModelConfig, budget: int, fwd: TrainerConfig, lengths: 
     return best, seen
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--budget-mib", type=int, default=1024)
-    parser.add_argument("--max-len", type=int, default=16384, help="longest length tried in the memory sweep")
+    parser.add_argument("--groups", type=int_at_least(1), default=4)
+    parser.add_argument("--group-size", type=int_at_least(1), default=4)
+    parser.add_argument("--seq", type=int_at_least(1), default=256)
+    parser.add_argument("--budget-mib", type=int_at_least(1), default=1024)
+    parser.add_argument("--max-len", type=int_at_least(MIN_SWEEP_LEN, "the memory sweep's shortest length"),
+                        default=16384, help="longest length tried in the memory sweep")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        ModelConfig.named(args.model)
+    except ValueError as e:
+        parser.error(f"--model: {e}")
+    check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     reexec_with_tunables()  # the trainer service runs with these (arlo/hostmem.py); ARLO_DEFAULT_MALLOC=1 opts out
     cfg = dataclasses.replace(ModelConfig.named(args.model), dtype=args.dtype)
     started = time.perf_counter()
@@ -105,7 +119,7 @@ def main() -> None:
     step = measure_step(cfg, args.groups, args.group_size, args.seq)
     floor = ceilings.floor_s(step["flops"], step["bytes"])
     fraction = floor / step["step_s"]
-    lengths = [2**k for k in range(8, 40) if 2**k <= args.max_len]
+    lengths = [2**k for k in range(MIN_SWEEP_LEN.bit_length() - 1, 40) if 2**k <= args.max_len]
     budget = args.budget_mib << 20
     plain, plain_seen = longest_fitting(cfg, budget, TrainerConfig(), lengths)
     lean, lean_seen = longest_fitting(cfg, budget, TrainerConfig(remat="full", logprob_chunk=128), lengths)
@@ -130,4 +144,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -50,7 +50,7 @@ import time
 import types
 from typing import Any
 
-from bench.common import print_table, write_json
+from bench.common import check_json_arg, float_list, int_at_least, print_table, run_main, write_json
 
 WAYS = ("at publish", "on first pull")
 START_S = 60.0
@@ -139,21 +139,26 @@ def sha256_pass_ms(size: int) -> float:
     return (time.perf_counter() - started) / 3 * 1e3
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-mb", default="2.4,64,256", help="payload sizes, MB (10^6 bytes)")
-    parser.add_argument("--pulls", type=int, default=10, help="timed versions per size and way")
+    parser.add_argument("--sizes-mb", default="2.4,64,256", type=float_list(0), help="payload sizes, MB (10^6 bytes)")
+    parser.add_argument("--pulls", type=int_at_least(1), default=10, help="timed versions per size and way")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the trainer side (a subprocess)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.serve is None:
+        check_json_arg(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.serve is not None:
         asyncio.run(serve(args.serve))
         return
-    if args.pulls < 1:
-        parser.error("--pulls must be >= 1")
     figures: dict[str, Any] = {"pulls": args.pulls, "sizes": {}}
     rows = []
-    for mb in (float(s) for s in args.sizes_mb.split(",")):
+    for mb in args.sizes_mb:
         size = int(mb * 1e6)
         per_way = asyncio.run(measure(size, args.pulls))
         sha_ms = sha256_pass_ms(size)
@@ -169,4 +174,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
