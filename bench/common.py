@@ -73,6 +73,17 @@ def check_json_arg(parser: argparse.ArgumentParser, args: argparse.Namespace, at
         parser.error(problem)
 
 
+def check_config(parser: argparse.ArgumentParser, build: Callable[[], object]) -> None:
+    """Builds the run config the flags make (`build`) at parse time: a ConfigError is refused as an
+    argument error (exit 2), not a traceback once the run has started."""
+    from arlo.config import ConfigError
+
+    try:
+        build()
+    except ConfigError as e:
+        parser.error(str(e))
+
+
 # Argument types: a bad value is refused as `argument --steps: ...` (exit 2), before any run.
 
 

@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from arlo.app.local import INFRA_SERVICES, prepare_cluster
-from arlo.config import ConfigError, RunConfig, load_config
+from arlo.config import RunConfig, load_config
 from arlo.coord import TrajectoryStream, connect
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from bench.common import (
+    check_config,
     check_json_arg,
     float_above,
     int_at_least,
@@ -244,10 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.flood_only and args.no_rollout and not (args.openai or args.mcp or args.mcp_http):
         parser.error("--no-rollout leaves nothing to run: add --openai, --mcp or --mcp-http")
-    try:
-        bench_config(args)
-    except ConfigError as e:
-        parser.error(str(e))
+    check_config(parser, lambda: bench_config(args))
     check_json_arg(parser, args)
     return args
 

@@ -30,10 +30,11 @@ import httpx2
 import openai
 
 from arlo.app.local import prepare_cluster
-from arlo.config import ConfigError, RunConfig, load_config
+from arlo.config import RunConfig, load_config
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.rpc import make_channel
 from bench.common import (
+    check_config,
     check_json_arg,
     float_above,
     int_at_least,
@@ -141,10 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int_at_least(1), default=16)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    try:
-        bench_config(args)
-    except ConfigError as e:
-        parser.error(str(e))
+    check_config(parser, lambda: bench_config(args))
     check_json_arg(parser, args)
     return args
 
