@@ -187,7 +187,10 @@ def test_train_rides_out_trainer_kill_hang_and_redis_kill(tmp_path: Path) -> Non
             except redis.RedisError:
                 return 0
 
-        steps = 8
+        # Enough to outlast every fault below on a fast machine: with 8, an idle CI machine's run
+        # reached its last step right after the trainer's restart (resumed from its step-6
+        # checkpoint), and `arlo train` had exited 0 before the hang it was to ride out.
+        steps = 40
         train = subprocess.Popen([*cli, "train", "-c", str(config), "--steps", str(steps), "--no-eval",
                                   "--outage-s", "120", "--json", str(tmp_path / "train.json")],
                                  env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
