@@ -48,7 +48,10 @@ class LiveRun:
     def _step(self, row: dict[str, Any]) -> None:
         if self.first_step is None:
             self.first_step = row["step"] - 1
-        total = row["sft_steps"] - self.first_step + self.rl_steps if self.rl_steps is not None else None
+        # The SFT steps still to come (none when the trainer resumed past its warm start: a run
+        # resumed from an old ARLO_HOME showed "RL 1/0"), then the RL steps asked for.
+        sft_left = max(row["sft_steps"] - self.first_step, 0)
+        total = sft_left + self.rl_steps if self.rl_steps is not None else None
         self.progress.update(self.task, completed=row["step"] - self.first_step, total=total,
                              phase="SFT warm start" if row["phase"] == "sft" else "RL",
                              info=f"v{row['version']} loss {row['loss']:.4f}")
