@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import uuid
 from pathlib import Path
 
 PARTIAL_PREFIX, PARTIAL_SUFFIX = ".arlo-", ".partial"
@@ -64,21 +65,17 @@ def write_report(path: str, text: str) -> None:
             out.write(text)
         return
     target = Path(os.path.realpath(path))
-    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask()
-    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=PARTIAL_PREFIX, suffix=PARTIAL_SUFFIX)
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+    partial = target.parent / f"{PARTIAL_PREFIX}{uuid.uuid4().hex[:16]}{PARTIAL_SUFFIX}"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # a new file's mode: 0o666 less the umask
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
-        os.chmod(partial, mode)
+        if mode is not None:  # the file it replaces keeps its permission bits
+            os.chmod(partial, mode)
         os.replace(partial, target)  # whole or absent, even if the process dies while writing
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -69,13 +69,14 @@ from arlo.app.driver import RunDriver
 from arlo.app.local import INFRA_SERVICES, local_cpu_shares, prepare_cluster
 from arlo.app.supervisor import Supervisor
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
-from arlo.config import ConfigError, RunConfig, load_config, replace_config
+from arlo.config import RunConfig, load_config, replace_config
 from arlo.coord import Keys, connect, read_statuses
 from arlo.coord.metrics import MetricsStream
 from arlo.data import resource_path
 from arlo.model.tokenizer import ByteTokenizer
 from bench.arith_turns import env_config, env_config_json, episode_tokens, turn_prompt_tokens
 from bench.common import (
+    check_config,
     check_json_arg,
     int_at_least,
     int_list,
@@ -295,14 +296,13 @@ def check_service_args(parser: argparse.ArgumentParser, args: argparse.Namespace
                        modes: list[int]) -> None:
     """Builds every run's config as the run will (the flags' overrides, --cpus against this host's
     CPUs) and refuses what arlo refuses (ConfigError) with argparse's exit 2, before anything runs."""
-    try:
+    def build_all() -> None:
         for name in workloads:
             for staleness in modes:
-                cfg = replace_config(bench_config(WORKLOADS[name], staleness, args, "check"),
-                                     local_overrides(args.cpus, args.compute_nice))
-                local_cpu_shares(cfg)
-    except ConfigError as e:
-        parser.error(str(e))
+                local_cpu_shares(replace_config(bench_config(WORKLOADS[name], staleness, args, "check"),
+                                                local_overrides(args.cpus, args.compute_nice)))
+
+    check_config(parser, build_all)
 
 
 def run_services(w: Workload, staleness: int, args: argparse.Namespace, steps: int, tag: str = "grpo") -> ServiceRun:

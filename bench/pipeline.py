@@ -34,10 +34,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from arlo.app.driver import run_training
 from arlo.app.local import INFRA_SERVICES, local_cpu_shares, prepare_cluster
-from arlo.config import ConfigError, RunConfig, load_config
+from arlo.config import RunConfig, load_config
 from arlo.coord import connect, read_statuses
 from arlo.data import resource_path
 from bench.common import (
+    check_config,
     check_json_arg,
     float_above,
     int_at_least,
@@ -155,11 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--plot", default="bench-pipeline.png", help="PNG of the table's main figures")
     args = parser.parse_args(argv)
-    try:
-        for m in args.modes:
-            local_cpu_shares(mode_config(m, args))
-    except ConfigError as e:
-        parser.error(str(e))
+    check_config(parser, lambda: [local_cpu_shares(mode_config(m, args)) for m in args.modes])
     check_json_arg(parser, args)
     check_json_arg(parser, args, "plot", "--plot")
     return args

@@ -36,8 +36,8 @@ from typing import Any
 
 from arlo.app.local import local_cpu_shares
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
-from arlo.config import ConfigError, RunConfig, load_config, replace_config
-from bench.common import print_table
+from arlo.config import RunConfig, load_config, replace_config
+from bench.common import check_config, print_table
 from bench.grpo_tiny import run_cluster
 from bench.step_anatomy import critical_path, inference_syncs
 
@@ -114,11 +114,11 @@ def step_split(record: dict[str, Any], syncs: dict[int, dict[str, float]],
 def check_step_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The step's config as the run will build it (on a preset model: the checkpoint is written
     later), --step-cpus against this host; what arlo refuses is argparse's exit 2, before anything runs."""
-    try:
+    def build() -> None:
         cfg = load_config(None, step_overrides(args, "bench-real-model-step", {"name": "tiny"}))
         local_cpu_shares(replace_config(cfg, {"local": {"cpus": args.step_cpus or "off"}}))
-    except ConfigError as e:
-        parser.error(str(e))
+
+    check_config(parser, build)
 
 
 def service_step(path: Path, args: argparse.Namespace) -> dict[str, Any]:

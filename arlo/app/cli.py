@@ -184,7 +184,6 @@ def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: 
     so a Ctrl-C keeps what the run did; a second one while they stop kills them (supervisor.py)."""
     cfg, token = cluster.cfg, cluster.token
     report, recorder, error = TrainReport(), None, None
-    written = False
     try:
         cluster.start(tuple(start))
         report, recorder, error = _train_with_progress(cluster, cfg, token, steps, evaluate=not args.no_eval,
@@ -196,7 +195,7 @@ def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: 
     finally:
         try:
             with stopping.shielded() as shield:  # a few ms: a stop here must not cost the report or the stop
-                written = args.json_written = _write_json(report, args.json)
+                args.json_written = _write_json(report, args.json)
                 if recorder is not None:
                     _print_report(report, recorder)
                 elif report.interrupted:
@@ -209,7 +208,7 @@ def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: 
             _say(f"[yellow]services exited uncleanly: {bad}")
     if error is not None:
         raise error
-    return 130 if report.interrupted else 0 if written else 1
+    return 130 if report.interrupted else 0 if args.json_written else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -123,6 +123,13 @@ def check_ranges(cfg: Any, path: str) -> None:
             _check(item_path, item is None or item in bounds, f"must be {bounds.describe()}, got {item!r}")
 
 
+def longest_block_ms(socket_timeout_s: float) -> int:
+    """The longest blocking stream read a client with this socket timeout may ask for: Redis
+    answers a block that ran out a little after its deadline, so min(1 s, half the timeout) is
+    left for that (the config checks trainer.read_block_ms with it, the stream every read)."""
+    return math.floor((socket_timeout_s - min(1.0, socket_timeout_s / 2)) * 1000)
+
+
 @_frozen
 class RedisConfig:
     url: str = "redis://127.0.0.1:6379/0"

@@ -24,6 +24,7 @@ from arlo.config.base import (
     _check,
     _frozen,
     check_run_id,
+    longest_block_ms,
 )
 from arlo.config.env import EnvGatewayConfig, RewardConfig
 from arlo.config.inference import InferenceConfig
@@ -64,10 +65,9 @@ class RunConfig:
             value = getattr(self, f.name)
             if hasattr(value, "validate"):
                 value.validate(f.name)
-        # The trainer's blocking stream reads against the Redis socket timeout: the rule of
-        # arlo/coord/stream.py (TrajectoryStream._check_block), which otherwise fails mid-run.
+        # The stream refuses such a read at every call (arlo/coord/stream.py): mid-run, not here.
         timeout = self.redis.socket_timeout_s
-        most_ms = math.floor((timeout - min(1.0, timeout / 2)) * 1000)
+        most_ms = longest_block_ms(timeout)
         _check("trainer.read_block_ms", self.trainer.read_block_ms <= most_ms,
                f"must stay below redis.socket_timeout_s ({timeout:g} s) by min(1 s, half of it): at most "
                f"{most_ms} here, got {self.trainer.read_block_ms}")

@@ -16,6 +16,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from arlo.config.base import longest_block_ms
 from arlo.coord import codec
 from arlo.coord.client import cancel_safe, decodes_responses, socket_timeout_s, text
 from arlo.coord.keys import Keys
@@ -288,8 +289,7 @@ class TrajectoryStream:
         if block_ms < 0:
             raise ValueError(f"block_ms: must be >= 0, got {block_ms}")
         timeout = socket_timeout_s(self._redis)
-        # Redis answers a block that ran out a little after the deadline; leave room for that.
-        if timeout is not None and block_ms / 1000 > timeout - min(1.0, timeout / 2):
+        if timeout is not None and block_ms > longest_block_ms(timeout):
             raise ValueError(f"block_ms {block_ms} must stay well below the socket timeout ({timeout} s)")
 
     async def _with_group(self, call: Any) -> Any:
