@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from arlo.coord import TrajectoryStream
-from services.trainer.batching import ReadyGroup
+from services.trainer.core.groups import ReadyGroup
 from services.trainer.state import TrainerState
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from arlo.coord import TrajectoryStream
 from arlo.coord.stream import StreamEntry
-from services.trainer.batching import GroupAssembler, ReadyGroup, group_oldest_version, has_reward_spread
+from services.trainer.core.groups import GroupAssembler, ReadyGroup, group_oldest_version, has_reward_spread
 from services.trainer.expiring import ExpiringWait, may_leave_behind
 from services.trainer.state import TrainedStep
 

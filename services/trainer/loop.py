@@ -23,8 +23,9 @@ from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights, ServingCopy
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
-from services.trainer.batching import Batch, ReadyGroup, build_batch
+from services.trainer.batching import Batch, build_batch
 from services.trainer.checkpoint import Checkpointer
+from services.trainer.core.groups import ReadyGroup
 from services.trainer.diagnostics import staleness_stats, step_record
 from services.trainer.durability import Durability
 from services.trainer.failures import StepFailures

@@ -132,7 +132,7 @@ async def test_a_terminal_error_masks_the_whole_group(redis_url: str, run_id: st
 def test_the_rollout_counts_what_the_trainer_trains_on() -> None:
     """One rule (arlo/groups.py): the worker's accepted count and the trainer's zero-variance drop agree."""
     from arlo.groups import trainable_count
-    from services.trainer.batching import ReadyGroup, has_reward_spread
+    from services.trainer.core.groups import ReadyGroup, has_reward_spread
 
     def group(*rewards: float, failed: bool = False) -> list[common_pb2.Trajectory]:
         status = common_pb2.TRAJECTORY_STATUS_ERROR if failed else common_pb2.TRAJECTORY_STATUS_OK

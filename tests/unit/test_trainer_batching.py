@@ -6,13 +6,8 @@ import numpy as np
 import pytest
 
 from arlo.proto.v1 import common_pb2
-from services.trainer.batching import (
-    GroupAssembler,
-    bucket_length,
-    build_batch,
-    poison_reason,
-    validate_trajectory,
-)
+from services.trainer.batching import bucket_length, build_batch
+from services.trainer.core.groups import GroupAssembler, poison_reason, validate_trajectory
 
 
 def traj(group: str, *, size: int = 2, version: int = 0, reward: float = 1.0, n: int = 5,
@@ -92,7 +87,7 @@ def test_overlong_penalty_lowers_long_rewards() -> None:
 
 
 def test_zero_variance_groups_are_recognised() -> None:
-    from services.trainer.batching import ReadyGroup, has_reward_spread
+    from services.trainer.core.groups import ReadyGroup, has_reward_spread
 
     flat = ReadyGroup(trajectories=[traj("a", reward=1.0), traj("a", reward=1.0)], entry_ids=["1", "2"])
     spread = ReadyGroup(trajectories=[traj("b", reward=1.0), traj("b", reward=0.0)], entry_ids=["3", "4"])

@@ -1,0 +1,220 @@
+"""Groups before they are batched: validation, whole-group assembly, the staleness judgement.
+
+Pure Python on the stream's records (no JAX, no Redis): the trainer core (core/book.py) feeds
+stream entries in and takes whole, fresh groups out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from arlo import groups
+from arlo.groups import REWARD_ATOL, group_failed
+from arlo.proto.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_GROUP_SIZE = 1024  # rollout.group_size's bound: a larger claim can never complete
+CLOSED_GROUPS_KEPT = 100_000
+
+
+@dataclass(kw_only=True, slots=True)
+class DropCounts:
+    stale: int = 0
+    failed: int = 0
+    malformed: int = 0
+    poisoned: int = 0
+    """A non-finite reward or logprob, or a token id outside the vocabulary (dead-lettered)."""
+
+    @property
+    def total(self) -> int:
+        return self.stale + self.failed + self.malformed + self.poisoned
+
+
+def validate_trajectory(traj: common_pb2.Trajectory) -> str | None:
+    """Why a trajectory cannot be trained on, or None when it is well formed."""
+    n = len(traj.token_ids)
+    if n < 2:
+        return "fewer than 2 tokens"
+    if not (len(traj.logprobs) == len(traj.loss_mask) == len(traj.policy_versions) == n):
+        return "token_ids, logprobs, loss_mask and policy_versions differ in length"
+    if traj.group_size < 1 or not traj.group_id:
+        return "missing group_id or group_size"
+    if traj.group_size > MAX_GROUP_SIZE:
+        return f"group_size {traj.group_size} > {MAX_GROUP_SIZE}"
+    if not any(traj.loss_mask):
+        return "no model tokens (loss_mask all 0)"
+    ends = [r.token_end for r in traj.turn_rewards]
+    if any(not 1 <= e <= n for e in ends) or ends != sorted(ends):
+        return f"turn_rewards token_end must be ascending in [1, {n}]"
+    return None
+
+
+def poison_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
+    """Why a trajectory's values would corrupt the weights, or None.
+
+    One NaN or inf reaches every parameter through the advantages (rewards) or the importance
+    ratios (logprobs), and an id outside [0, vocab_size) indexes the embedding out of range
+    (JAX clamps or fills it silently), so every token counts, loss mask 0 included.
+    """
+    if not math.isfinite(traj.reward):
+        return f"non-finite reward {traj.reward}"
+    bad = next((k for k, v in traj.reward_components.items() if not math.isfinite(v)), None)
+    if bad is not None:
+        return f"non-finite reward component {bad[:64]!r}: {traj.reward_components[bad]}"
+    tokens = np.asarray(traj.token_ids, np.int64)
+    if tokens.size and (tokens.min() < 0 or (vocab_size > 0 and tokens.max() >= vocab_size)):
+        return f"token id outside [0, {vocab_size}): {int(tokens.min())}..{int(tokens.max())}"
+    bad_turn = next((r for r in traj.turn_rewards if not math.isfinite(r.reward)), None)
+    if bad_turn is not None:
+        return f"non-finite turn reward {bad_turn.reward} at token_end {bad_turn.token_end}"
+    logprobs = np.asarray(traj.logprobs, np.float64)
+    if np.isnan(logprobs).any():
+        return "NaN logprob"
+    masked = np.asarray(traj.loss_mask, bool)
+    if not np.isfinite(logprobs[masked]).all():
+        return "non-finite logprob on a loss-masked (model) token"
+    return None
+
+
+def oldest_version(traj: common_pb2.Trajectory) -> int:
+    versions = [v for v, m in zip(traj.policy_versions, traj.loss_mask, strict=True) if m]
+    return min(versions) if versions else -1
+
+
+def group_oldest_version(trajectories: Sequence[common_pb2.Trajectory]) -> int:
+    """The oldest policy version any model token of the group was sampled from."""
+    return min(oldest_version(t) for t in trajectories)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadyGroup:
+    trajectories: list[common_pb2.Trajectory]
+    entry_ids: list[str]
+    read_at: float = 0.0
+    """Unix time the read that completed the group returned, and when intake had judged it ready."""
+    ready_at: float = 0.0
+
+
+@dataclass(kw_only=True)
+class GroupAssembler:
+    """Collects trajectories until their group is complete; hands out whole groups only.
+
+    Nothing is held forever: a malformed member drops its group at once (and its later members
+    on arrival), and a group still incomplete `incomplete_timeout_s` after its first member came
+    (its producer died mid-group, or it claims members that never come) is dropped as failed.
+    """
+
+    max_staleness: int
+    vocab_size: int = 0
+    """Token ids must lie in [0, vocab_size) (0: only >= 0 is checked)."""
+    incomplete_timeout_s: float = 600.0
+    pending: dict[str, dict[str, common_pb2.Trajectory]] = field(default_factory=dict)
+    drops: DropCounts = field(default_factory=DropCounts)
+    _first_seen: dict[str, float] = field(default_factory=dict)
+    _closed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # group id -> why its members drop
+    _rejected: list[str] = field(default_factory=list)  # dropped entry ids not yet handed out
+    _dead: list[tuple[str, common_pb2.Trajectory, str]] = field(default_factory=list)  # to dead-letter
+
+    def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        # Keyed by entry id: an entry re-delivered by XAUTOCLAIM must not fill its group twice.
+        for entry_id, traj in entries:
+            gid = traj.group_id
+            reason = self._closed.get(gid)
+            if reason is None and group_failed((traj,)):
+                reason = "failed"  # a masked group (its worker gave up on it): no need to wait for the rest
+                self._close(gid, reason)
+            elif reason is None and (why := self._invalid(traj)) is not None:
+                # The member itself is dead-lettered with its reason (inspectable); its group closes.
+                kind = "malformed" if validate_trajectory(traj) else "poisoned"
+                log.warning("group %r dropped: member %r is %s (%s)", gid[:64], traj.id[:64], kind, why)
+                self._close(gid, kind)
+                setattr(self.drops, kind, getattr(self.drops, kind) + 1)
+                self._dead.append((entry_id, traj, why))
+                continue
+            if reason is not None:
+                self._drop([entry_id], reason)
+                continue
+            members = self.pending.setdefault(gid, {})
+            if not members:
+                self._first_seen[gid] = now
+            members[entry_id] = traj
+
+    def take_ready(self, trainer_version: int, now: float | None = None) -> tuple[list[ReadyGroup], list[str]]:
+        """Complete usable groups, and the entry ids dropped since the last call (finished with)."""
+        now = time.monotonic() if now is None else now
+        ready: list[ReadyGroup] = []
+        for gid in list(self.pending):
+            members = self.pending[gid]
+            if len(members) < next(iter(members.values())).group_size:
+                if now - self._first_seen[gid] > self.incomplete_timeout_s:
+                    log.warning("group %r dropped: %d of %d members after %.0fs", gid[:64], len(members),
+                                next(iter(members.values())).group_size, now - self._first_seen[gid])
+                    self._close(gid, "failed")
+                continue
+            del self.pending[gid]
+            del self._first_seen[gid]
+            trajs = list(members.values())
+            reason = self._judge(trajs, trainer_version)
+            # Members beyond group_size would start a group that never completes: drop them on arrival.
+            self._remember(gid, reason or "failed")
+            if reason is None:
+                ready.append(ReadyGroup(trajectories=trajs, entry_ids=list(members)))
+            else:
+                self._rejected.extend(members)
+        dropped, self._rejected = self._rejected, []
+        return ready, dropped
+
+    def has_whole(self, gid: str) -> bool:
+        """Whether group `gid` arrived whole here (ready, trained or dropped since), or was closed."""
+        return gid in self._closed
+
+    def take_dead(self) -> list[tuple[str, common_pb2.Trajectory, str]]:
+        """(entry id, trajectory, reason) of members rejected since the last call, for `traj:dead`."""
+        dead, self._dead = self._dead, []
+        return dead
+
+    def _invalid(self, traj: common_pb2.Trajectory) -> str | None:
+        return validate_trajectory(traj) or poison_reason(traj, self.vocab_size)
+
+    def _close(self, gid: str, reason: str) -> None:
+        """Drops the group's pending members now, and its later members on arrival."""
+        members = self.pending.pop(gid, {})
+        self._first_seen.pop(gid, None)
+        self._drop(list(members), reason)
+        self._remember(gid, reason)
+
+    def _remember(self, gid: str, reason: str) -> None:
+        self._closed[gid] = reason
+        while len(self._closed) > CLOSED_GROUPS_KEPT:
+            self._closed.popitem(last=False)
+
+    def _drop(self, entry_ids: list[str], reason: str) -> None:
+        setattr(self.drops, reason, getattr(self.drops, reason) + len(entry_ids))
+        self._rejected.extend(entry_ids)
+
+    def _judge(self, group: Sequence[common_pb2.Trajectory], trainer_version: int) -> str | None:
+        # One bad member masks the whole group: GRPO advantages of a half group are wrong.
+        if any(validate_trajectory(t) for t in group):
+            self.drops.malformed += len(group)
+            return "malformed"
+        if group_failed(group):
+            self.drops.failed += len(group)
+            return "failed"
+        if min(oldest_version(t) for t in group) < trainer_version - self.max_staleness:
+            self.drops.stale += len(group)
+            return "stale"
+        return None
+
+
+def has_reward_spread(group: ReadyGroup, atol: float = REWARD_ATOL) -> bool:
+    """False for a group whose rewards are all equal: its GRPO advantages are all 0 (arlo/groups.py)."""
+    return groups.has_reward_spread([t.reward for t in group.trajectories], atol)
