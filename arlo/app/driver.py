@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from arlo.app.holds import RunHolds
 from arlo.app.resilient import DEFAULT_RETRY, ResilientCalls, ResilientStub, RetryPolicy, retry
 from arlo.app.run_record import RunRecorder
 from arlo.app.supervisor import is_serving
@@ -97,7 +98,11 @@ class TrainReport:
 
 
 class Stalled(RuntimeError):
-    """The trainer took no step for too long; the services' logs say why."""
+    """The trainer took no step for too long; the message says which counter or limit holds it."""
+
+
+class EpisodesRefused(RuntimeError):
+    """A rollout worker refused an episode the run's limits cannot hold (a config error)."""
 
 
 class NotRunning(RuntimeError):
@@ -151,6 +156,7 @@ class RunDriver:
         self.poll_s, self.stall_s = poll_s, stall_s
         self.report = report if report is not None else TrainReport()
         self.started = time.monotonic()
+        self._started_unix, self._refusals_checked = time.time(), 0.0
         self._meter = _Meter()
         self._pending_evals: dict[str, tuple[str, int]] = {}  # tag -> (request id, version asked for)
         self._version_step: dict[int, int] = {}  # version -> the last step that trained from it or published it
@@ -168,6 +174,7 @@ class RunDriver:
         redis = await retry(lambda: connect(self.cfg.redis), policy=self.retry, what="redis connect")
         self.evals = ResilientCalls(EvalQueue(redis, self.cfg.run_id), self.retry, "evals")
         self.metrics = ResilientCalls(MetricsStream(redis, self.cfg.run_id), self.retry, "metrics")
+        self.holds = ResilientCalls(RunHolds(redis, self.cfg), self.retry, "run holds")
         self._last_id = await self.metrics.last_id()  # this drive's steps only
         try:
             async with ResilientStub(trainer_pb2_grpc.TrainerStub, self.cfg.trainer.server.address,
@@ -217,6 +224,7 @@ class RunDriver:
         try:
             while (until is None or status.step < until) and (deadline is None or time.monotonic() < deadline):
                 self.check_children()
+                await self._check_refusals()
                 await asyncio.sleep(self.poll_s)
                 status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
                 if status.paused and (until is None or status.step < until):
@@ -229,8 +237,7 @@ class RunDriver:
                 await self._read_steps()
                 if status.step == last_step:
                     if time.monotonic() - last_progress > self.stall_s:
-                        raise Stalled(f"no trainer step for {self.stall_s:.0f}s ({status.trajectories_dropped} "
-                                      f"trajectories dropped so far); the service logs say why")
+                        raise Stalled(f"no trainer step for {self.stall_s:.0f}s: {await self.holds.explain(status)}")
                     continue
                 last_progress, last_step = time.monotonic(), status.step
                 await self._collect_pending(wait=False)
@@ -241,6 +248,14 @@ class RunDriver:
             except Exception as e:  # the stop path never raises on a dead service
                 log.warning("could not read the last step records (%s)", e)
         return await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)  # final, after the pause
+
+    async def _check_refusals(self) -> None:
+        """Stops the drive (once a second at most, it reads Redis) when a rollout worker refused an
+        episode the run's limits cannot hold: no step would ever come of it."""
+        if time.monotonic() - self._refusals_checked >= 1.0:
+            self._refusals_checked = time.monotonic()
+            if why := await self.holds.refused(self._started_unix):
+                raise EpisodesRefused(f"rollout refused an episode: {why}")
 
     async def _pause(self, trainer: ResilientStub) -> None:
         """The stop path: never raises on a dead or hung trainer (a restarted one comes up paused)."""
@@ -297,6 +312,7 @@ class RunDriver:
         deadline = time.monotonic() + self.eval_wait_s
         while tag in self._pending_evals:
             self.check_children()
+            await self._check_refusals()
             if time.monotonic() > deadline:
                 raise Stalled(f"evaluation {tag!r} got no answer; are rollout workers running?")
             await asyncio.sleep(self.poll_s)

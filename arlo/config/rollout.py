@@ -270,7 +270,12 @@ class RolloutConfig:
     max_turns: int = ranged(3, ge=1)
     """Model turns per episode at most."""
     max_episode_tokens: int = ranged(256, ge=1)
-    """Generated tokens per episode at most, over all its turns."""
+    """Tokens per episode at most, its first prompt (messages and tool schemas under the chat
+    template) and observations included: the trainer's longest batch row. A tools prompt alone
+    can be hundreds of tokens; a first prompt that leaves no room to generate is refused
+    (`arlo train` stops, naming this field and the length it needs). At most model.max_seq_len
+    and inference.max_seq_len where those are set; inference.max_prompt_tokens must hold the first
+    prompt, and a later turn's prompt past it ends the episode (finish_reason "max_tokens")."""
     episode_timeout_s: float = ranged(120.0, gt=0, le=MAX_WAIT_S)
     """Wall-time limit of an episode: no turn starts after it (finish_reason "max_wall_time")."""
     concurrent_groups: int = ranged(4, ge=1)

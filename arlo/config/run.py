@@ -71,6 +71,18 @@ class RunConfig:
         _check("trainer.read_block_ms", self.trainer.read_block_ms <= most_ms,
                f"must stay below redis.socket_timeout_s ({timeout:g} s) by min(1 s, half of it): at most "
                f"{most_ms} here, got {self.trainer.read_block_ms}")
+        self._check_episode_fits()
+
+    def _check_episode_fits(self) -> None:
+        """An episode of rollout.max_episode_tokens (its prompt included: the trainer's longest batch
+        row) must fit every context set here; past one, its later turns are refused mid-run. The
+        first prompt's length is known only at the first episode (the rollout refuses it there)."""
+        episode = self.rollout.max_episode_tokens
+        for where, limit in (("model.max_seq_len", self.model.max_seq_len),
+                             ("inference.max_seq_len", self.inference.max_seq_len)):
+            _check(where, not limit or limit >= episode,
+                   f"{limit} cannot hold an episode of rollout.max_episode_tokens ({episode}, its prompt "
+                   f"included): raise it, or lower rollout.max_episode_tokens")
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:

@@ -37,6 +37,24 @@ class AdmissionCounters:
         return cls(accepted=_count(accepted, keys.rollout_accepted), dropped_stale=_count(stale, keys.traj_dropped_stale))
 
 
+def headroom(*, running: int, accepted: int, trainer_version: int, max_staleness: int, batch_size: int,
+             dropped_stale: int = 0, backlog: int | None = None, pointer_version: int | None = None) -> int:
+    """Trajectories that may still start under the rule (`may_start` is headroom >= group_size).
+
+    `accepted - dropped_stale - pointer_version * batch_size` is what the counters say is queued
+    for the trainer. `backlog` (the stream's entries the trainer has not finished with) caps it:
+    an accepted trajectory that left the stream untrained any other way (dead-lettered: no model
+    token, a step that failed 3 times, a refused non-finite step) counts no more, so no failure
+    leaves a run id's budget spent for good (issue 33: 24 dead-lettered trajectories admitted
+    nothing ever again). `trainer_version` below `pointer_version` (replicas still serving an older
+    version) costs its whole batches, as the rule without the cap has it."""
+    pointer = trainer_version if pointer_version is None else pointer_version
+    queued = accepted - dropped_stale - pointer * batch_size
+    if backlog is not None:
+        queued = min(queued, backlog)
+    return (max_staleness + 1 - (pointer - trainer_version)) * batch_size - running - queued
+
+
 def _count(raw: bytes | str | None, key: str) -> int:
     try:
         return int(text(raw)) if raw is not None else 0
@@ -140,6 +158,9 @@ class RolloutStatus(ServiceStatus):
     running: int = 0
     """Episodes this worker has in flight (admitted, not finished)."""
     admission_waits: int = 0
+    refused: str = ""
+    """Why the run's limits cannot hold an episode ("" when none was refused): a config error
+    that `arlo train`/`demo` stop on, with this message."""
 
 
 async def read_service_statuses(redis: Redis, run_id: str, kind: type[S]) -> dict[str, S]:

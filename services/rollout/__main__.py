@@ -59,7 +59,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
                          batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,
-                         served_version=gen.served_version)
+                         served_version=gen.served_version, backlog=stream.backlog)
     # One gateway replica per episode: sessions live in the memory of the replica that made them.
     env = AffinityEnvironmentClient(cfg.env_gateway.server.address, channel, timeout_s=rc.rpc_timeout_s, tracer=tracer)
     worker = RolloutWorker(
@@ -75,7 +75,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
                                          client_timeout_s=rc.rpc_timeout_s,
                                          recordings=GrpcRecordings(inference, timeout_s=rc.rpc_timeout_s))}
            if rc.agent else {}),
-        tracer=tracer,
+        tracer=tracer, max_prompt_tokens=cfg.inference.max_prompt_tokens,
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
@@ -90,7 +90,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
                                                          evaluator, greedy.served_version))
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: RolloutStatus(
         groups=worker.stats.groups, episodes=worker.stats.episodes, retries=worker.stats.retries,
-        failed_groups=worker.stats.failed_groups, running=gate.running, admission_waits=gate.waits).fields()))
+        failed_groups=worker.stats.failed_groups, running=gate.running, admission_waits=gate.waits,
+        refused=worker.stats.refused).fields()))
     return running, env
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from arlo.model.tokenizer import Tokenizer
 from arlo.proto.v1 import common_pb2
-from services.rollout.types import BackendError, ResetResult, ScoreResult, StepResult
+from services.rollout.types import BackendError, EpisodeDoesNotFit, ResetResult, ScoreResult, StepResult
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +79,26 @@ class EpisodeSpec:
     """> 0: no new turn starts after this long; the episode ends with finish_reason "max_wall_time"."""
     sampling_seed: int | None = None
     """Set: turn k samples with seed derive_seed(sampling_seed, k), so the episode is reproducible."""
+    max_prompt_tokens: int = 0
+    """The longest prompt inference takes (inference.max_prompt_tokens; 0: not checked here). A
+    first prompt past it is refused; a later turn's is where the episode's budget ends."""
+
+
+def check_first_prompt(spec: EpisodeSpec, prompt_length: int) -> None:
+    """Refuses an episode whose first prompt leaves no room to generate: every such episode would
+    be a trajectory without one model token, dropped by the trainer, and the run would wait for
+    steps that never come. The message names the limits to raise and by how much."""
+    need = prompt_length + spec.max_tokens_per_turn
+    what = (f"the first prompt is {prompt_length} tokens (the reset messages and tool schemas under the "
+            f"chat template; env {spec.env_name!r})")
+    if prompt_length >= spec.max_episode_tokens:
+        raise EpisodeDoesNotFit(f"{what}, and rollout.max_episode_tokens is {spec.max_episode_tokens}: it counts "
+                                f"the prompt, so no token is left to generate. Set rollout.max_episode_tokens to "
+                                f"at least {need} (prompt + rollout.sampling.max_tokens {spec.max_tokens_per_turn}), "
+                                f"with inference.max_prompt_tokens and model.max_seq_len to match")
+    if spec.max_prompt_tokens and prompt_length > spec.max_prompt_tokens:
+        raise EpisodeDoesNotFit(f"{what}, over inference.max_prompt_tokens {spec.max_prompt_tokens}: set it to at "
+                                f"least {prompt_length} (rollout.max_episode_tokens - 1 covers every later turn too)")
 
 
 def derive_seed(*parts: object) -> int:
@@ -139,9 +159,11 @@ async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: En
         tools = parse_tools(reset.tools_json)
         b.add_context(tok.encode_messages(reset.observation, add_generation_prompt=True, add_bos=True, tools=tools))
         prompt_length = len(b.tokens)
+        check_first_prompt(spec, prompt_length)
         for _ in range(spec.max_turns):
             budget = min(spec.max_tokens_per_turn, spec.max_episode_tokens - len(b.tokens))
-            if budget <= 0:
+            if budget <= 0 or (spec.max_prompt_tokens and len(b.tokens) > spec.max_prompt_tokens):
+                # The episode's budget is spent: its tokens, or the longest prompt inference takes.
                 finish = "max_tokens"
                 break
             if spec.max_wall_s and time.monotonic() - started > spec.max_wall_s:

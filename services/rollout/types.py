@@ -72,3 +72,12 @@ class BackendError(Exception):
 
 class RetryableError(BackendError):
     """Worth retrying with backoff: the backend may be restarting, overloaded or slow."""
+
+
+class EpisodeDoesNotFit(BackendError):
+    """The run's limits cannot hold the episode (a first prompt longer than the token budget):
+    no retry helps, and every episode like it would train nothing. The worker reports it in
+    its heartbeat (`RolloutStatus.refused`), and `arlo train`/`demo` stop with the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("rollout", "FAILED_PRECONDITION", message)

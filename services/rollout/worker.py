@@ -27,7 +27,7 @@ from services.rollout.admission import AdmissionGate
 from services.rollout.agent import EnvClient, EpisodeSpec, Generator, Scorer, derive_seed, run_episode
 from services.rollout.mixture import TaskPicker
 from services.rollout.prefetch import PrefetchedEnv
-from services.rollout.types import RetryableError
+from services.rollout.types import EpisodeDoesNotFit, RetryableError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -53,6 +53,9 @@ class WorkerStats:
     turns: int = 0
     tool_call_errors: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    refused: str = ""
+    """Why the run's limits cannot hold an episode (the latest `EpisodeDoesNotFit`), for the
+    heartbeat: every episode like it trains nothing, so `arlo train` stops on it."""
 
     def snapshot(self) -> dict[str, object]:
         """The counters for /metrics (read from the scrape thread: a copy, never the live dict)."""
@@ -87,13 +90,16 @@ class RolloutWorker:
                  env: EnvClient, scorer: Scorer, stream: TrajectoryStream, seed: int | None = None,
                  gate: AdmissionGate | None = None, filter_zero_variance: bool = False,
                  tasks: TaskPicker | None = None, episode_fn: EpisodeFn = run_episode,
-                 tracer: Tracer | None = None, prefetch_max_age_s: float = prefetch.MAX_AGE_S) -> None:
+                 tracer: Tracer | None = None, prefetch_max_age_s: float = prefetch.MAX_AGE_S,
+                 max_prompt_tokens: int = 0) -> None:
         """`episode_fn`: how one episode runs (the built-in turn loop, or a black-box agent's
         runner, services.rollout.blackbox). `tracer`: each episode is a `rollout.episode` span, the
         parent of its RPCs (None: no tracing); one whose Resets were prefetched starts with them,
         before the admission gate, and carries a "run" event where the episode itself starts.
         `prefetch_max_age_s`: a Reset prefetched longer ago is redone (keep it inside the env
-        gateway's session idle timeout)."""
+        gateway's session idle timeout). `max_prompt_tokens`: inference's (0: unchecked), for every
+        episode's spec, evaluations' included (they run through `episode`)."""
+        self.max_prompt_tokens = max_prompt_tokens
         self.prefetch_max_age_s = prefetch_max_age_s
         self.episode_fn = episode_fn
         self.tracer = tracer
@@ -224,7 +230,15 @@ class RolloutWorker:
             if started is not None:
                 started.set_attributes(attributes)
                 started.add_event("run")  # the span began at the prefetch, before the admission wait
-            traj = await self._attempts(spec, gen, env if env is not None else self.env)
+            if self.max_prompt_tokens and not spec.max_prompt_tokens:
+                spec = dataclasses.replace(spec, max_prompt_tokens=self.max_prompt_tokens)
+            try:
+                traj = await self._attempts(spec, gen, env if env is not None else self.env)
+            except EpisodeDoesNotFit as e:
+                if e.message != self.stats.refused:
+                    log.error("episode refused: %s", e.message)
+                self.stats.refused = e.message
+                raise
             if current is not None and current.is_recording():  # not sampled: nothing to record
                 record_episode(current, traj)
             return traj

@@ -8,6 +8,7 @@ import pytest
 
 from arlo.config import RedisConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect, delete_run
+from arlo.proto.v1.common_pb2 import Trajectory
 from services.rollout.admission import AdmissionGate, may_start
 
 
@@ -179,3 +180,48 @@ async def test_a_burst_of_groups_pays_for_one_check(redis_url: str, run_id: str)
     finally:
         await delete_run(redis, run_id)
         await redis.aclose()
+
+
+async def test_budget_counts_only_what_the_stream_still_holds_for_the_trainer(redis_url: str, run_id: str) -> None:
+    """Issue 33: a failed run's 24 accepted trajectories were dead-lettered (no model tokens), yet
+    still counted: with the config fixed, the same run id admitted no group ever again."""
+    redis = await connect(RedisConfig(url=redis_url))
+    stream = TrajectoryStream(redis, run_id, consumer="rollout")
+    try:
+        await stream.ensure_group()
+        await redis.set(f"arlo:{run_id}:rollout:accepted", 24)  # the failed run's count; its entries are gone
+        gate = AdmissionGate(redis, run_id, instance="w1", max_staleness=1, batch_size=8, poll_s=60.0,
+                             backlog=stream.backlog)
+        await asyncio.wait_for(gate.acquire(8), 5)  # the counters alone: 24 > (1 + 0 + 1) x 8, blocked for good
+        await gate.finish(8, 0)
+        await gate.aclose()
+        # Entries the trainer has yet to take still count: 16 unread fill the budget of 2 batches.
+        await stream.add_group([Trajectory(id=f"t{i}", group_id=f"g{i // 8}", group_size=8) for i in range(16)])
+        full = AdmissionGate(redis, run_id, instance="w3", max_staleness=1, batch_size=8, poll_s=60.0,
+                             backlog=stream.backlog)
+        blocked = asyncio.create_task(full.acquire(8))
+        await asyncio.sleep(0.3)
+        assert not blocked.done()
+        blocked.cancel()
+        await full.aclose()
+        without_cap = AdmissionGate(redis, run_id, instance="w2", max_staleness=1, batch_size=8, poll_s=60.0)
+        await redis.delete(f"arlo:{run_id}:traj")
+        stuck = asyncio.create_task(without_cap.acquire(8))
+        await asyncio.sleep(0.3)
+        assert not stuck.done()  # the old rule: what the counter says, whatever the stream holds
+        stuck.cancel()
+        await without_cap.aclose()
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()
+
+
+def test_rule_caps_the_counted_queue_at_the_backlog() -> None:
+    rule = dict(running=0, accepted=24, group_size=8, trainer_version=0, max_staleness=1, batch_size=8)
+    assert not may_start(**rule)
+    assert may_start(**rule, backlog=0) and may_start(**rule, backlog=8) and not may_start(**rule, backlog=9)
+    # Replicas a version behind the pointer: the batch of that version still counts against the start.
+    lagging = dict(running=0, accepted=16, group_size=8, max_staleness=1, batch_size=8, backlog=0)
+    assert may_start(**lagging, trainer_version=1, pointer_version=1)
+    assert may_start(**lagging, trainer_version=0, pointer_version=1)
+    assert not may_start(**{**lagging, "group_size": 9}, trainer_version=0, pointer_version=1)

@@ -12,6 +12,7 @@ from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.inference.engine import Engine
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
+from services.rollout.types import EpisodeDoesNotFit
 from tests.support.inprocess import TOK, CoreScorer, EngineGenerator, GatewayEnv
 
 
@@ -161,3 +162,47 @@ def test_every_turn_gets_its_step_reward_even_when_zero(engine: Engine) -> None:
     assert len(traj.turn_rewards) == traj.num_turns
     ends = [r.token_end for r in traj.turn_rewards]
     assert ends == sorted(ends) and all(traj.loss_mask[e - 1] == 1 for e in ends)
+
+
+def first_prompt_length() -> int:
+    """The tokens of spec()'s first prompt under the template (its task, seed 7)."""
+    traj = asyncio.run(run_episode(spec(max_turns=1), TOK, OnlyAnswer(), GatewayEnv(), CoreScorer()))
+    return traj.prompt_length
+
+
+class OnlyAnswer:
+    prompts: list[list[int]]
+
+    def __init__(self) -> None:
+        self.prompts = []
+
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
+        self.prompts.append(list(prompt))
+        ids = (TOK.encode("calc 1+1") + [TOK.eos_id])[:max_tokens]
+        return Turn(token_ids=ids, logprobs=[-0.1] * len(ids), policy_versions=[0] * len(ids), finished_by_stop=True)
+
+
+def test_a_first_prompt_that_leaves_no_room_to_generate_is_refused_naming_the_limits() -> None:
+    """Issue 33: a tools prompt longer than the episode budget generated nothing, silently (every
+    trajectory dead-lettered for having no model token, and the run waited)."""
+    n = first_prompt_length()
+    env = GatewayEnv()
+    with pytest.raises(EpisodeDoesNotFit, match=rf"first prompt is {n} tokens.*rollout\.max_episode_tokens is {n}"
+                                                 rf".*at least {n + 4}"):
+        asyncio.run(run_episode(spec(max_episode_tokens=n), TOK, OnlyAnswer(), env, CoreScorer()))
+    assert env.closed  # its session is closed all the same
+    with pytest.raises(EpisodeDoesNotFit, match=rf"over inference\.max_prompt_tokens {n - 1}: set it to at least {n}"):
+        asyncio.run(run_episode(spec(max_prompt_tokens=n - 1), TOK, OnlyAnswer(), GatewayEnv(), CoreScorer()))
+    # One token of room is room: the episode runs.
+    traj = asyncio.run(run_episode(spec(max_episode_tokens=n + 1, max_turns=1), TOK, OnlyAnswer(), GatewayEnv(),
+                                   CoreScorer()))
+    assert sum(traj.loss_mask) == 1
+
+
+def test_a_later_prompt_past_inference_max_prompt_tokens_ends_the_episode_instead_of_a_refused_call() -> None:
+    n = first_prompt_length()
+    gen = OnlyAnswer()
+    traj = asyncio.run(run_episode(spec(max_prompt_tokens=n, max_turns=3, env_config_json='{"max_turns": 3, "tool": true}'),
+                                   TOK, gen, GatewayEnv(), CoreScorer()))
+    assert len(gen.prompts) == 1 and all(len(p) <= n for p in gen.prompts)
+    assert traj.finish_reason == "max_tokens" and traj.status == common_pb2.TRAJECTORY_STATUS_TRUNCATED
