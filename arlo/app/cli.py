@@ -241,13 +241,16 @@ def _export_at_end(cfg, token, out: str | None) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from arlo.app.export import ExportError, export_run
-    if args.version and args.checkpoint:
+    if args.version is not None and args.checkpoint:
         console.print("arlo export: give --version or --checkpoint, not both")
+        return 2
+    if args.version is not None and args.version < 0:
+        console.print(f"arlo export: --version must be >= 0 (0: the initial weights), got {args.version}")
         return 2
     cfg = load_cli_config(args.config)
     token = None if args.checkpoint else resolve_token(cfg)
     try:
-        result = export_run(cfg, args.out, token=token, version=args.version or 0, checkpoint=args.checkpoint or "")
+        result = export_run(cfg, args.out, token=token, version=args.version, checkpoint=args.checkpoint or "")
     except ExportError as e:
         console.print(f"[red]arlo export: {e}")
         return 1
@@ -322,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
     export.add_argument("--out", required=True, help="directory to create (must be empty if it exists)")
     export.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
-    export.add_argument("--version", type=int, help="a version the running trainer still holds (default: newest)")
+    export.add_argument("--version", type=int, help="a version the running trainer still holds, or its checkpoint; "
+                        "0: the initial weights (model.path or the preset); default: the newest")
     export.add_argument("--checkpoint", help="an Orbax checkpoint directory (<trainer.checkpoint_dir>/<version>)")
     status = sub.add_parser("status", help="versions, queue depth and health of a run")
     status.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")

@@ -1,9 +1,10 @@
 """`arlo export`: a run's policy -> a Hugging Face model directory (arlo.model.export).
 
-The weights come from one of three places: the running trainer's newest published version
+The weights come from one of four places: the running trainer's newest published version
 (or `version`, while the trainer still holds it), pulled over PullWeights as inference pulls
-them; or an Orbax checkpoint the trainer wrote (`checkpoint`, or with no trainer answering,
-the newest one under trainer.checkpoint_dir). The tokenizer files come from the model's own
+them; an Orbax checkpoint the trainer wrote (`checkpoint`; with no trainer answering, the
+newest one under trainer.checkpoint_dir, or `version`'s there); or, for version 0, the model
+source itself (the initial weights every service loads). The tokenizer files come from the model's own
 directory (model.path), or are the byte tokenizer's.
 """
 
@@ -33,21 +34,42 @@ class ExportError(RuntimeError):
     """Nothing to export from (no trainer answering, no such version or checkpoint)."""
 
 
-def export_run(cfg: RunConfig, out: str | Path, *, token: str | None, version: int = 0,
+def export_run(cfg: RunConfig, out: str | Path, *, token: str | None, version: int | None = None,
                checkpoint: str = "") -> ExportResult:
     """Writes the policy to `out`; see the module docstring for where it comes from."""
     source = cfg.model.source()
+    return export_hf(policy_state(cfg, source, token=token, version=version, checkpoint=checkpoint), source.cfg, out,
+                     tokenizer=source.tokenizer(), tokenizer_dir=source.tokenizer_dir, dtype=source.param_dtype,
+                     base_config=source.base_config())
+
+
+def policy_state(cfg: RunConfig, source: ModelSource, *, token: str | None, version: int | None,
+                 checkpoint: str) -> nnx.State:
+    """The weights to export: `checkpoint`; version 0 (the model source itself: the checkpoint at
+    model.path or the preset's seeded init, what inference and the trainer load, so it needs no
+    trainer); another version from the trainer while it holds it, else its checkpoint; None, the
+    newest published, else the newest checkpoint."""
     if checkpoint:
-        state = read_checkpoint(Path(checkpoint.removeprefix("file://")), source)
-    else:
-        try:
-            state = asyncio.run(pull_published(cfg, source, token=token, version=version))
-        except ExportError:
-            if version or not cfg.trainer.checkpoint_dir:
-                raise
-            state = read_checkpoint(newest_checkpoint(Path(cfg.trainer.checkpoint_dir)), source)
-    return export_hf(state, source.cfg, out, tokenizer=source.tokenizer(), tokenizer_dir=source.tokenizer_dir,
-                     dtype=source.param_dtype, base_config=source.base_config())
+        return read_checkpoint(Path(checkpoint.removeprefix("file://")), source)
+    if version == 0:
+        return source.initial_state()
+    directory = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None
+    try:
+        return asyncio.run(pull_published(cfg, source, token=token, version=version or 0))
+    except ExportError as e:
+        if version is None:
+            try:
+                if directory is None:
+                    raise ExportError("no trainer.checkpoint_dir") from None
+                return read_checkpoint(newest_checkpoint(directory), source)
+            except ExportError as none:
+                raise ExportError(f"{e}; {none}. Version 0, the initial weights, exports with --version 0") from None
+        if directory is None:
+            raise
+        held = [p for p in directory.glob("[0-9]*") if p.is_dir() and p.name.isdigit() and int(p.name) == version]
+        if not held:
+            raise ExportError(f"{e}; and {directory} holds no checkpoint of version {version}") from None
+        return read_checkpoint(held[0], source)
 
 
 async def pull_published(cfg: RunConfig, source: ModelSource, *, token: str | None, version: int = 0) -> nnx.State:
@@ -58,7 +80,10 @@ async def pull_published(cfg: RunConfig, source: ModelSource, *, token: str | No
     finally:
         await redis.aclose()
     if pointer is None or pointer.version == 0 or not pointer.source.startswith("grpc://"):
-        raise ExportError(f"run {cfg.run_id!r}: no version published yet (is the trainer running?)")
+        raise ExportError(f"run {cfg.run_id!r}: no version published yet (the trainer publishes its first "
+                          f"after its first step)")
+    if version > pointer.version:
+        raise ExportError(f"version {version}: the newest published is {pointer.version}")
     want = version or pointer.version
     data = await _pull(pointer.source.removeprefix("grpc://"), want, token=token, cfg=cfg)
     if want == pointer.version and sha256_hex(data) != pointer.sha256:
