@@ -25,6 +25,7 @@ from arlo.app.accelerator_layout import (
     visible_gpus,
 )
 from arlo.app.cpu_layout import Shares, cpu_shares
+from arlo.app.ports import check_ports, settled_ports
 from arlo.app.redis_server import free_port, local_redis_url, redis_answers, redis_spec
 from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
@@ -210,6 +211,8 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
     if free_ports:
         for name in SERVICE_SECTIONS:
             overrides[name] = {"server": {"port": free_port(), "metrics_port": free_port()}}
+    else:  # a port 0 is chosen here and recorded, so health checks and `arlo status` know it
+        overrides.update(settled_ports(cfg, SERVICE_SECTIONS))
     # The driver (`arlo train`/`demo`) resumes the trainer phase by phase; until then it waits.
     overrides.setdefault("trainer", {})["start_paused"] = True
     overrides["trainer"].update(default_checkpoints(cfg, home))
@@ -221,6 +224,7 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
         write_private(token_path, token)
         overrides["auth"] = {"token_file": str(token_path)}
     resolved = replace_config(cfg, overrides)
+    check_ports(resolved, SERVICE_SECTIONS)  # before anything starts: a clash is one line, not restart loops
     config_path = resolved_config_path(home)
     if redis is not None:  # supervised like the services (restarted after a crash), stopped last
         supervisor.specs.append(redis)

@@ -217,9 +217,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     """Interface to bind; 0.0.0.0 for all (others then dial $ARLO_ADVERTISE_HOST or the host name)."""
     port: int = ranged(0, ge=0, le=65535)
-    """gRPC port; 0 picks a free one."""
+    """gRPC port; 0 picks a free one (`arlo up`/`demo` choose it before the start and record it in
+    $ARLO_HOME/config.yaml, which `arlo train` and `arlo status` read)."""
     metrics_port: int = ranged(0, ge=0, le=65535, special={-1: "off"})
-    """Prometheus /metrics port; 0 picks a free port, -1 disables it."""
+    """Prometheus /metrics port; 0 picks a free port (recorded likewise), -1 disables it."""
     max_message_bytes: int = ranged(64 * 1024 * 1024, ge=1024, lt=2**31)
     """Largest gRPC message sent or received (weights travel in chunks below it), in [1 KiB, 2 GiB)."""
     grace_s: float = ranged(5.0, ge=0, le=MAX_WAIT_S)

@@ -1,0 +1,80 @@
+"""`arlo up` and its ports (issue 33): port 0 (documented: a free port) is chosen before the start
+and recorded, so the health checks and `arlo status` use it (they used 127.0.0.1:0 for 180 s); a
+port another process holds is refused before any service starts, naming the setting (each service
+was restarted three times first, ~200 log lines)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e.test_cli import SERVICES, arlo
+
+pytestmark = pytest.mark.e2e
+
+
+def config(path: Path, run_id: str, redis_url: str, **servers: dict) -> Path:
+    cfg: dict = {"run_id": run_id, "redis": {"url": redis_url}}
+    for name in SERVICES:
+        cfg[name] = {"server": {"port": 0, "metrics_port": 0, **servers.get(name, {})}}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.timeout(480)  # 300 s for the services' health, 90 s for the stop
+def test_port_0_is_chosen_recorded_and_health_checked(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    home = tmp_path / "home"
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    up = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "up", "-c",
+                           str(config(tmp_path / "run.yaml", run_id, redis_url))], env=env,
+                          stdout=open(tmp_path / "up.out", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    try:
+        deadline, status = time.monotonic() + 300, {}
+        while time.monotonic() < deadline:
+            assert up.poll() is None, (tmp_path / "up.out").read_text()[-4000:]
+            result = arlo("status", "--json", home=home, timeout=60)
+            if result.returncode == 0:
+                status = json.loads(result.stdout)
+                if all(s["healthy"] for s in status["services"] if s["name"] != "rollout"):
+                    break
+            time.sleep(1)
+        infra = [s for s in status["services"] if s["name"] != "rollout"]
+        assert infra and all(s["healthy"] for s in infra), status
+        assert all(not s["address"].endswith(":0") for s in status["services"]), status
+        recorded = yaml.safe_load((home / "config.yaml").read_text())
+        assert all(recorded[name]["server"]["port"] > 0 and recorded[name]["server"]["metrics_port"] > 0
+                   for name in SERVICES)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            code = up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert code == 0
+
+
+def test_a_port_in_use_is_refused_before_any_service_starts(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        path = config(tmp_path / "run.yaml", run_id, redis_url, inference={"port": port},
+                      trainer={"metrics_port": 0, "port": 0}, reward={"port": 0})
+        started = time.monotonic()
+        result = arlo("up", "-c", str(path), home=tmp_path / "home", timeout=120)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, said[-3000:]
+    assert f"inference.server.port {port} is in use on this host" in said
+    assert time.monotonic() - started < 60
+    assert not list((tmp_path / "home" / "logs").glob("*.log"))  # no service was started
