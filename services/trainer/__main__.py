@@ -36,6 +36,7 @@ from arlo.rpc.metrics import TrainerMetrics
 from arlo.service_args import parse_service_config
 from arlo.tracing import Tracing, service_tracing
 from services.trainer.checkpoint import Checkpointer
+from services.trainer.core.trainer import CoreConfig
 from services.trainer.learner import Learner
 from services.trainer.lockstep import Replica, channel_for_this_process, follow
 from services.trainer.loop import TrainingLoop
@@ -66,15 +67,17 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
                             seed=cfg.model.seed) if tc.sft.steps else None)
+    core = CoreConfig(groups_per_step=tc.groups_per_step, group_size=cfg.rollout.group_size,
+                      max_staleness=tc.max_staleness, vocab_size=learner.model_cfg.vocab_size,
+                      filter_zero_variance=tc.algorithm.filter_zero_variance, expiring_wait_s=tc.expiring_wait_s,
+                      checkpoint_every=tc.checkpoint_every, max_backlog=cfg.redis.max_backlog,
+                      sft_steps=warm_start.steps if warm_start else 0, start_paused=tc.start_paused)
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
-        source="", groups_per_step=tc.groups_per_step, max_staleness=tc.max_staleness,
-        read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir, checkpoint_every=tc.checkpoint_every,
-        pad_id=tok.pad_id, filter_zero_variance=tc.algorithm.filter_zero_variance,
-        overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
-                  if tc.algorithm.overlong_max_tokens else None), channel=channel_for_this_process(),
-        warm_start=warm_start, start_paused=tc.start_paused,
-        longest_episode=cfg.rollout.max_episode_tokens, expiring_wait_s=tc.expiring_wait_s,
+        source="", core=core, read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir,
+        pad_id=tok.pad_id, overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
+                                     if tc.algorithm.overlong_max_tokens else None),
+        channel=channel_for_this_process(), warm_start=warm_start, longest_episode=cfg.rollout.max_episode_tokens,
     )
     loop.before_run = functools.partial(warm_up, cfg, loop, compiles)
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name

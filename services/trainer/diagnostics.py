@@ -69,18 +69,20 @@ def trajectory_stats(trajs: Sequence[common_pb2.Trajectory]) -> dict[str, Any]:
 def step_record(*, phase: str, step: int, version: int, metrics: StepMetrics, counters: Mapping[str, Any],
                 trajectories: Sequence[common_pb2.Trajectory] = (), trained_from: int = 0,
                 now: float | None = None, timing: Mapping[str, float] | None = None,
-                anatomy: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                anatomy: Mapping[str, Any] | None = None, staleness: tuple[float, int] | None = None) -> dict[str, Any]:
     """`counters`: the loop's cumulative figures (tokens_trained, generated_tokens, consumed,
     skipped_steps, queue_depth, dropped by reason). `trained_from`: the version the step's
     gradients were taken at (its staleness reference). `timing` and `anatomy`: where the step's
-    time went (services/trainer/anatomy.py), kept as the record's `timing` and `anatomy`."""
+    time went (services/trainer/anatomy.py), kept as the record's `timing` and `anatomy`.
+    `staleness`: (mean, max) lag as the core judged it (after a restore, in lineage terms:
+    core/lineage.py); by default from the trajectories' versions and `trained_from`."""
     record: dict[str, Any] = {
         "step": step, "version": version, "phase": phase, "time": time.time() if now is None else now,
         "loss": metrics.loss, "grad_norm": metrics.grad_norm, "num_tokens": metrics.num_tokens,
         **counters,
     }
     if phase == "rl":
-        mean, worst = staleness_stats(trajectories, trained_from)
+        mean, worst = staleness if staleness is not None else staleness_stats(trajectories, trained_from)
         record.update(reward_mean=metrics.reward_mean, clip_fraction=metrics.clip_fraction,
                       approx_kl=metrics.approx_kl, staleness_mean=mean, staleness_max=worst,
                       num_trajectories=len(trajectories), **trajectory_stats(trajectories))

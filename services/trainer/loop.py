@@ -1,13 +1,18 @@
-"""The training loop: stream -> whole groups -> jitted step -> publish version v+1 -> ack.
+"""The trainer's driver: the one module that talks to the trajectory stream, and the only place
+the trainer's overlap lives. What to do is the core's (services/trainer/core/); this performs it.
 
-Which groups a step takes is services/trainer/intake.py's job (whole, fresh, oldest first).
-What may be acknowledged when is services/trainer/durability.py's job (only what a durable
-state covers); where a failed step's groups go is services/trainer/failures.py's (back to
-the front, or dead-lettered after `STEP_ATTEMPTS` tries: never dropped, never acknowledged
-untrained). While the jitted step runs, the loop reads the next batch (reader.py) and
-finishes the previous step's tail (tail.py). A publish that fails after the update applied is
-retried before the next step; a publish refused because the pointer holds a version this trainer did not write
-(a hijacked or foreign pointer) is reported and re-numbered above it, as a restart does.
+One trajectory goes one way: read (reader.py) -> the core (screen, admit: core/book.py) -> a
+batch -> the jitted step (lockstep.py `Replica`) -> publish (publisher.py) -> held until durable
+(core/holds.py) -> acknowledged. Overlap, and its backpressure, in three places:
+- while the jitted step runs on a worker thread, the next batch's entries are read and admitted
+  (`_intake_during`): at most one read in flight, and it stops once a batch is ready;
+- a step's tail (its overlapped publish, record, log line and acknowledgements) runs beside the
+  next step (tail.py): one tail at a time, in step order, and a step publishes only after the
+  previous tail ended, so at most one step trains past an unpublished version;
+- a checkpoint save is written beside the next steps (`_finish_checkpoint`): one at a time; the
+  next one due waits for it.
+A tail is not deferred when its step starts a checkpoint, pauses the loop or comes while saves
+fail (a checkpoint copies the arrays the next step donates; a pause promises a final status).
 """
 
 from __future__ import annotations
@@ -19,23 +24,34 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights, ServingCopy
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
 from services.trainer.batching import Batch, build_batch
-from services.trainer.checkpoint import Checkpointer
+from services.trainer.checkpoint import Checkpointer, CheckpointMeta
 from services.trainer.core.groups import ReadyGroup
-from services.trainer.diagnostics import staleness_stats, step_record
-from services.trainer.durability import Durability
-from services.trainer.failures import StepFailures
-from services.trainer.intake import Intake
+from services.trainer.core.records import (
+    Ack,
+    Acknowledge,
+    Checkpoint,
+    CountStale,
+    DeadLetter,
+    Decision,
+    StartCheckpoint,
+    TrainedStep,
+    Wait,
+)
+from services.trainer.core.trainer import CoreConfig, TrainerCore
+from services.trainer.diagnostics import step_record
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
 from services.trainer.publisher import Publisher
 from services.trainer.reader import READ_COUNT, StreamReader
-from services.trainer.state import TrainedStep, TrainerState
+from services.trainer.saves import Saves
 from services.trainer.tail import StepTails
 from services.trainer.warmstart import WarmStart
 
@@ -44,9 +60,7 @@ log = logging.getLogger(__name__)
 CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
 CLOSE_WAIT_S = 60.0
-
-__all__ = ["TrainedStep", "TrainerState", "TrainingLoop"]
-
+POINTER_TRIES = 3
 
 OnStep = Callable[[dict[str, Any]], Awaitable[None]]
 """Called with each applied step's diagnostics record (services/trainer/diagnostics.py)."""
@@ -55,64 +69,86 @@ OnStep = Callable[[dict[str, Any]], Awaitable[None]]
 class TrainingLoop:
     def __init__(
         self, *, learner: Learner, stream: TrajectoryStream, pointer: WeightPointer, store: VersionStore,
-        source: str, groups_per_step: int, max_staleness: int, read_block_ms: int,
-        checkpoint_dir: str = "", checkpoint_every: int = 0, pad_id: int = ByteTokenizer.pad_id,
-        filter_zero_variance: bool = False, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
-        warm_start: WarmStart | None = None, start_paused: bool = False, on_step: Sequence[OnStep] = (),
+        source: str, core: CoreConfig, read_block_ms: int, checkpoint_dir: str = "",
+        pad_id: int = ByteTokenizer.pad_id, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
+        warm_start: WarmStart | None = None, on_step: Sequence[OnStep] = (),
         before_run: Callable[[], Awaitable[None]] | None = None, longest_episode: int = 0,
-        expiring_wait_s: float = 0.0,
     ) -> None:
-        """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up: it
-        compiles while the rest of the fleet comes up, and the first step finds its programs).
-        `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs.
-        `expiring_wait_s`: trainer.expiring_wait_s (expiring.py)."""
-        self.longest_episode = longest_episode
-        self.before_run = before_run
-        self.on_step = list(on_step)
-        self.max_staleness = max_staleness
-        self.warm_start = warm_start
-        if checkpoint_every and not checkpoint_dir:
+        """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up).
+        `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs."""
+        if core.checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
-        self.overlong = overlong
-        self.learner = learner
-        self.stream = stream
-        self.pointer = pointer
-        self.store = store
-        self.read_block_ms = read_block_ms
-        self.checkpoint_every = checkpoint_every
+        self.core = TrainerCore(dataclasses.replace(core, checkpoints=bool(checkpoint_dir)))
+        self.state = self.core.state  # read-only here: the core writes it
+        self.learner, self.stream, self.pointer, self.store = learner, stream, pointer, store
+        self.warm_start, self.on_step, self.before_run = warm_start, list(on_step), before_run
+        self.longest_episode, self.overlong, self.pad_id = longest_episode, overlong, pad_id
         self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
         # Every JAX call goes through the replica: with several processes it tells the others first.
         self.replica = Replica(learner, self.checkpointer, channel)
-        self.pad_id = pad_id
-        self.state = TrainerState(paused=start_paused)
         self.clock = StepClock()  # where each RL step's time goes (services/trainer/anatomy.py)
-        self._reader = StreamReader(stream, block_ms=read_block_ms)
-        self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
-        self._tails = StepTails()  # steps' records and acks, run beside the next step (tail.py)
-        self._failures = StepFailures(stream, self.state)
         self._jax_lock = asyncio.Lock()
-        self.durable = Durability(replica=self.replica, checkpointer=self.checkpointer, stream=stream,
-                                  pointer=pointer, store=store, state=self.state, jax_lock=self._jax_lock,
-                                  every=checkpoint_every, max_held=max(stream.max_backlog // 2, 1))
         self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
-        self.publisher = Publisher(store=store, pointer=pointer, replica=self.replica, state=self.state,
-                                   durable=self.durable, tails=self._tails, jax_lock=self._jax_lock, source=source)
-        self.intake = Intake(stream=stream, groups_per_step=groups_per_step, max_staleness=max_staleness,
-                             vocab_size=learner.model_cfg.vocab_size, filter_zero_variance=filter_zero_variance,
-                             expiring_wait_s=expiring_wait_s, held_elsewhere=self.durable.held)
+        self._reader = StreamReader(stream, block_ms=read_block_ms)
+        self._tails = StepTails()
+        self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
+        self.saves = Saves(replica=self.replica, checkpointer=self.checkpointer,
+                           jax_lock=self._jax_lock) if self.checkpointer else None
+        self._save_job: asyncio.Task[tuple[int, str]] | None = None
+        self._save_version = 0
+        self.publisher = Publisher(store=store, pointer=pointer, replica=self.replica, jax_lock=self._jax_lock,
+                                   source=source)
+
+    # -- start and stop -----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Resumes from the newest complete checkpoint and numbers versions above the pointer,
         so a restarted trainer never repeats one (even though its checkpoint is older)."""
         await self.stream.ensure_group()
-        restored = await self.durable.restore()
+        restored = await self._restore()
         current = await self.pointer.get()
-        newest_on_disk = self.checkpointer.newest_version() if self.checkpointer else 0
-        base = max(current.version if current else 0, restored, newest_on_disk)
-        if base > 0:
-            # The fleet may hold another trainer's weights under that version: publish ours above it.
-            self.state.version = base + 1
-            await self.publisher.publish()
+        version = self.core.started(restored=restored, pointer=current.version if current else 0,
+                                    on_disk=self.checkpointer.newest_version() if self.checkpointer else 0,
+                                    step_count=self.learner.step_count)
+        if version:  # the fleet may hold another trainer's weights under that number: ours above it
+            await self._publish()
+
+    async def _restore(self) -> int:
+        if self.saves is None:
+            log.warning("CHECKPOINTS ARE OFF (trainer.checkpoint_dir is empty): nothing the trainer learns is "
+                        "durable; a restart begins again from the initial weights while every trajectory "
+                        "trained before stays acknowledged", extra={"checkpoints": False})
+            return 0
+        restored = await self.saves.restore()
+        if restored is None:
+            return 0
+        meta = restored.meta
+        if restored.skipped:
+            self.core.restored_past(len(restored.skipped))
+            log.error("fell back to checkpoint %s past %d damaged newer one(s): %s; trajectories acknowledged "
+                      "after it are not in the restored weights", restored.uri, len(restored.skipped),
+                      "; ".join(restored.skipped), extra={"checkpoint_fallbacks": len(restored.skipped)})
+        self.core.holds.checkpointed(meta.version, restored.uri)
+        # The process may have died between the checkpoint completing and these two writes.
+        await self.pointer.set_checkpoint(meta.version, restored.uri)
+        await self.stream.mark_trained(meta.trajectory_ids)
+        log.info("resumed from checkpoint %s: step %d, version %d", restored.uri, meta.step, meta.version,
+                 extra={"step": meta.step, "version": meta.version, "checkpoint_uri": restored.uri})
+        return meta.version
+
+    async def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Lets a step's tail and a checkpoint in flight complete (bounded), so a clean stop leaves
+        no partial checkpoint and every acknowledgement it could make."""
+        await self._tails.settle(timeout_s)
+        if self._save_job is not None:
+            await asyncio.wait([self._save_job], timeout=timeout_s)
+        async with self._jax_lock:
+            self.replica.stop()  # other processes: finish your checkpoint writes and return
+        if self.checkpointer is not None:
+            if self.saving:  # its save may still be in orbax's hands, on a worker thread
+                log.warning("a checkpoint save is still running after %.0f s; leaving its manager open", timeout_s)
+                return
+            await asyncio.to_thread(self.checkpointer.close)
 
     @property
     def source(self) -> str:
@@ -136,11 +172,46 @@ class TrainingLoop:
     def phase(self) -> str:
         return "sft" if self.learner.step_count < self.sft_steps else "rl"
 
+    @property
+    def saving(self) -> bool:
+        """A checkpoint save is in flight."""
+        return self._save_job is not None and not self._save_job.done()
+
+    # -- control (the gRPC servicer's) ----------------------------------------------------------
+
     def resume(self, until_step: int = 0) -> bool:
         """Unpauses (until `until_step` when > 0); returns whether the trainer is now paused."""
-        self.state.until_step = until_step
-        self.state.paused = bool(until_step) and self.learner.step_count >= until_step
-        return self.state.paused
+        return self.core.resume(until_step, self.learner.step_count)
+
+    async def pause(self) -> None:
+        """Returns once no step is in flight, so a status read after it is final."""
+        self.core.pause()
+        async with self._step_lock:
+            await self._tails.settle()
+
+    async def checkpoint(self) -> tuple[int, str]:
+        """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
+        async with self._step_lock:
+            await self._tails.settle()  # the current version's overlapped publish (a save needs it stored)
+            if self.core.owes_publish:  # it failed or met a foreign pointer: published (re-numbered) first
+                await self._publish_owed()
+            job = await self._begin_checkpoint("requested")
+        return await asyncio.shield(job)  # a caller's deadline must not abandon the write
+
+    def dropped(self) -> dict[str, int]:
+        """Trajectories not trained on, by reason."""
+        return self.core.dropped(stream_malformed=self.stream.malformed, stream_duplicates=self.stream.duplicates)
+
+    def fault_counters(self) -> dict[str, int | str]:
+        """Faults survived, for the heartbeat (`arlo status`)."""
+        s = self.state
+        return {"skipped_steps": s.skipped_steps, "failed_steps": s.failed_steps,
+                "publish_failures": s.publish_failures, "pointer_conflicts": s.pointer_conflicts,
+                "checkpoint_failures": s.checkpoint_failures, "checkpoint_error": s.checkpoint_error,
+                "held_entries": s.held_entries, "acked_undurable": s.acked_undurable,
+                "checkpoint_fallbacks": s.checkpoint_fallbacks, "waiting_on": s.waiting_on}
+
+    # -- the run ------------------------------------------------------------------------------
 
     async def run(self) -> None:
         if self.before_run is not None:
@@ -166,7 +237,7 @@ class TrainingLoop:
                 continue
             # A read that finds data at once counts as platform time; one that has to wait for
             # data is idle time (only its intake afterwards counts). A read started during the
-            # previous step (reader.py) counts from when it returned or from now, the later.
+            # previous step counts from when it returned or from now, the later.
             started = time.perf_counter()
             read = await self._reader.read(block=False)
             if read.background:
@@ -180,16 +251,13 @@ class TrainingLoop:
                 entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
                 last_claim = time.monotonic()
             if entries:
-                await self.intake.admit(entries, version=self.state.version, read_at=read_at)
+                await self._admit(entries, read_at=read_at)
                 intake = time.perf_counter() - started
-                self.state.io_s += intake
+                self.core.add_time(io_s=intake)
                 self.clock.add_intake(intake)
             await self._catch_up()
             await self._train_ready(overlap=True)
             self._raise_background_error()
-
-    def _background_failed(self) -> bool:
-        return self._intake_error is not None or self._tails.error is not None
 
     def _raise_background_error(self) -> None:
         """An intake during a step or a deferred tail failed: the loop restarts. Entries that lost
@@ -200,19 +268,124 @@ class TrainingLoop:
         if intake is not None or tail is not None:
             raise intake or tail  # type: ignore[misc]
 
-    async def pause(self) -> None:
-        """Returns once no step is in flight, so a status read after it is final."""
-        self.state.paused = True
-        async with self._step_lock:
-            await self._tails.settle()
+    async def _reread_pending(self) -> None:
+        """Entries this consumer was given but never acknowledged (a previous process died) come first."""
+        after: str | None = "0-0"
+        total = 0
+        while after is not None:
+            entries, after = await self.stream.read_own_pending(READ_COUNT, after)
+            total += len(entries)
+            await self._admit(entries)
+            await self._train_ready()
+        if total:
+            log.info("re-read %d unacknowledged trajectory entries", total, extra={"pending_entries": total})
 
-    async def train_once(self, *, overlap: bool = False) -> StepMetrics:
-        """One RL step from the ready groups. `overlap` (the run loop's own steps): read and group
-        the stream's new entries while the step trains (reader.py), and leave this step's tail to
-        run beside the next one (tail.py)."""
+    async def _admit(self, entries: Sequence[Any], *, read_at: float = 0.0) -> None:
+        """Read entries -> the core: repeats acknowledged, the rest checked against `seen:`, admitted."""
+        screened = self.core.book.screen(entries)
+        if screened.repeats is not None:
+            await self._perform([screened.repeats])
+        fresh = await self.stream.filter_unseen(screened.candidates)
+        await self._perform(self.core.book.admit(fresh, version=self.state.version, read_at=read_at, now=time.time()))
+
+    async def _perform(self, decisions: Sequence[Decision]) -> None:
+        """Carries out the core's decisions in order; each is reported done once durable."""
+        for d in decisions:
+            if isinstance(d, Ack):
+                if d.entry_ids:
+                    await self.stream.ack(list(d.entry_ids))
+            elif isinstance(d, DeadLetter):
+                if d.items:
+                    await self.stream.dead_letter(list(d.items))
+            elif isinstance(d, CountStale):
+                await self.stream.count_stale(d.n)
+            elif isinstance(d, Acknowledge):
+                await self._acknowledge(d)
+            elif isinstance(d, StartCheckpoint):
+                await self._try_checkpoint(d.why)
+            self.core.done(d)
+
+    async def _acknowledge(self, d: Acknowledge) -> None:
+        try:
+            await self.stream.mark_trained([t for s in d.steps for t in s.trajectory_ids])
+            await self.stream.ack([e for s in d.steps for e in s.entry_ids])
+        except BaseException:
+            self.core.holds.put_back(d.steps)  # still unacknowledged: the next decision tries again
+            raise
+        if d.undurable:
+            log.error("checkpoint saves keep failing (%s); %d trajectories acknowledged WITHOUT a checkpoint so "
+                      "producers are not stalled by the held backlog (bound %d entries); a crash now loses them",
+                      self.state.checkpoint_error, sum(len(s.trajectory_ids) for s in d.steps),
+                      self.core.holds.policy.hold_bound, extra={"acked_undurable": self.state.acked_undurable})
+
+    async def _settle_in_flight(self, floor: int) -> set[str] | None:
+        """Tells the in-flight set which groups arrived whole here and how old a batch may take
+        (arlo/coord/records.py `settle_in_flight`); the ids still in flight on `floor`, None if Redis failed."""
+        arrived = self.core.book.take_arrived()
+        try:
+            return await self.stream.settle_in_flight(arrived=arrived, floor=floor)
+        except (RedisError, OSError) as e:  # not knowing costs at most the groups it would wait for
+            self.core.book.untold(arrived)
+            log.warning("groups in flight unknown (%s)", e)
+            return None
+
+    async def _next_batch(self) -> list[ReadyGroup] | Wait:
+        await self._perform(self.core.book.drop_stale(self.state.version))
+        book = self.core.book
+        choice = book.next_batch(self.state.version, time.monotonic())
+        if isinstance(choice, Wait) and choice.in_flight_floor is not None:
+            timeouts, floor = book.expiring.timeouts, choice.in_flight_floor
+            in_flight = await self._settle_in_flight(floor)
+            choice = book.next_batch(self.state.version, time.monotonic(), in_flight if in_flight is not None else set())
+            if book.expiring.timeouts > timeouts:
+                log.warning("group(s) of version %d still in flight after %.1f s (trainer.expiring_wait_s): the "
+                            "step goes ahead, and they will be dropped as stale", floor,
+                            book.expiring.bound_s, extra={"expiring_timeouts": book.expiring.timeouts})
+        if isinstance(choice, Wait):
+            self.core.waiting(choice.why)
+        return choice
+
+    async def _train_ready(self, *, overlap: bool = False) -> None:
+        while not self.state.paused and not self._background_failed():
+            async with self._step_lock:
+                if self.core.owes_publish:
+                    await self._publish_owed()  # raises while it keeps failing: no step past an unpublished one
+                groups = await self._next_batch()
+                if isinstance(groups, Wait):
+                    return
+                await self._train_groups(groups, overlap=overlap)
+                self.core.pause_if_due(self.learner.step_count)
+
+    def _background_failed(self) -> bool:
+        return self._intake_error is not None or self._tails.error is not None
+
+    async def _catch_up(self) -> None:
+        """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry,
+        a save the hold bound asks for."""
+        if not self.core.owes_publish and not self._save_owed():
+            return
         async with self._step_lock:
-            metrics = await self._train_once(overlap=overlap)
-            self._pause_if_due()
+            await self._tails.settle()  # a checkpoint saves the published current version
+            if self.core.owes_publish:
+                await self._publish_owed()
+            if self._save_owed():
+                await self._try_checkpoint("owed")
+
+    def _save_owed(self) -> bool:
+        return self.core.holds.owed(time.monotonic(), save_in_flight=self.saving)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    async def train_once(self, *, overlap: bool = False) -> StepMetrics | None:
+        """One RL step from the ready groups (None: no batch is ready)."""
+        async with self._step_lock:
+            if self.core.owes_publish:
+                await self._publish_owed()
+            groups = await self._next_batch()
+            if isinstance(groups, Wait):
+                return None
+            metrics = await self._train_groups(groups, overlap=overlap)
+            self.core.pause_if_due(self.learner.step_count)
             return metrics
 
     async def sft_once(self) -> StepMetrics:
@@ -224,146 +397,36 @@ class TrainingLoop:
             started = time.perf_counter()
             async with self._jax_lock:
                 metrics = await asyncio.to_thread(self.replica.sft_step, batch)
-            self.state.busy_s += time.perf_counter() - started
+            self.core.add_time(busy_s=time.perf_counter() - started)
             if metrics.skipped:  # weights unchanged; the warm start's next batch follows
-                self.state.skipped_steps += 1
+                self.core.refused()
                 log.error("SFT step skipped: loss %s, grad norm %s", metrics.loss, metrics.grad_norm)
                 return metrics
-            self.state.last = metrics
-            self.state.tokens_trained += batch.num_tokens
+            self.core.sft_stepped(metrics, num_tokens=batch.num_tokens)
             await self._report(step_record(phase="sft", step=self.learner.step_count, version=self.state.version,
                                            metrics=metrics, counters=await self._counters()))
             if self.phase == "rl":
                 if self.learner.cfg.algorithm.reference == "after_sft":
                     async with self._jax_lock:  # the KL reference is the warm-started policy
                         await asyncio.to_thread(self.replica.set_reference)
-                self.state.version += 1
-                await self.publisher.publish()
-                log.info("warm start done: %d SFT steps -> version %d, loss %.4f", self.learner.step_count,
-                         self.state.version, metrics.loss)
-            self._pause_if_due()
+                version = self.core.warm_start_done()
+                await self._publish()
+                log.info("warm start done: %d SFT steps -> version %d, loss %.4f; groups sampled before it are "
+                         "not trained", self.learner.step_count, version, metrics.loss)
+            self.core.pause_if_due(self.learner.step_count)
             return metrics
-
-    def _pause_due(self) -> bool:
-        return bool(self.state.until_step) and self.learner.step_count >= self.state.until_step
-
-    def _pause_if_due(self) -> None:
-        if self._pause_due():
-            self.state.paused = True
-
-    async def checkpoint(self) -> tuple[int, str]:
-        """Writes a checkpoint of the current version; returns (version, uri) once it is complete."""
-        async with self._step_lock:
-            await self._tails.settle()  # the current version's overlapped publish (a save needs it stored)
-            if self.publisher.due:  # it failed or met a foreign pointer: published (re-numbered) first
-                await self.publisher.publish_owed()
-            job = await self.durable.begin()
-        return await asyncio.shield(job)  # a caller's deadline must not abandon the write
-
-    async def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
-        """Lets a step's tail and a checkpoint in flight complete (bounded), so a clean stop leaves
-        no partial checkpoint and every acknowledgement it could make."""
-        await self._tails.settle(timeout_s)
-        await self.durable.close(timeout_s)
-        async with self._jax_lock:
-            self.replica.stop()  # other processes: finish your checkpoint writes and return
-        if self.checkpointer is not None:
-            if self.durable.saving:  # its save may still be in orbax's hands, on a worker thread
-                log.warning("a checkpoint save is still running after %.0f s; leaving its manager open", timeout_s)
-                return
-            await asyncio.to_thread(self.checkpointer.close)
-
-    def dropped(self) -> dict[str, int]:
-        """Trajectories not trained on, by reason."""
-        intake = self.intake
-        drops, dead = intake.assembler.drops, intake.dead_lettered
-        return {"stale": drops.stale, "failed": drops.failed, "malformed": dead.malformed + self.stream.malformed,
-                "duplicate": self.stream.duplicates + intake.repeats, "zero_variance": intake.zero_variance,
-                "poisoned": dead.poisoned, "nonfinite_step": self._failures.nonfinite,
-                "step_error": self._failures.step_errors}
-
-    def fault_counters(self) -> dict[str, int | str]:
-        """Faults survived, for the heartbeat (`arlo status`)."""
-        s = self.state
-        return {"skipped_steps": s.skipped_steps, "failed_steps": s.failed_steps,
-                "publish_failures": s.publish_failures, "pointer_conflicts": s.pointer_conflicts,
-                "checkpoint_failures": s.checkpoint_failures, "checkpoint_error": s.checkpoint_error,
-                "held_entries": s.held_entries, "acked_undurable": s.acked_undurable,
-                "checkpoint_fallbacks": s.checkpoint_fallbacks}
-
-    # -- intake -----------------------------------------------------------------------------
-
-    async def _reread_pending(self) -> None:
-        """Entries this consumer was given but never acknowledged (a previous process died) come first."""
-        after: str | None = "0-0"
-        total = 0
-        while after is not None:
-            entries, after = await self.stream.read_own_pending(READ_COUNT, after)
-            total += len(entries)
-            await self.intake.admit(entries, version=self.state.version)
-            await self._train_ready()
-        if total:
-            log.info("re-read %d unacknowledged trajectory entries", total, extra={"pending_entries": total})
-
-    # -- steps ------------------------------------------------------------------------------
-
-    async def _train_ready(self, *, overlap: bool = False) -> None:
-        while not self.state.paused and not self._background_failed():
-            await self.intake.drop_stale(self.state.version)
-            if not self.intake.batch_full() or await self.intake.waiting_for_expiring(self.state.version):
-                return
-            await self.train_once(overlap=overlap)
-
-    async def _catch_up(self) -> None:
-        """Work owed whether or not data arrives: a failed publish, a failed checkpoint's retry."""
-        if not self.publisher.due and not self.durable.retry_due():
-            return
-        async with self._step_lock:
-            await self._tails.settle()  # a checkpoint saves the published current version
-            if self.publisher.due:
-                await self.publisher.publish_owed()
-            if self.durable.retry_due():
-                await self.durable.try_checkpoint()
-
-    def _counters_now(self) -> dict[str, Any]:
-        """The loop's cumulative figures, for a step record (the stream's backlog aside)."""
-        return {"tokens_trained": self.state.tokens_trained, "generated_tokens": self.state.generated_tokens,
-                "consumed": self.state.consumed, "skipped_steps": self.state.skipped_steps,
-                "ready_groups": len(self.intake.ready), "dropped": self.dropped(),
-                "expiring_waits": self.intake.expiring.waits, "expiring_timeouts": self.intake.expiring.timeouts}
-
-    async def _counters(self) -> dict[str, Any]:
-        return {**self._counters_now(), "queue_depth": await self.stream.backlog()}
-
-    async def _report(self, record: dict[str, Any]) -> None:
-        """Hands the record on; a failing consumer (Redis down) costs the record, never the step."""
-        self.state.last_record = record
-        for consumer in self.on_step:
-            try:
-                await consumer(record)
-            except Exception:
-                log.exception("step %s: diagnostics not exported", record.get("step"))
-
-    async def _train_once(self, *, overlap: bool = False) -> StepMetrics:
-        if self.publisher.due:
-            await self.publisher.publish_owed()  # raises while it keeps failing: no step past an unpublished one
-        groups = self.intake.take_batch()
-        try:
-            return await self._train_groups(groups, overlap=overlap)
-        finally:
-            self.intake.in_step = []
 
     async def _jitted_step(self, batch: Batch) -> tuple[StepMetrics, float]:
         """The update, on a worker thread; returns its metrics and when it finished (Unix seconds)."""
         started = time.perf_counter()
         async with self._jax_lock:
             metrics = await asyncio.to_thread(self.replica.step, batch)
-        self.state.busy_s += time.perf_counter() - started
+        self.core.add_time(busy_s=time.perf_counter() - started)
         return metrics, time.time()
 
     async def _intake_during(self, step: asyncio.Task[Any]) -> None:
-        """Reads and groups new entries while `step` trains, until the next batch is ready."""
-        while not step.done() and not self.intake.batch_full() and not self.state.paused:
+        """Reads and admits new entries while `step` trains, until the next batch is ready."""
+        while not step.done() and not self.core.book.batch_full() and not self.state.paused:
             read = self._reader.background()
             await asyncio.wait({step, read}, return_when=asyncio.FIRST_COMPLETED)
             if not read.done():
@@ -372,7 +435,7 @@ class TrainingLoop:
                 entries = self._reader.take().entries
                 if entries:
                     started = time.perf_counter()
-                    await self.intake.admit(entries, version=self.state.version, read_at=time.time())
+                    await self._admit(entries, read_at=time.time())
                     self.clock.add_overlapped_intake(time.perf_counter() - started)
             except Exception as e:  # the step in flight must still publish: the loop raises it after
                 log.exception("intake during step %d failed; the loop restarts after the step", self.learner.step_count)
@@ -390,60 +453,72 @@ class TrainingLoop:
                 await self._intake_during(step)
             metrics, trained_at = await step
         except Exception as e:
-            await self._failures.failed(groups, e, put_back=self.intake.put_back)
+            decisions = self.core.step_failed(e)
+            log.error("step failed (%s: %s); its groups are put back, or dead-lettered after their last try",
+                      type(e).__name__, e, extra={"failed_steps": self.state.failed_steps})
+            await self._perform(decisions)
             raise
-        self._failures.trained(groups)
         if metrics.skipped:
-            await self._failures.refuse(groups, f"step skipped: loss {metrics.loss}, grad norm {metrics.grad_norm}")
+            self.core.book.trained()
+            await self._refuse(groups, f"step skipped: loss {metrics.loss}, grad norm {metrics.grad_norm}")
             return metrics
-        self.state.version += 1
+        version = self.core.stepped()
         started = time.perf_counter()
         # The previous step's tail (its overlapped publish first) ends before this step publishes:
         # versions reach the pointer in order, and one copy of the weights is held, not one per
-        # step ahead of a slow publish (a hung Redis, a hash slower than a step, would let
-        # training run ahead of the pointer). Normally it ended while this step trained.
+        # step ahead of a slow publish. Normally it ended while this step trained.
         await self._tails.settle()
         cut, published = None, False
         try:
-            if overlap and self._publish_may_overlap(self.state.version):
-                cut = await self.publisher.cut()
-            published = cut is None and await self.publisher.publish_or_owe()
+            if overlap and self._publish_may_overlap(version):
+                cut = await self.publisher.cut(version)
+            published = cut is None and await self._publish_or_owe()
         except NonFiniteWeights as e:
-            self.state.version -= 1  # nothing was published under it
-            await self._failures.refuse(groups, f"not published: {e}")
+            await self._refuse(groups, f"not published: {e}", unpublished=True)
             return metrics
         cut_at = time.time()
         marks = StepMarks(read_at=0.0, ready_at=0.0, batch_at=batch_at, train_at=train_at, trained_at=trained_at,
                           cut_at=cut_at, published_at=cut_at if published else 0.0)
         await self._finish_step(groups, batch, metrics, marks, published=published, cut=cut, defer_tail=overlap)
-        self.state.io_s += time.perf_counter() - started
+        self.core.add_time(io_s=time.perf_counter() - started)
         self.clock.tail_done()
         return metrics
 
-    async def _finish_step(self, groups: Sequence[ReadyGroup], batch: Batch, metrics: StepMetrics, marks: StepMarks, *,
-                           published: bool, cut: ServingCopy | None = None, defer_tail: bool = False) -> None:
+    async def _refuse(self, groups: Sequence[ReadyGroup], reason: str, *, unpublished: bool = False) -> None:
+        """A step that would corrupt the weights: nothing published, its groups dead-lettered."""
+        await self._perform(self.core.step_refused(groups, reason, unpublished=unpublished))
+        self.core.refused()  # with its dead letters durable: a reader sees both or neither
+        log.error("step refused (%s); its trajectories moved to %s, version stays %d", reason,
+                  self.stream.keys.traj_dead, self.state.version,
+                  extra={"skipped_steps": self.state.skipped_steps, "version": self.state.version})
+
+    def _publish_may_overlap(self, version: int) -> bool:
+        """Whether `version`'s publish may run beside the next step: not when its tail may not
+        (a checkpoint due, saves failing, a pause due) nor while a publish is owed."""
+        return not (self.core.owes_publish or self._tail_inline(version))
+
+    def _tail_inline(self, version: int) -> bool:
+        return (self.core.holds.acknowledges_before_next_step(version, time.monotonic())
+                or self.core.pause_due(self.learner.step_count))
+
+    async def _finish_step(self, groups: Sequence[ReadyGroup], batch: Batch, metrics: StepMetrics, marks: StepMarks,
+                           *, published: bool, cut: ServingCopy | None = None, defer_tail: bool = False) -> None:
         """A published (or publish-pending, or `cut`: to be published first thing in its tail)
-        step: counters and hold now; its record, log line and acks in its tail, which
-        `defer_tail` runs beside the next step (tail.py)."""
-        self.state.consumed += len(batch.trajectory_ids)
-        self.state.last = metrics
-        self.state.tokens_trained += batch.num_tokens
+        step: counted and held now; its record, log line and acks in its tail, which `defer_tail`
+        runs beside the next step (tail.py)."""
+        step = self.core.finished(groups, metrics, num_tokens=batch.num_tokens)
         trajs = [t for g in groups for t in g.trajectories]
-        self.state.generated_tokens += sum(sum(t.loss_mask) for t in trajs)
-        self.state.last_staleness, self.state.last_staleness_max = staleness_stats(trajs, self.state.version - 1)
         last = max(groups, key=lambda g: g.ready_at)
         marks = dataclasses.replace(marks, read_at=last.read_at, ready_at=last.ready_at)
         read_at = [g.read_at for g in groups for _ in g.entry_ids]
-        entry_ids = tuple(e for g in groups for e in g.entry_ids)
-        record = dict(phase="rl", step=self.learner.step_count, version=self.state.version, metrics=metrics,
-                      trajectories=trajs, trained_from=self.state.version - 1,
-                      timing=step_timing(self.clock, marks, trajs, read_at, entry_ids),
-                      anatomy=step_anatomy(self.clock, marks, trajs, read_at, entry_ids), now=time.time())
+        record = dict(phase="rl", step=self.learner.step_count, version=step.version, metrics=metrics,
+                      trajectories=trajs, trained_from=step.version - 1,
+                      staleness=(self.state.last_staleness, self.state.last_staleness_max),
+                      timing=step_timing(self.clock, marks, trajs, read_at, step.entry_ids),
+                      anatomy=step_anatomy(self.clock, marks, trajs, read_at, step.entry_ids), now=time.time())
         self.clock.step_done(marks.cut_at)
-        step = TrainedStep(version=self.state.version, entry_ids=entry_ids, trajectory_ids=batch.trajectory_ids)
-        self.durable.hold(step)  # from here a producer's retry of these trajectories is a repeat
         counters = self._counters_now()  # as of this step, whenever its tail runs
-        if defer_tail and not self.durable.acknowledges_before_next_step(step.version) and not self._pause_due():
+        if defer_tail and not self._tail_inline(step.version):
             self._tails.defer(self._step_tail(record, counters, step, published=published, cut=cut),
                               on_done=self.clock.add_overlapped_tail)
         else:
@@ -454,7 +529,7 @@ class TrainingLoop:
     async def _step_tail(self, record: dict[str, Any], counters: dict[str, Any], step: TrainedStep, *,
                          published: bool, cut: ServingCopy | None = None) -> None:
         if cut is not None:
-            published = await self.publisher.publish_cut(cut, step.version, record)
+            published = await self._publish_cut(cut, step.version, record)
             del cut  # the device copy goes now, not when the tail ends
         counters = {**counters, "queue_depth": await self.stream.backlog()}
         await self._report(step_record(**record, counters=counters))
@@ -463,13 +538,183 @@ class TrainingLoop:
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", record["step"], step.version,
                  metrics.loss, metrics.reward_mean, metrics.num_tokens,
                  extra={"step": record["step"], "version": step.version, "trajectory_ids": list(step.trajectory_ids)})
-        await self.durable.acknowledge(step, published=published)
+        await self._perform(self.core.holds.stepped(step.version, published=published, now=time.monotonic()))
         # Off the step's path: keeps the in-flight set to the groups a batch may still take.
-        await self.intake.settle_in_flight(step.version - self.max_staleness)
+        await self._settle_in_flight(self.core.lineage.floor(step.version))
 
-    # -- publishing (publisher.py) --------------------------------------------------------
+    # -- publishing -----------------------------------------------------------------------------
 
-    def _publish_may_overlap(self, version: int) -> bool:
-        """Whether `version`'s publish may run beside the next step: not when its tail may not
-        (a checkpoint due, saves failing, a pause due: `_finish_step`) nor while a publish is owed."""
-        return not (self.publisher.due or self.durable.acknowledges_before_next_step(version) or self._pause_due())
+    async def _publish(self) -> None:
+        """Publishes the current version (no step in flight); a pointer this trainer did not write
+        is reported and overtaken (the version re-numbered above it)."""
+        for _ in range(POINTER_TRIES):
+            published = await self.publisher.stored(self.state.version)
+            current = await self.publisher.point_at(published)
+            if current is None:
+                await self._perform(self.core.published(published.version))
+                return
+            version = self.core.pointer_conflict(current.version)
+            log.error("weight pointer holds version %d (source %r, sha256 %.12s) that this trainer did not write "
+                      "(its version: %d); publishing above it as version %d", current.version, current.source,
+                      current.sha256, published.version, version,
+                      extra={"pointer_conflicts": self.state.pointer_conflicts, "pointer_version": current.version})
+            self.publisher.renumbered(published, version)
+        raise RuntimeError(f"the weight pointer kept moving ahead of version {self.state.version}")
+
+    async def _publish_or_owe(self) -> bool:
+        """Publishes the current version inline; whether it did. A failure leaves it owed."""
+        try:
+            await self._publish()
+            return True
+        except NonFiniteWeights:
+            raise
+        except Exception:
+            # The update applied: the step is trained (never retried); its acks wait for a publish.
+            self.core.publish_failed()
+            log.exception("publishing version %d failed; retrying before the next step", self.state.version,
+                          extra={"publish_failures": self.state.publish_failures})
+            return False
+
+    async def _publish_owed(self) -> None:
+        """Publishes the current version, owed by a failed or refused publish; raises while it fails."""
+        await self._tails.settle()  # an overlapped publish in flight goes first (and may leave it owed)
+        await self._publish()
+
+    async def _publish_cut(self, cut: ServingCopy, version: int, record: dict[str, Any]) -> bool:
+        """A step's overlapped publish, from its tail; whether it published. Fills in the record's
+        pointer mark and `publish_overlapped_s`."""
+        try:
+            published = await self.publisher.stored(version, cut)
+            current = await self.publisher.point_at(published)
+        except Exception:
+            self.core.publish_failed()
+            log.exception("publishing version %d beside the next step failed; retrying it inline before the "
+                          "step after", version, extra={"publish_failures": self.state.publish_failures})
+            return False
+        if current is not None:  # counted and overtaken by the inline retry (`_publish`)
+            self.core.owes_publish = True
+            log.warning("version %d's publish found a weight pointer this trainer did not write; re-publishing "
+                        "above it before the step after", version)
+            return False
+        published_at = time.time()
+        record["anatomy"]["published_at"] = published_at
+        record["timing"]["publish_overlapped_s"] = published_at - record["anatomy"]["cut_at"]
+        return True
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    async def _try_checkpoint(self, why: str) -> None:
+        """Starts a save of the current version; a failure to start is logged and retried later."""
+        try:
+            await self._begin_checkpoint(why)
+        except Exception as e:
+            assert self.saves is not None
+            self.core.holds.save_failed(None, await self.saves.describe(e), time.monotonic())
+            log.exception("could not start checkpoint %d; its steps stay held", self.state.version)
+
+    async def _begin_checkpoint(self, why: str) -> asyncio.Future[tuple[int, str]]:
+        """Starts a checkpoint of the current version (step lock held); the future completes with it."""
+        if self.saves is None:
+            raise ValueError("trainer.checkpoint_dir is not set; checkpoints are disabled")
+        version = self.state.version
+        if self._save_job is not None and not self._save_job.done() and self._save_version == version:
+            return self._save_job
+        await self._settle_save()  # one save at a time: wait for the previous one to finish
+        if version < 1:
+            raise ValueError("nothing to checkpoint yet: no version has been published")
+        if version != self.state.checkpoint_version and self.store.get(version) is None:
+            raise RuntimeError(f"version {version} is not held (its publish failed); the next one is saved")
+        checkpoint = self.core.holds.begin(version, why)
+        if version == self.state.checkpoint_version:
+            if checkpoint.covers:  # complete on disk, but acknowledging its steps failed: again now
+                await self._perform([Acknowledge(checkpoint.covers)])
+            done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+            done.set_result((version, self.state.checkpoint_uri))
+            return done
+        published = self.store.get(version)
+        assert published is not None
+        # The checkpoint keeps the float32 master copy: its checksum is the publish's only when
+        # the published bytes are that copy (param_dtype float32); otherwise start_save computes it.
+        meta = CheckpointMeta(version=version, step=self.learner.step_count,
+                              params_sha256=published.sha256 if self.learner.param_dtype == "float32" else "",
+                              trajectory_ids=tuple(t for s in checkpoint.covers for t in s.trajectory_ids))
+        try:
+            snapshot = await self.saves.start(meta)
+        except BaseException:
+            self.core.holds.not_started(checkpoint)
+            raise
+        self._save_version = version
+        self._save_job = asyncio.create_task(self._finish_checkpoint(checkpoint, meta, snapshot),
+                                             name=f"checkpoint-{version}")
+        return self._save_job
+
+    async def _finish_checkpoint(self, checkpoint: Checkpoint, meta: CheckpointMeta, snapshot: Any) -> tuple[int, str]:
+        """Writes the save beside the next steps; then its steps are acknowledged."""
+        assert self.saves is not None
+        version, failing = checkpoint.version, self.core.holds.failing
+        try:
+            uri = await self.saves.write(meta, snapshot)
+        except BaseException as e:
+            snapshot = None
+            error = await self.saves.describe(e)
+            # The steps it hands back are bounded in the same breath as the failure is counted;
+            # a cancelled save (shutdown) is no storage failure.
+            decisions = self.core.holds.save_failed(checkpoint, error, time.monotonic(),
+                                                    storage=isinstance(e, Exception))
+            log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
+                      type(e).__name__, e, len(checkpoint.covers), self.core.holds.retry_at - time.monotonic(),
+                      exc_info=e, extra={"checkpoint_failures": self.state.checkpoint_failures})
+            try:
+                await self._perform(decisions)
+            except Exception:  # the save's failure is the news; the next step applies the bound again
+                log.exception("acknowledging held steps past the hold bound failed")
+            raise
+        if failing:
+            log.warning("checkpoint saves resumed after %d failures", failing)
+        acknowledge = self.core.holds.saved(checkpoint)
+        try:
+            await self.pointer.set_checkpoint(version, uri)
+            await self._perform([acknowledge])  # durable now; a failed ack is retried by the next checkpoint
+        except BaseException:
+            self.core.holds.checkpointed(version, uri)  # complete on disk all the same
+            log.exception("checkpoint %d is complete but acknowledging its steps failed; the next one does", version)
+            raise
+        # Reported once its steps are acknowledged: a reader that sees checkpoint v sees its acks.
+        self.core.holds.checkpointed(version, uri)
+        log.info("checkpoint %d complete (%s): %s (%d trajectories acknowledged)", version, checkpoint.why, uri,
+                 sum(len(s.trajectory_ids) for s in checkpoint.covers),
+                 extra={"checkpoint_version": version, "checkpoint_uri": uri})
+        return version, uri
+
+    async def _settle_save(self) -> None:
+        """Waits for the checkpoint in flight; its failure was logged and its steps held again."""
+        job = self._save_job
+        if job is None:
+            return
+        await asyncio.wait([job])
+        if not job.cancelled():
+            job.exception()  # retrieved, so asyncio does not report it again
+        self._save_job = None
+
+    # -- records --------------------------------------------------------------------------------
+
+    def _counters_now(self) -> dict[str, Any]:
+        """The loop's cumulative figures, for a step record (the stream's backlog aside)."""
+        book = self.core.book
+        return {"tokens_trained": self.state.tokens_trained, "generated_tokens": self.state.generated_tokens,
+                "consumed": self.state.consumed, "skipped_steps": self.state.skipped_steps,
+                "ready_groups": len(book.ready), "dropped": self.dropped(),
+                "expiring_waits": book.expiring.waits, "expiring_timeouts": book.expiring.timeouts}
+
+    async def _counters(self) -> dict[str, Any]:
+        return {**self._counters_now(), "queue_depth": await self.stream.backlog()}
+
+    async def _report(self, record: dict[str, Any]) -> None:
+        """Hands the record on; a failing consumer (Redis down) costs the record, never the step."""
+        self.core.recorded(record)
+        for consumer in self.on_step:
+            try:
+                await consumer(record)
+            except Exception:
+                log.exception("step %s: diagnostics not exported", record.get("step"))
+

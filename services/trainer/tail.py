@@ -12,7 +12,7 @@ deferred, so a producer's retry of them is a repeat, never a second training; ta
 a time, in step order, so records and acknowledgements keep their order; a tail whose step
 starts a checkpoint, pauses the loop, or comes while checkpoint saves fail is not deferred (a
 checkpoint copies the arrays the next step donates; a pause promises a final status; failing
-saves bound the held entries step by step: durability.py). A deferred tail that fails keeps its
+saves bound the held entries step by step: core/holds.py). A deferred tail that fails keeps its
 error here; the loop raises it once the step in flight has published, and its restart
 re-reads what is pending (acknowledgements left undone are retried by the next publish or
 checkpoint, as after an inline failure).

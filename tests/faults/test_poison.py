@@ -134,7 +134,7 @@ async def test_nan_weights_are_never_published_nor_installed(stack: dict) -> Non
     loop.learner.state = _nan_state(good)
     loop.state.version = 1
     with pytest.raises(NonFiniteWeights, match="NaN or inf"):
-        await loop.publisher.publish()
+        await loop.publisher.stored(loop.state.version)
     assert loop.store.get(0) is None
     assert await WeightPointer(stack["redis"], cfg.run_id).get() is None
     # A trainer that did publish NaN weights (not ours, or an older build): inference refuses them.

@@ -254,10 +254,10 @@ def test_garbage_stream_entries_are_dead_lettered_and_the_trainer_keeps_training
             await redis.aclose()
 
     loop.state.paused = False
-    loop.intake.assembler.incomplete_timeout_s = 5.0  # garbage that claims members which never come
+    loop.core.book.assembler.incomplete_timeout_s = 5.0  # garbage that claims members which never come
     deadline = time.monotonic() + 60
     while stack.call(backlog) or loop.learner.step_count - before < 1:
-        assert time.monotonic() < deadline, (stack.call(backlog), loop.dropped(), list(loop.intake.assembler.pending))
+        assert time.monotonic() < deadline, (stack.call(backlog), loop.dropped(), list(loop.core.book.assembler.pending))
         time.sleep(0.2)
     # Every garbage entry was set aside or dropped with a reason, never left pending.
     assert loop.learner.step_count - before >= 1

@@ -7,6 +7,7 @@ trajectories, and an intake failure mid-step."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import threading
@@ -24,7 +25,7 @@ from arlo.config import load_config
 from arlo.coord import TrajectoryStream, WeightPointer, connect, delete_run
 from arlo.proto.v1 import common_pb2, trainer_pb2
 from services.trainer.__main__ import start_trainer
-from services.trainer.failures import STEP_ATTEMPTS
+from services.trainer.core.book import STEP_ATTEMPTS
 from services.trainer.loop import TrainingLoop
 from services.trainer.server import TrainerServicer
 
@@ -172,8 +173,8 @@ async def test_a_full_checkpoint_disk_is_reported_never_stalls_training_and_save
     ckpt = small_disk / "ckpt"
     async with trainer(redis_url, run_id, checkpoint_dir=str(ckpt), checkpoint_every=1,
                        max_staleness=1000) as (loop, _, io):
-        loop.durable.max_held = max_held
-        slow_acks(loop.durable.stream, 0.3)  # a loaded Redis: a status read may land mid-acknowledgement
+        loop.core.holds.policy = dataclasses.replace(loop.core.holds.policy, hold_bound=max_held)
+        slow_acks(loop.stream, 0.3)  # a loaded Redis: a status read may land mid-acknowledgement
         await add_group(io["stream"])
         await wait_for(lambda: loop.state.checkpoint_version >= 1)
         filler = fill(small_disk)
@@ -203,7 +204,7 @@ def test_a_full_checkpoint_disk_is_named_whatever_the_failed_save_raised(small_d
     ('Directory not empty' on its partial directory), no ENOSPC in its chain, and the status
     hid the cause. The checkpointer tells a disk without room for a checkpoint by itself."""
     from services.trainer.checkpoint import Checkpointer
-    from services.trainer.durability import describe_save_failure
+    from services.trainer.saves import describe_save_failure
     checkpointer = Checkpointer(str(small_disk / "ckpt"))
     cleanup = OSError(39, f"Directory not empty: '{small_disk}/ckpt/00000002.orbax-checkpoint-tmp'")
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.trainer.expiring import ExpiringWait, may_leave_behind
+from services.trainer.core.expiring import ExpiringWait, may_leave_behind
 
 
 def test_only_a_batch_holding_a_group_younger_than_the_floor_can_leave_one_behind() -> None:

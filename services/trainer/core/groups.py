@@ -18,6 +18,7 @@ import numpy as np
 from arlo import groups
 from arlo.groups import REWARD_ATOL, group_failed
 from arlo.proto.v1 import common_pb2
+from services.trainer.core.lineage import Lineage
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class GroupAssembler:
 
     max_staleness: int
     vocab_size: int = 0
+    lineage: Lineage | None = None
+    """How fresh a group must be (core/lineage.py); default: `max_staleness` on plain version numbers."""
     """Token ids must lie in [0, vocab_size) (0: only >= 0 is checked)."""
     incomplete_timeout_s: float = 600.0
     pending: dict[str, dict[str, common_pb2.Trajectory]] = field(default_factory=dict)
@@ -122,6 +125,10 @@ class GroupAssembler:
     _closed: OrderedDict[str, str] = field(default_factory=OrderedDict)  # group id -> why its members drop
     _rejected: list[str] = field(default_factory=list)  # dropped entry ids not yet handed out
     _dead: list[tuple[str, common_pb2.Trajectory, str]] = field(default_factory=list)  # to dead-letter
+
+    def __post_init__(self) -> None:
+        if self.lineage is None:
+            self.lineage = Lineage(max_staleness=self.max_staleness)
 
     def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -209,7 +216,8 @@ class GroupAssembler:
         if group_failed(group):
             self.drops.failed += len(group)
             return "failed"
-        if min(oldest_version(t) for t in group) < trainer_version - self.max_staleness:
+        assert self.lineage is not None
+        if not self.lineage.admissible(group_oldest_version(group), trainer_version):
             self.drops.stale += len(group)
             return "stale"
         return None

@@ -1,4 +1,4 @@
-"""What the trainer reports (GetStatus, heartbeat) and the record of one trained step."""
+"""What the trainer reports (GetStatus, heartbeat); written by the core (core/trainer.py) alone."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from services.trainer.learner import StepMetrics
 
 @dataclass(kw_only=True)
 class TrainerState:
-    """What GetStatus reports; mutated only by the loop."""
-
     version: int = 0
     paused: bool = False
     checkpoint_version: int = 0
@@ -31,7 +29,7 @@ class TrainerState:
     skipped_steps: int = 0
     """Steps refused for a non-finite loss, gradient norm or parameter (nothing applied or published)."""
     failed_steps: int = 0
-    """Steps that raised before their update applied; their groups were put back (see StepRetries)."""
+    """Steps that raised before their update applied; their groups were put back (core/book.py)."""
     publish_failures: int = 0
     """Publishes that raised (Redis down, ...): retried before the next step; acks wait for one."""
     pointer_conflicts: int = 0
@@ -51,12 +49,5 @@ class TrainerState:
     io_s: float = 0.0
     """Wall time in the platform around RL steps: stream reads that returned data, intake
     (decode, de-duplication), acknowledgements and publishing (serialise, store, pointer)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainedStep:
-    """One step's data, unacknowledged until a durable state covers `version`."""
-
-    version: int
-    entry_ids: tuple[str, ...]
-    trajectory_ids: tuple[str, ...]
+    waiting_on: str = ""
+    """Why no step is being taken now ("" while steps come): the bound or counter that holds the run."""

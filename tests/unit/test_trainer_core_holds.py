@@ -1,8 +1,8 @@
-"""When a checkpoint is owed whether or not another step comes (services/trainer/durability.py).
+"""When a checkpoint is owed whether or not another step comes (services/trainer/core/holds.py).
 The fault tests drive the same rule through a real trainer on a full disk; the cases here are the
 orders of events those runs reach only by timing."""
 
-from services.trainer.durability import checkpoint_owed
+from services.trainer.core.holds import checkpoint_owed
 
 
 def owed(held: list[int], *, every: int = 1, undurable_through: int = 0, checkpoint_version: int = 0) -> bool:
