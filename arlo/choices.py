@@ -17,5 +17,7 @@ KlKind = Literal["k1", "k2", "k3"]
 Reference = Literal["initial", "after_sft"]
 """The KL reference: the loaded (initial) policy, or the policy after the SFT warm start."""
 Remat = Literal["none", "full", "dots"]
+SftTooLong = Literal["drop", "truncate_left", "error"]
+"""What the SFT warm start does with a demonstration longer than the model's context."""
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
 """Sandbox isolation; "auto" picks the best of the others that works here."""

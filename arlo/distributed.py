@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from arlo.config import MeshConfig
+from arlo.config import ConfigError, MeshConfig
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +159,14 @@ def hybrid_shapes(cfg: MeshConfig, num_devices: int, num_slices: int) -> tuple[t
     return ici, dcn
 
 
-def make_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Any:
+def make_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None, *, path: str = "mesh") -> Any:
     """A `jax.sharding.Mesh` over `devices` (default: every device of every process).
 
     Device order follows the hardware topology (`jax.make_mesh`): on TPU, neighbouring mesh
     positions are neighbouring chips. Axes are `Auto` (GSPMD propagates shardings), so code
-    written for one device runs unchanged under the mesh.
+    written for one device runs unchanged under the mesh. Axis sizes that cannot lay out these
+    devices are a ConfigError naming `path` (the config section, e.g. "trainer.mesh"): a
+    service exits at start with it, rather than crash and be restarted into the same error.
     """
     import jax
     from jax.experimental import mesh_utils
@@ -173,8 +175,13 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Any:
     devices = list(jax.devices() if devices is None else devices)
     auto = (AxisType.Auto,) * len(cfg.axis_names)
     slices = {getattr(d, "slice_index", 0) for d in devices}
+    try:
+        shape = cfg.shape(len(devices))
+        if len(slices) > 1:
+            ici, dcn = hybrid_shapes(cfg, len(devices), len(slices))
+    except ValueError as e:
+        raise ConfigError(f"{path}.axis_sizes: {e}") from None
     if len(slices) > 1:
-        ici, dcn = hybrid_shapes(cfg, len(devices), len(slices))
         grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
         return Mesh(grid, cfg.axis_names, axis_types=auto)
-    return jax.make_mesh(cfg.shape(len(devices)), cfg.axis_names, axis_types=auto, devices=devices)
+    return jax.make_mesh(shape, cfg.axis_names, axis_types=auto, devices=devices)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from arlo.choices import Advantage, Aggregation, KlKind, RatioLevel, Reference, Remat
+from arlo.choices import Advantage, Aggregation, KlKind, RatioLevel, Reference, Remat, SftTooLong
 from arlo.config.base import (
     MAX_WAIT_S,
     MIN_POLL_S,
@@ -76,6 +76,15 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     """advantage "gae": whiten the per-token advantages over the batch's model tokens (the returns
     the critic learns are not whitened)."""
+    reward_weight: float = ranged(1.0, ge=0)
+    """Weight of the reward service's score (`Trajectory.reward`, with any overlong penalty) in the
+    reward every estimator optimises: reward_weight x score + env_reward_weight x the episode's
+    environment turn rewards, the same sum under GRPO and GAE (docs/algorithms.md#the-reward)."""
+    env_reward_weight: float = ranged(0.0, ge=0)
+    """Weight of the environment's own per-turn rewards (`StepResponse.reward`): summed per episode
+    for group advantages, at each turn's last model token for GAE. 0 (the default): the reward
+    service's score alone. The built-in environments report their 0/1 correctness there too, so
+    weighting both counts it twice."""
 
     def validate(self, path: str) -> None:
         check_ranges(self, path)
@@ -84,6 +93,14 @@ class AlgorithmConfig:
         _check(f"{path}.overlong_buffer_tokens",
                self.overlong_buffer_tokens <= self.overlong_max_tokens or self.overlong_max_tokens == 0,
                "must be in [0, overlong_max_tokens]")
+        _check(f"{path}.reward_weight", self.reward_weight > 0 or self.env_reward_weight > 0,
+               "must be > 0 when env_reward_weight is 0 (else there is no reward to optimise)")
+        # The penalty is added to the reward service's score where the batch is built.
+        _check(f"{path}.overlong_max_tokens", not self.overlong_max_tokens or self.reward_weight > 0,
+               "needs reward_weight > 0 (the overlong penalty is part of the reward service's term)")
+        # The rollout's admission and the trainer's intake judge a group by Trajectory.reward alone.
+        _check(f"{path}.filter_zero_variance", not self.filter_zero_variance or not self.env_reward_weight,
+               "judges groups by the reward service's score alone; not with env_reward_weight > 0")
 
 
 @_frozen
@@ -103,6 +120,11 @@ class SFTConfig:
     """0: trainer.learning_rate. SFT has its own AdamW state; RL starts with a fresh one."""
     warmup_steps: int = ranged(20, ge=0)
     """Linear warmup of the SFT learning rate, in steps."""
+    too_long: SftTooLong = "drop"
+    """A demonstration longer than model.max_seq_len: "drop" (left out), "truncate_left" (its last
+    max_seq_len tokens kept: the later assistant turns, without the start of the conversation), or
+    "error" (the trainer refuses to start). Either way the trainer logs how many; one with no
+    assistant token left is dropped, and fewer demonstrations left than batch_size is an error."""
 
     def validate(self, path: str) -> None:
         check_ranges(self, path)

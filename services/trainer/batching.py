@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
+from arlo.config import AlgorithmConfig
 from arlo.proto.v1 import common_pb2
 from services.trainer.advantages import overlong_penalty
 
@@ -29,7 +30,8 @@ class Batch:
     rewards_gk: np.ndarray  # float32, [groups, group_size]
     token_rewards_bt: np.ndarray
     """float32, the environment's per-turn (process) rewards: row b's turn reward sits at the turn's
-    last model token (Trajectory.turn_rewards); 0 elsewhere and for trajectories without any."""
+    last model token (Trajectory.turn_rewards); 0 elsewhere and for trajectories without any.
+    What the trainer optimises of these two is `objective_rewards`'s choice."""
     trajectory_ids: tuple[str, ...]
     num_tokens: int
 
@@ -97,3 +99,20 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
         token_rewards_bt=token_rewards,
         trajectory_ids=tuple(t.id for t in trajs), num_tokens=int(mask.sum()),
     )
+
+
+def objective_rewards(batch: Batch, cfg: AlgorithmConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The one reward the step optimises, as (rewards_gk, token_rewards_bt): reward_weight x the
+    reward service's score (`batch.rewards_gk`, at each row's last model token) plus
+    env_reward_weight x the environment's turn rewards (`batch.token_rewards_bt`, where they are).
+
+    Group estimators take rewards_gk, GAE the per-token array; each row of that sums to the
+    row's entry of rewards_gk, so an episode's undiscounted return is the same under both (the
+    built-in environments report their correctness as a turn reward too: adding both by
+    default would count it twice)."""
+    rows, length = batch.mask_bt.shape
+    last = length - 1 - np.argmax(batch.mask_bt[:, ::-1] > 0, axis=1)  # each row's last model token
+    score = batch.rewards_gk.reshape(-1).astype(np.float32) * np.float32(cfg.reward_weight)
+    tokens = batch.token_rewards_bt.astype(np.float32) * np.float32(cfg.env_reward_weight)
+    tokens[np.arange(rows), last] += score
+    return tokens.sum(axis=1).reshape(batch.rewards_gk.shape), tokens

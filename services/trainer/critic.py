@@ -46,14 +46,6 @@ def values_bt(graphdef: Any, params: dict[str, Any], tokens_bt: Array, remat: Re
     return h.astype(jnp.float32) @ head["w_d"] + head["b"]
 
 
-def last_token_rewards(rewards_b: Array, mask_bt: Array) -> Array:
-    """Each sequence's reward at its last masked (model) position, 0 elsewhere."""
-    t = mask_bt.shape[1]
-    last = t - 1 - jnp.argmax(mask_bt[:, ::-1] > 0, axis=1)
-    has_any = mask_bt.sum(axis=1) > 0
-    return jax.nn.one_hot(last, t, dtype=jnp.float32) * (rewards_b * has_any)[:, None]
-
-
 def token_kl_bt(model, ref_model, tokens_bt: Array, mask_bt: Array, kind: KlKind) -> Array:
     """Per-target KL(pi || pi_ref) estimate on the model positions, for a KL penalty in the reward."""
     inputs, targets = tokens_bt[:, :-1], tokens_bt[:, 1:]
@@ -107,24 +99,21 @@ def value_loss(new_bt: Array, old_bt: Array, returns_bt: Array, mask_bt: Array, 
 
 
 def prepare_gae(graphdef: Any, tc: TrainerConfig, critic: dict[str, Any], state: nnx.State,
-                ref_state: nnx.State | None, mbs: dict[str, Array], rewards_b: Array
-                ) -> tuple[dict[str, Array], dict[str, Array]]:
+                ref_state: nnx.State | None, mbs: dict[str, Array]) -> tuple[dict[str, Array], dict[str, Array]]:
     """The batch's start, no gradient: the critic's values, the per-token rewards, GAE.
 
-    `mbs` is the batch as [micro_batches, rows, length] arrays, `rewards_b` the real rows'
-    trajectory rewards in row order. Per-token rewards: the trajectory reward at each
-    sequence's last model token, plus `token_rewards_bt` (per-turn rewards at their turn's
-    last token) when the batch carries them, minus kl_coef x the per-token KL to the reference
-    with `kl_in_reward`. Returns mbs plus old_values_bt, returns_bt and advantages_bt (each
-    [micro_batches, rows, length - 1]) and the batch-start metrics."""
+    `mbs` is the batch as [micro_batches, rows, length] arrays. Per-token rewards:
+    `token_rewards_bt`, the reward the run optimises placed on its tokens
+    (`batching.objective_rewards`: the same total as the group estimators' reward), minus
+    kl_coef x the per-token KL to the reference with `kl_in_reward`. Returns mbs plus
+    old_values_bt, returns_bt and advantages_bt (each [micro_batches, rows, length - 1]) and
+    the batch-start metrics."""
     cfg = tc.algorithm
     num_mb, size, length = mbs["mask_bt"].shape
     mask = mbs["mask_bt"][:, :, 1:].reshape(-1, length - 1)
     old_values = jax.lax.map(lambda mb: values_bt(graphdef, critic, mb["tokens_bt"]), mbs)
     old_values = jax.lax.stop_gradient(old_values).reshape(-1, length - 1) * mask
-    rewards = last_token_rewards(jnp.pad(rewards_b.reshape(-1), (0, num_mb * size - rewards_b.size)), mask)
-    if "token_rewards_bt" in mbs:
-        rewards = rewards + mbs["token_rewards_bt"][:, :, 1:].reshape(-1, length - 1) * mask
+    rewards = mbs["token_rewards_bt"][:, :, 1:].reshape(-1, length - 1) * mask
     if cfg.kl_coef and cfg.kl_in_reward:
         assert ref_state is not None  # the learner holds a reference whenever kl_coef > 0
         model, ref_model = nnx.merge(graphdef, state), nnx.merge(graphdef, ref_state)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arlo.config import SamplingConfig, TrainerConfig
 from arlo.model import abstract_model
-from arlo.model.sharding import batch_sharding, state_shardings
+from arlo.model.sharding import batch_sharding, fitted_state_shardings, state_shardings
 from arlo.model.source import ModelSource, cast_state
-from services.trainer.batching import Batch
+from services.trainer.batching import Batch, objective_rewards
 from services.trainer.critic import make_critic, prepare_gae, value_objective
 from services.trainer.losses import aggregate_denominator
 from services.trainer.objectives import (
@@ -53,7 +54,10 @@ from services.trainer.objectives import (
     sequence_kl,
     sft_objective,
 )
+from services.trainer.optimizers import critic_optimizer, rl_optimizer, sft_optimizer
 from services.trainer.sft import SFTBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,38 +71,6 @@ class StepMetrics:
     extra: dict[str, float] = dataclasses.field(default_factory=dict)
     skipped: bool = False
     """The loss or gradient norm was non-finite: weights and optimizer state are unchanged."""
-
-
-def make_schedule(learning_rate: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
-    """Linear warmup, then constant, or (total_steps > 0) cosine decay to 10% of the peak."""
-    if total_steps > 0:
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0 if warmup_steps else learning_rate, peak_value=learning_rate,
-            warmup_steps=warmup_steps, decay_steps=max(total_steps, warmup_steps + 1),
-            end_value=learning_rate * 0.1)
-    if warmup_steps > 0:
-        return optax.linear_schedule(0.0, learning_rate, warmup_steps)
-    return optax.constant_schedule(learning_rate)
-
-
-def _adamw(schedule: optax.Schedule, tc: TrainerConfig) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(tc.max_grad_norm),
-                       optax.adamw(schedule, weight_decay=tc.weight_decay))
-
-
-def rl_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
-    return _adamw(make_schedule(tc.learning_rate, tc.warmup_steps, tc.total_steps), tc)
-
-
-def critic_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
-    """The critic's AdamW: the RL schedule's shape at `algorithm.critic_learning_rate`."""
-    lr = tc.algorithm.critic_learning_rate or tc.learning_rate
-    return _adamw(make_schedule(lr, tc.warmup_steps, tc.total_steps), tc)
-
-
-def sft_optimizer(tc: TrainerConfig) -> optax.GradientTransformation:
-    """The SFT warm start's optimizer: its own learning rate and warmup, constant afterwards."""
-    return _adamw(make_schedule(tc.sft.learning_rate or tc.learning_rate, tc.sft.warmup_steps, 0), tc)
 
 
 class Learner:
@@ -117,8 +89,10 @@ class Learner:
         self.sampling = sampling = sampling or SamplingConfig()
         self.mesh = mesh
         self.graphdef = nnx.split(abstract_model(source.cfg))[0]
-        # Parameters sharded by their logical axes (placed as they load); the optimizer state follows.
-        shardings = None if mesh is None else state_shardings(source.abstract_state("float32"), mesh)
+        # Parameters sharded by their logical axes (placed as they load), fitted as inference fits
+        # them: a dimension the mesh does not divide (2 kv heads on tensor 4) stays replicated.
+        # The optimizer state and the critic follow.
+        shardings = None if mesh is None else fitted_shardings(source.abstract_state("float32"), mesh)
         self.state = source.initial_state(shardings, dtype="float32")
         # The KL reference is the initial policy (trainer.algorithm.reference "after_sft": the
         # policy once the warm start is done, see `set_reference`), held apart in the serving
@@ -159,19 +133,19 @@ class Learner:
     def step(self, batch: Batch) -> StepMetrics:
         """One batch: ppo_epochs x mini_batches optimizer updates, one version."""
         mini = min(self.cfg.mini_batches, len(batch.tokens_bt))
-        rows = self._device_rows(batch, mini_batches=mini)
+        rewards_gk, rows = self.device_inputs(batch, mini_batches=mini)
         key = self._replicated(jax.random.key_data(jax.random.key(self.step_count)))
-        rewards = self._replicated(batch.rewards_gk)
+        rewards = self._replicated(rewards_gk)
         start: dict[str, jax.Array] = {}
         if self.critic is not None:  # values, rewards and GAE before any update of this batch
-            rows, start = self._prepare_gae(self.critic, self.state, self.ref_state, rows, rewards)
+            rows, start = self._prepare_gae(self.critic, self.state, self.ref_state, rows)
         self.state, self.opt_state, metrics = self._rl_step(
             self.state, self.opt_state, self.ref_state, rows, rewards, key, mini)
         if self.critic is not None:
             self.critic, self.critic_opt_state, value_metrics = self._critic_step(
                 self.critic, self.critic_opt_state, rows, rewards, key, mini)
             metrics = {**metrics, **start, **value_metrics}
-        return self._finish(metrics, batch, reward_mean=float(np.mean(batch.rewards_gk)))
+        return self._finish(metrics, batch, reward_mean=float(np.mean(rewards_gk)))
 
     def restore(self, state: nnx.State, opt_state: Any, step: int, critic: dict[str, Any] | None = None) -> None:
         """Continues from a checkpoint; the KL reference stays the initial policy.
@@ -213,13 +187,16 @@ class Learner:
         self.state, self.sft_opt_state, metrics = self._sft_step(self.state, self.sft_opt_state, rows)
         return self._finish(metrics, batch, reward_mean=0.0)
 
-    def _device_rows(self, batch: Batch, *, mini_batches: int) -> dict[str, jax.Array]:
+    def device_inputs(self, batch: Batch, *, mini_batches: int) -> tuple[np.ndarray, dict[str, jax.Array]]:
+        """(the rewards the step optimises per trajectory, [groups, group_size] on the host; the
+        batch's rows on the device). `algorithm.reward_weight` / `env_reward_weight` choose the
+        reward once here, for group advantages and GAE alike (`batching.objective_rewards`)."""
+        rewards_gk, token_rewards = objective_rewards(batch, self.cfg.algorithm)
         rows = {"tokens_bt": batch.tokens_bt, "behaviour_logprobs_bt": batch.behaviour_logprobs_bt,
                 "mask_bt": batch.mask_bt}
-        token_rewards = getattr(batch, "token_rewards_bt", None)  # per-turn rewards, when the batch has them
-        if self.critic is not None and token_rewards is not None:
+        if self.critic is not None:
             rows["token_rewards_bt"] = token_rewards
-        return self._on_device(rows, mini_batches=mini_batches)
+        return rewards_gk, self._on_device(rows, mini_batches=mini_batches)
 
     def _on_device(self, rows: dict[str, np.ndarray], *, mini_batches: int = 1) -> dict[str, jax.Array]:
         mini_rows = -(-len(rows["tokens_bt"]) // mini_batches)
@@ -249,6 +226,19 @@ class Learner:
             approx_kl=host.pop("approx_kl", 0.0), grad_norm=host.pop("grad_norm"), num_tokens=batch.num_tokens,
             extra=host,
         )
+
+
+def fitted_shardings(abstract: nnx.State, mesh: Mesh) -> Any:
+    """`fitted_state_shardings`, logging the parameters whose sharding the fit gave up (they cost
+    their full size on every device of the axis)."""
+    wanted = jax.tree.leaves(state_shardings(abstract, mesh))
+    fitted = fitted_state_shardings(abstract, mesh)
+    paths = [(jax.tree_util.keystr(p), w.spec, f.spec) for (p, f), w
+             in zip(jax.tree_util.tree_leaves_with_path(fitted), wanted, strict=True) if w.spec != f.spec]
+    if paths:
+        log.info("trainer mesh %s: %d parameters keep a dimension replicated the mesh does not divide, e.g. "
+                 "%s %s -> %s", dict(mesh.shape), len(paths), *paths[0])
+    return fitted
 
 
 def pad_rows(arrays: dict[str, np.ndarray], *, multiple: int) -> dict[str, np.ndarray]:

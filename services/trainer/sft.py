@@ -16,6 +16,7 @@ checks the mask against transformers' renderings). A batch holds what the SFT st
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,9 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from arlo.choices import SftTooLong
+from arlo.config import ConfigError
 from arlo.data import resource
 from arlo.model.tokenizer import Tokenizer, message_dict
 from services.trainer.batching import bucket_length
+
+log = logging.getLogger(__name__)
 
 BUILTIN = {"builtin:arith": "arith_sft.jsonl",
            # The demo's: made by the arith env's own (imperfect) demonstrator, scripts/gen_demos.py.
@@ -131,9 +136,52 @@ def tokenize_demonstration(demo: Demonstration | Messages, tok: Tokenizer) -> Ex
     return Example(token_ids=ids, loss_mask=mask)
 
 
+@dataclass(frozen=True, slots=True)
+class Fitted:
+    """What `fit_examples` did with demonstrations longer than the model's context."""
+
+    examples: list[Example]
+    too_long: int
+    """Demonstrations longer than max_seq_len tokens."""
+    dropped: int
+    """Of those, left out: all of them with "drop", those whose kept end holds no assistant token
+    with "truncate_left"."""
+    longest: int
+    """Tokens of the longest demonstration (before any cut)."""
+
+
+def fit_examples(examples: Sequence[Example], max_seq_len: int, too_long: SftTooLong) -> Fitted:
+    """Applies `trainer.sft.too_long` to the demonstrations longer than the context: "error"
+    refuses them (a ConfigError), "drop" leaves them out, "truncate_left" keeps their last
+    max_seq_len tokens (the later assistant turns; a cut from the right, as before, kept the
+    prompt and lost the turns, and a batch of them trained on nothing). Logs a warning when any
+    is cut or left out."""
+    over = [e for e in examples if len(e.token_ids) > max_seq_len]
+    longest = max(len(e.token_ids) for e in examples)
+    what = (f"{len(over)} of {len(examples)} demonstrations are longer than model.max_seq_len = {max_seq_len} "
+            f"tokens (the longest {longest})")
+    if over and too_long == "error":
+        raise ConfigError(f"trainer.sft.data: {what}; raise model.max_seq_len, or set trainer.sft.too_long to "
+                          "drop or truncate_left")
+    kept: list[Example] = []
+    for e in examples:
+        if len(e.token_ids) > max_seq_len and too_long == "truncate_left":
+            e = Example(token_ids=e.token_ids[-max_seq_len:], loss_mask=e.loss_mask[-max_seq_len:])
+        if len(e.token_ids) <= max_seq_len and any(e.loss_mask):
+            kept.append(e)
+    fitted = Fitted(examples=kept, too_long=len(over), dropped=len(examples) - len(kept), longest=longest)
+    if over:
+        done = (f"{len(over) - fitted.dropped} truncated from the left, {fitted.dropped} left out"
+                if too_long == "truncate_left" else "left out")
+        log.warning("trainer.sft: %s: %s (trainer.sft.too_long: %s; raise model.max_seq_len to train on them whole)",
+                    what, done, too_long, extra={"too_long": fitted.too_long, "dropped": fitted.dropped})
+    return fitted
+
+
 def sft_batch(examples: Sequence[Example], max_seq_len: int, pad_id: int) -> SFTBatch:
-    """Right-pads to a power-of-two length (RL batches' rule: few compiled steps); longer
-    sequences than the model's context are cut."""
+    """Right-pads to a power-of-two length (RL batches' rule: few compiled steps); sequences
+    longer than the model's context are cut (`fit_examples` decides that first). A batch with
+    no assistant token inside the context would train on nothing: a ConfigError."""
     longest = min(max(len(e.token_ids) for e in examples), max_seq_len)
     length = min(bucket_length(longest), max_seq_len)
     tokens = np.full((len(examples), length), pad_id, np.int32)
@@ -142,14 +190,17 @@ def sft_batch(examples: Sequence[Example], max_seq_len: int, pad_id: int) -> SFT
         n = min(len(e.token_ids), length)
         tokens[row, :n] = e.token_ids[:n]
         mask[row, :n] = e.loss_mask[:n]
+    if not mask.any():
+        raise ConfigError(f"an SFT batch of {len(examples)} demonstrations has 0 loss tokens: every assistant "
+                          f"token lies past model.max_seq_len = {max_seq_len}; raise model.max_seq_len")
     return SFTBatch(tokens_bt=tokens, mask_bt=mask, num_tokens=int(mask.sum()))
 
 
 def demonstration_batches(demos: Sequence[Demonstration | Messages], tok: Tokenizer, batch_size: int, *,
-                          max_seq_len: int, seed: int = 0) -> Iterator[SFTBatch]:
-    """Endless shuffled batches; each demonstration is tokenized once."""
-    examples = [tokenize_demonstration(d, tok) for d in demos]
-    return example_batches(examples, tok.pad_id, batch_size, max_seq_len=max_seq_len, seed=seed)
+                          max_seq_len: int, seed: int = 0, too_long: SftTooLong = "drop") -> Iterator[SFTBatch]:
+    """Endless shuffled batches; each demonstration is tokenized once, then fitted (`fit_examples`)."""
+    fitted = fit_examples([tokenize_demonstration(d, tok) for d in demos], max_seq_len, too_long)
+    return example_batches(fitted.examples, tok.pad_id, batch_size, max_seq_len=max_seq_len, seed=seed)
 
 
 def batch_lengths(examples: Sequence[Example], max_seq_len: int) -> list[int]:
@@ -167,6 +218,8 @@ def batch_lengths(examples: Sequence[Example], max_seq_len: int) -> list[int]:
 def example_batches(examples: Sequence[Example], pad_id: int, batch_size: int, *, max_seq_len: int,
                     seed: int = 0) -> Iterator[SFTBatch]:
     """Endless shuffled batches of `batch_size` tokenized examples (whole batches only: one row count)."""
+    if len(examples) < batch_size:  # else the loop below would spin forever, yielding nothing
+        raise ConfigError(f"trainer.sft.batch_size: {batch_size}, but only {len(examples)} demonstrations")
     rng = random.Random(seed)
     order = list(range(len(examples)))
     while True:

@@ -51,12 +51,11 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
                       rewards_gk=np.zeros((groups, group_size), np.float32), token_rewards_bt=zeros,
                       trajectory_ids=(), num_tokens=0)
         # The same conversions Learner.step makes (each compiles a small program per shape).
-        device_rows = learner._device_rows(batch, mini_batches=mini)
+        rewards_gk, device_rows = learner.device_inputs(batch, mini_batches=mini)
         key = learner._replicated(jax.random.key_data(jax.random.key(learner.step_count)))
-        rewards = learner._replicated(batch.rewards_gk)
+        rewards = learner._replicated(rewards_gk)
         if learner.critic is not None:  # not donating: safe to run on the zeros
-            device_rows, _ = learner._prepare_gae(learner.critic, learner.state, learner.ref_state, device_rows,
-                                                  rewards)
+            device_rows, _ = learner._prepare_gae(learner.critic, learner.state, learner.ref_state, device_rows)
             learner._critic_step.lower(learner.critic, learner.critic_opt_state, device_rows, rewards, key,
                                        mini).compile()
         learner._rl_step.lower(learner.state, learner.opt_state, learner.ref_state, device_rows, rewards, key,

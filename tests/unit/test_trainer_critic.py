@@ -13,7 +13,7 @@ from arlo.config import AlgorithmConfig, TrainerConfig
 from arlo.model import ModelConfig, create_model
 from arlo.model.source import preset_source
 from services.trainer.advantages import gae_advantages
-from services.trainer.batching import build_batch
+from services.trainer.batching import Batch, build_batch, objective_rewards
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta
 from services.trainer.critic import make_critic, prepare_gae, value_loss
 from services.trainer.learner import Learner
@@ -75,7 +75,7 @@ def test_rewards_reach_gae_at_the_last_model_token_and_per_turn() -> None:
     position is the discounted sum of the rewards after it: the trajectory's at its last model
     token, per-turn rewards where the batch puts them."""
     cfg = TrainerConfig(algorithm=AlgorithmConfig(advantage="gae", gae_gamma=0.9, gae_lambda=1.0,
-                                                  whiten_advantages=False))
+                                                  whiten_advantages=False, env_reward_weight=1.0))
     graphdef, state = nnx.split(create_model(ModelConfig.named("tiny"), 0))
     critic = make_critic(state, ModelConfig.named("tiny").dim)
     tokens = RNG.integers(0, 256, (1, 2, 8)).astype(np.int32)
@@ -84,9 +84,14 @@ def test_rewards_reach_gae_at_the_last_model_token_and_per_turn() -> None:
     mask[0, 1, 3:5] = 1
     turn = np.zeros((1, 2, 8), np.float32)
     turn[0, 0, 3] = 0.5  # the first turn's reward, at its last token
-    mbs = {"tokens_bt": jnp.asarray(tokens), "mask_bt": jnp.asarray(mask), "token_rewards_bt": jnp.asarray(turn),
-           "behaviour_logprobs_bt": jnp.zeros((1, 2, 8))}
-    out, metrics = prepare_gae(graphdef, cfg, critic, state, None, mbs, jnp.asarray([2.0, -1.0]))
+    batch = Batch(tokens_bt=tokens[0], behaviour_logprobs_bt=np.zeros((2, 8), np.float32), mask_bt=mask[0],
+                  rewards_gk=np.asarray([[2.0, -1.0]], np.float32), token_rewards_bt=turn[0], trajectory_ids=(),
+                  num_tokens=int(mask.sum()))
+    rewards_gk, token_rewards = objective_rewards(batch, cfg.algorithm)  # both sources, weights 1
+    np.testing.assert_allclose(rewards_gk, [[2.5, -1.0]])
+    mbs = {"tokens_bt": jnp.asarray(tokens), "mask_bt": jnp.asarray(mask),
+           "token_rewards_bt": jnp.asarray(token_rewards[None]), "behaviour_logprobs_bt": jnp.zeros((1, 2, 8))}
+    out, metrics = prepare_gae(graphdef, cfg, critic, state, None, mbs)
     adv = np.asarray(out["advantages_bt"])[0]  # [rows, length - 1]: position j is token j + 1
     assert not np.asarray(out["old_values_bt"]).any() and float(metrics["value_mean"]) == 0.0
     # Row 0, tokens 2, 3, 5, 6 (positions 1, 2, 4, 5): rewards 0, 0.5, 0, 2.0 over 4 model steps.

@@ -97,8 +97,8 @@ def sgd_update(micro_batch_size: int, algorithm: AlgorithmConfig | None = None, 
     before = jax.tree.leaves(jax.device_get(nnx.to_pure_dict(learner.state)))
     step = jax.jit(functools.partial(_rl_step, learner.graphdef, tx, tc, "float32", learner.sampling), static_argnums=(6,))
     key = jax.random.key_data(jax.random.key(0))
-    after, _, _ = step(learner.state, tx.init(learner.state), None, learner._device_rows(batch, mini_batches=1),
-                       jax.numpy.asarray(batch.rewards_gk), key, 1)
+    rewards, rows = learner.device_inputs(batch, mini_batches=1)
+    after, _, _ = step(learner.state, tx.init(learner.state), None, rows, jax.numpy.asarray(rewards), key, 1)
     return [b - a for a, b in zip(before, jax.tree.leaves(jax.device_get(nnx.to_pure_dict(after))), strict=True)]
 
 
@@ -137,7 +137,7 @@ def test_sft_steps_lower_the_demonstration_loss() -> None:
 
 
 def test_warmup_cosine_schedule() -> None:
-    from services.trainer.learner import make_schedule
+    from services.trainer.optimizers import make_schedule
 
     sched = make_schedule(learning_rate=1.0, warmup_steps=10, total_steps=110)
     assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)

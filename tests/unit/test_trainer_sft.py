@@ -39,8 +39,8 @@ def test_batches_are_padded_to_a_bucket_and_cut_at_the_context() -> None:
     assert length & (length - 1) == 0  # a power of two: few compiled steps
     assert batch.tokens_bt.dtype == np.int32 and batch.mask_bt.dtype == np.float32
     assert batch.num_tokens == int(batch.mask_bt.sum()) > 0
-    cut = next(demonstration_batches(demos, TOK, 4, max_seq_len=8))
-    assert cut.tokens_bt.shape == (4, 8)
+    cut = next(demonstration_batches(demos, TOK, 4, max_seq_len=8, too_long="truncate_left"))
+    assert cut.tokens_bt.shape == (4, 8) and cut.num_tokens > 0  # their ends: the assistant's answers
     # Endless and reshuffled: more batches than demonstrations.
     assert len(list(itertools.islice(demonstration_batches(demos, TOK, 4, max_seq_len=512), len(demos)))) == len(demos)
 
@@ -114,8 +114,9 @@ def test_hf_template_demonstrations_mask_exactly_the_assistant_tokens(tmp_path, 
     assert '"expression": "12*7"' in targets and "The answer is 99." in targets and "calculator" in targets
     assert "system" not in targets and "user" not in targets and "assistant" not in targets  # no role headers
     # The trainer's warm start takes the model's tokenizer (it refused every one but "byte" before).
-    batch = WarmStart(SFTConfig(data=str(data), steps=1, batch_size=2), tok, max_seq_len=512).next_batch()
-    assert batch.tokens_bt.shape[0] == 2 and batch.num_tokens > 0
+    batch = WarmStart(SFTConfig(data=str(data), steps=1, batch_size=2), tok, max_seq_len=2048).next_batch()
+    assert batch.tokens_bt.shape[0] == 2  # and every assistant token of both is a target:
+    assert batch.num_tokens == sum(ex.loss_mask) + sum(tokenize_demonstration(plain, tok).loss_mask)
 
 
 def test_bad_demonstration_lines_name_the_line(tmp_path) -> None:
@@ -128,3 +129,68 @@ def test_bad_demonstration_lines_name_the_line(tmp_path) -> None:
         load_demonstrations(str(bad))
     with pytest.raises(ValueError, match="tool_calls: the byte tokenizer has no tool-call format"):
         tokenize_demonstration(_tool_demo()["messages"], TOK)
+
+
+def _qwen_tool_demos(tmp_path, long: int, short: int = 0):
+    """`long` tool demonstrations in the Qwen2.5 template (713 tokens: the tool schema in the system
+    prompt, the first assistant token at 573) and `short` plain ones of ~40 tokens."""
+    import json
+
+    from arlo.model.hf_tokenizer import HFTokenizer
+    from tests.support.hf_checkpoints import write_tokenizer
+
+    write_tokenizer(tmp_path / "tok", "qwen2")
+    plain = {"messages": [{"role": "user", "content": "What is 12*7?"}, {"role": "assistant", "content": "84"}]}
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in [_tool_demo()] * long + [plain] * short))
+    return str(data), HFTokenizer.from_dir(tmp_path / "tok")
+
+
+def test_over_long_demonstrations_are_refused_not_trained_on_nothing(tmp_path) -> None:
+    """Issue 32, item 5: cut from the right at model.max_seq_len, tool demonstrations kept their
+    prompt and lost every assistant turn: SFT steps on 0 loss tokens, no warning."""
+    from arlo.config import ConfigError, SFTConfig
+    from services.trainer.warmstart import WarmStart
+
+    data, tok = _qwen_tool_demos(tmp_path, long=4)
+    with pytest.raises(ConfigError, match=r"trainer.sft.batch_size.*model.max_seq_len = 256"):
+        WarmStart(SFTConfig(data=data, steps=1, batch_size=2), tok, max_seq_len=256)  # "drop" leaves none
+    with pytest.raises(ConfigError, match=r"4 of 4 demonstrations are longer than model.max_seq_len = 256 "
+                                          r"tokens \(the longest 713\).*trainer.sft.too_long"):
+        WarmStart(SFTConfig(data=data, steps=1, batch_size=2, too_long="error"), tok, max_seq_len=256)
+
+
+def test_over_long_demonstrations_truncated_from_the_left_keep_their_last_turns(tmp_path, caplog) -> None:
+    from arlo.config import SFTConfig
+    from services.trainer.warmstart import WarmStart
+
+    data, tok = _qwen_tool_demos(tmp_path, long=2)
+    warm = WarmStart(SFTConfig(data=data, steps=1, batch_size=2, too_long="truncate_left"), tok, max_seq_len=256)
+    assert (warm.fitted.too_long, warm.fitted.dropped, warm.fitted.longest) == (2, 0, 713)
+    assert "2 of 2 demonstrations are longer than model.max_seq_len = 256" in caplog.text
+    assert "2 truncated from the left" in caplog.text
+    batch = warm.next_batch()
+    assert batch.tokens_bt.shape == (2, 256) and batch.num_tokens == 2 * 66  # every assistant token is kept
+    targets = tok.decode([int(t) for t, m in zip(batch.tokens_bt[0], batch.mask_bt[0], strict=True) if m])
+    assert "The answer is 99." in targets and '"expression": "12*7"' in targets
+
+
+def test_over_long_demonstrations_dropped_are_counted_and_the_rest_train(tmp_path, caplog) -> None:
+    from arlo.config import SFTConfig
+    from services.trainer.warmstart import WarmStart
+
+    data, tok = _qwen_tool_demos(tmp_path, long=3, short=2)
+    warm = WarmStart(SFTConfig(data=data, steps=1, batch_size=2), tok, max_seq_len=256)
+    assert (warm.fitted.too_long, warm.fitted.dropped, len(warm.fitted.examples)) == (3, 3, 2)
+    assert "3 of 5 demonstrations are longer than model.max_seq_len = 256" in caplog.text and "left out" in caplog.text
+    assert all(warm.next_batch().num_tokens > 0 for _ in range(4))
+
+
+def test_an_sft_batch_with_no_loss_token_is_an_error() -> None:
+    from arlo.config import ConfigError
+    from services.trainer.sft import Example, sft_batch
+
+    prompt_first = Example(token_ids=list(range(40)), loss_mask=[0] * 30 + [1] * 10)
+    assert sft_batch([prompt_first], 32, 0).num_tokens == 2
+    with pytest.raises(ConfigError, match=r"0 loss tokens.*raise model.max_seq_len"):
+        sft_batch([prompt_first], 16, 0)
