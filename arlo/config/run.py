@@ -72,6 +72,20 @@ class RunConfig:
                f"must stay below redis.socket_timeout_s ({timeout:g} s) by min(1 s, half of it): at most "
                f"{most_ms} here, got {self.trainer.read_block_ms}")
         self._check_episode_fits()
+        self._check_step_fits_backlog()
+
+    def _check_step_fits_backlog(self) -> None:
+        """Liveness: the trainer holds trained entries until a checkpoint covers them, and takes a
+        checkpoint early once they would pass half of redis.max_backlog (services/trainer/core/
+        holds.py). A step's entries must fit twice in the other half, beside the groups still
+        being assembled, or producers stop writing while the trainer waits for a batch: the run
+        stalls with every service green (issue 33, item 8)."""
+        step = self.trainer.groups_per_step * self.rollout.group_size
+        backlog = self.redis.max_backlog
+        _check("redis.max_backlog", step * 4 <= backlog,
+               f"{backlog} cannot hold the trainer's held entries beside the next batch: one step takes "
+               f"trainer.groups_per_step x rollout.group_size = {step} entries, so redis.max_backlog must "
+               f"be at least {step * 4}; raise it, or lower trainer.groups_per_step or rollout.group_size")
 
     def _check_episode_fits(self) -> None:
         """An episode of rollout.max_episode_tokens (its prompt included: the trainer's longest batch

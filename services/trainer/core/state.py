@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.trainer.learner import StepMetrics
+if TYPE_CHECKING:  # the core imports no JAX: the learner's metrics are only carried
+    from services.trainer.learner import StepMetrics
 
 
 @dataclass(kw_only=True)
