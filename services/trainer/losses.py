@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from arlo.config import Aggregation, AlgorithmConfig, KlKind
+from arlo.model.sampling import LOGPROB_FLOOR
 
 
 def masked_mean(x_bt: Array, mask_bt: Array) -> Array:
@@ -99,10 +100,29 @@ def policy_loss(
         "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
         "approx_kl": masked_mean(ratio - 1.0 - log_ratio_bt, mask),  # k3 of KL(prox || current)
         "ratio_mean": masked_mean(ratio, mask),
-        "logprob_mismatch": masked_mean(jnp.abs(mismatch_bt), mask),  # sampler vs trainer
         "is_weight_mean": masked_mean(weight_bt, mask),
+        **mismatch_metrics(proximal_logprobs_bt, behaviour_logprobs_bt, mask),
     }
     return loss, metrics
+
+
+def mismatch_metrics(trainer_bt: Array, behaviour_bt: Array, mask_bt: Array,
+                     outside_bt: Array | None = None) -> dict[str, Array]:
+    """Sampler vs trainer, split so that one kind cannot hide the other.
+
+    `logprob_mismatch`: mean |trainer - behaviour| over the model tokens both sides kept, a
+    number of nats (numerics, staleness). `logprob_outside`: the fraction of model tokens one
+    side's filter left out: `outside_bt` (the trainer's top-k/top-p/min-p would not have kept
+    the sampled token; arlo.model.logprobs.sampled_token_logprobs_and_outside) or a behaviour
+    logprob at LOGPROB_FLOOR (the sampler's floor for what it could not score). Mixed into one
+    mean, a 0.5 % of floored tokens read as a 50-nat mismatch.
+    """
+    mask = mask_bt.astype(jnp.float32)
+    outside = behaviour_bt <= LOGPROB_FLOOR
+    if outside_bt is not None:
+        outside = outside | outside_bt.astype(bool)
+    return {"logprob_mismatch": masked_mean(jnp.abs(trainer_bt - behaviour_bt), mask * ~outside),
+            "logprob_outside": masked_mean(outside.astype(jnp.float32), mask)}
 
 
 def kl_estimate(logprobs_bt: Array, ref_logprobs_bt: Array, kind: KlKind) -> Array:

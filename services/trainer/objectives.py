@@ -11,6 +11,7 @@ temperature, top-k, top-p, min-p), so a ratio of 1 means "the same policy" (docs
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,12 @@ from jax import Array
 
 from arlo.config import AlgorithmConfig, KlKind, Remat, SamplingConfig, TrainerConfig
 from arlo.model import token_logprobs
-from arlo.model.logprobs import LogprobFn, chunked_token_logprobs, sampled_token_logprobs
+from arlo.model.logprobs import (
+    LogprobFn,
+    chunked_token_logprobs,
+    sampled_token_logprobs,
+    sampled_token_logprobs_and_outside,
+)
 from services.trainer.advantages import (
     batch_normalized_advantages,
     grpo_advantages,
@@ -28,6 +34,7 @@ from services.trainer.losses import (
     aggregate,
     kl_estimate,
     masked_mean,
+    mismatch_metrics,
     policy_loss,
     sft_loss,
     token_entropy,
@@ -36,17 +43,21 @@ from services.trainer.losses import (
 _UNFILTERED = SamplingConfig()
 
 
-def behaviour_logprob_fn(sampling: SamplingConfig) -> LogprobFn:
-    """The logprobs of the distribution `sampling` draws from (static settings: one program)."""
-    return functools.partial(sampled_token_logprobs, temperature=sampling.temperature, top_k=sampling.top_k,
-                             top_p=sampling.top_p, min_p=sampling.min_p)
+def behaviour_logprob_fn(sampling: SamplingConfig, *, with_outside: bool = False) -> LogprobFn:
+    """The logprobs of the distribution `sampling` draws from (static settings: one program);
+    `with_outside`: (logprobs, outside), outside marking the sampled tokens the trainer's own
+    filter would not have kept (scored with their own mass added to the kept set's)."""
+    fn = sampled_token_logprobs_and_outside if with_outside else sampled_token_logprobs
+    return functools.partial(fn, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                             min_p=sampling.min_p)
 
 
 def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "none", logprob_chunk: int = 0,
                      need_logits: bool = False, logprob_fn: LogprobFn = token_logprobs
-                     ) -> tuple[Array, Array | None, Array]:
-    """(logprobs_bt, logits_btv or None when chunked, hidden_btd): `logprob_chunk` > 0 never
-    holds [batch, length, vocab] logits whole (unless the caller needs the logits)."""
+                     ) -> tuple[Any, Array | None, Array]:
+    """(logprobs_bt (or what `logprob_fn` returns), logits_btv or None when chunked, hidden_btd):
+    `logprob_chunk` > 0 never holds [batch, length, vocab] logits whole (unless the caller needs
+    the logits)."""
     h = model.hidden(inputs, remat=remat)
     if logprob_chunk and not need_logits:
         return chunked_token_logprobs(model, h, targets, logprob_chunk, logprob_fn), None, h
@@ -54,13 +65,15 @@ def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "no
     return logprob_fn(logits, targets), logits, h
 
 
-def old_logprobs(model, mb: dict[str, Array], tc: TrainerConfig, sampling: SamplingConfig) -> Array:
+def old_logprobs(model, mb: dict[str, Array], tc: TrainerConfig, sampling: SamplingConfig, *,
+                 with_outside: bool = False) -> Any:
     """The trainer's logprobs of a micro-batch's targets before any update of this batch (the
-    proximal policy of several updates per batch), under the behaviour distribution; no gradient."""
+    proximal policy of several updates per batch), under the behaviour distribution; no gradient.
+    `with_outside`: (logprobs, outside), for `mb["old_outside_bt"]` (see rl_objective)."""
     inputs, targets, _, _ = shifted(mb)
-    lp, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk,
-                                logprob_fn=behaviour_logprob_fn(sampling))
-    return jax.lax.stop_gradient(lp)
+    out, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk,
+                                 logprob_fn=behaviour_logprob_fn(sampling, with_outside=with_outside))
+    return jax.lax.stop_gradient(out)
 
 
 def advantages_b(cfg: AlgorithmConfig, rewards_gk: Array) -> Array:
@@ -95,21 +108,24 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     `mb["old_logprobs_bt"]`, when present, holds the trainer's batch-start logprobs (several
     updates per batch); without it this is the batch's only update, so the current logprobs
     without gradient are exactly the batch-start ones (no second forward pass needed).
+    `mb["old_outside_bt"]` (old_logprobs' `with_outside`), when present, is the batch start's
+    `logprob_outside` mask; without it the mask is this update's forward's.
     """
     cfg = tc.algorithm
     norm = cfg.norm_constant or None
     inputs, targets, behaviour, mask = shifted(mb)
-    logprobs, logits, hidden = forward_logprobs(
+    (logprobs, outside), logits, hidden = forward_logprobs(
         model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk, need_logits=cfg.entropy_coef > 0,
-        logprob_fn=behaviour_logprob_fn(sampling))
+        logprob_fn=behaviour_logprob_fn(sampling, with_outside=True))
     old = mb["old_logprobs_bt"] if "old_logprobs_bt" in mb else jax.lax.stop_gradient(logprobs)
     proximal = old if cfg.decoupled or cfg.is_cap else behaviour
     # Per-token advantages (GAE) when the batch has them; else one per sequence, on every token.
     adv_bt = mb["advantages_bt"] if "advantages_bt" in mb else jnp.broadcast_to(mb["advantages_b"][:, None],
                                                                                  logprobs.shape)
     loss, metrics = policy_loss(logprobs, proximal, behaviour, adv_bt, mask, cfg, denominator)
-    # Sampler vs trainer on the same weights, whatever the ratio's denominator is.
-    metrics["logprob_mismatch"] = masked_mean(jnp.abs(old - behaviour), mask)
+    # Sampler vs trainer on the same weights, whatever the ratio's denominator is: the numeric
+    # part on tokens both kept, and apart from it the tokens outside the trainer's filter.
+    metrics.update(mismatch_metrics(old, behaviour, mask, mb.get("old_outside_bt", outside)))
     if cfg.kl_coef and not cfg.kl_in_reward:
         # KL between the models themselves (temperature 1, unfiltered): a filtered reference
         # would put -inf (the floor) on tokens it filters out and blow the estimate up.

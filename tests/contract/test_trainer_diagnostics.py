@@ -18,7 +18,7 @@ from arlo.proto.v1 import common_pb2
 from tests.support.trainer import trainer_service
 
 FIELDS = {"step", "version", "phase", "time", "loss", "reward_mean", "approx_kl", "clip_fraction", "grad_norm",
-          "logprob_mismatch", "is_weight", "staleness_mean", "staleness_max", "queue_depth", "dropped",
+          "logprob_mismatch", "logprob_outside", "is_weight", "staleness_mean", "staleness_max", "queue_depth", "dropped",
           "response_length_mean", "response_length_max", "reward_components", "tokens_trained",
           "generated_tokens", "env_reward_mean", "consumed", "reward_by_env", "trajectories_by_env"}
 
@@ -90,5 +90,6 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         assert metrics["arlo_trainer_reward"] == 0.5 and metrics["arlo_trainer_staleness_max"] == 1
         assert metrics["arlo_trainer_dropped_total{reason=stale}"] == 2
         assert metrics["arlo_trainer_logprob_mismatch"] == second["logprob_mismatch"]
+        assert metrics["arlo_trainer_logprob_outside"] == second["logprob_outside"] == 0.0  # nothing filters
         for name in ("approx_kl", "clip_fraction", "grad_norm", "is_weight", "queue_depth", "response_length"):
             assert f"arlo_trainer_{name}" in metrics, name

@@ -14,8 +14,7 @@ from flax import nnx
 
 from arlo.config import AlgorithmConfig, InferenceConfig, SamplingConfig, TrainerConfig
 from arlo.model import sampling_logprobs
-from arlo.model.logprobs import sampled_token_logprobs
-from arlo.model.sampling import finite_logprobs
+from arlo.model.logprobs import sampled_token_logprobs, sampled_token_logprobs_and_outside
 from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.inference.engine import Engine, SamplingRequest
@@ -27,18 +26,63 @@ PROMPT = (257, 260, 51, 43, 52, 61, 258, 261)
 BAR = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)
 
 
-@pytest.mark.parametrize(("t", "k", "p", "m"), [
+SETTINGS = [
     (0.7, 20, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (0.5, 0, 1.0, 0.1), (1.3, 5, 1.0, 0.05), (0.8, 0, 0.95, 0.02),
     (0.0, 20, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0),
-])
+]
+
+
+@pytest.mark.parametrize(("t", "k", "p", "m"), SETTINGS)
 def test_every_token_gets_the_samplers_logprob(t: float, k: int, p: float, m: float) -> None:
-    """Each vocabulary entry, kept or filtered (the floor), as sampling_logprobs gives it."""
+    """Each vocabulary entry as a target: one the filter keeps gets sampling_logprobs' value; one
+    it filters out is scored with its own mass added to the kept set's (never the floor) and is
+    marked outside."""
     logits = jnp.asarray(np.random.default_rng(0).normal(0, 3, (4, 300)), jnp.float32)
-    want = finite_logprobs(sampling_logprobs(logits, temperature=t, top_k=k, top_p=p, min_p=m))
+    dist = np.asarray(sampling_logprobs(logits, temperature=t, top_k=k, top_p=p, min_p=m), np.float64)
+    kept = np.isfinite(dist)
+    x = np.asarray(logits, np.float64) / (t if t else 1.0)
+    kept_lse = np.log(np.where(kept, np.exp(x), 0.0).sum(-1, keepdims=True))
+    want = np.where(kept, dist, x - np.logaddexp(kept_lse, x))
     every = jnp.broadcast_to(jnp.arange(300), (4, 300))
     logits_btv = jnp.broadcast_to(logits[:, None, :], (4, 300, 300))
-    got = sampled_token_logprobs(logits_btv, every, temperature=t, top_k=k, top_p=p, min_p=m)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=0)
+    got, outside = sampled_token_logprobs_and_outside(logits_btv, every, temperature=t, top_k=k, top_p=p, min_p=m)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(outside), ~kept if t else np.zeros_like(kept))
+    plain = sampled_token_logprobs(logits_btv, every, temperature=t, top_k=k, top_p=p, min_p=m)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(got))
+
+
+@pytest.mark.parametrize(("t", "k", "p", "m"), [s for s in SETTINGS if s[0]])
+def test_the_gradient_is_the_tempered_logprobs(t: float, k: int, p: float, m: float) -> None:
+    """The kept mass is a constant of the gradient (verl and TRL train on tempered logits): every
+    target, kept or filtered out, passes the tempered log-softmax's gradient."""
+    logits = jnp.asarray(np.random.default_rng(1).normal(0, 3, (2, 3, 40)), jnp.float32)
+    targets = jnp.asarray([[7, 1, 2], [3, 4, 39]], jnp.int32)
+
+    def filtered(x: jax.Array) -> jax.Array:
+        return sampled_token_logprobs(x, targets, temperature=t, top_k=k, top_p=p, min_p=m).sum()
+
+    def tempered(x: jax.Array) -> jax.Array:
+        return jnp.take_along_axis(jax.nn.log_softmax(x / t), targets[..., None], axis=-1).sum()
+
+    np.testing.assert_allclose(np.asarray(jax.grad(filtered)(logits)), np.asarray(jax.grad(tempered)(logits)),
+                               atol=1e-6)
+
+
+def test_a_token_the_filter_made_certain_still_learns() -> None:
+    """top_p 0.3 keeps token 7 alone (p 0.34): logprob 0 on both sides, ratio 1, and the gradient
+    of its tempered logprob, not none (the sampler's point mass has no gradient of its own)."""
+    logits = jnp.zeros((1, 1, 40)).at[0, 0, 7].set(3.0)
+    target = jnp.asarray([[7]], jnp.int32)
+
+    def lp(x: jax.Array) -> jax.Array:
+        return sampled_token_logprobs(x, target, temperature=1.0, top_k=0, top_p=0.3, min_p=0.0)[0, 0]
+
+    assert float(lp(logits)) == pytest.approx(0.0, abs=1e-6)
+    grad = np.asarray(jax.grad(lp)(logits))[0, 0]
+    probs = np.asarray(jax.nn.softmax(logits[0, 0]))
+    np.testing.assert_allclose(grad, np.eye(40)[7] - probs, atol=1e-6)
+    assert grad[7] > 0.5
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +127,8 @@ def test_the_learner_reports_the_sampler_trainer_mismatch(engine: Engine, traine
     tc = TrainerConfig(learning_rate=1e-2, **trainer)
     matched = Learner(preset_source("tiny"), cfg=tc, sampling=BAR).step(batch)
     assert matched.extra["logprob_mismatch"] < 1e-5
+    if not trainer:  # several updates: each update's own weights judge outside (see rl_objective)
+        assert matched.extra["logprob_outside"] == 0.0
     assert not matched.skipped and np.isfinite(matched.loss)
     unfiltered = Learner(preset_source("tiny"), cfg=tc).step(batch)
     assert unfiltered.extra["logprob_mismatch"] > 1e-2
