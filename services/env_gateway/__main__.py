@@ -53,7 +53,8 @@ async def build_servicer(cfg: RunConfig, gateway: Gateway | None = None) -> Envi
         if mcp is not None:
             await mcp.aclose()  # its stdio processes must not outlive a gateway that did not start
         raise
-    return EnvironmentServicer(gateway, remotes, mcp)
+    gateway.attach(remotes, mcp)
+    return EnvironmentServicer(gateway)
 
 
 async def start_env_gateway(cfg: RunConfig, servicer: EnvironmentServicer | None = None,

@@ -1,22 +1,22 @@
-"""gRPC servicer for `arlo.v1.Environment`: checks request bounds, routes each call to a local
-environment or a remote backend, and maps errors to status codes."""
+"""gRPC servicer for `arlo.v1.Environment`: checks request bounds, converts protobuf <-> the
+gateway core's types, and maps errors to status codes (`errors.py`). The core (`gateway.py`)
+routes each call to a local, MCP or remote environment."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import grpc
 
 from arlo.proto.v1 import common_pb2, env_pb2, env_pb2_grpc
 from arlo.rpc import utf8_too_long
-from services.env_gateway.envs.base import EnvUnavailableError, EpisodeOverError, Message, StepResult
-from services.env_gateway.gateway import Gateway, InvalidConfigError, UnknownEnvError
-from services.env_gateway.mcp_envs import McpEnvs
-from services.env_gateway.remote import RemoteBackend, RemoteEnvs, RemoteError
-from services.env_gateway.sessions import SessionBusyError, SessionLimitError, SessionNotFoundError
+from services.env_gateway.envs.base import Message, StepResult
+from services.env_gateway.errors import status_of
+from services.env_gateway.gateway import Gateway, Started, StepOutcome
+from services.env_gateway.remote import RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,6 @@ MAX_ACTION_BYTES = 64 << 10
 MAX_SESSION_ID_BYTES = 128
 MAX_BATCH_STEPS = 256
 MAX_BATCH_CLOSES = 256
-
-# Expected failures of a step, and their codes; anything else is a bug -> INTERNAL.
-_STEP_ERRORS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (EpisodeOverError, grpc.StatusCode.FAILED_PRECONDITION),
-    (SessionBusyError, grpc.StatusCode.ABORTED),
-    (EnvUnavailableError, grpc.StatusCode.UNAVAILABLE),
-)
-
 
 def _messages(observation: list[Message]) -> list[common_pb2.Message]:
     return [common_pb2.Message(role=m.role, content=m.content, name=m.name) for m in observation]
@@ -107,12 +98,8 @@ def step_problem(session_id: str, action: str, index: int | None = None) -> str 
             or utf8_too_long(f"{prefix}action", action, MAX_ACTION_BYTES))
 
 
-def _code_of(error: BaseException) -> grpc.StatusCode | None:
-    return next((code for kind, code in _STEP_ERRORS if isinstance(error, kind)), None)
-
-
 def _set_error(out: env_pb2.StepResult, error: BaseException, session_id: str) -> None:
-    code = _code_of(error)
+    code = status_of(error)
     if code is None:
         log.error("environment step failed (session %s)", session_id, exc_info=error)
         code, message = grpc.StatusCode.INTERNAL, f"environment error: {type(error).__name__}"
@@ -121,28 +108,32 @@ def _set_error(out: env_pb2.StepResult, error: BaseException, session_id: str) -
     out.code, out.message = code.value[0], message
 
 
-class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
-    def __init__(self, gateway: Gateway, remotes: RemoteEnvs | None = None, mcp: McpEnvs | None = None) -> None:
-        self._gateway = gateway
-        self._remotes = remotes
-        self._mcp = mcp
-        self._info_json = InfoJson()
+async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
+    """Answers an expected failure with its status; re-raises a bug, which the server's error
+    interceptor logs and answers INTERNAL."""
+    code = status_of(error)
+    if code is None:
+        raise error
+    await context.abort(code, str(error))
 
-    def _owner(self, session_id: str) -> tuple[RemoteBackend, str] | None:
-        return self._remotes.owner(session_id) if self._remotes is not None else None
+
+def _reset_response(started: Started | env_pb2.ResetResponse) -> env_pb2.ResetResponse:
+    if isinstance(started, env_pb2.ResetResponse):
+        return started  # proxied: the backend's reply as it came
+    result = started.result
+    return env_pb2.ResetResponse(session_id=started.session_id, observation=_messages(result.observation),
+                                 tools_json=result.tools_json, task_id=result.task_id,
+                                 metadata_json=json.dumps(result.metadata, default=str) if result.metadata else "")
+
+
+class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+        self._info_json = InfoJson()
 
     async def ListEnvironments(self, request: env_pb2.ListEnvironmentsRequest,
                                context: grpc.aio.ServicerContext) -> env_pb2.ListEnvironmentsResponse:
-        specs = self._gateway.registry.specs()
-        mcp = self._mcp
-        infos = [env_pb2.EnvironmentInfo(name=s.name, description=s.description, tools_json=s.tools_json,
-                                         max_turns=s.max_turns) for s in specs if not (mcp and mcp.serves(s.name))]
-        if mcp is not None:  # described live: a server may have been reached (or lost) since start
-            infos += await asyncio.gather(*(mcp.info(s.name, context.time_remaining())
-                                            for s in specs if mcp.serves(s.name)))
-        if self._remotes is not None:
-            infos += await self._remotes.list_environments(context.time_remaining())
-        return env_pb2.ListEnvironmentsResponse(environments=sorted(infos, key=lambda i: i.name))
+        return env_pb2.ListEnvironmentsResponse(environments=await self._gateway.environments(context.time_remaining))
 
     async def Reset(self, request: env_pb2.ResetRequest, context: grpc.aio.ServicerContext) -> env_pb2.ResetResponse:
         problem = (None if request.env_name else "env_name is required") or \
@@ -150,50 +141,24 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
             utf8_too_long("config_json", request.config_json, MAX_CONFIG_BYTES)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        remotes = self._remotes
-        if remotes is not None and self._gateway.registry.get(request.env_name) is None \
-                and await remotes.route(request.env_name, context.time_remaining()):
-            try:
-                return await remotes.reset(request, context.time_remaining())
-            except RemoteError as e:
-                await context.abort(e.code, str(e))
         try:
-            started = await self._gateway.reset_async(request.env_name, request.config_json, request.seed,
-                                                      context.time_remaining())
-        except UnknownEnvError:
-            known = sorted([*self._gateway.registry.names(), *(remotes.names() if remotes else [])])
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown environment {request.env_name!r}; known: {known}")
-        except InvalidConfigError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except SessionLimitError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except EnvUnavailableError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        result = started.result
-        return env_pb2.ResetResponse(session_id=started.session_id, observation=_messages(result.observation),
-                                     tools_json=result.tools_json, task_id=result.task_id,
-                                     metadata_json=json.dumps(result.metadata, default=str) if result.metadata else "")
+            started = await self._gateway.reset_routed(request.env_name, request.config_json, request.seed,
+                                                       context.time_remaining)
+        except Exception as e:
+            await _abort(context, e)
+        return _reset_response(started)
 
     async def Step(self, request: env_pb2.StepRequest, context: grpc.aio.ServicerContext) -> env_pb2.StepResponse:
         problem = step_problem(request.session_id, request.action)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        owner = self._owner(request.session_id)
-        if owner is not None and self._remotes is not None:
-            backend, remote_id = owner
-            try:
-                return await self._remotes.step(backend, env_pb2.StepRequest(session_id=remote_id, action=request.action),
-                                                context.time_remaining())
-            except RemoteError as e:
-                await context.abort(e.code, str(e))
         try:
-            result = await self._gateway.step_async(request.session_id, request.action, context.time_remaining())
-            return _fill(env_pb2.StepResponse(), result, self._info_json)
+            result = await self._gateway.step_routed(request.session_id, request.action, context.time_remaining())
         except Exception as e:
-            code = _code_of(e)
-            if code is None:
-                raise  # the server's error interceptor logs it and answers INTERNAL
-            await context.abort(code, str(e))
+            await _abort(context, e)
+        if isinstance(result, env_pb2.StepResponse):
+            return result  # proxied
+        return _fill(env_pb2.StepResponse(), result, self._info_json)
 
     async def StepBatch(self, request: env_pb2.StepBatchRequest,
                         context: grpc.aio.ServicerContext) -> env_pb2.StepBatchResponse:
@@ -211,70 +176,32 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
                                         f"steps[{i}] repeats the session of steps[{first_index[session_id]}]; "
                                         "each step in a batch must be for a distinct session")
                 first_index[session_id] = i
+        actions = [step.action for step in steps]
         reply = env_pb2.StepBatchResponse()
-        await self._step_all(steps, session_ids, [reply.results.add() for _ in steps], context.time_remaining())
+        out = [reply.results.add() for _ in steps]
+        refused = _refuse_bad_steps(session_ids, actions, out)
+        if refused:  # rare: the others go on without them
+            keep = [i for i in range(len(steps)) if i not in refused]
+            session_ids, actions, out = [session_ids[i] for i in keep], [actions[i] for i in keep], [out[i] for i in keep]
+        outcomes = await self._gateway.step_batch(session_ids, actions, context.time_remaining())
+        self._fill_all(out, outcomes, session_ids)
         return reply
 
-    async def _step_all(self, steps: list[env_pb2.StepRequest], session_ids: list[str],
-                        out: list[env_pb2.StepResult], deadline_s: float | None) -> None:
-        """Fills `out` (the reply's entries): cheap local steps inline, blocking ones in worker
-        threads, and one remote StepBatch per backend; all waits run concurrently."""
-        pending: list[tuple[int, asyncio.Future[StepResult]]] = []
-        remote: dict[int, tuple[RemoteBackend, list[int], list[env_pb2.StepRequest]]] = {}
-        # Locals, not attribute lookups: this loop is the whole cost of a batch of cheap steps.
-        begin, info_json, remotes = self._gateway.begin_step, self._info_json, self._remotes
-        for i, (step, session_id, result) in enumerate(zip(steps, session_ids, out, strict=True)):
-            action = step.action
-            if not (session_id and len(session_id) <= _SAFE_ID_CHARS and len(action) <= _SAFE_ACTION_CHARS):
-                problem = step_problem(session_id, action, i)
-                if problem:
-                    result.code, result.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], problem
-                    continue
-            owner = remotes.owner(session_id) if remotes is not None else None
-            if owner is not None:
-                _, indices, requests = remote.setdefault(owner[0].index, (owner[0], [], []))
-                indices.append(i)
-                requests.append(env_pb2.StepRequest(session_id=owner[1], action=action))
-                continue
-            try:
-                outcome = begin(session_id, action, deadline_s)
-            except Exception as e:
-                _set_error(result, e, session_id)
-                continue
+    def _fill_all(self, out: list[env_pb2.StepResult], outcomes: list[StepOutcome], session_ids: list[str]) -> None:
+        info_json = self._info_json
+        for result, outcome, session_id in zip(out, outcomes, session_ids, strict=True):
             if isinstance(outcome, StepResult):
                 _fill(result.response, outcome, info_json)
+            elif isinstance(outcome, env_pb2.StepResult):
+                result.CopyFrom(outcome)  # proxied, error or not
             else:
-                pending.append((i, outcome))
-        if pending or remote:
-            await self._gather(steps, out, pending, list(remote.values()), deadline_s)
-
-    async def _gather(self, steps: list[env_pb2.StepRequest], out: list[env_pb2.StepResult],
-                      pending: list[tuple[int, asyncio.Future[StepResult]]],
-                      remote: list[tuple[RemoteBackend, list[int], list[env_pb2.StepRequest]]],
-                      deadline_s: float | None) -> None:
-        remotes = self._remotes
-        assert remotes is not None or not remote
-        local_job = asyncio.gather(*(f for _, f in pending), return_exceptions=True)
-        remote_jobs = [remotes.step_batch(b, reqs, deadline_s) for b, _, reqs in remote] if remotes else []
-        local, *replies = await asyncio.gather(local_job, *remote_jobs)
-        for (i, _), outcome in zip(pending, local, strict=True):
-            if isinstance(outcome, BaseException):
-                _set_error(out[i], outcome, steps[i].session_id)
-            else:
-                _fill(out[i].response, outcome, self._info_json)
-        for (_, indices, _), reply in zip(remote, replies, strict=True):
-            for i, result in zip(indices, reply, strict=True):
-                out[i].CopyFrom(result)
+                _set_error(result, outcome, session_id)
 
     async def Close(self, request: env_pb2.CloseRequest, context: grpc.aio.ServicerContext) -> env_pb2.CloseResponse:
-        owner = self._owner(request.session_id)
-        if owner is not None and self._remotes is not None:
-            try:
-                await self._remotes.close_session(owner[0], owner[1], context.time_remaining())
-            except RemoteError as e:
-                await context.abort(e.code, str(e))
-        else:
-            self._gateway.close(request.session_id)
+        try:
+            await self._gateway.close_routed(request.session_id, context.time_remaining())
+        except RemoteError as e:
+            await context.abort(e.code, str(e))
         return env_pb2.CloseResponse()
 
     async def CloseBatch(self, request: env_pb2.CloseBatchRequest,
@@ -284,35 +211,36 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"session_ids has {len(session_ids)} entries; send 1 to {MAX_BATCH_CLOSES}")
         reply = env_pb2.CloseBatchResponse()
-        results = [reply.results.add() for _ in session_ids]
-        remote: list[tuple[env_pb2.CloseResult, RemoteBackend, str]] = []
-        for i, (session_id, result) in enumerate(zip(session_ids, results, strict=True)):
+        closing: list[tuple[env_pb2.CloseResult, str]] = []
+        for i, session_id in enumerate(session_ids):
+            result = reply.results.add()
             problem = utf8_too_long(f"session_ids[{i}]", session_id, MAX_SESSION_ID_BYTES)
             if problem:
                 result.code, result.message = grpc.StatusCode.INVALID_ARGUMENT.value[0], problem
-                continue
-            owner = self._owner(session_id)
-            if owner is not None and self._remotes is not None:
-                remote.append((result, *owner))
             else:
-                self._gateway.close(session_id)
-        if remote:  # each backend's sessions closed concurrently, as Close closes one
-            remotes, deadline_s = self._remotes, context.time_remaining()
-            assert remotes is not None
-            outcomes = await asyncio.gather(*(remotes.close_session(backend, remote_id, deadline_s)
-                                              for _, backend, remote_id in remote), return_exceptions=True)
-            for (result, _, _), outcome in zip(remote, outcomes, strict=True):
-                if isinstance(outcome, RemoteError):
-                    result.code, result.message = outcome.code.value[0], str(outcome)
-                elif isinstance(outcome, BaseException):
-                    raise outcome  # a bug: the server's error interceptor logs it and answers INTERNAL
+                closing.append((result, session_id))
+        errors = await self._gateway.close_batch([s for _, s in closing], context.time_remaining())
+        for (result, _), error in zip(closing, errors, strict=True):
+            if isinstance(error, RemoteError):
+                result.code, result.message = error.code.value[0], str(error)
+            elif error is not None:
+                raise error  # a bug: the server's error interceptor logs it and answers INTERNAL
         return reply
 
     async def aclose(self) -> None:
         """Closes the remote channels, the MCP sessions (their processes) and the worker threads
         (after the server stopped)."""
-        if self._remotes is not None:
-            await self._remotes.aclose()
-        if self._mcp is not None:
-            await self._mcp.aclose()
-        self._gateway.shutdown()
+        await self._gateway.aclose()
+
+
+def _refuse_bad_steps(session_ids: Sequence[str], actions: Sequence[str], out: list[env_pb2.StepResult]) -> set[int]:
+    """Answers each step outside the bounds INVALID_ARGUMENT in its entry of `out`; their indices."""
+    refused: set[int] = set()
+    for i, (session_id, action) in enumerate(zip(session_ids, actions, strict=True)):
+        # Inline cheap check: this loop runs for every step of every batch.
+        if not (session_id and len(session_id) <= _SAFE_ID_CHARS and len(action) <= _SAFE_ACTION_CHARS):
+            problem = step_problem(session_id, action, i)
+            if problem:
+                out[i].code, out[i].message = grpc.StatusCode.INVALID_ARGUMENT.value[0], problem
+                refused.add(i)
+    return refused
