@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 
@@ -21,6 +23,12 @@ from arlo.coord.keys import Keys
 log = logging.getLogger(__name__)
 
 Field = str | int | float
+
+
+def instance_id() -> str:
+    """This process among its service's instances (its heartbeat, its admission counters): host
+    and pid, so two replicas on one host, or a process and its restart, are never one instance."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 class Heartbeat:

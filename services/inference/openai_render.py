@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from arlo.model.tokenizer import Tokenizer
-from services.env_gateway.tool_calls import ToolCall, parse_tool_calls
+from arlo.tool_calls import ToolCall, parse_tool_calls
 from services.inference.episodes import Branch
 
 TOOLS_PREAMBLE = ("Tools:\n<tools>\n{tools}\n</tools>\n"

@@ -6,9 +6,7 @@ Serves only health, reflection and metrics on its port (for probes); the work is
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import socket
 
 import grpc
 
@@ -16,6 +14,7 @@ from arlo.background import TaskGroup
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
+from arlo.coord.heartbeat import instance_id
 from arlo.model.tokenizer import get_tokenizer, tokenizer_name
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.rpc.metrics import rollout_collector
@@ -53,7 +52,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     redis = await connect(cfg.redis)
     stream = TrajectoryStream(redis, cfg.run_id, consumer="rollout", max_backlog=cfg.redis.max_backlog)
     await stream.ensure_group()
-    instance = f"{socket.gethostname()}-{os.getpid()}"
+    instance = instance_id()
     gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
                           batch_window_s=rc.batch_window_s, tracer=tracer)
     # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.

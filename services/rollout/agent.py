@@ -8,7 +8,7 @@ observation after a model turn is the template's continuation for it (tool resul
 `role: tool` messages with their `name`), so the tokens equal what the template gives for the
 whole conversation (tests/unit/test_chat_prefix.py checks this against transformers). The loop
 depends on three small Protocols over the rollout's own
-records (`types.py`), so it runs against the in-process adapters (`inprocess.py`) in tests and
+records (`types.py`), so it runs against the in-process adapters (tests/support/inprocess.py) in tests and
 the gRPC clients (`clients.py`) in production alike. The Trajectory it returns is a protobuf:
 it is the trajectory stream's contract, written to Redis as is.
 """

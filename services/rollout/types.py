@@ -1,7 +1,7 @@
 """The rollout core's own view of its backends: plain frozen records and one error family.
 
 The agent loop, the worker and evaluation speak only these; `clients.py` (gRPC) and
-`inprocess.py` (the cores joined in process) translate to and from them, so the core never
+tests/support/inprocess.py (the cores joined in process) translate to and from them, so the core never
 sees a protobuf or a gRPC status. Every field a backend returns is carried, used today or not
 (tools_json, metadata, info): what drops a field here drops it for every later feature.
 """

@@ -16,9 +16,9 @@ from arlo.proto.v1 import common_pb2
 from examples.openai_agent import agent as example
 from services.inference.openai_render import encode_conversation
 from services.rollout.blackbox import AgentTask, BlackBoxRunner, Call, load_agent
-from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.rollout.recorded import GrpcRecordings
 from services.rollout.worker import RolloutWorker
+from tests.support.inprocess import CoreScorer, GatewayEnv
 from tests.support.openai_server import TOKEN, Served
 
 TOK = ByteTokenizer()

@@ -31,8 +31,8 @@ from bench.grpo_tiny import (
 from services.env_gateway.envs.arith import ArithConfig, draw_task
 from services.inference.requests import SamplingRequest, validate_request
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
-from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.trainer.batching import Batch
+from tests.support.inprocess import CoreScorer, GatewayEnv
 
 TOK = ByteTokenizer()
 TURNS, TOKENS = 3, 16

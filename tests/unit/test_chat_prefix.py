@@ -29,9 +29,9 @@ import pytest
 from arlo.model.hf_tokenizer import HFTokenizer
 from services.env_gateway.envs.calculator import CalculatorConfig, make_task
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
-from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.rollout.types import Message, ResetResult, StepResult
 from tests.support.hf_checkpoints import write_tokenizer
+from tests.support.inprocess import CoreScorer, GatewayEnv
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 

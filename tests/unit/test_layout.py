@@ -1,6 +1,7 @@
 """The package layout's import rules (docs/architecture.md, "Code layout"): the shared library
 and the services never import the operator application, which reaches the services only as
-subprocesses and over gRPC."""
+subprocesses and over gRPC; a service never imports another service's package (a rule two
+services apply lives in the library, `arlo/`), and the library imports no service."""
 
 from __future__ import annotations
 
@@ -37,3 +38,16 @@ def test_library_and_services_do_not_import_the_application() -> None:
 def test_the_application_does_not_import_the_services() -> None:
     app = modules("arlo/app")
     assert app and offenders(app, "services") == []
+
+
+def test_a_service_does_not_import_another_service() -> None:
+    services = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").is_file())
+    assert len(services) >= 5
+    found = [hit for name in services for other in services if other != name
+             for hit in offenders(modules(f"services/{name}"), f"services.{other}")]
+    assert found == []
+
+
+def test_the_library_does_not_import_the_services() -> None:
+    library = modules("arlo")
+    assert library and offenders(library, "services") == []

@@ -1,5 +1,5 @@
 """The rollout core on its own records: no transport imported, retryable errors retried, others
-masking the group, on the real env gateway and reward cores (services/rollout/inprocess.py)
+masking the group, on the real env gateway and reward cores (tests/support/inprocess.py)
 and a real Redis stream."""
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from arlo.config import RolloutConfig, SamplingConfig
 from arlo.coord import TrajectoryStream, delete_run
 from arlo.proto.v1 import common_pb2
 from services.rollout.agent import Turn
-from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.rollout.types import BackendError, RetryableError, StepResult
 from services.rollout.worker import RolloutWorker
-from tests.support.inprocess import TOK
+from tests.support.inprocess import TOK, CoreScorer, GatewayEnv
 
 CORE = ["agent.py", "worker.py", "evaluation.py", "admission.py", "types.py", "prefetch.py"]
 

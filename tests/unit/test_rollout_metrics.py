@@ -15,9 +15,8 @@ from arlo.config import RolloutConfig, SamplingConfig
 from arlo.coord import TrajectoryStream, delete_run
 from arlo.rpc.metrics import MetricsHttpServer, rollout_collector
 from services.rollout.agent import Turn
-from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.rollout.worker import RolloutWorker
-from tests.support.inprocess import TOK
+from tests.support.inprocess import TOK, CoreScorer, GatewayEnv
 
 
 class BadToolThenAnswer:

@@ -15,11 +15,10 @@ import redis.asyncio as aioredis
 from arlo.config import RolloutConfig, RolloutEnvConfig, SamplingConfig
 from arlo.coord import TrajectoryStream, delete_run
 from services.rollout import prefetch
-from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.rollout.mixture import durable_picker
 from services.rollout.types import ResetResult, RetryableError, StepResult
 from services.rollout.worker import RolloutWorker
-from tests.support.inprocess import TOK
+from tests.support.inprocess import TOK, CoreScorer, GatewayEnv
 from tests.unit.test_rollout_core import Solver
 
 GROUP = 3

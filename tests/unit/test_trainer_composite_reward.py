@@ -2,7 +2,7 @@
 no group is failed, and the learner takes a finite step on the group, components logged.
 
 Real parts in process: the dataset environment and the reward core through the rollout's
-adapters (services/rollout/inprocess.py), the real episode loop, the real learner.
+adapters (tests/support/inprocess.py), the real episode loop, the real learner.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.reward.registry import build_registry
 from services.rollout.agent import EpisodeSpec, Turn, run_episode
-from services.rollout.inprocess import CoreScorer, GatewayEnv
 from services.trainer.batching import build_batch
 from services.trainer.learner import Learner
-from tests.support.inprocess import TOK
+from tests.support.inprocess import TOK, CoreScorer, GatewayEnv
 
 COMPONENTS = [{"fn": "exact_match", "weight": 0.7}, {"fn": "format_regex", "weight": 0.3}]
 
