@@ -12,17 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.env_gateway.envs.answers import last_integer
-from services.env_gateway.envs.base import (
-    EpisodeOverError,
-    Message,
-    ResetResult,
-    StepResult,
-    check_range,
-    describe_config,
-    parse_config,
-)
+from services.env_gateway.envs.base import Message, ResetResult, check_range, describe_config, parse_config
 from services.env_gateway.envs.safe_eval import EvalError, evaluate, format_number
-from services.env_gateway.tool_calls import BadToolCall, ToolCall, error_message, parse_tool_calls
+from services.env_gateway.envs.tool_env import Played, ToolEnv
+from services.env_gateway.tool_calls import ParsedTurn, ToolCall
 from services.env_gateway.tool_schema import function_tool, tools_json
 
 NAME = "calculator"
@@ -70,64 +63,35 @@ def make_task(seed: int, cfg: CalculatorConfig) -> tuple[str, int]:
     return text, total
 
 
-class CalculatorEnv:
+class CalculatorEnv(ToolEnv):
+    TOOLS = TOOLS
+
     def __init__(self) -> None:
-        self._reference = ""
-        self._max_turns = 0
-        self._turns = 0
+        super().__init__()
         self._tool_calls = 0
-        self._done = True
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
         cfg = parse_config(CalculatorConfig, config, NAME)
         expression, total = make_task(seed, cfg)
         self._reference = str(total)
-        self._max_turns, self._turns, self._tool_calls, self._done = cfg.max_turns, 0, 0, False
+        self._start(cfg.max_turns)
+        self._tool_calls = 0
         prompt = (f"Compute {expression}. Use the calculator tool for the arithmetic, then give the final "
                   "answer as a number.")
         return ResetResult(observation=[Message(role="user", content=prompt)], task_id=f"{NAME}-{expression}",
                            tools_json=tools_json(TOOLS))
 
-    def step(self, action: str) -> StepResult:
-        if self._done:
-            raise EpisodeOverError("the episode is over; call Reset to start another")
-        self._turns += 1
-        parsed = parse_tool_calls(action, TOOLS)
-        if not parsed.calls:
-            answer = last_integer(parsed.text)
-            if answer is None:
-                return self._next([Message(role="user", content=NO_NUMBER)])
-            return self._finish(answer)
-        replies: list[Message] = []
-        for call in parsed.calls:
-            if isinstance(call, BadToolCall):
-                replies.append(error_message(call))
-            elif call.name == "answer":
-                value = str(call.arguments["value"])
-                return self._finish(last_integer(value) or value.strip())
-            else:
-                replies.append(self._calculate(call))
-        return self._next(replies)
+    def _plain(self, parsed: ParsedTurn, action: str) -> Played:
+        answer = last_integer(parsed.text)
+        return ([Message(role="user", content=NO_NUMBER)] if answer is None else []), answer
 
-    def _calculate(self, call: ToolCall) -> Message:
+    def _call(self, call: ToolCall) -> Message:
         self._tool_calls += 1
         try:
             content = format_number(evaluate(call.arguments["expression"]))
         except EvalError as e:
             content = f"error: {e}"
         return Message(role="tool", name="calculator", content=content)
-
-    def _next(self, observation: list[Message]) -> StepResult:
-        if self._turns >= self._max_turns:
-            return self._finish("", out_of_turns=True)
-        return StepResult(observation=observation, done=False, info=self._info())
-
-    def _finish(self, answer: str, *, out_of_turns: bool = False) -> StepResult:
-        self._done = True
-        correct = answer == self._reference
-        info = {**self._info(), "correct": correct, "out_of_turns": out_of_turns}
-        return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=answer,
-                          reference=self._reference, info=info)
 
     def _info(self) -> dict[str, Any]:
         return {"turns": self._turns, "tool_calls": self._tool_calls}

@@ -5,13 +5,12 @@ ceil(log2(high - low + 1)) guesses, so a good policy must plan over several turn
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.env_gateway.envs.answers import last_integer
 from services.env_gateway.envs.base import (
-    EpisodeOverError,
     Message,
     ResetResult,
     StepResult,
@@ -19,7 +18,8 @@ from services.env_gateway.envs.base import (
     describe_config,
     parse_config,
 )
-from services.env_gateway.tool_calls import BadToolCall, ParsedTurn, error_message, parse_tool_calls
+from services.env_gateway.envs.tool_env import Played, ToolEnv
+from services.env_gateway.tool_calls import BadToolCall, ParsedTurn, ToolCall, error_message
 from services.env_gateway.tool_schema import function_tool, tools_json
 
 NAME = "guess_number"
@@ -70,54 +70,45 @@ def draw_secret(seed: int, cfg: GuessNumberConfig) -> int:
             return secret
 
 
-class GuessNumberEnv:
+class GuessNumberEnv(ToolEnv):
+    TOOLS = TOOLS
+
     def __init__(self) -> None:
+        super().__init__()
         self._cfg = GuessNumberConfig()
         self._secret = 0
-        self._turns = 0
         self._last_guess = ""
-        self._done = True
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
         self._cfg = cfg = parse_config(GuessNumberConfig, config, NAME)
         self._secret = draw_secret(seed, cfg)
-        self._turns, self._last_guess, self._done = 0, "", False
+        self._start(cfg.max_turns)
+        self._last_guess = ""
         prompt = (f"I am thinking of an integer between {cfg.low} and {cfg.high}. Guess it: reply with one "
                   f"number. After each guess I say '{HIGHER}' or '{LOWER}'. You have {cfg.max_turns} guesses.")
         return ResetResult(observation=[Message(role="user", content=prompt)],
                            task_id=f"{NAME}-{cfg.low}-{cfg.high}-{self._secret}", tools_json=tools_json(TOOLS))
 
-    def step(self, action: str) -> StepResult:
-        if self._done:
-            raise EpisodeOverError("the episode is over; call Reset to start another")
-        self._turns += 1
-        parsed = parse_tool_calls(action, TOOLS)
-        guess = self._read_guess(parsed)
-        if isinstance(guess, Message):
-            reply = guess
-        else:
-            self._last_guess = str(guess)
-            if guess == self._secret:
-                return self._finish(correct=True)
-            hint = self._hint(guess)
-            reply = Message(role="tool", name="guess", content=hint) if parsed.calls \
-                else Message(role="user", content=hint)
-        if self._turns >= self._cfg.max_turns:
-            return self._finish(correct=False)
-        return StepResult(observation=[reply], done=False, info={"turns": self._turns})
+    def _calls(self, calls: Sequence[ToolCall | BadToolCall]) -> Played:
+        first = calls[0]  # one guess per turn: later calls are ignored
+        if isinstance(first, BadToolCall):
+            return [error_message(first)], None
+        return self._guessed(int(first.arguments["number"]), tool=True)
 
-    def _read_guess(self, parsed: ParsedTurn) -> int | Message:
-        """The guess, or the message that says what was wrong with it."""
-        if parsed.calls:
-            first = parsed.calls[0]  # one guess per turn: later calls are ignored
-            if isinstance(first, BadToolCall):
-                return error_message(first)
-            return int(first.arguments["number"])
+    def _plain(self, parsed: ParsedTurn, action: str) -> Played:
         text = last_integer(parsed.text)
         if text is None or len(text) > 12:  # int() refuses 64 KiB of digits, and it is out of range anyway
-            return Message(role="user", content=f"Reply with one integer between {self._cfg.low} "
-                                                f"and {self._cfg.high}.")
-        return int(text)
+            return [Message(role="user", content=f"Reply with one integer between {self._cfg.low} "
+                                                 f"and {self._cfg.high}.")], None
+        return self._guessed(int(text), tool=False)
+
+    def _guessed(self, guess: int, *, tool: bool) -> Played:
+        """Found (the guess is the answer), or the hint, answering the way the guess came."""
+        self._last_guess = str(guess)
+        if guess == self._secret:
+            return [], self._last_guess
+        hint = self._hint(guess)
+        return [Message(role="tool", name="guess", content=hint) if tool else Message(role="user", content=hint)], None
 
     def _hint(self, guess: int) -> str:
         cfg = self._cfg
@@ -125,7 +116,9 @@ class GuessNumberEnv:
             return f"{guess} is out of range: the number is between {cfg.low} and {cfg.high}."
         return HIGHER if self._secret > guess else LOWER
 
-    def _finish(self, *, correct: bool) -> StepResult:
+    def _finish(self, answer: str, *, out_of_turns: bool = False) -> StepResult:
+        # Only a found number answers; an episode out of turns reports the last guess.
         self._done = True
+        correct = not out_of_turns
         return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=self._last_guess,
                           reference=str(self._secret), info={"turns": self._turns, "correct": correct})

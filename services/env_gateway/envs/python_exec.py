@@ -18,15 +18,14 @@ from services.env_gateway.envs import tasks
 from services.env_gateway.envs.answers import last_integer
 from services.env_gateway.envs.base import (
     EnvUnavailableError,
-    EpisodeOverError,
     Message,
     ResetResult,
-    StepResult,
     check_range,
     describe_config,
     parse_config,
 )
-from services.env_gateway.tool_calls import BadToolCall, ToolCall, error_message, parse_tool_calls
+from services.env_gateway.envs.tool_env import Played, ToolEnv
+from services.env_gateway.tool_calls import BadToolCall, ParsedTurn, ToolCall
 from services.env_gateway.tool_schema import function_tool, tools_json
 
 NAME = "python"
@@ -100,63 +99,46 @@ def _cut(text: str, limit: int, keep_head: bool) -> str:
     return f"{text[:limit]}\n{dropped}" if keep_head else f"{dropped}\n{text[-limit:]}"
 
 
-class PythonEnv:
+class PythonEnv(ToolEnv):
+    TOOLS = TOOLS
+
     def __init__(self, runner: CodeRunner) -> None:
+        super().__init__()
         self._runner = runner
         self._cfg = PythonConfig()
-        self._reference = ""
-        self._turns = 0
         self._runs = 0
-        self._done = True
+        self._turn_runs = 0
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
         self._cfg = cfg = parse_config(PythonConfig, config, NAME)
         task = tasks.make_task(random.Random(seed), cfg.difficulty)
         self._reference = str(task.answer)
-        self._turns, self._runs, self._done = 0, 0, False
+        self._start(cfg.max_turns)
+        self._runs = 0
         prompt = (f"{task.question} You can run Python: write a ```python code block (or call the python tool) "
                   "and I will run it and show you its output. When you know the result, reply with just the "
                   "number.")
         return ResetResult(observation=[Message(role="user", content=prompt)], task_id=f"{NAME}-{task.id}",
                            tools_json=tools_json(TOOLS))
 
-    def step(self, action: str) -> StepResult:
-        if self._done:
-            raise EpisodeOverError("the episode is over; call Reset to start another")
-        parsed = parse_tool_calls(action, TOOLS)
-        answer: str | None = None
-        if parsed.calls:
-            replies, answer = self._tool_turn(parsed.calls)
-        elif blocks := _CODE_BLOCK.findall(action):
+    def _plain(self, parsed: ParsedTurn, action: str) -> Played:
+        if blocks := _CODE_BLOCK.findall(action):
             # The last block is the agent's latest version; earlier ones are usually drafts.
-            replies = [Message(role="user", content=self._run(blocks[-1]))]
-        else:
-            answer = last_integer(parsed.text)
-            replies = [] if answer is not None else [Message(role="user", content=(
-                "Reply with the number, or run code in a ```python block.") )]
-        self._turns += 1  # counted after the runs: a sandbox failure does not use up a turn
-        if answer is not None:
-            return self._finish(answer)
-        if self._turns >= self._cfg.max_turns:
-            return self._finish("", out_of_turns=True)
-        return StepResult(observation=replies, done=False, info=self._info())
+            return [Message(role="user", content=self._run(blocks[-1]))], None
+        answer = last_integer(parsed.text)
+        return ([] if answer is not None else [Message(role="user", content=(
+            "Reply with the number, or run code in a ```python block."))]), answer
 
-    def _tool_turn(self, calls: Sequence[ToolCall | BadToolCall]) -> tuple[list[Message], str | None]:
-        replies: list[Message] = []
-        runs = 0
-        for call in calls:
-            if isinstance(call, BadToolCall):
-                replies.append(error_message(call))
-            elif call.name == "answer":
-                value = str(call.arguments["value"])
-                return replies, last_integer(value) or value.strip()
-            elif runs >= self._cfg.max_runs_per_turn:
-                replies.append(Message(role="tool", name="python", content=(
-                    f"error: at most {self._cfg.max_runs_per_turn} programs run per turn; this one did not run")))
-            else:
-                runs += 1
-                replies.append(Message(role="tool", name="python", content=self._run(call.arguments["code"])))
-        return replies, None
+    def _calls(self, calls: Sequence[ToolCall | BadToolCall]) -> Played:
+        self._turn_runs = 0
+        return super()._calls(calls)
+
+    def _call(self, call: ToolCall) -> Message:  # python(code), at most max_runs_per_turn a turn
+        if self._turn_runs >= self._cfg.max_runs_per_turn:
+            return Message(role="tool", name="python", content=(
+                f"error: at most {self._cfg.max_runs_per_turn} programs run per turn; this one did not run"))
+        self._turn_runs += 1
+        return Message(role="tool", name="python", content=self._run(call.arguments["code"]))
 
     def _run(self, code: str) -> str:
         if len(code) > MAX_CODE_CHARS:
@@ -167,13 +149,6 @@ class PythonEnv:
             raise EnvUnavailableError(f"the code sandbox failed: {result.stderr.strip()[-500:]}")
         self._runs += 1
         return render_result(result, self._cfg.max_observation_chars)
-
-    def _finish(self, answer: str, *, out_of_turns: bool = False) -> StepResult:
-        self._done = True
-        correct = answer == self._reference
-        return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=answer,
-                          reference=self._reference,
-                          info={**self._info(), "correct": correct, "out_of_turns": out_of_turns})
 
     def _info(self) -> dict[str, Any]:
         return {"turns": self._turns, "runs": self._runs}

@@ -18,18 +18,11 @@ from typing import Any
 
 from services.env_gateway.envs import corpus as builtin
 from services.env_gateway.envs.answers import normalize_text
-from services.env_gateway.envs.base import (
-    EpisodeOverError,
-    Message,
-    ResetResult,
-    StepResult,
-    check_range,
-    describe_config,
-    parse_config,
-)
+from services.env_gateway.envs.base import Message, ResetResult, check_range, describe_config, parse_config
 from services.env_gateway.envs.bm25 import BM25Index
 from services.env_gateway.envs.corpus import Doc, Question
-from services.env_gateway.tool_calls import BadToolCall, ToolCall, error_message, parse_tool_calls
+from services.env_gateway.envs.tool_env import Played, ToolEnv
+from services.env_gateway.tool_calls import ParsedTurn, ToolCall
 from services.env_gateway.tool_schema import function_tool, tools_json
 
 NAME = "retrieval"
@@ -131,14 +124,15 @@ def _read_questions(path: Path) -> tuple[Question, ...]:
     return tuple(out)
 
 
-class RetrievalEnv:
+class RetrievalEnv(ToolEnv):
+    TOOLS = TOOLS
+
     def __init__(self, corpus: Corpus) -> None:
+        super().__init__()
         self._corpus = corpus
         self._cfg = RetrievalConfig()
         self._question: Question | None = None
-        self._turns = 0
         self._searches = 0
-        self._done = True
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:
         self._cfg = parse_config(RetrievalConfig, config, NAME)
@@ -147,32 +141,22 @@ class RetrievalEnv:
             raise ValueError(f"split {self._cfg.split!r} holds no questions ({len(self._corpus.questions)} in all): "
                              "add questions to the docs dir, or use split 'all'")
         self._question = q = random.Random(seed).choice(questions)
-        self._turns, self._searches, self._done = 0, 0, False
+        self._start(self._cfg.max_turns)
+        self._searches = 0
         prompt = (f"Question: {q.question}\nUse the search tool to find the answer in the documents, then call "
                   "answer with a short phrase.")
         return ResetResult(observation=[Message(role="user", content=prompt)], task_id=f"{NAME}-{q.id}",
                            tools_json=tools_json(TOOLS))
 
-    def step(self, action: str) -> StepResult:
-        if self._done:
-            raise EpisodeOverError("the episode is over; call Reset to start another")
-        self._turns += 1
-        parsed = parse_tool_calls(action, TOOLS)
-        if not parsed.calls:
-            if parsed.text:
-                return self._finish(parsed.text)
-            return self._next([Message(role="user", content="Search the documents or give your answer.")])
-        replies: list[Message] = []
-        for call in parsed.calls:
-            if isinstance(call, BadToolCall):
-                replies.append(error_message(call))
-            elif call.name == "answer":
-                return self._finish(call.arguments["text"])
-            else:
-                replies.append(self._search(call))
-        return self._next(replies)
+    def _plain(self, parsed: ParsedTurn, action: str) -> Played:
+        if parsed.text:
+            return [], parsed.text
+        return [Message(role="user", content="Search the documents or give your answer.")], None
 
-    def _search(self, call: ToolCall) -> Message:
+    def _answer_call(self, call: ToolCall) -> str:
+        return str(call.arguments["text"])
+
+    def _call(self, call: ToolCall) -> Message:  # search(query)
         self._searches += 1
         query = call.arguments["query"]
         hits = self._corpus.index.search(query, self._cfg.top_k)
@@ -183,20 +167,11 @@ class RetrievalEnv:
                  for rank, d in enumerate((self._corpus.docs[i] for i, _ in hits), start=1)]
         return Message(role="tool", name="search", content="\n\n".join(parts))
 
-    def _next(self, observation: list[Message]) -> StepResult:
-        if self._turns >= self._cfg.max_turns:
-            return self._finish("", out_of_turns=True)
-        return StepResult(observation=observation, done=False, info=self._info())
-
-    def _finish(self, text: str, *, out_of_turns: bool = False) -> StepResult:
+    def _judge(self, answer: str) -> tuple[str, str, bool]:
         assert self._question is not None
-        self._done = True
         # Both sides normalised the same way, so the reward service's exact_match agrees with ours.
-        answer, reference = normalize_text(text), normalize_text(self._question.answer)
-        correct = bool(answer) and answer == reference
-        return StepResult(observation=[], done=True, reward=1.0 if correct else 0.0, answer=answer,
-                          reference=reference,
-                          info={**self._info(), "correct": correct, "out_of_turns": out_of_turns})
+        answer, reference = normalize_text(answer), normalize_text(self._question.answer)
+        return answer, reference, bool(answer) and answer == reference
 
     def _info(self) -> dict[str, Any]:
         return {"turns": self._turns, "searches": self._searches}
