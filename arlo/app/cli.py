@@ -286,7 +286,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 DIAGNOSTICS_SHOWN = ("loss", "reward_mean", "kl_ref", "approx_kl", "clip_fraction", "entropy", "grad_norm",
-                     "logprob_mismatch", "is_weight", "staleness_mean", "staleness_max", "response_length_mean")
+                     "logprob_mismatch", "logprob_outside", "is_weight", "staleness_mean", "staleness_max", "response_length_mean")
 
 
 def _diagnostics_line(d: dict) -> str:

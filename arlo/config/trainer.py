@@ -162,7 +162,7 @@ class TrainerConfig:
     (groups are dropped as stale at intake and again just before their step); 0 = on-policy."""
     expiring_wait_s: float = ranged(10.0, ge=0, le=3600)
     """How long a step may wait for a group still being generated that it would otherwise leave
-    to age past max_staleness (younger groups filled the batch first; services/trainer/expiring.py).
+    to age past max_staleness (younger groups filled the batch first; services/trainer/core/expiring.py).
     Bounded because a rollout worker may have died with the group; 0: never wait (it is dropped)."""
     checkpoint_dir: str = ""
     """Orbax checkpoint directory, local or mounted (every trainer host must see the same one);

@@ -62,7 +62,7 @@ class Keys:
     def rollout_inflight(self) -> str:
         """Sorted set: the id of each group admitted and not yet finished -> the policy version its
         admission counted on. The trainer waits (bounded) for one about to age past the staleness
-        bound instead of filling the batch without it (services/trainer/expiring.py)."""
+        bound instead of filling the batch without it (services/trainer/core/expiring.py)."""
         return self.prefix + "rollout:inflight"
 
     @property

@@ -11,8 +11,6 @@ rollout workers spread requests over the replicas.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 
 import jax
 from jax.sharding import Mesh
@@ -22,6 +20,7 @@ from arlo.compile_cache import enable_compile_cache
 from arlo.compile_watch import CompileWatch
 from arlo.config import MeshConfig, RunConfig
 from arlo.coord import Heartbeat, WeightPointer, connect
+from arlo.coord.heartbeat import instance_id
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.model.weights import nonfinite_param
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
@@ -72,7 +71,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
     host = advertise_host(ic.server.host)
     if ic.openai_port >= 0:
         servicer.openai_url = start_openai(cfg, engine, recorder, tasks, host)
-    heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=f"{socket.gethostname()}-{os.getpid()}")
+    heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=instance_id())
     tasks.spawn("engine", lambda: run_engine(engine))
     tasks.spawn("weight-sync", sync.run)
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
@@ -96,7 +95,7 @@ def start_openai(cfg: RunConfig, engine: Engine, recorder: EpisodeRecorder, task
 def inference_mesh(cfg: MeshConfig) -> Mesh | None:
     """The configured mesh over this process's devices; None on one device (no mesh needed)."""
     devices = jax.local_devices()
-    return make_mesh(cfg, devices) if len(devices) > 1 else None
+    return make_mesh(cfg, devices, path="inference.mesh") if len(devices) > 1 else None
 
 
 async def run_engine(engine: Engine) -> None:

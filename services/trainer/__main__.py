@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import socket
 import threading
 
@@ -20,6 +19,7 @@ from arlo.compile_cache import enable_compile_cache
 from arlo.compile_watch import CompileWatch
 from arlo.config import RunConfig
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
+from arlo.coord.heartbeat import instance_id
 from arlo.coord.metrics import MetricsStream
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.gc_pauses import freeze_startup
@@ -56,11 +56,11 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     tc = cfg.trainer
     compiles = compiles or CompileWatch().install()
     redis = await connect(cfg.redis)
-    instance = f"{socket.gethostname()}-{os.getpid()}"
+    instance = instance_id()
     # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
-    mesh = make_mesh(tc.mesh) if jax.device_count() > 1 else None
+    mesh = make_mesh(tc.mesh, path="trainer.mesh") if jax.device_count() > 1 else None
     source = cfg.model.source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
 
@@ -145,7 +145,7 @@ async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyn
     it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
     tc = cfg.trainer
     # Built in the same order as start_trainer builds them: their creation is collective work too.
-    learner = Learner(cfg.model.source(), cfg=tc, mesh=make_mesh(tc.mesh), sampling=cfg.rollout.sampling)
+    learner = Learner(cfg.model.source(), cfg=tc, mesh=make_mesh(tc.mesh, path="trainer.mesh"), sampling=cfg.rollout.sampling)
     checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
     running = await start_server("trainer", tc.server, cfg.auth, [])
     replica = Replica(learner, checkpointer, channel_for_this_process())

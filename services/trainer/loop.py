@@ -681,8 +681,8 @@ class TrainingLoop:
             raise
         # Reported once its steps are acknowledged: a reader that sees checkpoint v sees its acks.
         self.core.holds.checkpointed(version, uri)
-        log.info("checkpoint %d complete (%s): %s (%d trajectories acknowledged)", version, checkpoint.why, uri,
-                 sum(len(s.trajectory_ids) for s in checkpoint.covers),
+        log.info("checkpoint %d complete: %s (%d trajectories acknowledged; saved for %s)", version, uri,
+                 sum(len(s.trajectory_ids) for s in checkpoint.covers), checkpoint.why,
                  extra={"checkpoint_version": version, "checkpoint_uri": uri})
         return version, uri
 

@@ -1,7 +1,7 @@
 """Groups finish out of the order they started (multi-turn episodes, slow environments): the
 trainer takes the oldest policy's ready groups first, so one left behind by younger groups does
 not age past `max_staleness` at the next step and get dropped (intake.py `Intake.take_batch`);
-and a step waits, bounded, for such a group still in flight (services/trainer/expiring.py)."""
+and a step waits, bounded, for such a group still in flight (services/trainer/core/expiring.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""When a step waits for groups about to expire, and for how long (services/trainer/expiring.py)."""
+"""When a step waits for groups about to expire, and for how long (services/trainer/core/expiring.py)."""
 
 from __future__ import annotations
 
