@@ -9,7 +9,7 @@ batch -> the jitted step (lockstep.py `Replica`) -> publish (publisher.py) -> he
 - a step's tail (its overlapped publish, record, log line and acknowledgements) runs beside the
   next step (tail.py): one tail at a time, in step order, and a step publishes only after the
   previous tail ended, so at most one step trains past an unpublished version;
-- a checkpoint save is written beside the next steps (`_finish_checkpoint`): one at a time; the
+- a checkpoint save is written beside the next steps (saves.py): one at a time; the
   next one due waits for it.
 A tail is not deferred when its step starts a checkpoint, pauses the loop or comes while saves
 fail (a checkpoint copies the arrays the next step donates; a pause promises a final status).
@@ -31,12 +31,11 @@ from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights, ServingCopy
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
 from services.trainer.batching import Batch, build_batch
-from services.trainer.checkpoint import Checkpointer, CheckpointMeta
+from services.trainer.checkpoint import Checkpointer
 from services.trainer.core.groups import ReadyGroup
 from services.trainer.core.records import (
     Ack,
     Acknowledge,
-    Checkpoint,
     CountStale,
     DeadLetter,
     Decision,
@@ -60,7 +59,6 @@ log = logging.getLogger(__name__)
 CLAIM_EVERY_S = 10.0
 CLAIM_MIN_IDLE_MS = 30_000
 CLOSE_WAIT_S = 60.0
-POINTER_TRIES = 3
 
 OnStep = Callable[[dict[str, Any]], Awaitable[None]]
 """Called with each applied step's diagnostics record (services/trainer/diagnostics.py)."""
@@ -92,12 +90,11 @@ class TrainingLoop:
         self._reader = StreamReader(stream, block_ms=read_block_ms)
         self._tails = StepTails()
         self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
-        self.saves = Saves(replica=self.replica, checkpointer=self.checkpointer,
-                           jax_lock=self._jax_lock) if self.checkpointer else None
-        self._save_job: asyncio.Task[tuple[int, str]] | None = None
-        self._save_version = 0
+        self.saves = Saves(replica=self.replica, checkpointer=self.checkpointer, jax_lock=self._jax_lock,
+                           core=self.core, learner=learner, store=store, pointer=pointer,
+                           perform=self._perform) if self.checkpointer else None
         self.publisher = Publisher(store=store, pointer=pointer, replica=self.replica, jax_lock=self._jax_lock,
-                                   source=source)
+                                   source=source, core=self.core, tails=self._tails, perform=self._perform)
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -111,7 +108,7 @@ class TrainingLoop:
                                     on_disk=self.checkpointer.newest_version() if self.checkpointer else 0,
                                     step_count=self.learner.step_count)
         if version:  # the fleet may hold another trainer's weights under that number: ours above it
-            await self._publish()
+            await self.publisher.publish()
 
     async def _restore(self) -> int:
         if self.saves is None:
@@ -140,8 +137,8 @@ class TrainingLoop:
         """Lets a step's tail and a checkpoint in flight complete (bounded), so a clean stop leaves
         no partial checkpoint and every acknowledgement it could make."""
         await self._tails.settle(timeout_s)
-        if self._save_job is not None:
-            await asyncio.wait([self._save_job], timeout=timeout_s)
+        if self.saves is not None and self.saves.job is not None:
+            await asyncio.wait([self.saves.job], timeout=timeout_s)
         async with self._jax_lock:
             self.replica.stop()  # other processes: finish your checkpoint writes and return
         if self.checkpointer is not None:
@@ -172,10 +169,15 @@ class TrainingLoop:
     def phase(self) -> str:
         return "sft" if self.learner.step_count < self.sft_steps else "rl"
 
+    def _checkpoints(self) -> Saves:
+        if self.saves is None:
+            raise ValueError("trainer.checkpoint_dir is not set; checkpoints are disabled")
+        return self.saves
+
     @property
     def saving(self) -> bool:
         """A checkpoint save is in flight."""
-        return self._save_job is not None and not self._save_job.done()
+        return self.saves is not None and self.saves.saving
 
     # -- control (the gRPC servicer's) ----------------------------------------------------------
 
@@ -194,8 +196,8 @@ class TrainingLoop:
         async with self._step_lock:
             await self._tails.settle()  # the current version's overlapped publish (a save needs it stored)
             if self.core.owes_publish:  # it failed or met a foreign pointer: published (re-numbered) first
-                await self._publish_owed()
-            job = await self._begin_checkpoint("requested")
+                await self.publisher.publish_owed()
+            job = await self._checkpoints().begin("requested")
         return await asyncio.shield(job)  # a caller's deadline must not abandon the write
 
     def dropped(self) -> dict[str, int]:
@@ -302,7 +304,7 @@ class TrainingLoop:
             elif isinstance(d, Acknowledge):
                 await self._acknowledge(d)
             elif isinstance(d, StartCheckpoint):
-                await self._try_checkpoint(d.why)
+                await self._checkpoints().try_start(d.why)
             self.core.done(d)
 
     async def _acknowledge(self, d: Acknowledge) -> None:
@@ -349,7 +351,7 @@ class TrainingLoop:
         while not self.state.paused and not self._background_failed():
             async with self._step_lock:
                 if self.core.owes_publish:
-                    await self._publish_owed()  # raises while it keeps failing: no step past an unpublished one
+                    await self.publisher.publish_owed()  # raises while it keeps failing: no step past an unpublished one
                 groups = await self._next_batch()
                 if isinstance(groups, Wait):
                     return
@@ -367,9 +369,9 @@ class TrainingLoop:
         async with self._step_lock:
             await self._tails.settle()  # a checkpoint saves the published current version
             if self.core.owes_publish:
-                await self._publish_owed()
+                await self.publisher.publish_owed()
             if self._save_owed():
-                await self._try_checkpoint("owed")
+                await self._checkpoints().try_start("owed")
 
     def _save_owed(self) -> bool:
         return self.core.holds.owed(time.monotonic(), save_in_flight=self.saving)
@@ -380,7 +382,7 @@ class TrainingLoop:
         """One RL step from the ready groups (None: no batch is ready)."""
         async with self._step_lock:
             if self.core.owes_publish:
-                await self._publish_owed()
+                await self.publisher.publish_owed()
             groups = await self._next_batch()
             if isinstance(groups, Wait):
                 return None
@@ -410,7 +412,7 @@ class TrainingLoop:
                     async with self._jax_lock:  # the KL reference is the warm-started policy
                         await asyncio.to_thread(self.replica.set_reference)
                 version = self.core.warm_start_done()
-                await self._publish()
+                await self.publisher.publish()
                 log.info("warm start done: %d SFT steps -> version %d, loss %.4f; groups sampled before it are "
                          "not trained", self.learner.step_count, version, metrics.loss)
             self.core.pause_if_due(self.learner.step_count)
@@ -472,7 +474,7 @@ class TrainingLoop:
         try:
             if overlap and self._publish_may_overlap(version):
                 cut = await self.publisher.cut(version)
-            published = cut is None and await self._publish_or_owe()
+            published = cut is None and await self.publisher.publish_or_owe()
         except NonFiniteWeights as e:
             await self._refuse(groups, f"not published: {e}", unpublished=True)
             return metrics
@@ -529,7 +531,7 @@ class TrainingLoop:
     async def _step_tail(self, record: dict[str, Any], counters: dict[str, Any], step: TrainedStep, *,
                          published: bool, cut: ServingCopy | None = None) -> None:
         if cut is not None:
-            published = await self._publish_cut(cut, step.version, record)
+            published = await self.publisher.publish_cut(cut, step.version, record)
             del cut  # the device copy goes now, not when the tail ends
         counters = {**counters, "queue_depth": await self.stream.backlog()}
         await self._report(step_record(**record, counters=counters))
@@ -541,160 +543,6 @@ class TrainingLoop:
         await self._perform(self.core.holds.stepped(step.version, published=published, now=time.monotonic()))
         # Off the step's path: keeps the in-flight set to the groups a batch may still take.
         await self._settle_in_flight(self.core.lineage.floor(step.version))
-
-    # -- publishing -----------------------------------------------------------------------------
-
-    async def _publish(self) -> None:
-        """Publishes the current version (no step in flight); a pointer this trainer did not write
-        is reported and overtaken (the version re-numbered above it)."""
-        for _ in range(POINTER_TRIES):
-            published = await self.publisher.stored(self.state.version)
-            current = await self.publisher.point_at(published)
-            if current is None:
-                await self._perform(self.core.published(published.version))
-                return
-            version = self.core.pointer_conflict(current.version)
-            log.error("weight pointer holds version %d (source %r, sha256 %.12s) that this trainer did not write "
-                      "(its version: %d); publishing above it as version %d", current.version, current.source,
-                      current.sha256, published.version, version,
-                      extra={"pointer_conflicts": self.state.pointer_conflicts, "pointer_version": current.version})
-            self.publisher.renumbered(published, version)
-        raise RuntimeError(f"the weight pointer kept moving ahead of version {self.state.version}")
-
-    async def _publish_or_owe(self) -> bool:
-        """Publishes the current version inline; whether it did. A failure leaves it owed."""
-        try:
-            await self._publish()
-            return True
-        except NonFiniteWeights:
-            raise
-        except Exception:
-            # The update applied: the step is trained (never retried); its acks wait for a publish.
-            self.core.publish_failed()
-            log.exception("publishing version %d failed; retrying before the next step", self.state.version,
-                          extra={"publish_failures": self.state.publish_failures})
-            return False
-
-    async def _publish_owed(self) -> None:
-        """Publishes the current version, owed by a failed or refused publish; raises while it fails."""
-        await self._tails.settle()  # an overlapped publish in flight goes first (and may leave it owed)
-        await self._publish()
-
-    async def _publish_cut(self, cut: ServingCopy, version: int, record: dict[str, Any]) -> bool:
-        """A step's overlapped publish, from its tail; whether it published. Fills in the record's
-        pointer mark and `publish_overlapped_s`."""
-        try:
-            published = await self.publisher.stored(version, cut)
-            current = await self.publisher.point_at(published)
-        except Exception:
-            self.core.publish_failed()
-            log.exception("publishing version %d beside the next step failed; retrying it inline before the "
-                          "step after", version, extra={"publish_failures": self.state.publish_failures})
-            return False
-        if current is not None:  # counted and overtaken by the inline retry (`_publish`)
-            self.core.owes_publish = True
-            log.warning("version %d's publish found a weight pointer this trainer did not write; re-publishing "
-                        "above it before the step after", version)
-            return False
-        published_at = time.time()
-        record["anatomy"]["published_at"] = published_at
-        record["timing"]["publish_overlapped_s"] = published_at - record["anatomy"]["cut_at"]
-        return True
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    async def _try_checkpoint(self, why: str) -> None:
-        """Starts a save of the current version; a failure to start is logged and retried later."""
-        try:
-            await self._begin_checkpoint(why)
-        except Exception as e:
-            assert self.saves is not None
-            self.core.holds.save_failed(None, await self.saves.describe(e), time.monotonic())
-            log.exception("could not start checkpoint %d; its steps stay held", self.state.version)
-
-    async def _begin_checkpoint(self, why: str) -> asyncio.Future[tuple[int, str]]:
-        """Starts a checkpoint of the current version (step lock held); the future completes with it."""
-        if self.saves is None:
-            raise ValueError("trainer.checkpoint_dir is not set; checkpoints are disabled")
-        version = self.state.version
-        if self._save_job is not None and not self._save_job.done() and self._save_version == version:
-            return self._save_job
-        await self._settle_save()  # one save at a time: wait for the previous one to finish
-        if version < 1:
-            raise ValueError("nothing to checkpoint yet: no version has been published")
-        if version != self.state.checkpoint_version and self.store.get(version) is None:
-            raise RuntimeError(f"version {version} is not held (its publish failed); the next one is saved")
-        checkpoint = self.core.holds.begin(version, why)
-        if version == self.state.checkpoint_version:
-            if checkpoint.covers:  # complete on disk, but acknowledging its steps failed: again now
-                await self._perform([Acknowledge(checkpoint.covers)])
-            done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
-            done.set_result((version, self.state.checkpoint_uri))
-            return done
-        published = self.store.get(version)
-        assert published is not None
-        # The checkpoint keeps the float32 master copy: its checksum is the publish's only when
-        # the published bytes are that copy (param_dtype float32); otherwise start_save computes it.
-        meta = CheckpointMeta(version=version, step=self.learner.step_count,
-                              params_sha256=published.sha256 if self.learner.param_dtype == "float32" else "",
-                              trajectory_ids=tuple(t for s in checkpoint.covers for t in s.trajectory_ids))
-        try:
-            snapshot = await self.saves.start(meta)
-        except BaseException:
-            self.core.holds.not_started(checkpoint)
-            raise
-        self._save_version = version
-        self._save_job = asyncio.create_task(self._finish_checkpoint(checkpoint, meta, snapshot),
-                                             name=f"checkpoint-{version}")
-        return self._save_job
-
-    async def _finish_checkpoint(self, checkpoint: Checkpoint, meta: CheckpointMeta, snapshot: Any) -> tuple[int, str]:
-        """Writes the save beside the next steps; then its steps are acknowledged."""
-        assert self.saves is not None
-        version, failing = checkpoint.version, self.core.holds.failing
-        try:
-            uri = await self.saves.write(meta, snapshot)
-        except BaseException as e:
-            snapshot = None
-            error = await self.saves.describe(e)
-            # The steps it hands back are bounded in the same breath as the failure is counted;
-            # a cancelled save (shutdown) is no storage failure.
-            decisions = self.core.holds.save_failed(checkpoint, error, time.monotonic(),
-                                                    storage=isinstance(e, Exception))
-            log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
-                      type(e).__name__, e, len(checkpoint.covers), self.core.holds.retry_at - time.monotonic(),
-                      exc_info=e, extra={"checkpoint_failures": self.state.checkpoint_failures})
-            try:
-                await self._perform(decisions)
-            except Exception:  # the save's failure is the news; the next step applies the bound again
-                log.exception("acknowledging held steps past the hold bound failed")
-            raise
-        if failing:
-            log.warning("checkpoint saves resumed after %d failures", failing)
-        acknowledge = self.core.holds.saved(checkpoint)
-        try:
-            await self.pointer.set_checkpoint(version, uri)
-            await self._perform([acknowledge])  # durable now; a failed ack is retried by the next checkpoint
-        except BaseException:
-            self.core.holds.checkpointed(version, uri)  # complete on disk all the same
-            log.exception("checkpoint %d is complete but acknowledging its steps failed; the next one does", version)
-            raise
-        # Reported once its steps are acknowledged: a reader that sees checkpoint v sees its acks.
-        self.core.holds.checkpointed(version, uri)
-        log.info("checkpoint %d complete: %s (%d trajectories acknowledged; saved for %s)", version, uri,
-                 sum(len(s.trajectory_ids) for s in checkpoint.covers), checkpoint.why,
-                 extra={"checkpoint_version": version, "checkpoint_uri": uri})
-        return version, uri
-
-    async def _settle_save(self) -> None:
-        """Waits for the checkpoint in flight; its failure was logged and its steps held again."""
-        job = self._save_job
-        if job is None:
-            return
-        await asyncio.wait([job])
-        if not job.cancelled():
-            job.exception()  # retrieved, so asyncio does not report it again
-        self._save_job = None
 
     # -- records --------------------------------------------------------------------------------
 

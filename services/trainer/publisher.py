@@ -11,22 +11,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from arlo.coord import WeightPointer, WeightPointerState
 from arlo.model.weights import NonFiniteWeights, ServingCopy
+from services.trainer.core.records import Decision
+from services.trainer.core.trainer import TrainerCore
 from services.trainer.lockstep import Replica
 from services.trainer.publish import PublishedVersion, VersionStore, hashed_payload
+from services.trainer.tail import StepTails
 
 log = logging.getLogger(__name__)
+
+POINTER_TRIES = 3
 
 
 
 class Publisher:
     """Moves versions to the fleet: the store (serialised and hashed), then the weight pointer.
-    I/O only: what a refusal or failure means (re-numbering, owing a publish) is the core's."""
+    What a refusal or failure means (re-numbering, owing a publish) is the core's."""
 
     def __init__(self, *, store: VersionStore, pointer: WeightPointer, replica: Replica, jax_lock: asyncio.Lock,
-                 source: str) -> None:
+                 source: str, core: TrainerCore, tails: StepTails,
+                 perform: Callable[[Sequence[Decision]], Awaitable[None]]) -> None:
+        """`perform`: the driver's (loop.py): what a publish lets the core acknowledge."""
+        self.core, self.tails, self.perform = core, tails, perform
         self.store = store
         self.pointer = pointer
         self.replica = replica
@@ -75,3 +86,60 @@ class Publisher:
         if current is not None and (current.version != published.version or current.sha256 != published.sha256):
             return current
         return None  # ours already (a retried call that had landed), or the pointer went away: ours next
+
+    async def publish(self) -> None:
+        """Publishes the current version (no step in flight); a pointer this trainer did not write
+        is reported and overtaken (the version re-numbered above it)."""
+        for _ in range(POINTER_TRIES):
+            published = await self.stored(self.core.state.version)
+            current = await self.point_at(published)
+            if current is None:
+                await self.perform(self.core.published(published.version))
+                return
+            version = self.core.pointer_conflict(current.version)
+            log.error("weight pointer holds version %d (source %r, sha256 %.12s) that this trainer did not write "
+                      "(its version: %d); publishing above it as version %d", current.version, current.source,
+                      current.sha256, published.version, version,
+                      extra={"pointer_conflicts": self.core.state.pointer_conflicts, "pointer_version": current.version})
+            self.renumbered(published, version)
+        raise RuntimeError(f"the weight pointer kept moving ahead of version {self.core.state.version}")
+
+    async def publish_or_owe(self) -> bool:
+        """Publishes the current version inline; whether it did. A failure leaves it owed."""
+        try:
+            await self.publish()
+            return True
+        except NonFiniteWeights:
+            raise
+        except Exception:
+            # The update applied: the step is trained (never retried); its acks wait for a publish.
+            self.core.publish_failed()
+            log.exception("publishing version %d failed; retrying before the next step", self.core.state.version,
+                          extra={"publish_failures": self.core.state.publish_failures})
+            return False
+
+    async def publish_owed(self) -> None:
+        """Publishes the current version, owed by a failed or refused publish; raises while it fails."""
+        await self.tails.settle()  # an overlapped publish in flight goes first (and may leave it owed)
+        await self.publish()
+
+    async def publish_cut(self, cut: ServingCopy, version: int, record: dict[str, Any]) -> bool:
+        """A step's overlapped publish, from its tail; whether it published. Fills in the record's
+        pointer mark and `publish_overlapped_s`."""
+        try:
+            published = await self.stored(version, cut)
+            current = await self.point_at(published)
+        except Exception:
+            self.core.publish_failed()
+            log.exception("publishing version %d beside the next step failed; retrying it inline before the "
+                          "step after", version, extra={"publish_failures": self.core.state.publish_failures})
+            return False
+        if current is not None:  # counted and overtaken by the inline retry (`publish`)
+            self.core.owes_publish = True
+            log.warning("version %d's publish found a weight pointer this trainer did not write; re-publishing "
+                        "above it before the step after", version)
+            return False
+        published_at = time.time()
+        record["anatomy"]["published_at"] = published_at
+        record["timing"]["publish_overlapped_s"] = published_at - record["anatomy"]["cut_at"]
+        return True

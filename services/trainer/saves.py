@@ -1,8 +1,10 @@
-"""Checkpoint saves and the restore, as the driver (loop.py) runs them: no decisions here.
+"""Checkpoint saves and the restore, as the driver (loop.py) runs them.
 
 Which steps a checkpoint covers, when one is due and what a failure lets go are the core's
-(core/holds.py). Saves are written in the background: a step waits only for the arrays' copy to
-host, and for the previous save when the next one is due before it finished.
+(core/holds.py); this starts, writes and finishes the save it asks for, and hands the core's
+acknowledgements back to the driver to perform. Saves are written in the background: a step
+waits only for the arrays' copy to host, and for the previous save when the next one is due
+before it finished. A failed save is retried with backoff on the loop's clock.
 """
 
 from __future__ import annotations
@@ -10,10 +12,18 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import time
 import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
+from arlo.coord import WeightPointer
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored, SaveArrays
+from services.trainer.core.records import Acknowledge, Checkpoint, Decision
+from services.trainer.core.trainer import TrainerCore
+from services.trainer.learner import Learner
 from services.trainer.lockstep import Replica
+from services.trainer.publish import VersionStore
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +34,111 @@ ERROR_CHARS = 500
 
 
 class Saves:
-    def __init__(self, *, replica: Replica, checkpointer: Checkpointer, jax_lock: asyncio.Lock) -> None:
+    """One checkpoint job at a time. `perform`: the driver's (loop.py), which carries out the
+    acknowledgements a save makes possible (the driver alone talks to the stream)."""
+
+    def __init__(self, *, replica: Replica, checkpointer: Checkpointer, jax_lock: asyncio.Lock, core: TrainerCore,
+                 learner: Learner, store: VersionStore, pointer: WeightPointer,
+                 perform: Callable[[Sequence[Decision]], Awaitable[None]]) -> None:
         self.replica, self.checkpointer, self.jax_lock = replica, checkpointer, jax_lock
+        self.core, self.learner, self.store, self.pointer, self.perform = core, learner, store, pointer, perform
+        self.job: asyncio.Task[tuple[int, str]] | None = None
+        self.job_version = 0
+
+    @property
+    def saving(self) -> bool:
+        """A checkpoint save is in flight."""
+        return self.job is not None and not self.job.done()
+
+    async def try_start(self, why: str) -> None:
+        """Starts a save of the current version; a failure to start is logged and retried later."""
+        try:
+            await self.begin(why)
+        except Exception as e:
+            self.core.holds.save_failed(None, await self.describe(e), time.monotonic())
+            log.exception("could not start checkpoint %d; its steps stay held", self.core.state.version)
+
+    async def begin(self, why: str) -> asyncio.Future[tuple[int, str]]:
+        """Starts a checkpoint of the current version (step lock held); the future completes with it."""
+        version = self.core.state.version
+        if self.job is not None and not self.job.done() and self.job_version == version:
+            return self.job
+        await self.settle()  # one save at a time: wait for the previous one to finish
+        if version < 1:
+            raise ValueError("nothing to checkpoint yet: no version has been published")
+        if version != self.core.state.checkpoint_version and self.store.get(version) is None:
+            raise RuntimeError(f"version {version} is not held (its publish failed); the next one is saved")
+        checkpoint = self.core.holds.begin(version, why)
+        if version == self.core.state.checkpoint_version:
+            if checkpoint.covers:  # complete on disk, but acknowledging its steps failed: again now
+                await self.perform([Acknowledge(checkpoint.covers)])
+            done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+            done.set_result((version, self.core.state.checkpoint_uri))
+            return done
+        published = self.store.get(version)
+        assert published is not None
+        # The checkpoint keeps the float32 master copy: its checksum is the publish's only when
+        # the published bytes are that copy (param_dtype float32); otherwise start_save computes it.
+        meta = CheckpointMeta(version=version, step=self.learner.step_count,
+                              params_sha256=published.sha256 if self.learner.param_dtype == "float32" else "",
+                              trajectory_ids=tuple(t for s in checkpoint.covers for t in s.trajectory_ids))
+        try:
+            snapshot = await self.start(meta)
+        except BaseException:
+            self.core.holds.not_started(checkpoint)
+            raise
+        self.job_version = version
+        self.job = asyncio.create_task(self._finish(checkpoint, meta, snapshot),
+                                             name=f"checkpoint-{version}")
+        return self.job
+
+    async def _finish(self, checkpoint: Checkpoint, meta: CheckpointMeta, snapshot: Any) -> tuple[int, str]:
+        """Writes the save beside the next steps; then its steps are acknowledged."""
+        version, failing = checkpoint.version, self.core.holds.failing
+        try:
+            uri = await self.write(meta, snapshot)
+        except BaseException as e:
+            snapshot = None
+            error = await self.describe(e)
+            # The steps it hands back are bounded in the same breath as the failure is counted;
+            # a cancelled save (shutdown) is no storage failure.
+            decisions = self.core.holds.save_failed(checkpoint, error, time.monotonic(),
+                                                    storage=isinstance(e, Exception))
+            log.error("checkpoint %d failed (%s: %s); its %d steps stay held, retry in %.0fs", version,
+                      type(e).__name__, e, len(checkpoint.covers), self.core.holds.retry_at - time.monotonic(),
+                      exc_info=e, extra={"checkpoint_failures": self.core.state.checkpoint_failures})
+            try:
+                await self.perform(decisions)
+            except Exception:  # the save's failure is the news; the next step applies the bound again
+                log.exception("acknowledging held steps past the hold bound failed")
+            raise
+        if failing:
+            log.warning("checkpoint saves resumed after %d failures", failing)
+        acknowledge = self.core.holds.saved(checkpoint)
+        try:
+            await self.pointer.set_checkpoint(version, uri)
+            await self.perform([acknowledge])  # durable now; a failed ack is retried by the next checkpoint
+        except BaseException:
+            self.core.holds.checkpointed(version, uri)  # complete on disk all the same
+            log.exception("checkpoint %d is complete but acknowledging its steps failed; the next one does", version)
+            raise
+        # Reported once its steps are acknowledged: a reader that sees checkpoint v sees its acks.
+        self.core.holds.checkpointed(version, uri)
+        log.info("checkpoint %d complete: %s (%d trajectories acknowledged; saved for %s)", version, uri,
+                 sum(len(s.trajectory_ids) for s in checkpoint.covers), checkpoint.why,
+                 extra={"checkpoint_version": version, "checkpoint_uri": uri})
+        return version, uri
+
+    async def settle(self) -> None:
+        """Waits for the checkpoint in flight; its failure was logged and its steps held again."""
+        job = self.job
+        if job is None:
+            return
+        await asyncio.wait([job])
+        if not job.cancelled():
+            job.exception()  # retrieved, so asyncio does not report it again
+        self.job = None
+
 
     async def restore(self) -> Restored | None:
         """The newest complete, intact checkpoint, loaded into the learner (None: none)."""

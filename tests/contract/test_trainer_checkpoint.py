@@ -101,6 +101,7 @@ async def pending(env: dict) -> int:
 async def test_steps_continue_while_a_checkpoint_is_written_and_the_pointer_waits_for_it(
         env: dict, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="services.trainer.loop")
+    caplog.set_level(logging.INFO, logger="services.trainer.saves")
     seen_checkpoints: list[tuple[int, bool]] = []
 
     async def watch_pointer() -> None:

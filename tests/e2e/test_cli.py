@@ -43,6 +43,21 @@ def arlo(*args: str, home: Path, **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "arlo.app.cli", *args], env=env, capture_output=True, text=True, **kw)
 
 
+def wait_until_up(up: subprocess.Popen, home: Path, out: Path, timeout_s: float = 300) -> dict:
+    """`arlo status --json` once every service but the rollout is healthy (or the last one seen
+    at the deadline); `arlo up` exiting meanwhile fails with the end of its output."""
+    deadline, status = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        assert up.poll() is None, out.read_text()[-4000:]
+        result = arlo("status", "--json", home=home, timeout=60)
+        if result.returncode == 0:
+            status = json.loads(result.stdout)
+            if all(s["healthy"] for s in status["services"] if s["name"] != "rollout"):
+                break
+        time.sleep(1)
+    return status
+
+
 @pytest.mark.slow  # ~6 min on an idle 2-core machine: 600 SFT steps, 30 RL steps, 5 evaluations
 @pytest.mark.timeout(1600)  # above the demo's own 1500 s limit: never cut short by the suite's default
 def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str, run_id: str) -> None:
@@ -103,16 +118,7 @@ def test_up_status_train_and_clean_shutdown(tmp_path: Path, redis_url: str, run_
                           # blocked, and so did its shutdown (CI: no exit 60 s after SIGINT).
                           stdout=open(tmp_path / "up.out", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
     try:
-        deadline = time.monotonic() + 300
-        status: dict = {}
-        while time.monotonic() < deadline:
-            assert up.poll() is None, (tmp_path / "up.out").read_text()[-4000:]
-            result = arlo("status", "--json", home=home, timeout=60)
-            if result.returncode == 0:
-                status = json.loads(result.stdout)
-                if all(s["healthy"] for s in status["services"] if s["name"] != "rollout"):
-                    break
-            time.sleep(1)
+        status = wait_until_up(up, home, tmp_path / "up.out")
         assert {s["name"] for s in status["services"]} == set(SERVICES)
         assert status["queue_depth"] >= 0 and "trainer_version" in status
         train = arlo("train", "--steps", "2", "--json", str(tmp_path / "train.json"), home=home, timeout=600)

@@ -5,7 +5,6 @@ was restarted three times first, ~200 log lines)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.test_cli import SERVICES, arlo
+from tests.e2e.test_cli import SERVICES, arlo, wait_until_up
 
 pytestmark = pytest.mark.e2e
 
@@ -39,15 +38,7 @@ def test_port_0_is_chosen_recorded_and_health_checked(tmp_path: Path, redis_url:
                            str(config(tmp_path / "run.yaml", run_id, redis_url))], env=env,
                           stdout=open(tmp_path / "up.out", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
     try:
-        deadline, status = time.monotonic() + 300, {}
-        while time.monotonic() < deadline:
-            assert up.poll() is None, (tmp_path / "up.out").read_text()[-4000:]
-            result = arlo("status", "--json", home=home, timeout=60)
-            if result.returncode == 0:
-                status = json.loads(result.stdout)
-                if all(s["healthy"] for s in status["services"] if s["name"] != "rollout"):
-                    break
-            time.sleep(1)
+        status = wait_until_up(up, home, tmp_path / "up.out")
         infra = [s for s in status["services"] if s["name"] != "rollout"]
         assert infra and all(s["healthy"] for s in infra), status
         assert all(not s["address"].endswith(":0") for s in status["services"]), status
