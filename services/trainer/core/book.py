@@ -172,10 +172,10 @@ class GroupBook:
             self._attempts.pop(g.entry_ids[0], None)
         return groups
 
-    def step_failed(self, error: BaseException) -> tuple[int, list[Decision]]:
+    def step_failed(self, error: BaseException) -> list[Decision]:
         """The step in flight raised before its update applied: groups with tries left go back to
         the front of the ready list, the rest are dead-lettered with the error (never dropped,
-        never acknowledged untrained). Returns (groups put back, decisions)."""
+        never acknowledged untrained)."""
         groups, self.in_step = self.in_step, []
         again, dead = [], []
         for g in groups:
@@ -185,10 +185,10 @@ class GroupBook:
         for g in dead:
             self._attempts.pop(g.entry_ids[0], None)
         if not dead:
-            return len(again), []
+            return []
         reason = f"step failed {STEP_ATTEMPTS} times: {type(error).__name__}: {error}"
         items = _items(dead, reason)
-        return len(again), [DeadLetter(items, "step_error", len(items))]
+        return [DeadLetter(items, "step_error", len(items))]
 
     def refuse(self, groups: Sequence[ReadyGroup], reason: str) -> DeadLetter:
         """A step that would corrupt the weights (a non-finite loss, gradient or parameter):

@@ -45,7 +45,6 @@ class Holds:
         self.state = state
         self.awaiting: list[TrainedStep] = []  # trained, not yet covered by a checkpoint (or published)
         self.saving: list[TrainedStep] = []  # covered by the checkpoint being written
-        self.saving_version = 0
         self.failing = 0  # consecutive failed saves
         self.retry_at = 0.0
         self.undurable_through = 0  # newest version with steps acknowledged without a checkpoint
@@ -138,7 +137,7 @@ class Holds:
             self._count()
             return Checkpoint(version, tuple(covered), why="already saved")
         covered, self.awaiting = self.awaiting, []
-        self.saving, self.saving_version = covered, version
+        self.saving = covered
         return Checkpoint(version, tuple(covered), why=why)
 
     def not_started(self, checkpoint: Checkpoint) -> None:

@@ -121,8 +121,7 @@ class TrainerCore:
 
     def step_failed(self, error: BaseException) -> list[Decision]:
         self.state.failed_steps += 1
-        _, decisions = self.book.step_failed(error)
-        return decisions
+        return self.book.step_failed(error)
 
     def step_refused(self, groups: Sequence[ReadyGroup], reason: str, *, unpublished: bool = False) -> list[Decision]:
         """A step whose loss/gradient (or, `unpublished`, whose new weights) are non-finite: its
