@@ -21,3 +21,5 @@ SftTooLong = Literal["drop", "truncate_left", "error"]
 """What the SFT warm start does with a demonstration longer than the model's context."""
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
 """Sandbox isolation; "auto" picks the best of the others that works here."""
+ToolFormat = Literal["auto", "hermes", "llama3", "qwen3_coder", "mistral", "gemma"]
+"""How a model writes tool calls (arlo/tool_calls.py); "auto" reads any of them by their markers."""

@@ -3,11 +3,17 @@
 Shared: the environments read the agent's calls with it, and inference reads the same formats
 for its OpenAI API (a reply's `tool_calls`), so the two never disagree on what a call is.
 
-Two formats, because they are what open models emit:
-- Hermes/Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or several,
-  with free text around them.
-- Llama 3: the whole message is `{"name": ..., "parameters": {...}}` (or a list of such),
+The formats open models emit (`FORMATS`; `model.tool_format` picks one, "auto" reads any):
+- hermes (Qwen2.5/Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one
+  or several, with free text around them.
+- llama3: the whole message is `{"name": ..., "parameters": {...}}` (or a list of such),
   optionally after `<|python_tag|>`.
+- qwen3_coder: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`.
+- mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]NAME[ARGS]{...}`.
+- gemma: `<|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>` (Gemma 4; FunctionGemma's
+  `<start_function_call>`/`<escape>` alike).
+The last three are read by tool_formats.py. "auto" tells them apart by their markers, which do
+not overlap (a Qwen3-Coder `<tool_call>` holds `<function=`, a Hermes one JSON).
 
 A malformed call never raises: it becomes a `BadToolCall` whose message says exactly what was
 wrong and how a correct call looks, so the environment can answer it as a "tool" observation
@@ -20,12 +26,15 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
+from arlo import tool_formats as fmt
+from arlo.choices import ToolFormat
 from arlo.jsonfields import loads_bounded
 from arlo.tool_schema import check_object, json_type_name, tool_name
 
 MAX_CALLS_PER_TURN = 8
+FORMATS: tuple[ToolFormat, ...] = get_args(ToolFormat)
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
@@ -53,7 +62,7 @@ class ParsedTurn:
     calls: tuple[ToolCall | BadToolCall, ...]
     """In the order written."""
     format: str = ""
-    """"hermes", "llama3", or "" when the turn has no tool call."""
+    """The format the calls were read in (one of FORMATS but "auto"), or "" when the turn has none."""
 
 
 def hermes_example(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -61,19 +70,56 @@ def hermes_example(tools: Sequence[Mapping[str, Any]]) -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {{...}}}}</tool_call>'
 
 
-def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]], *,
+def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]], *, format: str = "auto",
                      max_calls: int = MAX_CALLS_PER_TURN) -> ParsedTurn:
-    """The tool calls in `text`, each checked against `tools` (OpenAI function format)."""
-    if "{" not in text and "<|" not in text and "<tool_call>" not in text:
+    """The tool calls in `text`, each checked against `tools` (OpenAI function format), read in
+    `format` (one of FORMATS; "auto": whichever format's markers the text holds)."""
+    if format not in FORMATS:
+        raise ValueError(f"tool call format: expected one of {FORMATS}, got {format!r}")
+    if not any(mark in text for mark in _MARKS):
         return ParsedTurn(text=text.strip(), calls=())  # most turns: plain text, told at C speed
     by_name = {tool_name(t): t for t in tools}
-    if "<tool_call>" in text:
+    if format == "auto":
+        format = _detect(text)
+    if format == "qwen3_coder" and fmt.is_qwen3_coder(text):
+        return _checked(fmt.read_qwen3_coder(text, by_name, max_calls), by_name, max_calls, format)
+    if format == "mistral" and fmt.is_mistral(text):
+        return _checked(fmt.read_mistral(text, max_calls), by_name, max_calls, format)
+    if format == "gemma" and fmt.is_gemma(text):
+        return _checked(fmt.read_gemma(text, max_calls), by_name, max_calls, format)
+    if format == "hermes" and "<tool_call>" in text:
         bodies = _HERMES.findall(text)
         rest = _HERMES.sub(" ", text).replace("</tool_call>", " ")
         calls = [_call_from_json(b, i, by_name, "arguments") for i, b in enumerate(bodies[:max_calls])]
         calls += [_too_many(max_calls)] if len(bodies) > max_calls else []
         return ParsedTurn(text=rest.strip(), calls=tuple(calls), format="hermes")
-    return _parse_llama3(text, by_name, max_calls)
+    if format == "llama3":
+        return _parse_llama3(text, by_name, max_calls)
+    return ParsedTurn(text=text.strip(), calls=())
+
+
+_MARKS = ("{", "<|", "<tool_call>", "<function=", fmt.TOOL_CALLS, "<start_function_call>")
+
+
+def _detect(text: str) -> str:
+    if fmt.is_gemma(text):
+        return "gemma"
+    if fmt.is_mistral(text):
+        return "mistral"
+    if fmt.is_qwen3_coder(text):
+        return "qwen3_coder"
+    return "hermes" if "<tool_call>" in text else "llama3"
+
+
+def _checked(found: fmt.Found, by_name: Mapping[str, Any], max_calls: int, format: str) -> ParsedTurn:
+    calls: list[ToolCall | BadToolCall] = []
+    for i, (name, arguments) in enumerate(found.calls):
+        if isinstance(arguments, str):
+            calls.append(BadToolCall(name=name, error=arguments))
+        else:
+            calls.append(_call_from_value({"name": name, "arguments": arguments}, i, by_name, "arguments"))
+    calls += [_too_many(max_calls)] if found.total > max_calls else []
+    return ParsedTurn(text=found.text, calls=tuple(calls), format=format)
 
 
 def _parse_llama3(text: str, by_name: Mapping[str, Any], max_calls: int) -> ParsedTurn:
