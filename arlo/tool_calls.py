@@ -81,7 +81,7 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]], *, format: s
     by_name = {tool_name(t): t for t in tools}
     if format == "auto":
         format = _detect(text)
-    if format == "qwen3_coder" and fmt.is_qwen3_coder(text):
+    if format == "qwen3_coder" and fmt.has_qwen3_coder_call(text):
         return _checked(fmt.read_qwen3_coder(text, by_name, max_calls), by_name, max_calls, format)
     if format == "mistral" and fmt.is_mistral(text):
         return _checked(fmt.read_mistral(text, max_calls), by_name, max_calls, format)

@@ -28,6 +28,9 @@ from typing import Any
 
 from arlo.jsonfields import MAX_DEPTH, loads_bounded
 
+MARKUP_TOKENS = frozenset({"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|tool_call>", "<tool_call|>", '<|"|>',
+                           "<start_function_call>", "<end_function_call>", "<escape>", "<tool_call>", "</tool_call>"})
+"""The formats' markers: a tokenizer that makes one of them a special token still decodes it."""
 Raw = tuple[str, "dict[str, Any] | str"]
 """One call as written: (tool name or "", its arguments, or an error string)."""
 
@@ -43,7 +46,7 @@ class Found:
 # ----- Qwen3-Coder -----
 
 QWEN3_CODER_EXAMPLE = "<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>"
-_QC_BLOCK = re.compile(r"<tool_call>\s*(<function=.*?)(?:</tool_call>|$)|(<function=.*?)(?:</function>|$)", re.DOTALL)
+_QC_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)|(<function=.*?)(?:</function>|$)", re.DOTALL)
 _QC_START = re.compile(r"<tool_call>\s*<function=")
 _QC_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOTALL)
 _QC_PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)(</parameter>|(?=<parameter=)|$)", re.DOTALL)
@@ -54,10 +57,15 @@ def is_qwen3_coder(text: str) -> bool:
     return _QC_START.search(text) is not None or ("<tool_call>" not in text and "<function=" in text)
 
 
+def has_qwen3_coder_call(text: str) -> bool:
+    """Whether the turn holds a call to read as Qwen3-Coder's when that format is chosen."""
+    return "<tool_call>" in text or "<function=" in text
+
+
 def read_qwen3_coder(text: str, by_name: Mapping[str, Any], max_calls: int) -> Found:
     blocks = list(_QC_BLOCK.finditer(text))
     rest = _QC_BLOCK.sub(" ", text).replace("</tool_call>", " ")
-    calls = [_qwen3_coder_call(m.group(1) or m.group(2), i, by_name) for i, m in enumerate(blocks[:max_calls])]
+    calls = [_qwen3_coder_call(m.group(1) if m.group(1) is not None else m.group(2), i, by_name) for i, m in enumerate(blocks[:max_calls])]
     return Found(text=rest.strip(), calls=calls, total=len(blocks))
 
 
@@ -146,10 +154,9 @@ def _mistral_json(head: str, body: str, max_calls: int) -> Found:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             calls.append(("", f"tool call {i + 1} must be an object with \"name\" and \"arguments\"; "
                               f"write {MISTRAL_EXAMPLE}"))
-            continue
-        args = item.get("arguments", item.get("parameters", {}))
-        calls.append((item["name"], args if isinstance(args, dict | str) else json.dumps(args)))
-    return Found(text=head.strip(), calls=[_args_as_object(c) for c in calls], total=len(items))
+        else:
+            calls.append(_args_as_object((item["name"], item.get("arguments", item.get("parameters", {})))))
+    return Found(text=head.strip(), calls=calls, total=len(items))
 
 
 def _mistral_named(part: str, index: int) -> Raw:
@@ -164,18 +171,17 @@ def _mistral_named(part: str, index: int) -> Raw:
         value = loads_bounded(args) if args else {}
     except json.JSONDecodeError as e:
         return name, f"{name}: the arguments after [ARGS] are not valid JSON ({e.msg} at char {e.pos})"
-    return _args_as_object((name, value if isinstance(value, dict) else json.dumps(value)))
+    return _args_as_object((name, value))
 
 
 def _args_as_object(call: tuple[str, Any]) -> Raw:
     name, args = call
-    if isinstance(args, dict):
-        return name, args
-    try:  # OpenAI's wire format sends arguments as a JSON string; models copy it
-        value = loads_bounded(args) if args.strip() else {}
-    except json.JSONDecodeError as e:
-        return name, f"{name}: arguments is a string but not valid JSON ({e.msg})"
-    return (name, value) if isinstance(value, dict) else (name, f"{name}: arguments must be a JSON object")
+    if isinstance(args, str):  # OpenAI's wire format sends arguments as a JSON string; models copy it
+        try:
+            args = loads_bounded(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            return name, f"{name}: arguments is a string but not valid JSON ({e.msg})"
+    return (name, args) if isinstance(args, dict) else (name, f"{name}: arguments must be a JSON object")
 
 
 def _name_in(body: str) -> str:

@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 
 from arlo.model.chat_template import ChatTemplate
 from arlo.model.tokenizer import message_dict
+from arlo.tool_formats import MARKUP_TOKENS
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -54,6 +55,11 @@ class HFTokenizer:
         self.special_tokens = dict(special_tokens)
         self.template = ChatTemplate(chat_template, engine=template_engine) if chat_template else None
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        # Tool-call markup is a special token in some families (Mistral's [TOOL_CALLS], Gemma's
+        # <|tool_call>, <|"|>): decode keeps it, or the call could not be read back from the text.
+        self._dropped = frozenset(i for i, text in specials.items() if text not in MARKUP_TOKENS)
+        self._keeps_markup = len(self._dropped) < len(specials)
         self.bos_id = self._id_of("bos_token")
         config_eos = self._id_of("eos_token")
         # A chat model's turn ends with the template's end-of-turn token (Llama 3's <|eot_id|>,
@@ -94,8 +100,11 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Ids to text; special and out-of-range ids are skipped."""
-        return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
+        """Ids to text; out-of-range ids and special ids other than tool-call markup are skipped."""
+        if not self._keeps_markup:
+            return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
+        kept = [i for i in ids if 0 <= i < self.vocab_size and i not in self._dropped]
+        return self._tok.decode(kept, skip_special_tokens=False)
 
     def encode_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool,
                         tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
