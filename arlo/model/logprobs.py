@@ -7,6 +7,11 @@ sampled token always among the kept (a forward that differs from the engine's in
 bits must not drop a sampled token from learning). The trainer uses the second with the
 run's `rollout.sampling`, so that its importance ratios compare the policy it trains with the
 policy that sampled, not two different distributions (docs/algorithms.md).
+
+`chunked_token_logprobs` computes any of these (and `token_entropy`, and several at once: the
+train step's one pass returns the behaviour logprobs, the model's own logprobs for the KL and
+the entropy together) a chunk of positions at a time from the hidden states, so no
+[batch, length, vocab] logits are ever held whole, in the forward or the backward pass.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     logits_btv = logits_btv.astype(jnp.float32)
     target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return target_bt - jax.nn.logsumexp(logits_btv, axis=-1)
+
+
+def token_entropy(logits_btv: jax.Array) -> jax.Array:
+    """Entropy of each position's next-token distribution (temperature 1, unfiltered), float32 [b, t]."""
+    logp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+    return -(jnp.exp(logp) * logp).sum(axis=-1)
 
 
 def sampled_token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, *, temperature: float, top_k: int,
@@ -114,10 +125,12 @@ def _kept_logsumexp(x: jax.Array, targets_bt: jax.Array, *, top_k: int, top_p: f
 def chunked_token_logprobs(model, h_btd: jax.Array, targets_bt: jax.Array, chunk: int,
                            logprob_fn: LogprobFn = token_logprobs) -> Any:
     """`logprob_fn` (token_logprobs by default) without ever holding [batch, length, vocab]
-    logits whole; returns what `logprob_fn` returns ([b, t] arrays).
+    logits whole; returns what `logprob_fn` returns (any tree of [b, t] arrays: several terms
+    of the same logits come out of one pass, each piece's logits computed once for all).
 
-    The sequence is cut into `chunk`-token pieces; each piece's logits are computed, reduced
-    to logprobs and dropped, and recomputed in the backward pass (jax.checkpoint), so peak
+    The sequence is cut into `chunk`-token pieces scanned in order (`lax.map`); each piece's
+    logits are computed, reduced and dropped, and recomputed in the backward pass
+    (jax.checkpoint: the scan keeps only each piece's hidden states and targets), so peak
     memory holds one piece's logits instead of the whole sequence's.
     """
     b, t, d = h_btd.shape

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from arlo.config import AlgorithmConfig, KlKind, Remat, TrainerConfig
-from arlo.model import token_logprobs
+from arlo.config import AlgorithmConfig, Remat, TrainerConfig
 from services.trainer.advantages import gae_advantages
-from services.trainer.losses import kl_estimate, masked_mean
+from services.trainer.losses import masked_mean
+from services.trainer.objectives import model_kl_bt, with_reference_logprobs
 
 
 def make_critic(policy_state: nnx.State, dim: int) -> dict[str, Any]:
@@ -44,14 +44,6 @@ def values_bt(graphdef: Any, params: dict[str, Any], tokens_bt: Array, remat: Re
     h = nnx.merge(graphdef, params["backbone"]).hidden(tokens_bt[:, :-1], remat=remat)
     head = params["head"]
     return h.astype(jnp.float32) @ head["w_d"] + head["b"]
-
-
-def token_kl_bt(model, ref_model, tokens_bt: Array, mask_bt: Array, kind: KlKind) -> Array:
-    """Per-target KL(pi || pi_ref) estimate on the model positions, for a KL penalty in the reward."""
-    inputs, targets = tokens_bt[:, :-1], tokens_bt[:, 1:]
-    lp = token_logprobs(model(inputs), targets)
-    ref = token_logprobs(ref_model(inputs), targets)
-    return jax.lax.stop_gradient(kl_estimate(lp, ref, kind)) * mask_bt
 
 
 def whiten(x_bt: Array, mask_bt: Array, eps: float = 1e-6) -> Array:
@@ -105,9 +97,10 @@ def prepare_gae(graphdef: Any, tc: TrainerConfig, critic: dict[str, Any], state:
     `mbs` is the batch as [micro_batches, rows, length] arrays. Per-token rewards:
     `token_rewards_bt`, the reward the run optimises placed on its tokens
     (`batching.objective_rewards`: the same total as the group estimators' reward), minus
-    kl_coef x the per-token KL to the reference with `kl_in_reward`. Returns mbs plus
-    old_values_bt, returns_bt and advantages_bt (each [micro_batches, rows, length - 1]) and
-    the batch-start metrics."""
+    kl_coef x the per-token KL to the reference with `kl_in_reward` (then mbs also carries the
+    reference's logprobs, "ref_logprobs_bt", so the step does not compute them again). Returns
+    mbs plus old_values_bt, returns_bt and advantages_bt (each [micro_batches, rows, length - 1])
+    and the batch-start metrics."""
     cfg = tc.algorithm
     num_mb, size, length = mbs["mask_bt"].shape
     mask = mbs["mask_bt"][:, :, 1:].reshape(-1, length - 1)
@@ -117,8 +110,9 @@ def prepare_gae(graphdef: Any, tc: TrainerConfig, critic: dict[str, Any], state:
     if cfg.kl_coef and cfg.kl_in_reward:
         assert ref_state is not None  # the learner holds a reference whenever kl_coef > 0
         model, ref_model = nnx.merge(graphdef, state), nnx.merge(graphdef, ref_state)
-        kl = jax.lax.map(lambda mb: token_kl_bt(model, ref_model, mb["tokens_bt"], mb["mask_bt"][:, 1:],
-                                                cfg.kl_kind), mbs)
+        # Chunked like the step's own logprobs; the reference's go on to the step in `mbs`.
+        mbs = with_reference_logprobs(ref_model, mbs, tc)
+        kl = jax.lax.map(lambda mb: model_kl_bt(model, mb, tc), mbs)
         rewards = rewards - cfg.kl_coef * kl.reshape(-1, length - 1)
     adv, returns = gae_targets(cfg, rewards, old_values, mask)
     metrics = {"value_mean": masked_mean(old_values, mask), "return_mean": masked_mean(returns, mask),

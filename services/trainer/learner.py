@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from arlo.config import SamplingConfig, TrainerConfig
 from arlo.model import abstract_model
 from arlo.model.sharding import batch_sharding, fitted_state_shardings, state_shardings
+from arlo.model.lora import merge_states, split_adapters
 from arlo.model.source import ModelSource, cast_state
 from services.trainer.batching import Batch, objective_rewards
 from services.trainer.critic import make_critic, prepare_gae, value_objective
@@ -53,6 +54,7 @@ from services.trainer.objectives import (
     rl_objective,
     sequence_kl,
     sft_objective,
+    with_reference_logprobs,
 )
 from services.trainer.optimizers import critic_optimizer, rl_optimizer, sft_optimizer
 from services.trainer.sft import SFTBatch
@@ -93,7 +95,10 @@ class Learner:
         # them: a dimension the mesh does not divide (2 kv heads on tensor 4) stays replicated.
         # The optimizer state and the critic follow.
         shardings = None if mesh is None else fitted_shardings(source.abstract_state("float32"), mesh)
-        self.state = source.initial_state(shardings, dtype="float32")
+        # `state` is what the optimizer updates, checkpoints keep and publishes carry: the whole
+        # model, or with LoRA only the adapters; `frozen` is the LoRA base, in param_dtype, never
+        # updated, donated or published (None without LoRA).
+        self.state, self.frozen = initial_params(source, shardings)
         # The KL reference is the initial policy (trainer.algorithm.reference "after_sft": the
         # policy once the warm start is done, see `set_reference`), held apart in the serving
         # dtype: never donated, never updated.
@@ -109,6 +114,9 @@ class Learner:
         sft = functools.partial(_sft_step, self.graphdef, self._sft_tx, cfg, self.param_dtype)
         self._rl_step = jax.jit(rl, donate_argnums=(0, 1), static_argnums=(6,))
         self._sft_step = jax.jit(sft, donate_argnums=(0, 1))
+        # `frozen` goes to every step as a (never donated) keyword argument: bound into the
+        # function instead, jit would bake the whole base into the program as a constant.
+        self.step_kwargs = {} if self.frozen is None else {"frozen": self.frozen}
         self._init_critic()
 
     def _init_critic(self) -> None:
@@ -140,7 +148,7 @@ class Learner:
         if self.critic is not None:  # values, rewards and GAE before any update of this batch
             rows, start = self._prepare_gae(self.critic, self.state, self.ref_state, rows)
         self.state, self.opt_state, metrics = self._rl_step(
-            self.state, self.opt_state, self.ref_state, rows, rewards, key, mini)
+            self.state, self.opt_state, self.ref_state, rows, rewards, key, mini, **self.step_kwargs)
         if self.critic is not None:
             self.critic, self.critic_opt_state, value_metrics = self._critic_step(
                 self.critic, self.critic_opt_state, rows, rewards, key, mini)
@@ -167,9 +175,14 @@ class Learner:
         return None if self.critic is None else {"params": self.critic, "opt_state": self.critic_opt_state}
 
     def serving_state(self) -> nnx.State:
-        """The policy as inference serves it and every publish carries it: the master copy in
-        param_dtype (the same arrays when that is float32)."""
+        """What every publish carries, as inference serves it: the master copy (with LoRA, the
+        adapters alone) in param_dtype (the same arrays when that is float32)."""
         return cast_state(self.state, self.param_dtype)
+
+    def policy_state(self) -> nnx.State:
+        """The whole policy in param_dtype (with LoRA: the frozen base and the adapters, unmerged)."""
+        serving = self.serving_state()
+        return serving if self.frozen is None else merge_states(self.frozen, serving)
 
     def set_reference(self) -> None:
         """Makes the current policy the KL reference (after the SFT warm start, reference "after_sft")."""
@@ -184,7 +197,8 @@ class Learner:
         if self.sft_opt_state is None:
             self.sft_opt_state = self._sft_tx.init(self.state)
         rows = self._on_device({"tokens_bt": batch.tokens_bt, "mask_bt": batch.mask_bt})
-        self.state, self.sft_opt_state, metrics = self._sft_step(self.state, self.sft_opt_state, rows)
+        self.state, self.sft_opt_state, metrics = self._sft_step(self.state, self.sft_opt_state, rows,
+                                                                 **self.step_kwargs)
         return self._finish(metrics, batch, reward_mean=0.0)
 
     def device_inputs(self, batch: Batch, *, mini_batches: int) -> tuple[np.ndarray, dict[str, jax.Array]]:
@@ -241,6 +255,21 @@ def fitted_shardings(abstract: nnx.State, mesh: Mesh) -> Any:
     return fitted
 
 
+def initial_params(source: ModelSource, shardings: Any) -> tuple[nnx.State, nnx.State | None]:
+    """(trained parameters in float32, the frozen LoRA base in param_dtype or None)."""
+    if source.cfg.lora is None:
+        return source.initial_state(shardings, dtype="float32"), None
+    # Loaded in param_dtype, so a float32 copy of the base never exists; the adapters' A is
+    # random anyway (and B zero), so their round trip through param_dtype loses nothing that matters.
+    adapters, base = split_adapters(source.initial_state(shardings, dtype=source.param_dtype))
+    return cast_state(adapters, "float32"), base
+
+
+def policy_model(graphdef: Any, params: nnx.State, frozen: nnx.State | None) -> Any:
+    """The model from its trained parameters and, with LoRA, the frozen base."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
 def pad_rows(arrays: dict[str, np.ndarray], *, multiple: int) -> dict[str, np.ndarray]:
     """Pads the batch dimension up to a multiple with all-zero rows (mask 0: they add nothing)."""
     n = len(next(iter(arrays.values())))
@@ -252,13 +281,14 @@ def pad_rows(arrays: dict[str, np.ndarray], *, multiple: int) -> dict[str, np.nd
 
 def _accumulate(
     graphdef: Any, objective: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
-    state: nnx.State, mbs: dict[str, jax.Array], param_dtype: str = "float32",
+    state: nnx.State, mbs: dict[str, jax.Array], param_dtype: str = "float32", frozen: nnx.State | None = None,
 ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
     """Sums loss and gradients over the leading (micro-batch) axis; `objective(model, mb)`. The
     forward runs on the master copy cast to param_dtype (exactly the weights inference serves);
-    the cast's gradient brings the gradients back to float32 for the master update."""
+    the cast's gradient brings the gradients back to float32 for the master update. Gradients
+    are taken of `state` alone: with LoRA, the adapters, never the `frozen` base."""
     return _accumulate_params(
-        lambda state, mb: objective(nnx.merge(graphdef, cast_state(state, param_dtype)), mb), state, mbs)
+        lambda state, mb: objective(policy_model(graphdef, cast_state(state, param_dtype), frozen), mb), state, mbs)
 
 
 def _accumulate_params(
@@ -304,15 +334,18 @@ def _apply_if_finite(tx: optax.GradientTransformation, state: nnx.State, opt_sta
 
 def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, param_dtype: str,
              sampling: SamplingConfig, state: nnx.State, opt_state: Any, ref_state: nnx.State | None,
-             mbs: dict[str, jax.Array], rewards_gk: jax.Array, key_data: jax.Array, mini_batches: int):
+             mbs: dict[str, jax.Array], rewards_gk: jax.Array, key_data: jax.Array, mini_batches: int,
+             frozen: nnx.State | None = None):
     obj = tc.algorithm
-    ref_model = nnx.merge(graphdef, ref_state) if ref_state is not None else None
+    ref_model = policy_model(graphdef, ref_state, frozen) if ref_state is not None else None
     num_mb, size = mbs["mask_bt"].shape[:2]
     total_rows, real_rows = num_mb * size, rewards_gk.size
+    if obj.kl_coef:  # once per batch, chunked, no gradient (objectives.with_reference_logprobs says why)
+        mbs = with_reference_logprobs(ref_model, mbs, tc)
     if "advantages_bt" not in mbs:  # group advantages; GAE (critic.prepare_gae) brings per-token ones
         if obj.kl_coef and obj.kl_in_reward:
-            model = nnx.merge(graphdef, cast_state(state, param_dtype))
-            kl_b = jax.lax.map(lambda mb: sequence_kl(model, ref_model, mb, obj.kl_kind), mbs).reshape(-1)
+            model = policy_model(graphdef, cast_state(state, param_dtype), frozen)
+            kl_b = jax.lax.map(lambda mb: sequence_kl(model, mb, tc), mbs).reshape(-1)
             kl_gk = jax.lax.stop_gradient(kl_b[: rewards_gk.size]).reshape(rewards_gk.shape)
             rewards_gk = rewards_gk - obj.kl_coef * kl_gk
         adv = advantages_b(obj, rewards_gk)
@@ -320,7 +353,7 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
     updates = tc.ppo_epochs * mini_batches
     if updates > 1:
         # The proximal policy: the trainer's logprobs before this batch's first update, once.
-        model = nnx.merge(graphdef, cast_state(state, param_dtype))
+        model = policy_model(graphdef, cast_state(state, param_dtype), frozen)
         mbs["old_logprobs_bt"] = jax.lax.map(lambda mb: old_logprobs(model, mb, tc, sampling), mbs)
 
     def update(carry, rows: dict[str, jax.Array]):
@@ -330,7 +363,7 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
         denominator = aggregate_denominator(mask, obj.aggregation, obj.norm_constant or None, num_rows=real.sum())
         loss, grads, metrics = _accumulate(
             graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model, sampling), state, rows,
-            param_dtype)
+            param_dtype, frozen)
         state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
         return (state, opt_state), {**metrics, **outcome}
 
@@ -388,9 +421,9 @@ def _critic_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerCon
 
 
 def _sft_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig, param_dtype: str,
-              state: nnx.State, opt_state: Any, mbs: dict[str, jax.Array]):
+              state: nnx.State, opt_state: Any, mbs: dict[str, jax.Array], frozen: nnx.State | None = None):
     denominator = jnp.maximum(mbs["mask_bt"][:, :, 1:].sum(), 1.0)
     loss, grads, metrics = _accumulate(graphdef, lambda model, mb: sft_objective(model, mb, denominator, tc),
-                                       state, mbs, param_dtype)
+                                       state, mbs, param_dtype, frozen)
     state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
     return state, opt_state, {**metrics, **outcome}

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from arlo.config import Aggregation, AlgorithmConfig, KlKind
+from arlo.model.logprobs import token_entropy as token_entropy  # the entropy bonus's; one definition
 from arlo.model.sampling import LOGPROB_FLOOR
 
 
@@ -135,12 +136,6 @@ def kl_estimate(logprobs_bt: Array, ref_logprobs_bt: Array, kind: KlKind) -> Arr
     if kind == "k3":
         return jnp.exp(log_r) - 1.0 - log_r
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
-
-
-def token_entropy(logits_btv: Array) -> Array:
-    """Entropy of each position's next-token distribution (for an entropy bonus)."""
-    logp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
-    return -(jnp.exp(logp) * logp).sum(axis=-1)
 
 
 def sft_loss(logprobs_bt: Array, mask_bt: Array) -> tuple[Array, dict[str, Array]]:

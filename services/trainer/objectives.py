@@ -6,6 +6,11 @@ They read the run's `trainer` section directly: `algorithm` for the objective, `
 `logprob_chunk` for the memory of the forward pass, and the run's `rollout.sampling`: the
 policy's logprobs are taken under the distribution the rollout sampled from (the same
 temperature, top-k, top-p, min-p), so a ratio of 1 means "the same policy" (docs/algorithms.md).
+
+Every forward here honours `logprob_chunk`: the policy's logprobs, its own (unfiltered) logprobs
+for the KL and its entropy come out of one chunked pass (`policy_terms_fn`), and the reference's
+logprobs are computed once per batch before the step (`with_reference_logprobs`), so with
+`logprob_chunk` > 0 no [batch, length, vocab] logits exist anywhere in the train step.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from arlo.config import AlgorithmConfig, KlKind, Remat, SamplingConfig, TrainerConfig
+from arlo.config import AlgorithmConfig, Remat, SamplingConfig, TrainerConfig
 from arlo.model import token_logprobs
 from arlo.model.logprobs import (
     LogprobFn,
     chunked_token_logprobs,
     sampled_token_logprobs,
     sampled_token_logprobs_and_outside,
+    token_entropy,
 )
 from services.trainer.advantages import (
     batch_normalized_advantages,
@@ -37,7 +43,6 @@ from services.trainer.losses import (
     mismatch_metrics,
     policy_loss,
     sft_loss,
-    token_entropy,
 )
 
 _UNFILTERED = SamplingConfig()
@@ -53,16 +58,59 @@ def behaviour_logprob_fn(sampling: SamplingConfig, *, with_outside: bool = False
 
 
 def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "none", logprob_chunk: int = 0,
-                     need_logits: bool = False, logprob_fn: LogprobFn = token_logprobs
-                     ) -> tuple[Any, Array | None, Array]:
+                     logprob_fn: LogprobFn = token_logprobs) -> tuple[Any, Array | None, Array]:
     """(logprobs_bt (or what `logprob_fn` returns), logits_btv or None when chunked, hidden_btd):
-    `logprob_chunk` > 0 never holds [batch, length, vocab] logits whole (unless the caller needs
-    the logits)."""
+    `logprob_chunk` > 0 never holds [batch, length, vocab] logits whole."""
     h = model.hidden(inputs, remat=remat)
-    if logprob_chunk and not need_logits:
+    if logprob_chunk:
         return chunked_token_logprobs(model, h, targets, logprob_chunk, logprob_fn), None, h
     logits = model.logits_from_hidden(h)
     return logprob_fn(logits, targets), logits, h
+
+
+def policy_terms_fn(sampling: SamplingConfig, *, model_logprobs: bool, entropy: bool) -> LogprobFn:
+    """Everything the RL objective reads off the policy's logits, from one pass over them:
+    {"logprobs", "outside"} under the behaviour distribution (`behaviour_logprob_fn`), plus
+    "model_logprobs" (temperature 1, unfiltered: the KL's) and "entropy" (the bonus's) when asked.
+    Chunked (`forward_logprobs` with `logprob_chunk`), each chunk's logits serve all of them."""
+    behaviour = behaviour_logprob_fn(sampling, with_outside=True)
+
+    def terms(logits_btv: Array, targets_bt: Array) -> dict[str, Array]:
+        logprobs, outside = behaviour(logits_btv, targets_bt)
+        out = {"logprobs": logprobs, "outside": outside}
+        if model_logprobs:
+            out["model_logprobs"] = token_logprobs(logits_btv, targets_bt)
+        if entropy:
+            out["entropy"] = token_entropy(logits_btv)
+        return out
+
+    return terms
+
+
+def reference_logprobs(ref_model, mb: dict[str, Array], tc: TrainerConfig) -> Array:
+    """The reference policy's logprobs of a micro-batch's targets (temperature 1, unfiltered: a
+    filtered reference would put the floor on tokens it filters out and blow the KL up), chunked
+    by `logprob_chunk`; no gradient."""
+    inputs, targets, _, _ = shifted(mb)
+    out, _, _ = forward_logprobs(ref_model, inputs, targets, logprob_chunk=tc.logprob_chunk)
+    return jax.lax.stop_gradient(out)
+
+
+def with_reference_logprobs(ref_model, mbs: dict[str, Array], tc: TrainerConfig) -> dict[str, Array]:
+    """`mbs` ([micro_batches, rows, length] arrays) plus "ref_logprobs_bt", the reference's
+    logprobs computed once for the batch, before any update and outside the differentiated
+    function; kept when `mbs` already has them (critic.prepare_gae computed them for GAE's KL).
+
+    Why before the step rather than inside each update's loss: the reference gets no gradient,
+    so inside the loss it would only add its forward's activations to the peak of the update's
+    forward and backward (they are live at the same time) and run again on every update
+    (ppo_epochs x mini_batches); here its peak is one micro-batch's no-gradient forward on its
+    own, and it runs once. Measured (compiled RL step, vocab 151,936, 8 x 4096, chunk 128, dim 64,
+    2 layers, remat full, kl_coef 0.05): REF_INSIDE_MIB MiB of temporaries with the reference inside the
+    loss, REF_BEFORE_MIB MiB before the step; the [rows, length] float32 they leave costs 128 KiB."""
+    if "ref_logprobs_bt" in mbs:
+        return mbs
+    return {**mbs, "ref_logprobs_bt": jax.lax.map(lambda mb: reference_logprobs(ref_model, mb, tc), mbs)}
 
 
 def old_logprobs(model, mb: dict[str, Array], tc: TrainerConfig, sampling: SamplingConfig, *,
@@ -110,13 +158,17 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     without gradient are exactly the batch-start ones (no second forward pass needed).
     `mb["old_outside_bt"]` (old_logprobs' `with_outside`), when present, is the batch start's
     `logprob_outside` mask; without it the mask is this update's forward's.
+    `mb["ref_logprobs_bt"]` (with_reference_logprobs), when present, holds the reference's
+    logprobs for the KL term; without it they are computed here from `ref_model`.
     """
     cfg = tc.algorithm
     norm = cfg.norm_constant or None
     inputs, targets, behaviour, mask = shifted(mb)
-    (logprobs, outside), logits, hidden = forward_logprobs(
-        model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk, need_logits=cfg.entropy_coef > 0,
-        logprob_fn=behaviour_logprob_fn(sampling, with_outside=True))
+    kl_in_loss = bool(cfg.kl_coef) and not cfg.kl_in_reward
+    terms, _, _ = forward_logprobs(
+        model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk,
+        logprob_fn=policy_terms_fn(sampling, model_logprobs=kl_in_loss, entropy=cfg.entropy_coef > 0))
+    logprobs, outside = terms["logprobs"], terms["outside"]
     old = mb["old_logprobs_bt"] if "old_logprobs_bt" in mb else jax.lax.stop_gradient(logprobs)
     proximal = old if cfg.decoupled or cfg.is_cap else behaviour
     # Per-token advantages (GAE) when the batch has them; else one per sequence, on every token.
@@ -126,29 +178,31 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     # Sampler vs trainer on the same weights, whatever the ratio's denominator is: the numeric
     # part on tokens both kept, and apart from it the tokens outside the trainer's filter.
     metrics.update(mismatch_metrics(old, behaviour, mask, mb.get("old_outside_bt", outside)))
-    if cfg.kl_coef and not cfg.kl_in_reward:
-        # KL between the models themselves (temperature 1, unfiltered): a filtered reference
-        # would put -inf (the floor) on tokens it filters out and blow the estimate up.
-        ref_lp = jax.lax.stop_gradient(token_logprobs(ref_model(inputs), targets))
-        model_lp = token_logprobs(logits, targets) if logits is not None else chunked_token_logprobs(
-            model, hidden, targets, tc.logprob_chunk)
-        kl = kl_estimate(model_lp, ref_lp, cfg.kl_kind)
+    if kl_in_loss:
+        # KL between the models themselves (temperature 1, unfiltered), see reference_logprobs.
+        ref_lp = mb["ref_logprobs_bt"] if "ref_logprobs_bt" in mb else reference_logprobs(ref_model, mb, tc)
+        kl = kl_estimate(terms["model_logprobs"], ref_lp, cfg.kl_kind)
         loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.aggregation, norm, denominator)
         metrics["kl_ref"] = masked_mean(kl, mask)
     if cfg.entropy_coef:
-        assert logits is not None  # need_logits above
-        entropy = token_entropy(logits)
+        entropy = terms["entropy"]
         loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.aggregation, norm, denominator)
         metrics["entropy"] = masked_mean(entropy, mask)
     return loss, metrics
 
 
-def sequence_kl(model, ref_model, mb: dict[str, Array], kind: KlKind) -> Array:
-    """Summed per-token KL of each sequence, for a KL penalty folded into the reward."""
+def model_kl_bt(model, mb: dict[str, Array], tc: TrainerConfig) -> Array:
+    """Per-target KL(pi || pi_ref) estimate (`algorithm.kl_kind`) of a micro-batch, masked, no
+    gradient: the KL penalty folded into the reward (`kl_in_reward`). The policy's logprobs are
+    chunked by `logprob_chunk`; the reference's are `mb["ref_logprobs_bt"]` (with_reference_logprobs)."""
     inputs, targets, _, mask = shifted(mb)
-    lp = token_logprobs(model(inputs), targets)
-    ref = token_logprobs(ref_model(inputs), targets)
-    return (kl_estimate(lp, ref, kind) * mask).sum(axis=1)
+    lp, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk)
+    return jax.lax.stop_gradient(kl_estimate(lp, mb["ref_logprobs_bt"], tc.algorithm.kl_kind)) * mask
+
+
+def sequence_kl(model, mb: dict[str, Array], tc: TrainerConfig) -> Array:
+    """Summed per-token KL of each sequence, for a KL penalty folded into the reward."""
+    return model_kl_bt(model, mb, tc).sum(axis=1)
 
 
 def sft_objective(model, mb: dict[str, Array], denominator: Array,
