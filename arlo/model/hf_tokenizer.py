@@ -60,6 +60,7 @@ class HFTokenizer:
         # <|tool_call>, <|"|>): decode keeps it, or the call could not be read back from the text.
         self._dropped = frozenset(i for i, text in specials.items() if text not in MARKUP_TOKENS)
         self._keeps_markup = len(self._dropped) < len(specials)
+        self._result_probe: bool | None = None
         self.bos_id = self._id_of("bos_token")
         config_eos = self._id_of("eos_token")
         # A chat model's turn ends with the template's end-of-turn token (Llama 3's <|eot_id|>,
@@ -117,7 +118,7 @@ class HFTokenizer:
     def render_messages(self, messages: Sequence[Any], *, add_generation_prompt: bool, add_bos: bool,
                         tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The text `encode_messages` encodes."""
-        chat = [message_dict(m) for m in messages]
+        chat = _with_call_ids([message_dict(m) for m in messages])
         if add_bos:
             return self._render(chat, add_generation_prompt, tools)
         turn_end = self._turn_end
@@ -130,7 +131,23 @@ class HFTokenizer:
         if answer < 0 or not full.startswith(turn_end[1], after):
             raise ValueError(f"{self.name}: the chat template does not render an earlier assistant turn verbatim; "
                              f"turn-by-turn encoding needs that")
+        if any(m["role"] == "tool" for m in chat) and self._drops_results():
+            raise ValueError(f"{self.name}: the chat template drops a tool result that follows an assistant turn "
+                             f"given as tokens (it renders results only inside the calling turn); such a "
+                             f"conversation cannot be encoded turn by turn")
         return full[after + len(turn_end[1]):]
+
+    def _drops_results(self) -> bool:
+        """Whether the template writes nothing for a tool result after a plain assistant turn:
+        Gemma 4's writes a result only inside the turn that made the call, so after a turn given
+        as tokens it would drop it; an error is better than a prompt without it. Probed once."""
+        if self._result_probe is None:
+            result = {"role": "tool", "name": "arlo_probe", "tool_call_id": "call00000", "content": "arlo-probe-result"}
+            try:
+                self._result_probe = "arlo-probe-result" not in self._render([*_PROBE, result], False)
+            except ValueError:
+                self._result_probe = False  # a template that refuses the probe says so itself on real input
+        return self._result_probe
 
     def assistant_ids(self, message: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The template's rendering of an assistant turn between its generation prompt and its
@@ -178,6 +195,18 @@ class HFTokenizer:
     def _id_of(self, key: str) -> int | None:
         text = self.special_tokens.get(key)
         return None if text is None else self._tok.token_to_id(text)
+
+
+def _with_call_ids(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A tool result without a `tool_call_id` (the rollout's observations carry none) gets a
+    placeholder, numbered in order: Mistral's templates refuse a result without a 9-character id,
+    the others ignore it."""
+    n = 0
+    for m in chat:
+        if m.get("role") == "tool" and not m.get("tool_call_id"):
+            m["tool_call_id"] = f"call{n:05d}"
+            n += 1
+    return chat
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -73,8 +73,11 @@ class _Call:
 
 
 class OpenAIEndpoint:
-    def __init__(self, engine: Engine, recorder: EpisodeRecorder, *, token: str | None) -> None:
+    def __init__(self, engine: Engine, recorder: EpisodeRecorder, *, token: str | None,
+                 tool_format: str = "auto") -> None:
         self.engine, self.recorder = engine, recorder
+        self.tool_format = tool_format
+        """How replies are read for tool calls (`model.tool_format`)."""
         self.tok = engine.tokenizer
         self._expected = token.encode() if token else None
         self.app = Starlette(routes=[
@@ -185,7 +188,7 @@ class OpenAIEndpoint:
         if call.chat is None:
             lps = render.completion_logprobs(self.tok, s.token_ids, s.logprobs) if call.sampling.logprobs else None
             return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}, None
-        message, has_calls = render.chat_message(text, call.chat.tools, call.chat.parse_tools)
+        message, has_calls = render.chat_message(text, call.chat.tools, call.chat.parse_tools, self.tool_format)
         lps = render.chat_logprobs(self.tok, s.token_ids, s.logprobs) if call.sampling.logprobs else None
         return {"index": index, "message": message, "logprobs": lps,
                 "finish_reason": "tool_calls" if has_calls else finish}, message

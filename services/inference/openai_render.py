@@ -1,10 +1,15 @@
 """OpenAI chat messages <-> the served model's tokens and replies. Pure.
 
 Prompts: a conversation is rendered with the served tokenizer's chat template. Tools go to
-the template when `encode_messages` takes `tools=`; otherwise they become a system
-message in the Hermes format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`),
-the format `tool_calls.py` parses back. An assistant message's tool calls are rendered
-as that same markup.
+the template when `encode_messages` takes `tools=`, and so do an assistant message's tool calls
+and a tool result's id and name: the template writes them in the family's own format (Hermes,
+Llama 3 JSON, Qwen3-Coder XML, Mistral [TOOL_CALLS], Gemma call:NAME{...}). Otherwise (the byte
+tokenizer) tools become a system message in the Hermes format (`<tool_call>{"name": ...,
+"arguments": ...}</tool_call>`), the format `tool_calls.py` parses back, and an assistant's tool
+calls are rendered as that same markup.
+
+Replies: the text is read for tool calls in `model.tool_format` ("auto": any format). A call's id
+is what the family's template accepts back: Mistral's refuse any but 9 alphanumerics.
 
 Token-exact continuation: when a call's messages are an earlier reply's conversation plus
 that reply as it was returned plus new messages, the prompt is that earlier sequence's
@@ -70,15 +75,36 @@ def _chat_pair(message: Mapping[str, Any]) -> tuple[str, str]:
     return role, f"{text}\n{calls}" if text and calls else text + calls
 
 
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' convention): tool calls with their
+    arguments as an object, a tool result with its call's id and name."""
+    out: dict[str, Any] = {"role": "system" if message["role"] == "developer" else message["role"],
+                           "content": content_text(message.get("content"))}
+    calls = _calls(message)
+    if calls:
+        out["tool_calls"] = [{"id": i, "type": "function", "function": {"name": name, "arguments": args}}
+                             for i, name, args in calls]
+    for key in ("tool_call_id", "name"):
+        if message.get(key):
+            out[key] = str(message[key])
+    return out
+
+
 def _accepts_tools(tok: Tokenizer) -> bool:
     # The byte tokenizer takes tools= but ignores them (its presets learn a tool's syntax from
     # demonstrations); tools then go into the prompt as the preamble, so a client's schemas are seen.
     return bool(getattr(tok, "renders_tools", False))
 
 
+def _template_messages(tok: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    if _accepts_tools(tok):
+        return [_template_message(m) for m in messages]
+    return [_chat_pair(m) for m in messages]
+
+
 def encode_conversation(tok: Tokenizer, messages: Sequence[Mapping[str, Any]],
                         tools: Sequence[Mapping[str, Any]]) -> list[int]:
-    chat = [_chat_pair(m) for m in messages]
+    chat = _template_messages(tok, messages)
     if tools and _accepts_tools(tok):
         return tok.encode_messages(chat, add_generation_prompt=True, add_bos=True, tools=list(tools))  # type: ignore[call-arg]
     if tools:
@@ -102,7 +128,7 @@ def build_prompt(tok: Tokenizer, messages: Sequence[Mapping[str, Any]], tools: S
             best = b
     if best is None:
         return encode_conversation(tok, messages, tools), False, keys
-    tail = [_chat_pair(m) for m in messages[len(best.key) - 1:]]
+    tail = _template_messages(tok, messages[len(best.key) - 1:])
     try:
         added = tok.encode_messages(tail, add_generation_prompt=True, add_bos=False)
     except ValueError:  # a template that cannot be encoded turn by turn: render it whole
@@ -133,17 +159,25 @@ def reply_text(tok: Tokenizer, sampled: Sequence[int], stop: Sequence[str], fini
     return text
 
 
-def chat_message(text: str, tools: Sequence[Mapping[str, Any]], parse: bool) -> tuple[dict[str, Any], bool]:
+def chat_message(text: str, tools: Sequence[Mapping[str, Any]], parse: bool,
+                 tool_format: str = "auto") -> tuple[dict[str, Any], bool]:
     """The assistant message for `text` and whether it holds tool calls. A call that does not
     parse or fails its schema stays in the text: the agent sees what the model wrote."""
     if parse:
-        turn = parse_tool_calls(text, tools)
+        turn = parse_tool_calls(text, tools, format=tool_format)
         good = [c for c in turn.calls if isinstance(c, ToolCall)]
         if good:
             return {"role": "assistant", "content": turn.text or None, "tool_calls": [
-                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                {"id": call_id(turn.format), "type": "function",
                  "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in good]}, True
     return {"role": "assistant", "content": text}, False
+
+
+def call_id(tool_format: str) -> str:
+    """A new tool call's id, in the form the format's chat templates take back."""
+    if tool_format == "mistral":  # Mistral's templates raise on any id but 9 alphanumerics
+        return uuid.uuid4().hex[:9]
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def chat_logprobs(tok: Tokenizer, ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
