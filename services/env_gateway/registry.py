@@ -48,22 +48,22 @@ def builtin_specs(context: EnvContext) -> list[EnvSpec]:
     # arlo's state directory (token, config, JSON-line logs) sits in the default root "." of `arlo up`.
     store = DatasetStore(DatasetRoots(context.config.dataset_roots, private=(arlo_home(),)))
     return [
-        EnvSpec(name=dataset.NAME, description=dataset.DESCRIPTION, factory=lambda ctx: dataset.DatasetEnv(store),
+        EnvSpec(name=dataset.NAME, description=dataset.DESCRIPTION, factory=lambda ctx: dataset.DatasetEnv(store, tool_format=ctx.tool_format),
                 config_type=dataset.DatasetConfig, tools=dataset.TOOLS, max_turns=dataset.MAX_TURNS,
                 blocking=True),  # the first Reset of a dataset reads it from disk
-        EnvSpec(name=arith.NAME, description=arith.DESCRIPTION, factory=lambda ctx: arith.ArithEnv(),
+        EnvSpec(name=arith.NAME, description=arith.DESCRIPTION, factory=lambda ctx: arith.ArithEnv(tool_format=ctx.tool_format),
                 config_type=arith.ArithConfig, max_turns=arith.MAX_TURNS),
         EnvSpec(name=calculator.NAME, description=calculator.DESCRIPTION,
-                factory=lambda ctx: calculator.CalculatorEnv(), config_type=calculator.CalculatorConfig,
+                factory=lambda ctx: calculator.CalculatorEnv(tool_format=ctx.tool_format), config_type=calculator.CalculatorConfig,
                 tools=calculator.TOOLS, max_turns=calculator.MAX_TURNS),
         EnvSpec(name=guess_number.NAME, description=guess_number.DESCRIPTION,
-                factory=lambda ctx: guess_number.GuessNumberEnv(), config_type=guess_number.GuessNumberConfig,
+                factory=lambda ctx: guess_number.GuessNumberEnv(tool_format=ctx.tool_format), config_type=guess_number.GuessNumberConfig,
                 tools=guess_number.TOOLS, max_turns=guess_number.MAX_TURNS),
         EnvSpec(name=python_exec.NAME, description=python_exec.DESCRIPTION,
-                factory=lambda ctx: python_exec.PythonEnv(ctx.sandbox), config_type=python_exec.PythonConfig,
+                factory=lambda ctx: python_exec.PythonEnv(ctx.sandbox, tool_format=ctx.tool_format), config_type=python_exec.PythonConfig,
                 tools=python_exec.TOOLS, max_turns=python_exec.MAX_TURNS, blocking=True),
         EnvSpec(name=retrieval.NAME, description=retrieval.DESCRIPTION,
-                factory=lambda ctx: retrieval.RetrievalEnv(corpus), config_type=retrieval.RetrievalConfig,
+                factory=lambda ctx: retrieval.RetrievalEnv(corpus, tool_format=ctx.tool_format), config_type=retrieval.RetrievalConfig,
                 tools=retrieval.TOOLS, max_turns=retrieval.MAX_TURNS),
     ]
 

@@ -21,9 +21,13 @@ class EnvContext:
     environment never probes for a sandbox.
     """
 
-    def __init__(self, config: EnvGatewayConfig | None = None, *, sandbox: CodeRunner | None = None) -> None:
+    def __init__(self, config: EnvGatewayConfig | None = None, *, sandbox: CodeRunner | None = None,
+                 tool_format: str = "auto") -> None:
         self.config = config if config is not None else EnvGatewayConfig()
         self._sandbox = sandbox
+        self.tool_format = tool_format
+        """How the agent's tool calls are read (`model.tool_format`): the environments that read
+        calls take it, and a plugin's may (`parse_tool_calls(..., format=ctx.tool_format)`)."""
 
     @property
     def sandbox(self) -> CodeRunner:

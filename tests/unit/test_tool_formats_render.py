@@ -76,3 +76,17 @@ def test_the_rollouts_tool_results_continue_the_conversation_in_the_familys_form
     assert text == {"qwen3_coder": "\n<|im_start|>user\n<tool_response>\n14\n</tool_response>\n<|im_end|>\n"
                                    "<|im_start|>assistant\n",
                     "mistral": '[TOOL_RESULTS] {"content": 14, "call_id": "call00000"}[/TOOL_RESULTS]'}[name]
+
+
+@pytest.mark.parametrize(("tool_format", "read"), [("auto", True), ("gemma", True), ("mistral", False)])
+def test_the_gateways_environments_read_calls_in_the_configured_format(tool_format: str, read: bool) -> None:
+    from services.env_gateway.registry import EnvContext, default_registry
+
+    registry = default_registry(EnvContext(tool_format=tool_format))
+    env = registry.create(registry.get("calculator"))  # type: ignore[arg-type]
+    env.reset(0, {})
+    step = env.step('Let me check. <|tool_call>call:calculator{expression:<|"|>6*7<|"|>}<tool_call|>')
+    if read:
+        assert [(m.role, m.content) for m in step.observation] == [("tool", "42")] and not step.done
+    else:  # not a call in Mistral's format: the turn is plain text (its last number, 7, the answer)
+        assert step.done and not any(m.role == "tool" for m in step.observation)

@@ -121,7 +121,8 @@ def _estimate(value: int) -> int:
 
 
 class ArithEnv:
-    def __init__(self) -> None:
+    def __init__(self, *, tool_format: str = "auto") -> None:
+        self._tool_format = tool_format
         self._result = ""
         self._max_turns = 0
         self._turns = 0
@@ -147,7 +148,7 @@ class ArithEnv:
         out_of_turns = self._turns >= self._max_turns
         if self._tool and action.lstrip().startswith(TOOL_PREFIX):
             return self._calculate([action.lstrip()[len(TOOL_PREFIX):]], out_of_turns)
-        calls = parse_tool_calls(action, TOOLS).calls if self._tool else ()
+        calls = parse_tool_calls(action, TOOLS, format=self._tool_format).calls if self._tool else ()
         if calls:
             return self._calculate([c if isinstance(c, BadToolCall) else c.arguments["expression"] for c in calls],
                                    out_of_turns)

@@ -66,8 +66,8 @@ def make_task(seed: int, cfg: CalculatorConfig) -> tuple[str, int]:
 class CalculatorEnv(ToolEnv):
     TOOLS = TOOLS
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, tool_format: str = "auto") -> None:
+        super().__init__(tool_format=tool_format)
         self._tool_calls = 0
 
     def reset(self, seed: int, config: Mapping[str, Any]) -> ResetResult:

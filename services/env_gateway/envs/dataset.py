@@ -115,8 +115,9 @@ def _messages(value: Any, where: str) -> list[Message]:
 
 
 class DatasetEnv:
-    def __init__(self, store: DatasetStore) -> None:
+    def __init__(self, store: DatasetStore, *, tool_format: str = "auto") -> None:
         self._store = store
+        self._tool_format = tool_format
         self._cfg = DatasetConfig(path="-")
         self._reference = ""
         self._turns = 0
@@ -136,7 +137,7 @@ class DatasetEnv:
         self._turns += 1
         if not self._cfg.tool:
             return self._finish(action)
-        parsed = parse_tool_calls(action, TOOLS)
+        parsed = parse_tool_calls(action, TOOLS, format=self._tool_format)
         if not parsed.calls:
             if parsed.text.strip():
                 return self._finish(parsed.text)

@@ -73,8 +73,8 @@ def draw_secret(seed: int, cfg: GuessNumberConfig) -> int:
 class GuessNumberEnv(ToolEnv):
     TOOLS = TOOLS
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, tool_format: str = "auto") -> None:
+        super().__init__(tool_format=tool_format)
         self._cfg = GuessNumberConfig()
         self._secret = 0
         self._last_guess = ""

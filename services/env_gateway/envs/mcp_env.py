@@ -62,8 +62,9 @@ class McpTaskConfig:
 
 
 class McpEnv:
-    def __init__(self, server: McpServer, env_name: str) -> None:
+    def __init__(self, server: McpServer, env_name: str, *, tool_format: str = "auto") -> None:
         self._server = server
+        self._tool_format = tool_format
         self._name = env_name
         self._tools: list[dict[str, Any]] = []
         self._reference = ""
@@ -93,7 +94,7 @@ class McpEnv:
         loop = asyncio.get_running_loop()
         end = None if deadline_s is None else loop.time() + deadline_s
         self._turns += 1
-        parsed = parse_tool_calls(action, self._tools)
+        parsed = parse_tool_calls(action, self._tools, format=self._tool_format)
         if not parsed.calls:
             return self._finish(parsed.text)
         replies: list[Message] = []
@@ -140,6 +141,6 @@ def mcp_spec(server: McpServer) -> EnvSpec:
     """The registry entry of `mcp:<name>`; its tools are those listed when the gateway started
     (ListEnvironments asks the server again, see McpEnvs)."""
     name = PREFIX + server.cfg.name
-    return EnvSpec(name=name, description=describe(server), factory=lambda ctx: McpEnv(server, name),
+    return EnvSpec(name=name, description=describe(server), factory=lambda ctx: McpEnv(server, name, tool_format=ctx.tool_format),
                    config_type=McpTaskConfig, tools=tuple(server.tools or ()), max_turns=server.cfg.max_turns,
                    asynchronous=True)

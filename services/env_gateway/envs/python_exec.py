@@ -102,8 +102,8 @@ def _cut(text: str, limit: int, keep_head: bool) -> str:
 class PythonEnv(ToolEnv):
     TOOLS = TOOLS
 
-    def __init__(self, runner: CodeRunner) -> None:
-        super().__init__()
+    def __init__(self, runner: CodeRunner, *, tool_format: str = "auto") -> None:
+        super().__init__(tool_format=tool_format)
         self._runner = runner
         self._cfg = PythonConfig()
         self._runs = 0

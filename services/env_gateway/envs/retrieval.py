@@ -127,8 +127,8 @@ def _read_questions(path: Path) -> tuple[Question, ...]:
 class RetrievalEnv(ToolEnv):
     TOOLS = TOOLS
 
-    def __init__(self, corpus: Corpus) -> None:
-        super().__init__()
+    def __init__(self, corpus: Corpus, *, tool_format: str = "auto") -> None:
+        super().__init__(tool_format=tool_format)
         self._corpus = corpus
         self._cfg = RetrievalConfig()
         self._question: Question | None = None

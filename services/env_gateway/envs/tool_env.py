@@ -29,7 +29,9 @@ def final_number(value: Any) -> str:
 class ToolEnv:
     TOOLS: ClassVar[Sequence[Mapping[str, Any]]] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, *, tool_format: str = "auto") -> None:
+        self._tool_format = tool_format
+        """How the agent's calls are read (`EnvContext.tool_format`)."""
         self._max_turns = 0
         self._turns = 0
         self._done = True  # no step before the first reset
@@ -43,7 +45,7 @@ class ToolEnv:
     def step(self, action: str) -> StepResult:
         if self._done:
             raise EpisodeOverError("the episode is over; call Reset to start another")
-        parsed = parse_tool_calls(action, self.TOOLS)
+        parsed = parse_tool_calls(action, self.TOOLS, format=self._tool_format)
         replies, answer = self._calls(parsed.calls) if parsed.calls else self._plain(parsed, action)
         # Counted after the turn is played: a step that fails (a sandbox down) does not use one up.
         self._turns += 1
