@@ -20,6 +20,7 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", "expert"),  # routed experts (moe.py) over a mesh axis named "expert": expert parallel
     ("kv", None),
     ("norm", None),
 )
