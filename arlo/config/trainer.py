@@ -132,6 +132,32 @@ class SFTConfig:
 
 
 @_frozen
+class WeightPublishConfig:
+    """How each version reaches the inference replicas (docs/deploy.md, "Sync topology")."""
+
+    full_every: int = ranged(1, ge=1, le=10_000)
+    """Publish a full version every k versions and the ones between as deltas: the serving-dtype
+    elements changed since the version before (arlo/model/weight_delta.py; a few percent of a full
+    copy at a learning rate of 1e-6). 1: every version full. A delta is sent full anyway when it
+    is not smaller than max_delta_ratio of a full copy, and after a re-numbered version."""
+    max_delta_ratio: float = ranged(0.5, gt=0, le=1)
+    """A delta at least this fraction of a full copy is published full instead (a high learning
+    rate changes most elements, and an index per element costs more than the copy)."""
+    storage: str = ""
+    """`file:///dir`: the trainer writes each version there once (a full or a delta, atomically) and
+    the replicas read it, so the trainer's egress is one copy per version whatever the number of
+    replicas; every inference replica must see the same directory at the same path (a shared
+    volume, or a GCS/S3 bucket mounted by its CSI driver on Kubernetes). Empty: each replica pulls
+    from the trainer over PullWeights."""
+
+    def validate(self, path: str) -> None:
+        check_ranges(self, path)
+        if self.storage:
+            _check(f"{path}.storage", self.storage.startswith("file:///"),
+                   f"must be empty or a file:/// URI of an absolute directory, got {self.storage!r}")
+
+
+@_frozen
 class TrainerConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50052, metrics_port=9102))
     """Where the trainer service listens (and serves weights from)."""
@@ -180,6 +206,8 @@ class TrainerConfig:
     """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Optional supervised warm start on demonstrations before RL."""
+    weights: WeightPublishConfig = field(default_factory=WeightPublishConfig)
+    """How versions reach the inference replicas: deltas, shared storage."""
     start_paused: bool = False
     """Take no step until a Resume RPC: `arlo up`/`demo` set it, so that `arlo train` drives the run
     (evaluation first, then the warm start, then RL). False: train as soon as data arrives."""
@@ -193,6 +221,7 @@ class TrainerConfig:
         check_ranges(self, path)
         self.server.validate(f"{path}.server")
         self.sft.validate(f"{path}.sft")
+        self.weights.validate(f"{path}.weights")
         self.mesh.validate(f"{path}.mesh")
         self.algorithm.validate(f"{path}.algorithm")
         _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),

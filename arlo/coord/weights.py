@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from arlo.coord.client import cancel_safe, text
 from arlo.coord.keys import Keys
+from arlo.model.weight_delta import PayloadKind
 from arlo.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 _PUBLISH_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'version')
 if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'source', ARGV[2], 'sha256', ARGV[3], 'time', ARGV[4])
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'source', ARGV[2], 'sha256', ARGV[3], 'time', ARGV[4],
+           'payload', ARGV[6], 'base_version', ARGV[7], 'full_version', ARGV[8], 'storage', ARGV[9])
 redis.call('PUBLISH', ARGV[5], ARGV[1])
 return 1
 """
@@ -50,23 +52,50 @@ class WeightPointerState:
     checkpoint_version: int
     checkpoint_uri: str
     time: float
+    payload: PayloadKind = "full"
+    """How `version` was published: "full", or "delta" (the elements changed since base_version)."""
+    base_version: int = 0
+    """The version a delta applies onto; 0 for a full payload."""
+    full_version: int = 0
+    """The newest version at or before `version` published full (0: `version` itself): a replica
+    holding an older version starts there and applies the deltas after it in order."""
+    storage: str = ""
+    """Where each version is written once (`file:///dir`); empty: pulled from `source`."""
+
+    @property
+    def chain_start(self) -> int:
+        """The full version a replica with nothing newer starts from."""
+        return self.version if self.payload == "full" else (self.full_version or self.version)
 
     def to_proto(self) -> common_pb2.WeightVersion:
         return common_pb2.WeightVersion(
             version=self.version, source=self.source, sha256=self.sha256,
-            checkpoint_version=self.checkpoint_version, checkpoint_uri=self.checkpoint_uri, time=self.time)
+            checkpoint_version=self.checkpoint_version, checkpoint_uri=self.checkpoint_uri, time=self.time,
+            payload=_PAYLOAD_PROTO[self.payload], base_version=self.base_version, full_version=self.full_version,
+            storage=self.storage)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.WeightVersion) -> WeightPointerState:
         return cls(version=msg.version, source=msg.source, sha256=msg.sha256,
-                   checkpoint_version=msg.checkpoint_version, checkpoint_uri=msg.checkpoint_uri, time=msg.time)
+                   checkpoint_version=msg.checkpoint_version, checkpoint_uri=msg.checkpoint_uri, time=msg.time,
+                   payload=_PAYLOAD_KIND[msg.payload], base_version=msg.base_version,
+                   full_version=msg.full_version, storage=msg.storage)
 
     @classmethod
     def from_hash(cls, raw: Mapping[Any, Any]) -> WeightPointerState:
         h = {text(k): text(v) for k, v in raw.items()}
+        payload = h.get("payload") or "full"
+        if payload not in _PAYLOAD_PROTO:
+            raise ValueError(f"payload {payload!r} is not one of {sorted(_PAYLOAD_PROTO)}")
         return cls(version=int(h.get("version") or 0), source=h.get("source", ""), sha256=h.get("sha256", ""),
                    checkpoint_version=int(h.get("checkpoint_version") or 0),
-                   checkpoint_uri=h.get("checkpoint_uri", ""), time=float(h.get("time") or 0.0))
+                   checkpoint_uri=h.get("checkpoint_uri", ""), time=float(h.get("time") or 0.0),
+                   payload=payload, base_version=int(h.get("base_version") or 0),  # type: ignore[arg-type]
+                   full_version=int(h.get("full_version") or 0), storage=h.get("storage", ""))
+
+
+_PAYLOAD_PROTO: dict[str, int] = {"full": common_pb2.WEIGHT_PAYLOAD_FULL, "delta": common_pb2.WEIGHT_PAYLOAD_DELTA}
+_PAYLOAD_KIND: dict[int, PayloadKind] = {v: k for k, v in _PAYLOAD_PROTO.items()}  # type: ignore[misc]
 
 
 class WeightPointer:
@@ -78,13 +107,21 @@ class WeightPointer:
         self._checkpoint = redis.register_script(_CHECKPOINT_LUA)
 
     @cancel_safe
-    async def publish(self, version: int, *, source: str, sha256: str) -> bool:
-        """Moves the pointer to `version` if it is newer; True when moved, False when stale."""
+    async def publish(self, version: int, *, source: str, sha256: str, payload: PayloadKind = "full",
+                      base_version: int = 0, full_version: int = 0, storage: str = "") -> bool:
+        """Moves the pointer to `version` if it is newer; True when moved, False when stale.
+        `payload` and the rest: how the version was published (WeightPointerState)."""
         if version < 1:
             raise ValueError(f"version: must be >= 1, got {version}")
+        if payload not in _PAYLOAD_PROTO:
+            raise ValueError(f"payload: must be one of {sorted(_PAYLOAD_PROTO)}, got {payload!r}")
+        if payload == "delta" and not 0 < full_version <= base_version < version:
+            raise ValueError(f"a delta needs 0 < full_version <= base_version < version, got {full_version}, "
+                             f"{base_version}, {version}")
         moved = await self._publish(
             keys=[self._keys.weights],
-            args=[str(version), source, sha256, repr(time.time()), self._keys.weights_events])
+            args=[str(version), source, sha256, repr(time.time()), self._keys.weights_events, payload,
+                  str(base_version), str(full_version), storage])
         return bool(moved)
 
     @cancel_safe

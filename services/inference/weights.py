@@ -19,10 +19,12 @@ from redis.exceptions import RedisError
 
 from arlo.config import TlsConfig
 from arlo.coord import WeightPointer, WeightPointerState
+from arlo.model.weight_delta import PayloadKind
 from arlo.model.weights import nonfinite_param, state_from_bytes
-from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
+from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from services.inference.engine import Engine
+from services.inference.versions import VersionFetcher
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +42,27 @@ class SyncStats:
     last_swap_s: float = 0.0
     last_sync: dict[str, float] = field(default_factory=dict)
     """The last installed version's marks: version; notified_at, served_at (Unix s); pull_s, verify_s
-    (restore and the finiteness check) and swap_s; bytes, the payload pulled (the serving dtype's).
+    (restore and the finiteness check) and swap_s; bytes, what was fetched for it (a delta's
+    envelopes, or the payload in the serving dtype); full_bytes, the payload; deltas applied;
+    from_storage (1.0: read from trainer.weights.storage, not pulled from the trainer).
     Logged with every swap (bench/step_anatomy.py, bench/real_model_services.py)."""
 
 
 async def pull_weights(target: str, version: int, *, token: str | None, timeout_s: float = 120.0,
                        max_message_bytes: int = 64 << 20, attempts: int = 3,
-                       tls: TlsConfig | None = None, channel: grpc.aio.Channel | None = None) -> tuple[bytearray, str]:
+                       tls: TlsConfig | None = None, channel: grpc.aio.Channel | None = None,
+                       payload: PayloadKind = "full") -> tuple[bytearray, str]:
     """Pulls `version` from a trainer; resumes at the last good offset after a broken stream.
-    `channel`: an open channel to `target` to pull over (left open); None opens and closes one."""
+    `channel`: an open channel to `target` to pull over (left open); None opens and closes one.
+    `payload`: "delta" pulls the version's delta envelope (arlo/model/weight_delta.py) instead;
+    the sha256 returned is then the envelope's, the weights' once applied being in it."""
+    kind = common_pb2.WEIGHT_PAYLOAD_DELTA if payload == "delta" else common_pb2.WEIGHT_PAYLOAD_FULL
     if channel is None:
         async with make_channel(target, token=token, max_message_bytes=max_message_bytes, tls=tls) as own:
-            return await _pull(trainer_pb2_grpc.TrainerStub(own), version, timeout_s=timeout_s, attempts=attempts)
-    return await _pull(trainer_pb2_grpc.TrainerStub(channel), version, timeout_s=timeout_s, attempts=attempts)
+            return await _pull(trainer_pb2_grpc.TrainerStub(own), version, timeout_s=timeout_s, attempts=attempts,
+                               kind=kind)
+    return await _pull(trainer_pb2_grpc.TrainerStub(channel), version, timeout_s=timeout_s, attempts=attempts,
+                       kind=kind)
 
 
 def _first_bad_chunk(buf: bytearray, chunks: list[tuple[int, int, str]]) -> int | None:
@@ -67,7 +77,7 @@ def _first_bad_chunk(buf: bytearray, chunks: list[tuple[int, int, str]]) -> int 
 
 
 async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: float,
-                attempts: int) -> tuple[bytearray, str]:
+                attempts: int, kind: int = common_pb2.WEIGHT_PAYLOAD_FULL) -> tuple[bytearray, str]:
     # The payload's digest grows chunk by chunk, hashed in a worker thread (hashlib releases the
     # GIL): no second pass over the whole payload once it is in, and the event loop (which serves
     # Generate streams meanwhile) never hashes; at 1 GB a version that is a second or more. Each
@@ -83,7 +93,7 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
         if total is not None and len(buf) == total:
             break  # every byte came before the stream broke: a resume would ask past the end
         try:
-            call = stub.PullWeights(trainer_pb2.PullWeightsRequest(version=version, offset=len(buf)),
+            call = stub.PullWeights(trainer_pb2.PullWeightsRequest(version=version, offset=len(buf), payload=kind),
                                     timeout=timeout_s)
             async for chunk in call:
                 if chunk.version.version != version:
@@ -94,10 +104,12 @@ async def _pull(stub: trainer_pb2_grpc.TrainerStub, version: int, *, timeout_s: 
                 await asyncio.to_thread(payload.update, data)
                 chunks.append((len(buf), len(data), chunk.chunk_sha256))
                 buf += data
-                total, sha = chunk.total_bytes, chunk.version.sha256
+                # A delta's bytes have a digest of their own; a full payload's is the version's.
+                total, sha = chunk.total_bytes, chunk.payload_sha256 or chunk.version.sha256
             break
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT) or attempt == attempts - 1:
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                            grpc.StatusCode.FAILED_PRECONDITION) or attempt == attempts - 1:
                 raise
             log.warning("pull of version %d broke at %d bytes (%s); resuming", version, len(buf), e.code())
     if total is None or len(buf) != total:
@@ -128,6 +140,7 @@ class WeightSync:
         self.poll_s = poll_s
         self.max_message_bytes = max_message_bytes
         self.stats = SyncStats()
+        self.versions = VersionFetcher()
         self._refused: tuple[int, str] | None = None  # the last (version, sha) refused as non-finite
         # One channel to the trainer for every pull: a new connection per version cost a few ms of
         # each swap (bench.step_anatomy's "pull"); a new trainer address gets a new channel.
@@ -181,9 +194,18 @@ class WeightSync:
         loop = asyncio.get_running_loop()
         started = loop.time()
         target = pointer.source.removeprefix("grpc://")
-        data, sha = await pull_weights(target, pointer.version, token=self.token, channel=await self._channel_to(target))
-        if sha != pointer.sha256:
-            raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
+
+        async def pull(version: int, kind: PayloadKind) -> tuple[bytearray, str]:
+            data, sha = await pull_weights(target, version, token=self.token, channel=await self._channel_to(target),
+                                           payload=kind)
+            if kind == "full" and sha != pointer.sha256:
+                raise WeightPullError(f"trainer sent sha256 {sha[:12]}, pointer says {pointer.sha256[:12]}")
+            return data, sha
+
+        # By deltas onto the payload held, or from shared storage, where the pointer allows; the
+        # trainer's full payload otherwise. Whatever the path, checked against the pointer.
+        fetched = await self.versions.fetch(pointer, pull)
+        data = fetched.data
         pulled = loop.time()
         # A checksum proves the bytes are the trainer's, not that they are usable: a NaN
         # version would make the replica emit token 0 forever. Both on one worker thread: each
@@ -198,13 +220,16 @@ class WeightSync:
         if pointer.version > self.engine.version:
             verified = loop.time()
             self.engine.swap(state, pointer.version)
+            self.versions.keep(data, pointer.version)
             self.stats.pulls += 1
             self.stats.last_swap_s = loop.time() - started
             self.stats.last_sync = {"version": pointer.version, "notified_at": notified_at, "served_at": time.time(),
                                     "pull_s": pulled - started, "verify_s": verified - pulled,
-                                    "swap_s": loop.time() - verified, "bytes": len(data)}
-            log.info("serving version %d (%d bytes, %.3fs)", pointer.version, len(data), self.stats.last_swap_s,
-                     extra={"weight_sync": self.stats.last_sync})
+                                    "swap_s": loop.time() - verified, "bytes": fetched.fetched_bytes,
+                                    "full_bytes": len(data), "deltas": fetched.deltas,
+                                    "from_storage": float(fetched.from_storage)}
+            log.info("serving version %d (%s, %d bytes fetched, %.3fs)", pointer.version, fetched.kind,
+                     fetched.fetched_bytes, self.stats.last_swap_s, extra={"weight_sync": self.stats.last_sync})
             try:
                 await self.pointer.announce_served(pointer.version)
             except (RedisError, OSError) as e:  # the gates re-check on their own poll

@@ -78,6 +78,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
         pad_id=tok.pad_id, overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                                      if tc.algorithm.overlong_max_tokens else None),
         channel=channel_for_this_process(), warm_start=warm_start, longest_episode=cfg.rollout.max_episode_tokens,
+        weights=tc.weights,
     )
     loop.before_run = functools.partial(warm_up, cfg, loop, compiles)
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name

@@ -26,6 +26,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from arlo.config.trainer import WeightPublishConfig
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights, ServingCopy
@@ -71,9 +72,11 @@ class TrainingLoop:
         pad_id: int = ByteTokenizer.pad_id, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, on_step: Sequence[OnStep] = (),
         before_run: Callable[[], Awaitable[None]] | None = None, longest_episode: int = 0,
+        weights: WeightPublishConfig | None = None,
     ) -> None:
         """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up).
-        `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs."""
+        `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs.
+        `weights`: how versions go out (trainer.weights: deltas, shared storage)."""
         if core.checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
         self.core = TrainerCore(dataclasses.replace(core, checkpoints=bool(checkpoint_dir)))
@@ -94,7 +97,8 @@ class TrainingLoop:
                            core=self.core, learner=learner, store=store, pointer=pointer,
                            perform=self._perform) if self.checkpointer else None
         self.publisher = Publisher(store=store, pointer=pointer, replica=self.replica, jax_lock=self._jax_lock,
-                                   source=source, core=self.core, tails=self._tails, perform=self._perform)
+                                   source=source, core=self.core, tails=self._tails, perform=self._perform,
+                                   weights=weights)
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -533,7 +537,7 @@ class TrainingLoop:
         if cut is not None:
             published = await self.publisher.publish_cut(cut, step.version, record)
             del cut  # the device copy goes now, not when the tail ends
-        counters = {**counters, "queue_depth": await self.stream.backlog()}
+        counters = {**counters, "queue_depth": await self.stream.backlog(), **self.publisher.figures(step.version)}
         await self._report(step_record(**record, counters=counters))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
         metrics = record["metrics"]

@@ -8,7 +8,12 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from arlo.config.trainer import WeightPublishConfig
+from arlo.model import weight_delta
+from arlo.model.weight_delta import Envelope, PayloadKind, encode_delta, envelope_parts, pack
+from arlo.model.weight_files import VersionFiles
 from arlo.model.weights import sha256_hex
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -26,6 +31,16 @@ class PublishedVersion:
     """The sha256 of each aligned chunk, by (offset, length): hashed with the payload when it was
     published (`hashed_payload`), else on its first pull (the future of that hashing while under
     way); every replica pulls the same chunks of a version, hashed once (`iter_chunks`)."""
+    kind: PayloadKind = "full"
+    """How the version went out: whole, or as `delta` onto version - 1."""
+    full_version: int = 0
+    """The newest version at or before this one that went out full (this one's, when full)."""
+    delta: PublishedVersion | None = None
+    """The delta's envelope as a payload of its own (PullWeights with payload DELTA), when a delta."""
+    changed_fraction: float = 1.0
+    """The fraction of serving-dtype elements that changed since version - 1 (1.0 when unknown)."""
+    published_bytes: int = 0
+    """What went out once: the delta's envelope, or the full payload."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +89,32 @@ class VersionStore:
             raise ValueError("keep must be >= 1")
         self._keep = keep
         self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()
+        self.sent_bytes = 0
+        """Bytes PullWeights has streamed from this store: the trainer's weight egress over gRPC."""
 
     def put(self, version: int, data: bytes, *, sha256: str = "",
-            chunk_digests: Mapping[tuple[int, int], str] | None = None) -> PublishedVersion:
+            chunk_digests: Mapping[tuple[int, int], str] | None = None,
+            delta: Envelope | None = None, delta_bytes: bytes = b"") -> PublishedVersion:
         """`sha256`: the data's digest when the caller has it (computed off the event loop);
-        `chunk_digests`: its chunks' (`hashed_payload`), else each is hashed on its first pull."""
-        if self._versions and version <= next(reversed(self._versions)):
-            raise ValueError(f"version {version} is not newer than {next(reversed(self._versions))}")
-        pv = PublishedVersion(version=version, data=data, sha256=sha256 or sha256_hex(data), time=time.time(),
-                              chunk_digests=dict(chunk_digests or {}))
+        `chunk_digests`: its chunks' (`hashed_payload`), else each is hashed on its first pull.
+        `delta` (and its packed envelope, `delta_bytes`): the version published as a delta onto
+        the version held before it."""
+        newest = self.get()
+        if newest is not None and version <= newest.version:
+            raise ValueError(f"version {version} is not newer than {newest.version}")
+        if delta is not None and (newest is None or delta.base_version != newest.version
+                                  or delta.version != version):
+            raise ValueError(f"a delta of version {delta.version} onto {delta.base_version} does not follow "
+                             f"the newest version held ({newest.version if newest else 'none'})")
+        sha256 = sha256 or sha256_hex(data)
+        extra: dict[str, Any] = {"published_bytes": len(data), "full_version": version}
+        if delta is not None and newest is not None:
+            envelope = PublishedVersion(version=version, data=delta_bytes, sha256=sha256_hex(delta_bytes),
+                                        time=time.time())
+            extra = {"kind": "delta", "full_version": newest.full_version, "delta": envelope,
+                     "changed_fraction": delta.changed_fraction, "published_bytes": len(delta_bytes)}
+        pv = PublishedVersion(version=version, data=data, sha256=sha256, time=time.time(),
+                              chunk_digests=dict(chunk_digests or {}), **extra)
         self._versions[version] = pv
         while len(self._versions) > self._keep:
             self._versions.popitem(last=False)
@@ -145,3 +177,49 @@ async def iter_chunks(published: PublishedVersion, *, offset: int, chunk_bytes: 
                     del memo[key]  # the next pull tries again
                 raise
         yield Chunk(offset=start, data=piece, sha256=digest)
+
+
+class VersionEncoder:
+    """Which kind each version goes out as (full every `full_every`, deltas between), its one write
+    to shared storage when there is one, then the store. A delta is taken against the newest
+    version held, which is the one before it: the trainer keeps the previous payload anyway (the
+    store's `keep` >= 2), so a delta costs no extra copy."""
+
+    def __init__(self, store: VersionStore, config: WeightPublishConfig) -> None:
+        self.store, self.config = store, config
+        self.files = VersionFiles(config.storage) if config.storage else None
+
+    @property
+    def storage(self) -> str:
+        return self.files.uri if self.files is not None else ""
+
+    def delta_due(self, version: int) -> PublishedVersion | None:
+        """The version a delta of `version` would apply onto, when one is due (else None: full)."""
+        prev = self.store.get()
+        if self.config.full_every <= 1 or prev is None or prev.version != version - 1:
+            return None
+        return prev if version - prev.full_version < self.config.full_every else None
+
+    async def put(self, version: int, data: bytes, *, sha256: str,
+                  chunk_digests: Mapping[tuple[int, int], str] | None = None, full: bool = False) -> PublishedVersion:
+        base = None if full else self.delta_due(version)
+        delta = None
+        if base is not None:
+            delta = await asyncio.to_thread(encode_delta, base.data, data, version=version,
+                                            base_version=base.version, sha256=sha256)
+            if delta is not None and len(delta.body) >= self.config.max_delta_ratio * len(data):
+                delta = None  # most elements changed: an index each costs more than the copy
+        delta_bytes = pack(delta) if delta is not None else b""
+        if self.files is not None:
+            if delta is not None:
+                await asyncio.to_thread(self.files.write, version, "delta", delta_bytes)
+            else:
+                parts = envelope_parts(weight_delta.full(data, version=version, sha256=sha256), body_sha256=sha256)
+                await asyncio.to_thread(self.files.write, version, "full", *parts)
+        previous_full = self.store.get().full_version if self.store.get() is not None else 0
+        published = self.store.put(version, data, sha256=sha256, chunk_digests=chunk_digests, delta=delta,
+                                   delta_bytes=delta_bytes)
+        if self.files is not None and delta is None and previous_full:
+            # A replica one chain behind still finds its deltas; one further behind starts here.
+            await asyncio.to_thread(self.files.prune, previous_full)
+        return published

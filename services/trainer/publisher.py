@@ -15,18 +15,18 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from arlo.config.trainer import WeightPublishConfig
 from arlo.coord import WeightPointer, WeightPointerState
 from arlo.model.weights import NonFiniteWeights, ServingCopy
 from services.trainer.core.records import Decision
 from services.trainer.core.trainer import TrainerCore
 from services.trainer.lockstep import Replica
-from services.trainer.publish import PublishedVersion, VersionStore, hashed_payload
+from services.trainer.publish import PublishedVersion, VersionEncoder, VersionStore, hashed_payload
 from services.trainer.tail import StepTails
 
 log = logging.getLogger(__name__)
 
 POINTER_TRIES = 3
-
 
 
 class Publisher:
@@ -35,14 +35,17 @@ class Publisher:
 
     def __init__(self, *, store: VersionStore, pointer: WeightPointer, replica: Replica, jax_lock: asyncio.Lock,
                  source: str, core: TrainerCore, tails: StepTails,
-                 perform: Callable[[Sequence[Decision]], Awaitable[None]]) -> None:
-        """`perform`: the driver's (loop.py): what a publish lets the core acknowledge."""
+                 perform: Callable[[Sequence[Decision]], Awaitable[None]],
+                 weights: WeightPublishConfig | None = None) -> None:
+        """`perform`: the driver's (loop.py): what a publish lets the core acknowledge. `weights`:
+        deltas and shared storage (trainer.weights)."""
         self.core, self.tails, self.perform = core, tails, perform
         self.store = store
         self.pointer = pointer
         self.replica = replica
         self.jax_lock = jax_lock
         self.source = source
+        self.encoder = VersionEncoder(store, weights or WeightPublishConfig())
 
     async def cut(self, version: int) -> ServingCopy | None:
         """The current weights copied on the device, for an overlapped publish (raises
@@ -70,17 +73,28 @@ class Publisher:
         # Hashed off the event loop (a second or more at 0.5B, with pulls to serve meanwhile), the
         # chunks a pull sends with it, beside the whole.
         digests = await asyncio.to_thread(hashed_payload, data)
-        return self.store.put(version, data, sha256=digests.sha256, chunk_digests=digests.chunks)
+        return await self.encoder.put(version, data, sha256=digests.sha256, chunk_digests=digests.chunks)
 
-    def renumbered(self, published: PublishedVersion, version: int) -> None:
-        """The same weights stored again under `version` (re-numbered above a foreign pointer)."""
-        self.store.put(version, published.data, sha256=published.sha256,
-                       chunk_digests={k: v for k, v in published.chunk_digests.items() if isinstance(v, str)})
+    async def renumbered(self, published: PublishedVersion, version: int) -> None:
+        """The same weights stored again under `version` (re-numbered above a foreign pointer), full."""
+        await self.encoder.put(version, published.data, sha256=published.sha256, full=True,
+                               chunk_digests={k: v for k, v in published.chunk_digests.items() if isinstance(v, str)})
+
+    def figures(self, version: int) -> dict[str, Any]:
+        """What `version`'s publish sent, for its step record (empty when no longer held)."""
+        published = self.store.get(version)
+        if published is None:
+            return {}
+        return {"publish_kind": published.kind, "publish_bytes": published.published_bytes,
+                "publish_full_bytes": len(published.data), "changed_fraction": published.changed_fraction}
 
     async def point_at(self, published: PublishedVersion) -> WeightPointerState | None:
         """Moves the pointer to `published`; None when it did, else the pointer it found (a version
         this trainer did not write)."""
-        if await self.pointer.publish(published.version, source=self.source, sha256=published.sha256):
+        if await self.pointer.publish(published.version, source=self.source, sha256=published.sha256,
+                                      payload=published.kind, full_version=published.full_version,
+                                      base_version=published.version - 1 if published.kind == "delta" else 0,
+                                      storage=self.encoder.storage):
             return None
         current = await self.pointer.get()
         if current is not None and (current.version != published.version or current.sha256 != published.sha256):
@@ -101,7 +115,7 @@ class Publisher:
                       "(its version: %d); publishing above it as version %d", current.version, current.source,
                       current.sha256, published.version, version,
                       extra={"pointer_conflicts": self.core.state.pointer_conflicts, "pointer_version": current.version})
-            self.renumbered(published, version)
+            await self.renumbered(published, version)
         raise RuntimeError(f"the weight pointer kept moving ahead of version {self.core.state.version}")
 
     async def publish_or_owe(self) -> bool:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from arlo.coord import WeightPointerState
-from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
+from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.loop import TrainingLoop
 from services.trainer.publish import check_chunk_bytes, iter_chunks
 
@@ -46,18 +46,29 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             held = self.loop.store.newest_version
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"version {request.version} is not held (newest held: {held or 'none'})")
-        if request.offset >= max(len(published.data), 1):
+        sent = published
+        if request.payload == common_pb2.WEIGHT_PAYLOAD_DELTA:
+            if published.delta is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"version {published.version} was published full, not as a delta")
+            sent = published.delta
+        elif request.payload != common_pb2.WEIGHT_PAYLOAD_FULL:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown payload kind {request.payload}")
+        if request.offset >= max(len(sent.data), 1):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                f"offset {request.offset} >= payload size {len(published.data)}")
+                                f"offset {request.offset} >= payload size {len(sent.data)}")
         version = WeightPointerState(
             version=published.version, source=self.loop.source, sha256=published.sha256,
             checkpoint_version=self.loop.state.checkpoint_version,
-            checkpoint_uri=self.loop.state.checkpoint_uri, time=published.time,
+            checkpoint_uri=self.loop.state.checkpoint_uri, time=published.time, payload=published.kind,
+            base_version=published.version - 1 if published.kind == "delta" else 0,
+            full_version=published.full_version,
         ).to_proto()
-        async for chunk in iter_chunks(published, offset=request.offset, chunk_bytes=chunk_bytes):
+        async for chunk in iter_chunks(sent, offset=request.offset, chunk_bytes=chunk_bytes):
+            self.loop.store.sent_bytes += len(chunk.data)
             yield trainer_pb2.PullWeightsResponse(
-                version=version, offset=chunk.offset, data=chunk.data,
-                total_bytes=len(published.data), chunk_sha256=chunk.sha256,
+                version=version, offset=chunk.offset, data=chunk.data, total_bytes=len(sent.data),
+                chunk_sha256=chunk.sha256, payload=request.payload, payload_sha256=sent.sha256,
             )
 
     async def SaveCheckpoint(self, request, context):  # noqa: N802

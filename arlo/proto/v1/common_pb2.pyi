@@ -49,6 +49,26 @@ TRAJECTORY_STATUS_ERROR: TrajectoryStatus.ValueType  # 3
 """The episode failed (backend error, reward error); the trainer masks its whole group."""
 Global___TrajectoryStatus: _TypeAlias = TrajectoryStatus  # noqa: Y015
 
+class _WeightPayload:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightPayloadEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightPayload.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHT_PAYLOAD_FULL: _WeightPayload.ValueType  # 0
+    """The serialized weights whole (arlo.weights.v1)."""
+    WEIGHT_PAYLOAD_DELTA: _WeightPayload.ValueType  # 1
+    """The serving-dtype elements changed since base_version (arlo/model/weight_delta.py)."""
+
+class WeightPayload(_WeightPayload, metaclass=_WeightPayloadEnumTypeWrapper):
+    """The kind of payload a weight version travels as. An adapter-only kind would join here."""
+
+WEIGHT_PAYLOAD_FULL: WeightPayload.ValueType  # 0
+"""The serialized weights whole (arlo.weights.v1)."""
+WEIGHT_PAYLOAD_DELTA: WeightPayload.ValueType  # 1
+"""The serving-dtype elements changed since base_version (arlo/model/weight_delta.py)."""
+Global___WeightPayload: _TypeAlias = WeightPayload  # noqa: Y015
+
 @_typing.final
 class SamplingParams(_message.Message):
     """How to sample a completion."""
@@ -368,6 +388,10 @@ class WeightVersion(_message.Message):
     CHECKPOINT_VERSION_FIELD_NUMBER: _builtins.int
     CHECKPOINT_URI_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
+    FULL_VERSION_FIELD_NUMBER: _builtins.int
+    STORAGE_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Monotonic version number (>= 1); never repeats within a run."""
     source: _builtins.str
@@ -380,6 +404,18 @@ class WeightVersion(_message.Message):
     """URI of that checkpoint (empty when none)."""
     time: _builtins.float
     """Unix time (seconds) of publication."""
+    payload: Global___WeightPayload.ValueType
+    """How this version was published: whole, or as the elements changed since base_version."""
+    base_version: _builtins.int
+    """The version a DELTA applies onto (version - 1); 0 for FULL."""
+    full_version: _builtins.int
+    """The newest version at or before this one published FULL: a replica holding an older one
+    starts from it, then applies the deltas after it in order.
+    """
+    storage: _builtins.str
+    """Where every version is written once ("file:///dir", a mount shared with the trainer; the
+    form a GCS/S3 bucket takes on Kubernetes); empty: pulled from `source` over PullWeights.
+    """
     def __init__(
         self,
         *,
@@ -389,10 +425,14 @@ class WeightVersion(_message.Message):
         checkpoint_version: _builtins.int = ...,
         checkpoint_uri: _builtins.str = ...,
         time: _builtins.float = ...,
+        payload: Global___WeightPayload.ValueType = ...,
+        base_version: _builtins.int = ...,
+        full_version: _builtins.int = ...,
+        storage: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_uri", b"checkpoint_uri", "checkpoint_version", b"checkpoint_version", "sha256", b"sha256", "source", b"source", "time", b"time", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "checkpoint_uri", b"checkpoint_uri", "checkpoint_version", b"checkpoint_version", "full_version", b"full_version", "payload", b"payload", "sha256", b"sha256", "source", b"source", "storage", b"storage", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

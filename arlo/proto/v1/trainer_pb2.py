@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from arlo.proto.v1 import common_pb2 as arlo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61rlo/v1/trainer.proto\x12\x07\x61rlo.v1\x1a\x14\x61rlo/v1/common.proto\"\x12\n\x10GetStatusRequest\"\xf8\x03\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1a\n\x12\x63heckpoint_version\x18\x04 \x01(\x03\x12\x1d\n\x15trajectories_consumed\x18\x05 \x01(\x04\x12\x1c\n\x14trajectories_dropped\x18\x06 \x01(\x04\x12\x11\n\tlast_loss\x18\x07 \x01(\x01\x12\x13\n\x0blast_reward\x18\x08 \x01(\x01\x12\r\n\x05phase\x18\t \x01(\t\x12\x11\n\tsft_steps\x18\n \x01(\x03\x12\x16\n\x0elast_staleness\x18\x0b \x01(\x01\x12\x16\n\x0etokens_trained\x18\x0c \x01(\x04\x12\x12\n\nuntil_step\x18\r \x01(\x03\x12\x14\n\x0c\x66\x61iled_steps\x18\x0e \x01(\x04\x12\x18\n\x10publish_failures\x18\x0f \x01(\x04\x12\x19\n\x11pointer_conflicts\x18\x10 \x01(\x04\x12\x1b\n\x13\x63heckpoint_failures\x18\x11 \x01(\x04\x12\x18\n\x10\x63heckpoint_error\x18\x12 \x01(\t\x12\x14\n\x0cheld_entries\x18\x13 \x01(\x04\x12\x17\n\x0f\x61\x63ked_undurable\x18\x14 \x01(\x04\x12\x1c\n\x14\x63heckpoint_fallbacks\x18\x15 \x01(\x04\"J\n\x12PullWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"\x87\x01\n\x13PullWeightsResponse\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.arlo.v1.WeightVersion\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_sha256\x18\x05 \x01(\t\"\x17\n\x15SaveCheckpointRequest\"L\n\x16SaveCheckpointResponse\x12\x1a\n\x12\x63heckpoint_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x63heckpoint_uri\x18\x02 \x01(\t\"\x0e\n\x0cPauseRequest\"\x1f\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"#\n\rResumeRequest\x12\x12\n\nuntil_step\x18\x01 \x01(\x03\" \n\x0eResumeResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x32\xdf\x02\n\x07Trainer\x12\x42\n\tGetStatus\x12\x19.arlo.v1.GetStatusRequest\x1a\x1a.arlo.v1.GetStatusResponse\x12J\n\x0bPullWeights\x12\x1b.arlo.v1.PullWeightsRequest\x1a\x1c.arlo.v1.PullWeightsResponse0\x01\x12Q\n\x0eSaveCheckpoint\x12\x1e.arlo.v1.SaveCheckpointRequest\x1a\x1f.arlo.v1.SaveCheckpointResponse\x12\x36\n\x05Pause\x12\x15.arlo.v1.PauseRequest\x1a\x16.arlo.v1.PauseResponse\x12\x39\n\x06Resume\x12\x16.arlo.v1.ResumeRequest\x1a\x17.arlo.v1.ResumeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61rlo/v1/trainer.proto\x12\x07\x61rlo.v1\x1a\x14\x61rlo/v1/common.proto\"\x12\n\x10GetStatusRequest\"\xf8\x03\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1a\n\x12\x63heckpoint_version\x18\x04 \x01(\x03\x12\x1d\n\x15trajectories_consumed\x18\x05 \x01(\x04\x12\x1c\n\x14trajectories_dropped\x18\x06 \x01(\x04\x12\x11\n\tlast_loss\x18\x07 \x01(\x01\x12\x13\n\x0blast_reward\x18\x08 \x01(\x01\x12\r\n\x05phase\x18\t \x01(\t\x12\x11\n\tsft_steps\x18\n \x01(\x03\x12\x16\n\x0elast_staleness\x18\x0b \x01(\x01\x12\x16\n\x0etokens_trained\x18\x0c \x01(\x04\x12\x12\n\nuntil_step\x18\r \x01(\x03\x12\x14\n\x0c\x66\x61iled_steps\x18\x0e \x01(\x04\x12\x18\n\x10publish_failures\x18\x0f \x01(\x04\x12\x19\n\x11pointer_conflicts\x18\x10 \x01(\x04\x12\x1b\n\x13\x63heckpoint_failures\x18\x11 \x01(\x04\x12\x18\n\x10\x63heckpoint_error\x18\x12 \x01(\t\x12\x14\n\x0cheld_entries\x18\x13 \x01(\x04\x12\x17\n\x0f\x61\x63ked_undurable\x18\x14 \x01(\x04\x12\x1c\n\x14\x63heckpoint_fallbacks\x18\x15 \x01(\x04\"s\n\x12PullWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\'\n\x07payload\x18\x04 \x01(\x0e\x32\x16.arlo.v1.WeightPayload\"\xc8\x01\n\x13PullWeightsResponse\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.arlo.v1.WeightVersion\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_sha256\x18\x05 \x01(\t\x12\'\n\x07payload\x18\x06 \x01(\x0e\x32\x16.arlo.v1.WeightPayload\x12\x16\n\x0epayload_sha256\x18\x07 \x01(\t\"\x17\n\x15SaveCheckpointRequest\"L\n\x16SaveCheckpointResponse\x12\x1a\n\x12\x63heckpoint_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x63heckpoint_uri\x18\x02 \x01(\t\"\x0e\n\x0cPauseRequest\"\x1f\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"#\n\rResumeRequest\x12\x12\n\nuntil_step\x18\x01 \x01(\x03\" \n\x0eResumeResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x32\xdf\x02\n\x07Trainer\x12\x42\n\tGetStatus\x12\x19.arlo.v1.GetStatusRequest\x1a\x1a.arlo.v1.GetStatusResponse\x12J\n\x0bPullWeights\x12\x1b.arlo.v1.PullWeightsRequest\x1a\x1c.arlo.v1.PullWeightsResponse0\x01\x12Q\n\x0eSaveCheckpoint\x12\x1e.arlo.v1.SaveCheckpointRequest\x1a\x1f.arlo.v1.SaveCheckpointResponse\x12\x36\n\x05Pause\x12\x15.arlo.v1.PauseRequest\x1a\x16.arlo.v1.PauseResponse\x12\x39\n\x06Resume\x12\x16.arlo.v1.ResumeRequest\x1a\x17.arlo.v1.ResumeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSRESPONSE']._serialized_start=77
   _globals['_GETSTATUSRESPONSE']._serialized_end=581
   _globals['_PULLWEIGHTSREQUEST']._serialized_start=583
-  _globals['_PULLWEIGHTSREQUEST']._serialized_end=657
-  _globals['_PULLWEIGHTSRESPONSE']._serialized_start=660
-  _globals['_PULLWEIGHTSRESPONSE']._serialized_end=795
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=797
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=820
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=822
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=898
-  _globals['_PAUSEREQUEST']._serialized_start=900
-  _globals['_PAUSEREQUEST']._serialized_end=914
-  _globals['_PAUSERESPONSE']._serialized_start=916
-  _globals['_PAUSERESPONSE']._serialized_end=947
-  _globals['_RESUMEREQUEST']._serialized_start=949
-  _globals['_RESUMEREQUEST']._serialized_end=984
-  _globals['_RESUMERESPONSE']._serialized_start=986
-  _globals['_RESUMERESPONSE']._serialized_end=1018
-  _globals['_TRAINER']._serialized_start=1021
-  _globals['_TRAINER']._serialized_end=1372
+  _globals['_PULLWEIGHTSREQUEST']._serialized_end=698
+  _globals['_PULLWEIGHTSRESPONSE']._serialized_start=701
+  _globals['_PULLWEIGHTSRESPONSE']._serialized_end=901
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=903
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=926
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=928
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1004
+  _globals['_PAUSEREQUEST']._serialized_start=1006
+  _globals['_PAUSEREQUEST']._serialized_end=1020
+  _globals['_PAUSERESPONSE']._serialized_start=1022
+  _globals['_PAUSERESPONSE']._serialized_end=1053
+  _globals['_RESUMEREQUEST']._serialized_start=1055
+  _globals['_RESUMEREQUEST']._serialized_end=1090
+  _globals['_RESUMERESPONSE']._serialized_start=1092
+  _globals['_RESUMERESPONSE']._serialized_end=1124
+  _globals['_TRAINER']._serialized_start=1127
+  _globals['_TRAINER']._serialized_end=1478
 # @@protoc_insertion_point(module_scope)

@@ -142,22 +142,28 @@ class PullWeightsRequest(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Version to pull; 0 means the newest. A version no longer held gets NOT_FOUND."""
     offset: _builtins.int
     """Byte offset to start from (to resume an interrupted pull); < total size."""
     chunk_bytes: _builtins.int
     """Chunk size in bytes: 0 for the default (1 MiB), else in [65536, 4194304]."""
+    payload: _common_pb2.WeightPayload.ValueType
+    """FULL: the serialized weights. DELTA: the version's delta onto version - 1, in its envelope
+    (arlo/model/weight_delta.py); FAILED_PRECONDITION when it was published full.
+    """
     def __init__(
         self,
         *,
         version: _builtins.int = ...,
         offset: _builtins.int = ...,
         chunk_bytes: _builtins.int = ...,
+        payload: _common_pb2.WeightPayload.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "offset", b"offset", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "offset", b"offset", "payload", b"payload", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -172,6 +178,8 @@ class PullWeightsResponse(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     CHUNK_SHA256_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    PAYLOAD_SHA256_FIELD_NUMBER: _builtins.int
     offset: _builtins.int
     """Offset of this chunk in the serialized weights."""
     data: _builtins.bytes
@@ -180,6 +188,9 @@ class PullWeightsResponse(_message.Message):
     """Size of the whole serialized weights."""
     chunk_sha256: _builtins.str
     """Hex sha256 of this chunk."""
+    payload: _common_pb2.WeightPayload.ValueType
+    """What is sent (as asked) and the sha256 of its bytes whole: for FULL, version.sha256."""
+    payload_sha256: _builtins.str
     @_builtins.property
     def version(self) -> _common_pb2.WeightVersion:
         """The version being sent (every chunk carries it)."""
@@ -192,10 +203,12 @@ class PullWeightsResponse(_message.Message):
         data: _builtins.bytes = ...,
         total_bytes: _builtins.int = ...,
         chunk_sha256: _builtins.str = ...,
+        payload: _common_pb2.WeightPayload.ValueType = ...,
+        payload_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_sha256", b"chunk_sha256", "data", b"data", "offset", b"offset", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_sha256", b"chunk_sha256", "data", b"data", "offset", b"offset", "payload", b"payload", "payload_sha256", b"payload_sha256", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

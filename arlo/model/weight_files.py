@@ -1,0 +1,80 @@
+"""Weight versions in shared storage: the trainer writes each version once, every replica reads it.
+
+    {dir}/{version:012d}.full    a full payload, in its envelope (arlo/model/weight_delta.py)
+    {dir}/{version:012d}.delta   the elements changed since version - 1
+
+A file is written under a temporary name, flushed to disk and renamed into place, so a reader
+sees a whole file or none: a writer killed mid-write leaves only a `.tmp` file, which the next
+writer's prune removes. The envelope's body sha256 still guards against a file damaged at rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from arlo.model.weight_delta import KINDS, PayloadKind
+
+TMP_SUFFIX = ".tmp"
+
+
+def storage_dir(uri: str) -> Path:
+    """The directory a `file:///dir` URI names; ValueError for any other form."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise ValueError(f"weight storage {uri!r}: expected file:///absolute/dir")
+    return Path(parsed.path)
+
+
+def version_path(root: Path, version: int, kind: PayloadKind) -> Path:
+    return root / f"{version:012d}.{kind}"
+
+
+def read_version(uri: str, version: int, kind: PayloadKind) -> bytes:
+    """The envelope of `version` as `kind`; FileNotFoundError when it is not (or no longer) there."""
+    return version_path(storage_dir(uri), version, kind).read_bytes()
+
+
+class VersionFiles:
+    """The trainer's side: one atomic write per version, and pruning what no replica needs."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.root = storage_dir(uri)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.bytes_written = 0
+
+    def write(self, version: int, kind: PayloadKind, *parts: bytes | memoryview) -> Path:
+        """Writes the envelope (its parts one after the other: `envelope_parts`) whole or not at
+        all. Blocking: run it in a worker thread."""
+        final = version_path(self.root, version, kind)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}{TMP_SUFFIX}")
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        with contextlib.suppress(OSError):  # the rename made durable where the platform allows it
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.bytes_written += sum(len(p) for p in parts)
+        return final
+
+    def prune(self, keep_from: int) -> None:
+        """Removes the versions older than `keep_from` and any writer's leftover temporary files.
+        Called with the full version before the newest full: a replica one chain behind still
+        finds its way, one further behind starts from the newest full."""
+        for path in self.root.iterdir():
+            name = path.name
+            if name.endswith(TMP_SUFFIX) and not name.split(".")[-2] == str(os.getpid()):
+                path.unlink(missing_ok=True)
+                continue
+            stem, _, kind = name.partition(".")
+            if kind in KINDS and stem.isdigit() and int(stem) < keep_from:
+                path.unlink(missing_ok=True)
