@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from arlo.choices import Dtype
+from arlo.choices import Dtype, ToolFormat
 from arlo.config.base import ConfigError, _frozen, check_ranges, ranged
 
 
@@ -33,6 +33,12 @@ class ModelSpec:
     max_seq_len: int = ranged(0, ge=0)
     """Longest sequence (prompt + generated); 0 = the preset's or the checkpoint's
     max_position_embeddings (often far more than a run needs: cap it)."""
+    tool_format: ToolFormat = "auto"
+    """How the model writes tool calls, read by the env gateway and the OpenAI endpoint's replies:
+    hermes (`<tool_call>{json}</tool_call>`: Qwen2.5/3), llama3 (a whole-message JSON call),
+    qwen3_coder (`<tool_call><function=NAME><parameter=KEY>`), mistral (`[TOOL_CALLS]`), gemma
+    (`<|tool_call>call:NAME{...}`, FunctionGemma's `<start_function_call>` alike); "auto" reads any
+    of them by its markers. A chosen format reads only its own markup."""
 
     def validate(self, path: str) -> None:
         check_ranges(self, path)

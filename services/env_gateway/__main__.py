@@ -23,7 +23,7 @@ def build_gateway(cfg: RunConfig, context: EnvContext | None = None) -> Gateway:
     gw = cfg.env_gateway
     sessions = SessionStore(idle_timeout_s=gw.session_idle_timeout_s, max_sessions=gw.max_sessions)
     try:
-        registry = default_registry(context if context is not None else EnvContext(gw))
+        registry = default_registry(context if context is not None else EnvContext(gw, tool_format=cfg.model.tool_format))
     except ValueError as e:  # the message names the setting
         raise ConfigError(str(e)) from e
     for i, plugin in enumerate(gw.plugins):

@@ -84,7 +84,7 @@ def start_openai(cfg: RunConfig, engine: Engine, recorder: EpisodeRecorder, task
     """Binds the OpenAI-compatible endpoint beside gRPC; returns its base URL."""
     ic, tls = cfg.inference, cfg.auth.tls
     sock = bind(ic.server.host, ic.openai_port)
-    endpoint = OpenAIEndpoint(engine, recorder, token=load_token(cfg.auth))
+    endpoint = OpenAIEndpoint(engine, recorder, token=load_token(cfg.auth), tool_format=cfg.model.tool_format)
     tasks.spawn("openai-http", lambda: serve_openai(endpoint, sock, cert_file=tls.cert_file if tls.enabled else "",
                                                     key_file=tls.key_file if tls.enabled else "",
                                                     grace_s=ic.server.grace_s))

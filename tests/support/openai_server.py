@@ -4,7 +4,7 @@ weight sync on the test's Redis namespace) for the OpenAI endpoint and black-box
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -32,9 +32,10 @@ class Served:
 
 @asynccontextmanager
 async def inference_service(monkeypatch: pytest.MonkeyPatch, redis_url: str, run_id: str,
-                            **inference: object) -> AsyncIterator[Served]:
+                            model: Mapping[str, object] | None = None, **inference: object) -> AsyncIterator[Served]:
+    """`model`: the run's `model` settings (default: the tiny byte-tokenizer preset)."""
     monkeypatch.setenv("ARLO_TOKEN", TOKEN)
-    cfg = load_config(overrides={"run_id": run_id, "redis": {"url": redis_url}, "inference": {
+    cfg = load_config(overrides={"run_id": run_id, "redis": {"url": redis_url}, "model": dict(model or {}), "inference": {
         "server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}, "max_tokens": 64, "max_prompt_tokens": 1024,
         "max_batch": 8, "max_n": 4, "decode_steps": 4, **inference}})
     tasks = TaskGroup()

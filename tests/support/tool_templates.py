@@ -17,6 +17,7 @@ rendering an assistant's `tool_calls`, the tool listing and tool results as the 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,15 +262,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_tool_tokenizer(path: Path, family: str) -> Tokenizer:
-    """A tokenizer directory for `family` (FAMILIES): tokenizer.json trained here, and
-    tokenizer_config.json with the family's chat template and special tokens."""
+def write_tool_tokenizer(path: Path, family: str, *, extra: Sequence[str] = ()) -> Tokenizer:
+    """A tokenizer directory for `family` (FAMILIES): tokenizer.json trained here (with `extra`
+    added as ordinary tokens), and tokenizer_config.json with the family's chat template and
+    special tokens."""
     spec = FAMILIES[family]
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(spec["specials"], [])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec["added"]])
+    added = [*spec["added"], *extra]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.save(str(path / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in [*spec["specials"], *spec["added"]]}
+    ids = {t: tok.token_to_id(t) for t in [*spec["specials"], *added]}
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": spec["tokenizer_class"], "chat_template": spec["template"],
         "eos_token": spec["eos"], "pad_token": spec["pad"], "bos_token": spec["bos"],

@@ -137,3 +137,12 @@ def test_too_many_calls_and_plain_text() -> None:
         assert parse_tool_calls("The function=f(x) is {a} [b].", TOOLS, format=f).calls == ()
     with pytest.raises(ValueError, match="tool call format: expected one of"):
         parse_tool_calls("x", TOOLS, format="xml")
+
+
+def test_model_tool_format_is_checked_at_load_naming_the_field() -> None:
+    from arlo.config import load_config
+    from arlo.config.base import ConfigError
+
+    assert load_config(overrides={"model": {"tool_format": "mistral"}}).model.tool_format == "mistral"
+    with pytest.raises(ConfigError, match=r"model\.tool_format: must be one of auto, hermes, .*gemma, got 'xml'"):
+        load_config(overrides={"model": {"tool_format": "xml"}})
