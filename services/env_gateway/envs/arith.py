@@ -4,9 +4,9 @@ byte-level model: the first observation is just "3+4=".
 With `tool: true` the agent also has a calculator: an action `calc <expression>` is answered
 by a "tool" message named "calc" holding the value (a turn of its own). The calculator is also
 advertised as a `calc(expression)` function schema (ResetResult.tools_json, which the rollout
-passes to the model's chat template), and a structured call to it in either open-model format
-(Hermes `<tool_call>{"name": "calc", "arguments": {...}}</tool_call>`, Llama 3.1
-`{"name": "calc", "parameters": {...}}`) is answered the same way. Two-digit products are hard to
+passes to the model's chat template), and a structured call to it in an open-model format
+(`model.tool_format`: Hermes `<tool_call>{"name": "calc", "arguments": {...}}</tool_call>`, Llama 3.1
+`{"name": "calc", "parameters": {...}}`, Qwen3-Coder, Mistral, Gemma) is answered the same way. Two-digit products are hard to
 guess and easy with the tool, so this is the demo's agentic task: the policy must learn to
 call the tool, copy the operands into the call and the result into its answer. `split`
 partitions the operand pairs so a held-out evaluation never sees a pair trained on, and

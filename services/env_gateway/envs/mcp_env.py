@@ -3,8 +3,8 @@
 Reset's config is the task: `{"prompt": ..., "reference": ..., "system_prompt": ..., "max_turns": ...}`.
 The first observation is the (system and) user message, and tools_json holds the server's tool
 schemas in the OpenAI function format, which the rollout renders with the model's chat template.
-Each step parses the model's text for tool calls (Hermes `<tool_call>` or Llama 3 JSON, see
-tool_calls.py); every call goes to the server in the order written, each under the server's
+Each step parses the model's text for tool calls (in `model.tool_format`: Hermes `<tool_call>`,
+Llama 3 JSON, Qwen3-Coder, Mistral or Gemma; see tool_calls.py); every call goes to the server in the order written, each under the server's
 timeout shortened to what is left of the RPC's deadline, and comes back as a `tool` message named
 after the tool, results and errors alike. A reply without a tool call is the final answer: the
 episode ends, and the reward service scores the answer against `reference`.
