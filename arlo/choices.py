@@ -17,6 +17,11 @@ KlKind = Literal["k1", "k2", "k3"]
 Reference = Literal["initial", "after_sft"]
 """The KL reference: the loaded (initial) policy, or the policy after the SFT warm start."""
 Remat = Literal["none", "full", "dots"]
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Projections a LoRA adapter can attach to, by their Hugging Face (and PEFT) module names."""
+LoraInit = Literal["default", "gaussian", "pissa", "olora"]
+"""Initialisation of LoRA's A (B is zero): PEFT's "default" (kaiming-uniform) or "gaussian"; "pissa"
+and "olora" are named so that choosing them gets an error that says why (they shift the base)."""
 SftTooLong = Literal["drop", "truncate_left", "error"]
 """What the SFT warm start does with a demonstration longer than the model's context."""
 Isolation = Literal["auto", "bwrap", "unshare", "none"]

@@ -37,7 +37,7 @@ class ExportError(RuntimeError):
 def export_run(cfg: RunConfig, out: str | Path, *, token: str | None, version: int | None = None,
                checkpoint: str = "") -> ExportResult:
     """Writes the policy to `out`; see the module docstring for where it comes from."""
-    source = cfg.model.source()
+    source = cfg.model_source()
     return export_hf(policy_state(cfg, source, token=token, version=version, checkpoint=checkpoint), source.cfg, out,
                      tokenizer=source.tokenizer(), tokenizer_dir=source.tokenizer_dir, dtype=source.param_dtype,
                      base_config=source.base_config())

@@ -60,9 +60,18 @@ class ModelSpec:
                 raise ConfigError(f"{path}.tokenizer: must be 'byte' or a Hugging Face directory, "
                                   f"got {self.tokenizer!r}")
 
-    def source(self) -> Any:
-        """The arlo.model.source ModelSource every service builds its model and tokenizer from."""
+    def source(self, lora: Any = None) -> Any:
+        """The arlo.model.source ModelSource every service builds its model and tokenizer from.
+        `lora`: the run's `trainer.lora` (LoraConfig); with rank > 0 the decoder carries adapters.
+        Services call `RunConfig.model_source()`, which passes it."""
         from arlo.model.source import resolve_model
 
+        shape = None
+        if lora is not None and lora.rank:
+            from arlo.model.config import LoraShape
+
+            shape = LoraShape(rank=lora.rank, alpha=lora.effective_alpha, targets=tuple(lora.targets),
+                              rslora=lora.rslora, init=lora.init)
         return resolve_model(name=self.name, path=self.path, tokenizer=self.tokenizer, seed=self.seed,
-                             dtype=self.dtype, param_dtype=self.param_dtype, max_seq_len=self.max_seq_len)
+                             dtype=self.dtype, param_dtype=self.param_dtype, max_seq_len=self.max_seq_len,
+                             lora=shape)

@@ -59,6 +59,10 @@ class RunConfig:
     local: LocalConfig = field(default_factory=LocalConfig)
     """Local runs only (`arlo up`, `demo`, and the workers `arlo train` adds): how the services share this host's CPUs and accelerator."""
 
+    def model_source(self) -> Any:
+        """The arlo.model.source ModelSource of the policy: `model`, with `trainer.lora`'s adapters."""
+        return self.model.source(lora=self.trainer.lora)
+
     def validate(self, path: str = "") -> None:
         check_run_id(self.run_id)
         for f in dataclasses.fields(self):
@@ -73,6 +77,26 @@ class RunConfig:
                f"{most_ms} here, got {self.trainer.read_block_ms}")
         self._check_episode_fits()
         self._check_step_fits_backlog()
+        self._check_lora_fits()
+
+    def _check_lora_fits(self) -> None:
+        """A rank at or above a targeted projection's narrower side is no low-rank update: full
+        fine-tuning's cost with none of its simplicity, almost always a typo (rank 512 for 16)."""
+        lora = self.trainer.lora
+        if not lora.rank:
+            return
+        from arlo.model.config import ModelConfig
+
+        m = ModelConfig.from_hf_dir(self.model.path) if self.model.path else ModelConfig.named(self.model.name)
+        widths = {"q_proj": (m.dim, m.num_heads * m.head_dim), "k_proj": (m.dim, m.num_kv_heads * m.head_dim),
+                  "v_proj": (m.dim, m.num_kv_heads * m.head_dim), "o_proj": (m.num_heads * m.head_dim, m.dim),
+                  "gate_proj": (m.dim, m.mlp_dim), "up_proj": (m.dim, m.mlp_dim), "down_proj": (m.mlp_dim, m.dim)}
+        for target in lora.targets:
+            narrow = min(widths[target])
+            _check("trainer.lora.rank", lora.rank < narrow,
+                   f"{lora.rank} is not below {target}'s narrower side ({narrow}: {widths[target][0]} -> "
+                   f"{widths[target][1]}), so the adapter is no low-rank update; lower it or drop {target} "
+                   "from trainer.lora.targets")
 
     def _check_step_fits_backlog(self) -> None:
         """Liveness: the trainer holds trained entries until a checkpoint covers them, and takes a

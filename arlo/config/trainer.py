@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import field
+from typing import get_args
 
-from arlo.choices import Advantage, Aggregation, KlKind, RatioLevel, Reference, Remat, SftTooLong
+from arlo.choices import (
+    Advantage,
+    Aggregation,
+    KlKind,
+    LoraInit,
+    LoraTarget,
+    RatioLevel,
+    Reference,
+    Remat,
+    SftTooLong,
+)
 from arlo.config.base import (
     MAX_WAIT_S,
     MIN_POLL_S,
@@ -131,6 +142,64 @@ class SFTConfig:
         _check(f"{path}.data", not self.steps or bool(self.data), "must name the demonstrations when steps > 0")
 
 
+LORA_TARGETS: tuple[LoraTarget, ...] = get_args(LoraTarget)
+FULL_FINETUNE_LR = 1e-3
+"""trainer.learning_rate's default, tuned for full fine-tuning; LoRA wants about 10x a full
+fine-tuning rate ("LoRA Without Regret"), so a LoRA run left at it is warned about."""
+
+
+@_frozen
+class LoraConfig:
+    """LoRA: train low-rank adapters on the frozen base (arlo/model/lora.py). The base keeps no
+    optimizer state and is held in model.param_dtype; the adapters and their AdamW moments are
+    float32. Publishes carry only the adapters, and inference applies them unmerged."""
+
+    rank: int = ranged(0, ge=0, le=4096, special={0: "off (full fine-tuning)"})
+    """Rank of every adapter; 0 trains the whole model."""
+    alpha: float = ranged(0.0, ge=0, special={0: "2 x rank"})
+    """Scale numerator: updates are scaled by alpha / rank (alpha / sqrt(rank) with rslora)."""
+    targets: tuple[LoraTarget, ...] = LORA_TARGETS
+    """Projections that get an adapter, by Hugging Face module name: q_proj, k_proj, v_proj,
+    o_proj (attention), gate_proj, up_proj, down_proj (MLP). Default: all of them."""
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    """Must stay 0 in RL: dropout in the trainer's forward alone makes its logprobs differ from
+    the sampler's, which the importance ratio would read as policy change."""
+    init: LoraInit = "default"
+    """A's initialisation (B starts at zero, so a fresh adapter changes nothing): "default"
+    (PEFT's kaiming-uniform) or "gaussian" (normal, std 1/rank). "pissa" / "olora" are refused:
+    they move part of the base into the adapters, so an adapter-only publish would serve a base
+    inference does not have."""
+    rslora: bool = False
+    """Scale by alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank."""
+
+    def validate(self, path: str) -> None:
+        check_ranges(self, path)
+        if not self.rank:
+            return
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        _check(f"{path}.targets", bool(self.targets) and not unknown,
+               f"{unknown or 'none given'}: name projections among {list(LORA_TARGETS)}")
+        _check(f"{path}.targets", len(set(self.targets)) == len(self.targets), "lists a projection twice")
+        _check(f"{path}.dropout", self.dropout == 0, "must be 0: dropout in the trainer alone makes its "
+               "logprobs differ from the sampler's (the RL ratio would read it as policy change)")
+        _check(f"{path}.init", self.init in ("default", "gaussian"),
+               f"{self.init!r} moves part of the base weights into the adapters, so an adapter-only "
+               "publish would be applied to a base inference does not have; use default or gaussian")
+
+    @property
+    def effective_alpha(self) -> float:
+        return self.alpha or 2.0 * self.rank
+
+
+def lora_rate_warning(tc: TrainerConfig) -> str | None:
+    """What to tell a user whose LoRA run kept the full fine-tuning learning rate (None: nothing)."""
+    if not tc.lora.rank or tc.learning_rate != FULL_FINETUNE_LR:
+        return None
+    return (f"trainer.lora.rank is {tc.lora.rank} but trainer.learning_rate is still the full fine-tuning default "
+            f"({FULL_FINETUNE_LR:g}); LoRA usually needs about 10x the rate full fine-tuning of the same model "
+            "uses (\"LoRA Without Regret\"): set trainer.learning_rate explicitly")
+
+
 @_frozen
 class WeightPublishConfig:
     """How each version reaches the inference replicas (docs/deploy.md, "Sync topology")."""
@@ -165,7 +234,7 @@ class TrainerConfig:
     """GRPO groups in one optimizer step."""
     micro_batch_size: int = ranged(0, ge=0)
     """Rows per micro-batch (gradient accumulation); 0 = the whole batch at once."""
-    learning_rate: float = ranged(1e-3, gt=0, lt=1)
+    learning_rate: float = ranged(FULL_FINETUNE_LR, gt=0, lt=1)
     """Peak AdamW learning rate of RL."""
     weight_decay: float = ranged(0.0, ge=0)
     """AdamW weight decay."""
@@ -202,12 +271,18 @@ class TrainerConfig:
     """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
     logprob_chunk: int = ranged(0, ge=0)
     """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
+    router_aux_loss_coef: float = ranged(0.0, ge=0, special={0: "off"})
+    """Weight of the routers' load-balancing loss (Switch Transformer's, as HF Qwen3-MoE computes it:
+    arlo/model/moe.py) added to the RL and SFT objectives, over the tokens the loss trains on; needs a
+    model with routed experts. HF trains Qwen3-MoE with 0.001."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Optional supervised warm start on demonstrations before RL."""
     weights: WeightPublishConfig = field(default_factory=WeightPublishConfig)
     """How versions reach the inference replicas: deltas, shared storage."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (rank > 0)."""
     start_paused: bool = False
     """Take no step until a Resume RPC: `arlo up`/`demo` set it, so that `arlo train` drives the run
     (evaluation first, then the warm start, then RL). False: train as soon as data arrives."""
@@ -222,6 +297,10 @@ class TrainerConfig:
         self.server.validate(f"{path}.server")
         self.sft.validate(f"{path}.sft")
         self.weights.validate(f"{path}.weights")
+        self.lora.validate(f"{path}.lora")
+        # The critic is a full copy of the policy's backbone (critic.py): no frozen base to share.
+        _check(f"{path}.lora.rank", not self.lora.rank or self.algorithm.advantage != "gae",
+               "LoRA with algorithm.advantage gae is not supported (the critic copies the whole backbone)")
         self.mesh.validate(f"{path}.mesh")
         self.algorithm.validate(f"{path}.algorithm")
         _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),

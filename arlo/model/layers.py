@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arlo.model import lora
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import write_rows, write_slot
-from arlo.model.rope import apply_rope
+from arlo.model.rope import RopeScaling, apply_rope
 
 Part = tuple[jax.Array, jax.Array, jax.Array]
 """(keys [b, kv_heads, head_dim, s], values [b, kv_heads, s, head_dim], mask_bts): one span of
@@ -39,15 +40,21 @@ def _fan_in(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]) -> 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs):
-        del rngs  # ones-initialised (Llama convention, so HF weights load as-is)
+    """`unit_offset` (Gemma): the scale is stored as an offset from 1 and applied as (1 + w), as HF
+    Gemma stores it, so checkpoints load as-is and weight decay pulls towards the identity."""
+
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, unit_offset: bool = False):
+        del rngs  # ones-initialised (Llama convention, so HF weights load as-is); zeros with the offset
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False)
+        self.unit_offset = unit_offset
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.scale = nnx.Param(init((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x = x_btd.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...]).astype(x_btd.dtype)
+        scale = self.scale[...] + 1.0 if self.unit_offset else self.scale[...]
+        return (x * scale).astype(x_btd.dtype)
 
 
 class Embedder(nnx.Module):
@@ -71,13 +78,16 @@ class Attention(nnx.Module):
 
     Optional parts, present as parameters only when the config enables them (so presets
     keep their parameter tree): q/k/v biases (Qwen2), an output bias, and RMSNorm over
-    head_dim on queries and keys before RoPE (Qwen3).
+    head_dim on queries and keys before RoPE (Qwen3, Gemma 3). A `sliding` layer (Gemma)
+    takes its window from the mask the caller passes, and its RoPE from rope_local_theta
+    when set; the score scale and soft-cap follow query_pre_attn_scalar and attn_logit_softcap.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sliding: bool = False):
         d, n, k, h = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
-        self.rope_scaling = cfg.rope_scaling
+        self.theta, self.rope_scaling = _layer_rope(cfg, sliding)
+        self.score_scale = (cfg.query_pre_attn_scalar or h) ** -0.5
+        self.softcap = cfg.attn_logit_softcap
         self.qkv_bias, self.o_bias, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
         in_init, out_init = _fan_in(0, (1, 2)), _fan_in((0, 1), 2)
         self.q_dnh = _param(in_init, rngs.params(), (d, n, h), ("embed", "heads", "kv"))
@@ -92,8 +102,12 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.o_bias_d = _param(zeros, rngs.params(), (d,), ("embed",))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs)
-            self.k_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs)
+            self.q_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+        self.q_lora = lora.adapter(cfg, "q_proj", (d,), (n, h), ("embed",), ("heads", "kv"), rngs)
+        self.k_lora = lora.adapter(cfg, "k_proj", (d,), (k, h), ("embed",), ("kv_heads", "kv"), rngs)
+        self.v_lora = lora.adapter(cfg, "v_proj", (d,), (k, h), ("embed",), ("kv_heads", "kv"), rngs)
+        self.o_lora = lora.adapter(cfg, "o_proj", (n, h), (d,), ("heads", "kv"), ("embed",), rngs)
 
     def __call__(
         self,
@@ -113,11 +127,12 @@ class Attention(nnx.Module):
         k_btkh = apply_rope(k_btkh, positions_bt, self.theta, self.rope_scaling)
         new_kv = None
         if kv is None:
-            out_btnh = _attend(q_btnh, k_btkh, v_btkh, mask_bts)
+            out_btnh = _attend(q_btnh, k_btkh, v_btkh, mask_bts, self.score_scale, self.softcap)
         else:
             assert start_b is not None, "a KV cache write needs start_b"
             new_kv = write_rows(kv[0], kv[1], k_btkh, v_btkh, start_b)
-            out_bktgh = _attend_parts(q_btnh, [(new_kv[0].astype(dt), new_kv[1].astype(dt), mask_bts)])
+            out_bktgh = _attend_parts(q_btnh, [(new_kv[0].astype(dt), new_kv[1].astype(dt), mask_bts)],
+                                      self.score_scale, self.softcap)
             return self._project_out_grouped(out_bktgh), new_kv
         return self._project_out(out_btnh), new_kv
 
@@ -139,12 +154,14 @@ class Attention(nnx.Module):
         buf_k, buf_v = write_slot(buf[0], buf[1], k_btkh, v_btkh, step)
         dt = x_btd.dtype
         out_bktgh = _attend_parts(q_btnh, [(cache[0].astype(dt), cache[1].astype(dt), cache[2]),
-                                           (buf_k.astype(dt), buf_v.astype(dt), buf[2])])
+                                           (buf_k.astype(dt), buf_v.astype(dt), buf[2])],
+                                  self.score_scale, self.softcap)
         return self._project_out_grouped(out_bktgh), (buf_k, buf_v)
 
     def _project_out(self, out_btnh: jax.Array) -> jax.Array:
         dt = out_btnh.dtype
-        return self._out_bias(jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt)))
+        out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt))
+        return self._out_bias(lora.apply(out_btd, self.o_lora, out_btnh))
 
     def _project_out_grouped(self, out_bktgh: jax.Array) -> jax.Array:
         b, k, t, g, h = out_bktgh.shape
@@ -152,7 +169,8 @@ class Attention(nnx.Module):
         out_btf = jnp.transpose(out_bktgh, (0, 2, 1, 3, 4)).reshape(b, t, k * g * h)
         out_btf = jax.lax.optimization_barrier(out_btf)  # see decode_buffered
         o_fd = self.o_nhd[...].astype(dt).reshape(k * g * h, -1)
-        return self._out_bias(jnp.einsum("btf,fd->btd", out_btf, o_fd))
+        out_btd = jnp.einsum("btf,fd->btd", out_btf, o_fd)
+        return self._out_bias(lora.apply(out_btd, self.o_lora, out_btf, in_dims=1))
 
     def _out_bias(self, out_btd: jax.Array) -> jax.Array:
         return out_btd + self.o_bias_d[...].astype(out_btd.dtype) if self.o_bias else out_btd
@@ -162,6 +180,9 @@ class Attention(nnx.Module):
         q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
         k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt))
         v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt))
+        q_btnh = lora.apply(q_btnh, self.q_lora, x_btd)
+        k_btkh = lora.apply(k_btkh, self.k_lora, x_btd)
+        v_btkh = lora.apply(v_btkh, self.v_lora, x_btd)
         if self.qkv_bias:
             q_btnh = q_btnh + self.q_bias_nh[...].astype(dt)
             k_btkh = k_btkh + self.k_bias_kh[...].astype(dt)
@@ -171,19 +192,32 @@ class Attention(nnx.Module):
         return q_btnh, k_btkh, v_btkh
 
 
-def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+def _layer_rope(cfg: ModelConfig, sliding: bool) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of a layer: Gemma 3's sliding layers have their own plain RoPE."""
+    if sliding and cfg.rope_local_theta is not None:
+        return cfg.rope_local_theta, None
+    return cfg.rope_theta, cfg.rope_scaling
+
+
+def softcap(scores: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(scores / cap) (Gemma 2's attention and final logit soft-capping)."""
+    return scores if cap is None else jnp.tanh(scores / cap) * cap
+
+
+def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array, scale: float,
+            cap: float | None = None) -> jax.Array:
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     # Group query heads by the kv head they share, instead of repeating k/v in memory.
-    q_btkgh = q_btnh.reshape(b, t, k, n // k, h) * jnp.asarray(h**-0.5, q_btnh.dtype)
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h) * jnp.asarray(scale, q_btnh.dtype)
     scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
-    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASK_VALUE)
+    scores_bkgts = jnp.where(mask_bts[:, None, None], softcap(scores_bkgts, cap), _MASK_VALUE)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
     return out_btkgh.reshape(b, t, n, h)
 
 
-def _attend_parts(q_btnh: jax.Array, parts: Sequence[Part]) -> jax.Array:
+def _attend_parts(q_btnh: jax.Array, parts: Sequence[Part], scale: float, cap: float | None = None) -> jax.Array:
     """Attention over the concatenation of `parts` (keys, values, mask_bts) in the cache layout
     (see kv_cache): both products are batched matmuls over (b, kv_head) with the t x group
     query rows as M, so no cache transpose; one softmax spans every part. Returns out_bktgh."""
@@ -191,12 +225,12 @@ def _attend_parts(q_btnh: jax.Array, parts: Sequence[Part]) -> jax.Array:
     k = parts[0][0].shape[1]
     g = n // k
     q_bkmh = jnp.transpose(q_btnh.reshape(b, t, k, g, h), (0, 2, 1, 3, 4)).reshape(b, k, t * g, h)
-    q_bkmh = q_bkmh * jnp.asarray(h**-0.5, q_bkmh.dtype)
+    q_bkmh = q_bkmh * jnp.asarray(scale, q_bkmh.dtype)
     scores = []
     for k_bkhs, _, mask_bts in parts:
         scores_bkms = jnp.einsum("bkmh,bkhs->bkms", q_bkmh, k_bkhs, preferred_element_type=jnp.float32)
         mask_b1ms = jnp.repeat(mask_bts, g, axis=1)[:, None]  # row m = (t, g), t major
-        scores.append(jnp.where(mask_b1ms, scores_bkms, _MASK_VALUE))
+        scores.append(jnp.where(mask_b1ms, softcap(scores_bkms, cap), _MASK_VALUE))
     probs_bkms = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out_bkmh, start = None, 0
     for (_, v_bksh, _), part in zip(parts, scores, strict=True):
@@ -208,17 +242,27 @@ def _attend_parts(q_btnh: jax.Array, parts: Sequence[Part]) -> jax.Array:
     return out_bkmh.reshape(b, k, t, g, h)
 
 
+# HF's gelu_pytorch_tanh is the tanh approximation of GELU.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU (gelu_tanh in place of silu) for Gemma."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.dim, cfg.mlp_dim
+        self.activation = cfg.mlp_activation
         self.gate_df = _param(_fan_in(0, 1), rngs.params(), (d, f), ("embed", "mlp"))
         self.up_df = _param(_fan_in(0, 1), rngs.params(), (d, f), ("embed", "mlp"))
         self.down_fd = _param(_fan_in(0, 1), rngs.params(), (f, d), ("mlp", "embed"))
+        self.gate_lora = lora.adapter(cfg, "gate_proj", (d,), (f,), ("embed",), ("mlp",), rngs)
+        self.up_lora = lora.adapter(cfg, "up_proj", (d,), (f,), ("embed",), ("mlp",), rngs)
+        self.down_lora = lora.adapter(cfg, "down_proj", (f,), (d,), ("mlp",), ("embed",), rngs)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = x_btd.dtype
-        gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_df[...].astype(dt))
-        up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_df[...].astype(dt))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_btf) * up_btf, self.down_fd[...].astype(dt))
+        gate_btf = lora.apply(jnp.einsum("btd,df->btf", x_btd, self.gate_df[...].astype(dt)), self.gate_lora, x_btd)
+        up_btf = lora.apply(jnp.einsum("btd,df->btf", x_btd, self.up_df[...].astype(dt)), self.up_lora, x_btd)
+        hidden_btf = ACTIVATIONS[self.activation](gate_btf) * up_btf
+        out_btd = jnp.einsum("btf,fd->btd", hidden_btf, self.down_fd[...].astype(dt))
+        return lora.apply(out_btd, self.down_lora, hidden_btf)

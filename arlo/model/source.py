@@ -19,16 +19,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arlo.model.config import ModelConfig
+from arlo.model.config import LoraShape, ModelConfig
 from arlo.model.hf import INDEX_FILE, SINGLE_FILE, load_hf_state
 from arlo.model.hf_config import CONFIG_FILE, SUPPORTED_MODEL_TYPES, read_hf_config
+from arlo.model.lora import merge_states, split_adapters
 from arlo.model.tokenizer import Tokenizer, get_tokenizer, tokenizer_name
 from arlo.model.transformer import abstract_model, create_model
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +79,25 @@ class ModelSource:
         like = self.abstract_state(dtype)
         if shardings is not None:
             like = _with_shardings(like, shardings)
-        return load_hf_state(self.checkpoint, self.cfg, like)
+        if self.cfg.lora is None:
+            return load_hf_state(self.checkpoint, self.cfg, like)
+        # The checkpoint holds the base; the adapters start fresh (B = 0: the base's function).
+        like_adapters, like_base = split_adapters(like)
+        adapters = initial_adapters(self.cfg, self.seed, dtype)
+        if shardings is not None:
+            adapters = jax.device_put(adapters, jax.tree.map(lambda x: x.sharding, like_adapters))
+        return merge_states(load_hf_state(self.checkpoint, self.cfg, like_base), adapters)
+
+
+def initial_adapters(cfg: ModelConfig, seed: int, dtype: str) -> nnx.State:
+    """The adapters `create_model(cfg, seed)` would make, without materialising the base: under
+    jit, the base's initialisers feed no output and XLA drops them."""
+
+    @jax.jit
+    def make() -> nnx.State:
+        return cast_state(split_adapters(nnx.split(create_model(cfg, seed))[1])[0], dtype)
+
+    return make()
 
 
 def cast_state(state: nnx.State, dtype: str) -> nnx.State:
@@ -103,7 +123,7 @@ def preset_source(name: str = "tiny", *, seed: int = 0, dtype: str = "float32",
 
 
 def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str = "float32",
-                  param_dtype: str = "float32", max_seq_len: int = 0) -> ModelSource:
+                  param_dtype: str = "float32", max_seq_len: int = 0, lora: LoraShape | None = None) -> ModelSource:
     """`path` (an HF directory) wins over the preset `name`; its tokenizer is the directory's
     own unless `tokenizer` names another. `max_seq_len` > 0 caps the sequence length (an HF
     config's max_position_embeddings is often far longer than a run needs)."""
@@ -117,6 +137,8 @@ def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str
     tok = tokenizer_name(path=str(root) if root is not None else "", tokenizer=tokenizer)
     if max_seq_len:
         cfg = dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, max_seq_len))
+    if lora is not None:
+        cfg = dataclasses.replace(cfg, lora=lora)
     return ModelSource(cfg=cfg, checkpoint=root, tokenizer_name=tok, seed=seed, param_dtype=param_dtype,
                        name=str(root) if root is not None else name)
 
@@ -130,12 +152,14 @@ def check_model_dir(root: Path) -> None:
         hf = read_hf_config(root)
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
+    # model_type and every field the decoder must implement first: a multimodal or quantised
+    # checkpoint's error then names the field (vision_config, ...), not just its architecture.
+    ModelConfig.from_hf_dir(root)
     architectures = hf.get("architectures") or []
     unknown = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
     if unknown:
         raise ValueError(f"{root / CONFIG_FILE} architectures: {unknown[0]!r} is not supported; "
                          f"supported: {list(SUPPORTED_ARCHITECTURES)} (model_type {list(SUPPORTED_MODEL_TYPES)})")
-    ModelConfig.from_hf_config(hf)  # model_type and every field the decoder must implement
     if not (root / SINGLE_FILE).is_file() and not (root / INDEX_FILE).is_file() \
             and not any(root.glob("*.safetensors")):
         hint = "; PyTorch .bin weights are not read, save with safe_serialization" if any(root.glob("*.bin")) else ""

@@ -7,11 +7,14 @@ Two entry points share the layers:
   hold stale or padding keys and are masked, never cleared.
 - `decode_step_buffered`: the engine's chunked decode, over a read-only cache plus a small
   per-chunk buffer of the chunk's own keys/values (no per-step scatter into the cache).
+
+Sliding-window layers (Gemma) take every path's mask with keys `sliding_window` or more
+positions behind the query dropped (`_layer_masks`). The dense cache still keeps every
+position for them, so masking is all the window needs; a ring buffer of `sliding_window`
+slots per sliding layer would save their cache memory and is a later optimisation.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +22,24 @@ from flax import nnx
 
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache
-from arlo.model.layers import MLP, Attention, Embedder, Part, RMSNorm
+from arlo.model.layers import MLP, Attention, Embedder, Part, RMSNorm, softcap
+from arlo.model.moe import MoE, Routing
+
+Masks = tuple[jax.Array, jax.Array]
+"""(full-attention mask_bts, sliding-window mask_bts): each layer takes the one of its kind."""
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sliding: bool = False, moe: bool = False):
+        self.sliding = sliding
+        self.post_norms = cfg.post_norms
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+        self.attn = Attention(cfg, rngs=rngs, sliding=sliding)
+        self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)  # routed experts: moe.py
+        if cfg.post_norms:  # Gemma: parameters only when enabled, so presets keep their tree
+            self.post_attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+            self.post_mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
 
     def __call__(
         self,
@@ -38,22 +50,36 @@ class Block(nnx.Module):
         start_b: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         h_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, mask_bts, kv, start_b)
-        x_btd = x_btd + h_btd
-        return x_btd + self.mlp(self.mlp_norm(x_btd)), new_kv
+        x_btd = x_btd + self._post(h_btd, "post_attn_norm")
+        return x_btd + self._post(self.mlp(self.mlp_norm(x_btd)), "post_mlp_norm"), new_kv
 
     def decode_buffered(self, x_btd: jax.Array, positions_bt: jax.Array, cache: Part, buf: Part,
                         step: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         h_btd, new_buf = self.attn.decode_buffered(self.attn_norm(x_btd), positions_bt, cache, buf, step)
-        x_btd = x_btd + h_btd
-        return x_btd + self.mlp(self.mlp_norm(x_btd)), new_buf
+        x_btd = x_btd + self._post(h_btd, "post_attn_norm")
+        return x_btd + self._post(self.mlp(self.mlp_norm(x_btd)), "post_mlp_norm"), new_buf
+
+    def routed(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
+               experts_btk: jax.Array | None, count_bt: jax.Array | None) -> tuple[jax.Array, Routing]:
+        """`__call__` without a cache for a routed layer, its routing in (replay) and out (moe.MoE.routed)."""
+        h_btd, _ = self.attn(self.attn_norm(x_btd), positions_bt, mask_bts)
+        x_btd = x_btd + self._post(h_btd, "post_attn_norm")
+        y_btd, routing = self.mlp.routed(self.mlp_norm(x_btd), experts_btk, count_bt)
+        return x_btd + self._post(y_btd, "post_mlp_norm"), routing
+
+    def _post(self, h_btd: jax.Array, norm: str) -> jax.Array:
+        """Gemma's norm on a sublayer's output before the residual add; identity without post_norms."""
+        return getattr(self, norm)(h_btd) if self.post_norms else h_btd
 
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedder = Embedder(cfg.vocab_size, cfg.dim, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, rngs=rngs, sliding=cfg.is_sliding(i),
+                                           moe=cfg.moe is not None and cfg.moe.routed(i))
+                                     for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
         if not cfg.tie_embeddings:
             init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
             self.lm_head_dv = nnx.Param(init(rngs.params(), (cfg.dim, cfg.vocab_size), jnp.float32),
@@ -72,13 +98,39 @@ class Transformer(nnx.Module):
         t = tokens_bt.shape[1]
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens_bt.shape)
         mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
-        x_btd = self.embedder.encode(tokens_bt, self.cfg.compute_dtype)
+        masks = self._layer_masks(mask_bts, positions_bt[:1], positions_bt[:1])
+        x_btd = self._embed(tokens_bt)
         if remat == "none":
             for layer in self.layers:
-                x_btd = layer(x_btd, positions_bt, mask_bts)[0]
+                x_btd = layer(x_btd, positions_bt, masks[layer.sliding])[0]
         else:
-            x_btd = _scan_layers_remat(list(self.layers), x_btd, positions_bt, mask_bts, remat)
+            x_btd = _scan_layers_remat(list(self.layers), x_btd, positions_bt, masks, remat)
         return self.final_norm(x_btd)
+
+    def hidden_routed(self, tokens_bt: jax.Array, *, remat: str = "none", experts_lbtk: jax.Array | None = None,
+                      count_bt: jax.Array | None = None) -> tuple[jax.Array, tuple[Routing, ...]]:
+        """`hidden` with the routed layers' Routing (moe.py), one per routed layer in order:
+        the experts each token used and the load-balancing statistics over `count_bt`'s tokens.
+        `experts_lbtk` ([routed layers, b, t, top_k]) replays recorded experts instead of routing.
+        With `remat`, each layer is rematerialised on its own (no scan: the Routing is per layer)."""
+        t = tokens_bt.shape[1]
+        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens_bt.shape)
+        masks = self._layer_masks(jnp.tril(jnp.ones((t, t), jnp.bool_))[None], positions_bt[:1], positions_bt[:1])
+        if remat not in ("none", *REMAT_POLICIES):
+            raise ValueError(f"unknown remat policy {remat!r}; use none, {', '.join(REMAT_POLICIES)}")
+        x_btd, routings = self._embed(tokens_bt), []
+        for layer in self.layers:
+            def run(layer: Block, x: jax.Array, experts: jax.Array | None) -> tuple[jax.Array, Routing | None]:
+                if isinstance(layer.mlp, MoE):
+                    return layer.routed(x, positions_bt, masks[layer.sliding], experts, count_bt)
+                return layer(x, positions_bt, masks[layer.sliding])[0], None
+
+            if remat != "none":
+                run = nnx.remat(run, policy=REMAT_POLICIES[remat])
+            experts = None if experts_lbtk is None or not isinstance(layer.mlp, MoE) else experts_lbtk[len(routings)]
+            x_btd, routing = run(layer, x_btd, experts)
+            routings += [routing] if routing is not None else []
+        return self.final_norm(x_btd), tuple(routings)
 
     def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
         return self._logits(h_btd)
@@ -120,14 +172,19 @@ class Transformer(nnx.Module):
         Returns (logits_bv float32, buf).
         """
         positions_bt = jnp.asarray(positions_b, jnp.int32)[:, None]
-        cache_mask_bts = jnp.arange(cache.length, dtype=jnp.int32)[None, None, :] < base_b[:, None, None]
+        cache_pos_bs = jnp.arange(cache.length, dtype=jnp.int32)[None, :]
+        cache_masks = self._layer_masks(cache_pos_bs[:, None, :] < base_b[:, None, None], positions_bt, cache_pos_bs)
         buf_mask_bts = jnp.broadcast_to(jnp.arange(buf.length, dtype=jnp.int32) <= step,
                                         (tokens_b.shape[0], 1, buf.length))
-        x_btd = self.embedder.encode(tokens_b[:, None], self.cfg.compute_dtype)
+        # Buffer slot j holds position base_b + j (the caller writes it back there).
+        buf_pos_bs = base_b[:, None] + jnp.arange(buf.length, dtype=jnp.int32)[None, :]
+        buf_masks = self._layer_masks(buf_mask_bts, positions_bt, buf_pos_bs)
+        x_btd = self._embed(tokens_b[:, None])
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x_btd, (k, v) = layer.decode_buffered(x_btd, positions_bt, (cache.k[i], cache.v[i], cache_mask_bts),
-                                                  (buf.k[i], buf.v[i], buf_mask_bts), step)
+            cache_part = (cache.k[i], cache.v[i], cache_masks[layer.sliding])
+            buf_part = (buf.k[i], buf.v[i], buf_masks[layer.sliding])
+            x_btd, (k, v) = layer.decode_buffered(x_btd, positions_bt, cache_part, buf_part, step)
             new_k.append(k)
             new_v.append(v)
         return self._logits(self.final_norm(x_btd))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
@@ -137,21 +194,38 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         t = tokens_bt.shape[1]
         positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)
-        mask_bts = jnp.arange(cache.length, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
-        x_btd = self.embedder.encode(tokens_bt, self.cfg.compute_dtype)
+        slots_bs = jnp.arange(cache.length, dtype=jnp.int32)[None, :]
+        masks = self._layer_masks(slots_bs[:, None, :] <= positions_bt[:, :, None], positions_bt, slots_bs)
+        x_btd = self._embed(tokens_bt)
         new_k, new_v = [], []
         for layer, k_bskh, v_bskh in zip(self.layers, cache.k, cache.v, strict=True):
-            x_btd, kv = layer(x_btd, positions_bt, mask_bts, (k_bskh, v_bskh), start_b)
+            x_btd, kv = layer(x_btd, positions_bt, masks[layer.sliding], (k_bskh, v_bskh), start_b)
             assert kv is not None
             new_k.append(kv[0])
             new_v.append(kv[1])
         return x_btd, KVCache(k=tuple(new_k), v=tuple(new_v))
 
+    def _embed(self, tokens_bt: jax.Array) -> jax.Array:
+        dt = self.cfg.compute_dtype
+        x_btd = self.embedder.encode(tokens_bt, dt)
+        # Gemma: sqrt(dim) rounded to the compute dtype first, as HF rounds it to the weights' dtype.
+        return x_btd * jnp.asarray(self.cfg.dim**0.5, dt) if self.cfg.embed_scale else x_btd
+
+    def _layer_masks(self, mask_bts: jax.Array, q_pos_bt: jax.Array, k_pos_bs: jax.Array) -> Masks:
+        """(mask_bts, the same without keys sliding_window or more positions behind the query)
+        for query positions q_pos_bt and key positions k_pos_bs (HF: kv > q - sliding_window)."""
+        window = self.cfg.sliding_window
+        if window is None:
+            return mask_bts, mask_bts
+        return mask_bts, mask_bts & (q_pos_bt[:, :, None] - k_pos_bs[:, None, :] < window)
+
     def _logits(self, x_btd: jax.Array) -> jax.Array:
         if self.cfg.tie_embeddings:
-            return self.embedder.decode(x_btd)
-        head_dv = self.lm_head_dv[...].astype(x_btd.dtype)
-        return jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
+            logits_btv = self.embedder.decode(x_btd)
+        else:
+            head_dv = self.lm_head_dv[...].astype(x_btd.dtype)
+            logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
+        return softcap(logits_btv, self.cfg.final_logit_softcap)
 
 
 REMAT_POLICIES = {
@@ -160,31 +234,56 @@ REMAT_POLICIES = {
 }
 
 
-def _scan_layers_remat(layers: list[Block], x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
+def _scan_layers_remat(layers: list[Block], x_btd: jax.Array, positions_bt: jax.Array, masks: Masks,
                        remat: str) -> jax.Array:
-    """Runs the layers as a lax.scan over their stacked parameters, each step rematerialised.
+    """Runs the layers as a lax.scan over their stacked parameters, each layer rematerialised.
 
     A Python loop of jax.checkpoint'ed layers does not lower memory on XLA:CPU (the unrolled
     program keeps every layer's attention intermediates: measured, same plan with and without
     remat); a scan forces one layer's activations at a time. Stacking copies the parameters
-    once per step, which is small next to the activations it saves.
+    once per step, which is small next to the activations it saves. Layers of different kinds
+    (Gemma's sliding and full layers) cannot share one scan body, so a step runs one period of
+    the kinds' pattern (1 layer for uniform models, 2 for Gemma 2, 6 for Gemma 3) and the layers
+    past the last whole period run as one shorter step.
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; use none, {', '.join(REMAT_POLICIES)}")
-    splits = [nnx.split(layer) for layer in layers]
-    graphdef = splits[0][0]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
+    kinds = [(layer.sliding, isinstance(layer.mlp, MoE)) for layer in layers]
+    period = next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    whole = len(layers) // period * period
+    x_btd = _scan_periods(layers[:whole], period, x_btd, positions_bt, masks, remat)
+    if whole < len(layers):
+        x_btd = _scan_periods(layers[whole:], len(layers) - whole, x_btd, positions_bt, masks, remat)
+    return x_btd
 
-    @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat])
-    def body(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-        return nnx.merge(graphdef, state)(x, positions_bt, mask_bts)[0], None
 
-    return jax.lax.scan(body, x_btd, stacked)[0]
+def _scan_periods(layers: list[Block], period: int, x_btd: jax.Array, positions_bt: jax.Array, masks: Masks,
+                  remat: str) -> jax.Array:
+    """Scan step i runs layers i*period .. (i+1)*period - 1, each under jax.checkpoint."""
+    graphdefs, stacked = [], []
+    for offset in range(period):
+        splits = [nnx.split(layer) for layer in layers[offset::period]]
+        graphdefs.append(splits[0][0])
+        stacked.append(jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits)))
+
+    def one_layer(graphdef: nnx.GraphDef, x: jax.Array, state: nnx.State) -> jax.Array:
+        layer = nnx.merge(graphdef, state)
+        return layer(x, positions_bt, masks[layer.sliding])[0]
+
+    run = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], static_argnums=(0,))
+
+    def body(x: jax.Array, states: tuple[nnx.State, ...]) -> tuple[jax.Array, None]:
+        for graphdef, state in zip(graphdefs, states, strict=True):
+            x = run(graphdef, x, state)
+        return x, None
+
+    return jax.lax.scan(body, x_btd, tuple(stacked))[0]
 
 
 def create_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """Deterministic: the same cfg and seed give the same weights (on one platform)."""
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    """Deterministic: the same cfg and seed give the same weights (on one platform). LoRA
+    adapters draw from their own stream, so the base weights do not depend on them."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed, lora=jax.random.fold_in(jax.random.key(seed), 1)))
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

@@ -49,7 +49,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
     into the heartbeat and /metrics, and every compile after the warm-up is logged."""
     ic = cfg.inference
     compiles = compiles or CompileWatch().install()
-    source = cfg.model.source()
+    source = cfg.model_source()
     engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh))
     # Every program the limits allow, and the check a pulled version goes through, compile now:
     # a run then compiles nothing (each late compile is logged and counted).

@@ -33,6 +33,7 @@ from arlo.compile_watch import ahead_of_use
 from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, abstract_model
 from arlo.model.kv_cache import KVCache
+from arlo.model.lora import merge_states, split_adapters
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource
 from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
@@ -124,13 +125,24 @@ class Engine:
     def state(self) -> nnx.State:
         return self._policy.state
 
+    @property
+    def published_state(self) -> nnx.State:
+        """What a publish carries: the whole policy, or with LoRA its adapters alone (the base is
+        this engine's own, loaded once and never replaced)."""
+        state = self._policy.state
+        return split_adapters(state)[0] if self.model_cfg.lora is not None else state
+
     def swap(self, state: nnx.State, version: int) -> None:
         """Installs new weights for the next engine step; one reference assignment, so a chunk
         sees old or new weights, never a mix. Raises ValueError for an old version or a state
-        whose tree, shapes or dtypes differ (it would recompile every program)."""
+        whose tree, shapes or dtypes differ (it would recompile every program). With LoRA,
+        `state` may be the adapters alone (`published_state`'s shape): they join the served base
+        unmerged, so the engine computes x@W + scale*(x@A)@B exactly as the trainer does."""
         with self._swap_lock:
             if version <= self._policy.version:
                 raise ValueError(f"version {version} is not newer than the served {self._policy.version}")
+            if self.model_cfg.lora is not None and not _has_base(state):
+                state = merge_states(split_adapters(self._policy.state)[1], state)
             _check_like(self._policy.state, state)
             # A no-op for arrays already placed like the served ones (state_from_bytes does that).
             state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), state, self._policy.state)
@@ -398,6 +410,10 @@ def _num_slots(config: InferenceConfig, model_cfg: ModelConfig) -> int:
                          f"{config.kv_cache_mib}, {per_slot / 2**20:.2f} MiB per slot) cannot hold n = "
                          f"{config.max_n} (inference.max_n)")
     return slots
+
+
+def _has_base(state: nnx.State) -> bool:
+    return any(not isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state))
 
 
 def _check_like(old: nnx.State, new: nnx.State) -> None:

@@ -11,7 +11,9 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 from flax import nnx
@@ -128,13 +130,34 @@ def _checked_state(data: bytearray, like: nnx.State) -> tuple[nnx.State, str | N
     return state, nonfinite_param(state)
 
 
+class Servable(Protocol):
+    """What a WeightSync keeps current: the Engine, or a bench's bare parameter tree."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def published_state(self) -> Any:
+        """The part of the served state a publish carries (with LoRA, the adapters alone)."""
+        ...
+
+    def swap(self, state: Any, version: int) -> None: ...
+
+
+Restore = Callable[[bytearray, Any], tuple[Any, "str | None"]]
+"""A verified payload -> (the state to swap in, shaped like the one served; its first non-finite parameter)."""
+
+
 class WeightSync:
     """Keeps `engine` on the newest published version."""
 
-    def __init__(self, engine: Engine, pointer: WeightPointer, *, token: str | None, poll_s: float,
-                 max_message_bytes: int, tls: TlsConfig | None = None) -> None:
+    def __init__(self, engine: Engine | Servable, pointer: WeightPointer, *, token: str | None, poll_s: float,
+                 max_message_bytes: int, tls: TlsConfig | None = None, restore: Restore | None = None) -> None:
+        """`restore`: how a payload becomes a state (default: `state_from_bytes` like the served
+        state, then the finiteness check)."""
         self.tls = tls
         self.engine = engine
+        self.restore = restore or _checked_state
         self.pointer = pointer
         self.token = token
         self.poll_s = poll_s
@@ -210,7 +233,7 @@ class WeightSync:
         # A checksum proves the bytes are the trainer's, not that they are usable: a NaN
         # version would make the replica emit token 0 forever. Both on one worker thread: each
         # hop to a thread and back is on a synchronous step's critical path.
-        state, bad = await asyncio.to_thread(_checked_state, data, self.engine.state)
+        state, bad = await asyncio.to_thread(self.restore, data, self.engine.published_state)
         if bad is not None:
             self._refused = (pointer.version, pointer.sha256)
             self.stats.refused_nonfinite += 1

@@ -18,6 +18,7 @@ from arlo.background import TaskGroup
 from arlo.compile_cache import enable_compile_cache
 from arlo.compile_watch import CompileWatch
 from arlo.config import RunConfig
+from arlo.config.trainer import lora_rate_warning
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.coord.heartbeat import instance_id
 from arlo.coord.metrics import MetricsStream
@@ -61,8 +62,10 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
                               max_backlog=cfg.redis.max_backlog)
     mesh = make_mesh(tc.mesh, path="trainer.mesh") if jax.device_count() > 1 else None
-    source = cfg.model.source()
+    source = cfg.model_source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
+    if warning := lora_rate_warning(tc):
+        log.warning(warning)
 
     tok = source.tokenizer()
     warm_start = (WarmStart(tc.sft, tok, max_seq_len=learner.model_cfg.max_seq_len,
@@ -146,7 +149,7 @@ async def start_follower(cfg: RunConfig, stop: threading.Event, tasks: list[asyn
     it replays process 0's JAX work, serves health for its probes, and ends when process 0 stops."""
     tc = cfg.trainer
     # Built in the same order as start_trainer builds them: their creation is collective work too.
-    learner = Learner(cfg.model.source(), cfg=tc, mesh=make_mesh(tc.mesh, path="trainer.mesh"), sampling=cfg.rollout.sampling)
+    learner = Learner(cfg.model_source(), cfg=tc, mesh=make_mesh(tc.mesh, path="trainer.mesh"), sampling=cfg.rollout.sampling)
     checkpointer = Checkpointer(tc.checkpoint_dir) if tc.checkpoint_dir else None
     running = await start_server("trainer", tc.server, cfg.auth, [])
     replica = Replica(learner, checkpointer, channel_for_this_process())

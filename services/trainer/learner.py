@@ -42,8 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arlo.config import SamplingConfig, TrainerConfig
 from arlo.model import abstract_model
-from arlo.model.sharding import batch_sharding, fitted_state_shardings, state_shardings
 from arlo.model.lora import merge_states, split_adapters
+from arlo.model.sharding import batch_sharding, fitted_state_shardings, state_shardings
 from arlo.model.source import ModelSource, cast_state
 from services.trainer.batching import Batch, objective_rewards
 from services.trainer.critic import make_critic, prepare_gae, value_objective
@@ -85,6 +85,9 @@ class Learner:
         keep); the forward pass and every publish see them in `source.param_dtype`.
         `sampling`: the run's `rollout.sampling`, so the trainer's logprobs are the sampler's
         (None: temperature 1, nothing filtered)."""
+        if cfg.router_aux_loss_coef and source.cfg.moe is None:
+            raise ValueError("trainer.router_aux_loss_coef: the model has no routed experts (a Qwen3-MoE "
+                             "checkpoint in model.path has); set it to 0")
         self.model_cfg = source.cfg
         self.param_dtype = source.param_dtype
         self.cfg = cfg
@@ -362,8 +365,8 @@ def _rl_step(graphdef: Any, tx: optax.GradientTransformation, tc: TrainerConfig,
         mask = rows["mask_bt"][:, :, 1:].reshape(-1, rows["mask_bt"].shape[-1] - 1)
         denominator = aggregate_denominator(mask, obj.aggregation, obj.norm_constant or None, num_rows=real.sum())
         loss, grads, metrics = _accumulate(
-            graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model, sampling), state, rows,
-            param_dtype, frozen)
+            graphdef, lambda model, mb: rl_objective(model, mb, denominator, tc, ref_model, sampling, mask.sum()),
+            state, rows, param_dtype, frozen)
         state, opt_state, outcome = _apply_if_finite(tx, state, opt_state, grads, loss)
         return (state, opt_state), {**metrics, **outcome}
 

@@ -59,7 +59,7 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
             learner._critic_step.lower(learner.critic, learner.critic_opt_state, device_rows, rewards, key,
                                        mini).compile()
         learner._rl_step.lower(learner.state, learner.opt_state, learner.ref_state, device_rows, rewards, key,
-                               mini).compile()
+                               mini, **learner.step_kwargs).compile()
     nonfinite_param(learner.state, learner.param_dtype)  # every inline publish checks the weights it sends
     serving_copy(learner.state, learner.param_dtype)  # an overlapped one copies them (and checks) in one call
     log.info("warm-up: RL step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
@@ -79,7 +79,7 @@ def warm_up_sft(learner: Learner, *, lengths: Sequence[int], rows: int) -> int:
     for length in lengths:
         device_rows = learner._on_device({"tokens_bt": np.zeros((rows, length), np.int32),
                                           "mask_bt": np.zeros((rows, length), np.float32)})
-        learner._sft_step.lower(learner.state, learner.sft_opt_state, device_rows).compile()
+        learner._sft_step.lower(learner.state, learner.sft_opt_state, device_rows, **learner.step_kwargs).compile()
     log.info("warm-up: SFT step compiled for lengths %s in %.1fs", list(lengths), time.perf_counter() - started,
              extra={"programs": len(lengths)})
     return len(lengths)

@@ -1,0 +1,129 @@
+"""LoRA (issue 35): adapters on a frozen base, trained alone, published alone, served unmerged.
+
+The engine under test is the real inference engine; the payload goes through the same bytes a
+publish carries (`state_to_bytes` -> `state_from_bytes` shaped like the engine's published state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arlo.config import InferenceConfig, RunConfig, SamplingConfig, TrainerConfig, from_dict
+from arlo.config.base import ConfigError
+from arlo.config.trainer import LoraConfig, lora_rate_warning
+from arlo.model import ModelConfig, create_model, lora, state_from_bytes, state_to_bytes
+from arlo.model.config import LORA_TARGETS, LoraShape
+from services.inference.engine import Engine, SamplingRequest
+from services.trainer.batching import build_batch
+from services.trainer.learner import Learner
+from tests.unit.test_trainer_behaviour_logprobs import PROMPT, group_from
+from tests.unit.test_trainer_learner import random_groups
+
+TOKENS = jnp.asarray([[*PROMPT, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]], jnp.int32)
+
+
+def lora_cfg(rank: int = 4, targets: tuple[str, ...] = LORA_TARGETS) -> ModelConfig:
+    return dataclasses.replace(ModelConfig.named("tiny"), lora=LoraShape(rank=rank, alpha=2.0 * rank, targets=targets))
+
+
+def perturbed_adapters(model_cfg: ModelConfig, seed: int = 3) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    graphdef, state = nnx.split(create_model(model_cfg, 0))
+    adapters, base = lora.split_adapters(state)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(adapters))))
+    adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), adapters)
+    return graphdef, adapters, base
+
+
+def test_a_fresh_adapter_changes_nothing_and_the_base_is_the_presets_own() -> None:
+    """B starts at zero and A draws from its own random stream: with LoRA a preset's base weights
+    are bit for bit the ones it has without, and so are its logits."""
+    plain, with_lora = create_model(ModelConfig.named("tiny"), 0), create_model(lora_cfg(), 0)
+    adapters, base = lora.split_adapters(nnx.state(with_lora))
+    assert sum(x.size for x in jax.tree.leaves(adapters)) == lora.adapter_count(lora_cfg())
+    for a, b in zip(jax.tree.leaves(nnx.state(plain)), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(plain(TOKENS)), np.asarray(with_lora(TOKENS)))
+
+
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ("q_proj", "v_proj"), ("o_proj", "down_proj")])
+def test_unmerged_adapters_compute_what_the_merged_weights_do(targets: tuple[str, ...]) -> None:
+    """x@W + scale*(x@A)@B (what trainer and engine run) equals x@(W + scale*A@B) (what export writes)."""
+    cfg = lora_cfg(targets=targets)
+    graphdef, adapters, base = perturbed_adapters(cfg)
+    unmerged = nnx.merge(graphdef, base, adapters)
+    merged_state = lora.merged_weights(lora.merge_states(base, adapters), cfg)
+    merged = nnx.merge(nnx.split(create_model(ModelConfig.named("tiny"), 0))[0], merged_state)
+    np.testing.assert_allclose(np.asarray(unmerged(TOKENS)), np.asarray(merged(TOKENS)), atol=2e-5)
+    assert np.abs(np.asarray(unmerged(TOKENS)) - np.asarray(create_model(cfg, 0)(TOKENS))).max() > 1e-3
+
+
+def test_the_learner_trains_the_adapters_alone() -> None:
+    """The base is frozen (held in param_dtype, never updated, no optimizer state); AdamW's
+    moments and every publish cover the adapters alone."""
+    tc = TrainerConfig(learning_rate=1e-2, lora=LoraConfig(rank=4))
+    source = RunConfig(trainer=tc).model_source()
+    learner = Learner(source, cfg=tc)
+    base_before = jax.tree.map(np.asarray, learner.frozen)
+    adapter_count = lora.adapter_count(source.cfg)
+    assert sum(x.size for x in jax.tree.leaves(learner.state)) == adapter_count
+    moments = [x for x in jax.tree.leaves(learner.opt_state) if getattr(x, "ndim", 0) > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_count  # Adam's mu and nu, adapters only
+    batch = build_batch(random_groups(2, 4), 256, 256)
+    for _ in range(2):
+        m = learner.step(batch)
+        assert not m.skipped and np.isfinite(m.loss)
+    for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(learner.frozen), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    published = learner.serving_state()
+    assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(published))
+    assert max(float(np.abs(np.asarray(v.get_value())).max()) for p, v in nnx.to_flat_state(published)
+               if p[-1] == "b") > 0  # B moved off zero
+
+
+def test_the_engine_serves_published_adapters_unmerged_with_the_trainers_logprobs() -> None:
+    """The issue's `lora_logprob_mismatch` bar: an adapter-only publish installed in the real
+    engine (over its own base), sampled there, scored by the trainer on the same weights:
+    mean |difference| < 1e-5 in float32."""
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95)
+    tc = TrainerConfig(learning_rate=1e-2, lora=LoraConfig(rank=4))
+    source = RunConfig(trainer=tc).model_source()
+    learner = Learner(source, cfg=tc, sampling=sampling)
+    for _ in range(2):
+        learner.step(build_batch(random_groups(2, 4), 256, 256))
+    engine = Engine(source, config=InferenceConfig(max_n=8, max_tokens=32, max_prompt_tokens=64))
+    payload = state_to_bytes(learner.serving_state())
+    full = state_to_bytes(learner.policy_state())
+    assert len(payload) < 0.2 * len(full)  # the base (its embedding above all) stays home
+    engine.swap(state_from_bytes(payload, engine.published_state), 1)
+    samples = engine.generate(SamplingRequest(prompt=PROMPT, n=8, max_tokens=24, temperature=0.8, top_p=0.95,
+                                              seed=5))
+    batch = build_batch([group_from(samples, lambda i: float(i % 2))], 256, 256)
+    m = learner.step(batch)
+    assert m.extra["logprob_mismatch"] < 1e-5, m.extra["logprob_mismatch"]
+    with pytest.raises(ValueError, match="not newer"):
+        engine.swap(state_from_bytes(payload, engine.published_state), 1)
+
+
+@pytest.mark.parametrize(("trainer", "field", "says"), [
+    ({"lora": {"rank": 4, "targets": ["c_attn"]}}, "trainer.lora.targets", "c_attn"),
+    ({"lora": {"rank": 32}}, "trainer.lora.rank", "k_proj's narrower side"),
+    ({"lora": {"rank": 4, "dropout": 0.1}}, "trainer.lora.dropout", "sampler"),
+    ({"lora": {"rank": 4, "init": "pissa"}}, "trainer.lora.init", "adapter-only publish"),
+    ({"lora": {"rank": 4}, "algorithm": {"advantage": "gae"}}, "trainer.lora.rank", "critic"),
+])
+def test_bad_lora_settings_are_config_errors_naming_the_field(trainer: dict, field: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=field) as info:
+        from_dict(RunConfig, {"trainer": trainer}).validate()
+    assert says in str(info.value)
+
+
+def test_a_lora_run_left_at_the_full_fine_tuning_rate_is_warned() -> None:
+    assert "10x" in (lora_rate_warning(TrainerConfig(lora=LoraConfig(rank=8))) or "")
+    assert lora_rate_warning(TrainerConfig(learning_rate=1e-2, lora=LoraConfig(rank=8))) is None
+    assert lora_rate_warning(TrainerConfig()) is None
