@@ -196,6 +196,10 @@ _GEMMA_MARKS = (("<|tool_call>", "<tool_call|>", '<|"|>'),  # Gemma 4
                 ("<start_function_call>", "<end_function_call>", "<escape>"))  # FunctionGemma
 
 
+_WORD = re.compile(r"[^,}\]\s]+")
+_KEY = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
 def is_gemma(text: str) -> bool:
     return any(start in text for start, _, _ in _GEMMA_MARKS)
 
@@ -220,7 +224,7 @@ def _gemma_call(body: str, index: int, quote: str) -> Raw:
     name = match.group(1)
     reader = _GemmaValues(body, quote)
     try:
-        arguments, at = reader.object(match.end() - 1, 0, bare_keys=True)
+        arguments, at = reader.object(match.end() - 1, 0)
         if body[at:].strip():
             raise _Unreadable(at, "text after the closing }")
     except _Unreadable as e:
@@ -249,10 +253,10 @@ class _GemmaValues:
                 raise _Unreadable(at, f"a string opened with {self.quote} is not closed")
             return self.text[at + len(self.quote):close], close + len(self.quote)
         if self.text.startswith("{", at):
-            return self.object(at, depth + 1, bare_keys=False)
+            return self.object(at, depth + 1)
         if self.text.startswith("[", at):
             return self._array(at, depth + 1)
-        match = re.compile(r"[^,}\]\s]+").match(self.text, at)
+        match = _WORD.match(self.text, at)
         if not match:
             raise _Unreadable(at, "a value is missing")
         word = match.group(0)
@@ -262,8 +266,8 @@ class _GemmaValues:
             raise _Unreadable(at, f"{word!r} is not a number, true, false, null or a {self.quote}string{self.quote}") from None
         return value, match.end()
 
-    def object(self, at: int, depth: int, *, bare_keys: bool) -> tuple[dict[str, Any], int]:
-        del bare_keys  # both key styles are read everywhere: templates differ in which they write
+    def object(self, at: int, depth: int) -> tuple[dict[str, Any], int]:
+        """An object at `at` (its "{"); keys bare or quoted, as templates differ in which they write."""
         self._deep(at, depth)
         out: dict[str, Any] = {}
         at = self._skip(at + 1)
@@ -293,7 +297,7 @@ class _GemmaValues:
     def _key(self, at: int) -> tuple[str, int]:
         if self.text.startswith(self.quote, at):
             return self.value(at, 0)
-        match = re.compile(r"[A-Za-z_][\w.\-]*").match(self.text, at)
+        match = _KEY.match(self.text, at)
         if not match:
             raise _Unreadable(at, "expected a key")
         return match.group(0), match.end()
