@@ -146,3 +146,20 @@ def test_model_tool_format_is_checked_at_load_naming_the_field() -> None:
     assert load_config(overrides={"model": {"tool_format": "mistral"}}).model.tool_format == "mistral"
     with pytest.raises(ConfigError, match=r"model\.tool_format: must be one of auto, hermes, .*gemma, got 'xml'"):
         load_config(overrides={"model": {"tool_format": "xml"}})
+
+
+def test_no_text_makes_a_reader_raise() -> None:
+    """Fragments of every format's markup in random order and length: each reader answers with
+    calls or errors, never an exception (what reaches the door or an environment is any text)."""
+    import random
+
+    pieces = ["<tool_call>", "</tool_call>", "<function=calc>", "</function>", "<parameter=digits>", "</parameter>",
+              "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|tool_call>", "<tool_call|>", '<|"|>', "call:calc{", "call:",
+              "<start_function_call>", "<end_function_call>", "<escape>", "{", "}", "[", "]", ":", ",", '"', "\n",
+              '{"name": "calc"', '"arguments": {', "expression", "3", "true", "None", "x y", "</s>"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14)))
+        for fmt in FORMATS:
+            turn = parse_tool_calls(text, TOOLS, format=fmt)
+            assert all(isinstance(c, ToolCall | BadToolCall) for c in turn.calls)

@@ -90,3 +90,10 @@ def test_the_gateways_environments_read_calls_in_the_configured_format(tool_form
         assert [(m.role, m.content) for m in step.observation] == [("tool", "42")] and not step.done
     else:  # not a call in Mistral's format: the turn is plain text (its last number, 7, the answer)
         assert step.done and not any(m.role == "tool" for m in step.observation)
+
+
+@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_a_malformed_call_stays_the_replys_text(name: str) -> None:
+    cut = REPLIES[name][: len(REPLIES[name]) * 2 // 3]  # the turn ended inside the call
+    for fmt in (name, "auto"):
+        assert render.chat_message(cut, TOOLS, True, fmt) == ({"role": "assistant", "content": cut}, False)
