@@ -31,6 +31,7 @@ from arlo.model.logprobs import (
     sampled_token_logprobs_and_outside,
     token_entropy,
 )
+from arlo.model.moe import load_balancing_loss
 from services.trainer.advantages import (
     batch_normalized_advantages,
     grpo_advantages,
@@ -58,14 +59,37 @@ def behaviour_logprob_fn(sampling: SamplingConfig, *, with_outside: bool = False
 
 
 def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "none", logprob_chunk: int = 0,
-                     logprob_fn: LogprobFn = token_logprobs) -> tuple[Any, Array | None, Array]:
+                     logprob_fn: LogprobFn = token_logprobs, h: Array | None = None) -> tuple[Any, Array | None, Array]:
     """(logprobs_bt (or what `logprob_fn` returns), logits_btv or None when chunked, hidden_btd):
     `logprob_chunk` > 0 never holds [batch, length, vocab] logits whole."""
-    h = model.hidden(inputs, remat=remat)
+    h = model.hidden(inputs, remat=remat) if h is None else h  # `h`: hidden states already computed
     if logprob_chunk:
         return chunked_token_logprobs(model, h, targets, logprob_chunk, logprob_fn), None, h
     logits = model.logits_from_hidden(h)
     return logprob_fn(logits, targets), logits, h
+
+
+def routed_hidden(model, inputs: Array, count_bt: Array, tc: TrainerConfig) -> tuple[Array, Array | None]:
+    """The policy's hidden states and, with `trainer.router_aux_loss_coef`, its routers'
+    load-balancing loss over the tokens `count_bt` marks (arlo.model.moe.load_balancing_loss);
+    None without it."""
+    if not tc.router_aux_loss_coef:
+        return model.hidden(inputs, remat=tc.remat), None
+    h, routings = model.hidden_routed(inputs, remat=tc.remat, count_bt=count_bt)
+    if not routings:
+        raise ValueError("trainer.router_aux_loss_coef: the model has no routed experts; set it to 0")
+    return h, load_balancing_loss(routings)
+
+
+def with_router_aux(loss: Array, metrics: dict[str, Array], aux: Array | None, mask_bt: Array,
+                    batch_tokens: Array, tc: TrainerConfig) -> tuple[Array, dict[str, Array]]:
+    """`loss` plus the micro-batch's load-balancing loss weighted by its share of the batch's
+    counted tokens, so the micro-batches add up to their token-weighted mean (as HF computes it
+    per forward and averages over accumulation steps)."""
+    if aux is None:
+        return loss, metrics
+    share = mask_bt.sum() / jnp.maximum(batch_tokens, 1.0)
+    return loss + tc.router_aux_loss_coef * aux * share, {**metrics, "router_aux_loss": aux}
 
 
 def policy_terms_fn(sampling: SamplingConfig, *, model_logprobs: bool, entropy: bool) -> LogprobFn:
@@ -147,7 +171,8 @@ def shifted(mb: dict[str, Array]) -> tuple[Array, Array, Array, Array]:
 
 
 def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerConfig,
-                 ref_model=None, sampling: SamplingConfig = _UNFILTERED) -> tuple[Array, dict[str, Array]]:
+                 ref_model=None, sampling: SamplingConfig = _UNFILTERED,
+                 batch_tokens: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """`tc.algorithm`: with `decoupled` or `is_cap` the ratio is against the trainer's own
     logprobs at the batch's start (the proximal policy), weighted by min(proximal/behaviour,
     is_cap) when is_cap > 0 (truncated importance sampling); else against the behaviour policy.
@@ -160,14 +185,17 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     `logprob_outside` mask; without it the mask is this update's forward's.
     `mb["ref_logprobs_bt"]` (with_reference_logprobs), when present, holds the reference's
     logprobs for the KL term; without it they are computed here from `ref_model`.
+    `batch_tokens`: the whole batch's loss tokens, which weigh the routers' load-balancing loss
+    (`trainer.router_aux_loss_coef`, see with_router_aux); None: this micro-batch is the batch.
     """
     cfg = tc.algorithm
     norm = cfg.norm_constant or None
     inputs, targets, behaviour, mask = shifted(mb)
     kl_in_loss = bool(cfg.kl_coef) and not cfg.kl_in_reward
+    h, router_aux = routed_hidden(model, inputs, mask, tc)
     terms, _, _ = forward_logprobs(
         model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk,
-        logprob_fn=policy_terms_fn(sampling, model_logprobs=kl_in_loss, entropy=cfg.entropy_coef > 0))
+        logprob_fn=policy_terms_fn(sampling, model_logprobs=kl_in_loss, entropy=cfg.entropy_coef > 0), h=h)
     logprobs, outside = terms["logprobs"], terms["outside"]
     old = mb["old_logprobs_bt"] if "old_logprobs_bt" in mb else jax.lax.stop_gradient(logprobs)
     proximal = old if cfg.decoupled or cfg.is_cap else behaviour
@@ -188,7 +216,7 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
         entropy = terms["entropy"]
         loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.aggregation, norm, denominator)
         metrics["entropy"] = masked_mean(entropy, mask)
-    return loss, metrics
+    return with_router_aux(loss, metrics, router_aux, mask, mask.sum() if batch_tokens is None else batch_tokens, tc)
 
 
 def model_kl_bt(model, mb: dict[str, Array], tc: TrainerConfig) -> Array:
@@ -209,9 +237,11 @@ def sft_objective(model, mb: dict[str, Array], denominator: Array,
                   tc: TrainerConfig) -> tuple[Array, dict[str, Array]]:
     """`mb` holds tokens_bt and mask_bt only (an SFT batch has no sampler logprobs)."""
     tokens = mb["tokens_bt"]
-    logprobs, _, _ = forward_logprobs(model, tokens[:, :-1], tokens[:, 1:], remat=tc.remat,
-                                      logprob_chunk=tc.logprob_chunk)
     mask = mb["mask_bt"][:, 1:]
+    h, router_aux = routed_hidden(model, tokens[:, :-1], mask, tc)
+    logprobs, _, _ = forward_logprobs(model, tokens[:, :-1], tokens[:, 1:], remat=tc.remat,
+                                      logprob_chunk=tc.logprob_chunk, h=h)
     loss, metrics = sft_loss(logprobs, mask)
     # sft_loss is a token mean over this micro-batch; rescale to the whole batch's token count.
-    return loss * jnp.maximum(mask.sum(), 1.0) / denominator, metrics
+    return with_router_aux(loss * jnp.maximum(mask.sum(), 1.0) / denominator, metrics, router_aux, mask,
+                           denominator, tc)
