@@ -32,13 +32,15 @@ from arlo.budget import runs_under
 from arlo.model.byte_tokenizer_file import write_byte_tokenizer
 from arlo.model.config import ModelConfig
 from arlo.model.hf import INDEX_FILE, SINGLE_FILE, tensor_maps
+from arlo.model.hf_gemma import GEMMA_ARCHITECTURES, GEMMA_MODEL_TYPES, gemma_hf_config, gemma_model_type
 from arlo.model.tokenizer import Tokenizer
 
 # Files of a tokenizer directory that travel with an export (whichever exist).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "added_tokens.json")
 EXPORT_DTYPES = ("float32", "bfloat16")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", **GEMMA_ARCHITECTURES}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,10 +93,17 @@ def export_hf(state: nnx.State, cfg: ModelConfig, out: str | Path, *, tokenizer:
 
 def model_type_of(cfg: ModelConfig) -> str:
     """The HF family whose modeling code computes exactly this config."""
+    gemma = gemma_model_type(cfg)
+    if gemma is not None:
+        if cfg.moe is not None:
+            raise ValueError("export: routed experts in a Gemma config have no Hugging Face family")
+        return gemma
+    if cfg.moe is not None and not cfg.qk_norm:
+        raise ValueError("export: routed experts without qk_norm have no Hugging Face family (Qwen3-MoE has qk_norm)")
     if cfg.qk_norm:
         if cfg.qkv_bias != cfg.o_bias:
             raise ValueError("export: qk_norm with q/k/v biases but no o bias has no Hugging Face family")
-        return "qwen3"
+        return "qwen3" if cfg.moe is None else "qwen3_moe"
     if cfg.qkv_bias and not cfg.o_bias:
         return "qwen2"
     if cfg.qkv_bias != cfg.o_bias:
@@ -131,6 +140,14 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", base: dict[str, Any] 
         ours["attention_bias"] = cfg.qkv_bias
     if model_type == "qwen2":
         ours["use_sliding_window"] = False
+    if model_type in GEMMA_MODEL_TYPES:
+        del ours["hidden_act"]  # Gemma's modeling reads hidden_activation
+        ours.update(gemma_hf_config(cfg, model_type, rope))
+    if cfg.moe is not None:
+        ours.update(num_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k,
+                    moe_intermediate_size=cfg.moe.mlp_dim, norm_topk_prob=cfg.moe.norm_topk_prob,
+                    decoder_sparse_step=cfg.moe.sparse_step, mlp_only_layers=list(cfg.moe.dense_layers),
+                    use_sliding_window=False)
     ids = {"eos_token_id": (list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]) if eos_ids else None,
            "bos_token_id": bos_id, "pad_token_id": pad_id}
     kept = {k: v for k, v in (base or {}).items() if k not in ours and k not in _DROPPED_BASE_KEYS}
@@ -139,7 +156,8 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "float32", base: dict[str, Any] 
 
 # Keys of a source config.json that describe the old weights or another layout, never copied.
 _DROPPED_BASE_KEYS = ("rope_scaling", "torch_dtype", "quantization_config", "layer_types", "sliding_window",
-                      "max_window_layers", "transformers_version")
+                      "max_window_layers", "transformers_version",
+                      "num_local_experts")  # transformers 5's name for num_experts, which `ours` writes
 
 
 def _write_weights(state: nnx.State, cfg: ModelConfig, out: Path, dtype: str, max_shard_bytes: int) -> int:
@@ -147,12 +165,14 @@ def _write_weights(state: nnx.State, cfg: ModelConfig, out: Path, dtype: str, ma
     shards = list(_plan_shards(cfg, max_shard_bytes, 2 if dtype == "bfloat16" else 4))
     weight_map: dict[str, str] = {}
     total = 0
+    held: tuple[str, np.ndarray] | None = None  # one parameter on the host: an expert stack serves E tensors
     for index, names in enumerate(shards):
         file = SINGLE_FILE if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for m in names:
-            array = np.asarray(jax.device_get(values[m.key].get_value()), np.float32)
-            hf = np.ascontiguousarray(m.to_hf(array))
+            if held is None or held[0] != m.key:
+                held = (m.key, np.asarray(jax.device_get(values[m.key].get_value()), np.float32))
+            hf = np.ascontiguousarray(m.to_hf(m.part(held[1])))
             tensors[m.hf_name] = hf.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else hf
             total += tensors[m.hf_name].nbytes
         safetensors.numpy.save_file(tensors, str(out / file), metadata={"format": "pt"})
@@ -167,7 +187,7 @@ def _write_weights(state: nnx.State, cfg: ModelConfig, out: Path, dtype: str, ma
 def _plan_shards(cfg: ModelConfig, max_shard_bytes: int, itemsize: int) -> Iterator[list[Any]]:
     """Tensor maps grouped into shards of at most max_shard_bytes (a bigger tensor alone)."""
     shapes = _param_shapes(cfg)
-    yield from runs_under(tensor_maps(cfg), lambda m: int(np.prod(shapes[m.key])) * itemsize, max_shard_bytes)
+    yield from runs_under(tensor_maps(cfg), lambda m: int(np.prod(m.part_shape(shapes[m.key]))) * itemsize, max_shard_bytes)
 
 
 def _param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

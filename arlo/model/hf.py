@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama/Qwen checkpoint directory from local disk (no hub access).
+"""Load a Hugging Face Llama/Qwen/Gemma checkpoint directory from local disk (no hub access).
 
 A directory holds `config.json` and `model.safetensors`, or shards listed by
 `model.safetensors.index.json`. HF linear weights are [out, in]; ours are [in, ...] with
@@ -44,6 +44,15 @@ class TensorMap:
     key: str
     to_ours: Convert
     to_hf: Convert
+    expert: int | None = None
+    """Set when the HF tensor is one expert's slice (axis 0) of our stacked expert parameter."""
+
+    def part(self, ours: np.ndarray) -> np.ndarray:
+        """The slice of our parameter this HF tensor holds."""
+        return ours if self.expert is None else ours[self.expert]
+
+    def part_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        return ours if self.expert is None else ours[1:]
 
 
 def load_hf_model(path: str | Path, **overrides: Any) -> Transformer:
@@ -59,7 +68,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, like: nnx.State) -> nnx.St
     carries shardings, placing each array accordingly. Raises FileNotFoundError naming a
     missing file, ValueError naming a missing, unexpected or mis-shaped tensor."""
     files = tensor_files(path)
-    maps = {m.key: m for m in tensor_maps(cfg)}
+    maps: dict[str, list[TensorMap]] = {}
+    for m in tensor_maps(cfg):
+        maps.setdefault(m.key, []).append(m)
     _check_names(files, maps, cfg)
     flat = list(nnx.to_flat_state(like))
     with _open_files(sorted(set(files.values()))) as handles:
@@ -68,8 +79,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, like: nnx.State) -> nnx.St
             key = "/".join(str(p) for p in var_path)
             if key not in maps:
                 raise ValueError(f"{path}: no HF tensor maps to parameter {key!r} (config and model disagree)")
-            m, like_value = maps[key], var.get_value()
-            array = _read(handles[files[m.hf_name]], m, like_value, files[m.hf_name])
+            like_value = var.get_value()
+            parts = [_read(handles[files[m.hf_name]], m, like_value, files[m.hf_name]) for m in maps[key]]
+            array = parts[0] if maps[key][0].expert is None else np.stack(parts)  # experts in order
             restored.append((var_path, var.copy(_place(array, like_value))))
     return nnx.from_flat_state(restored)
 
@@ -77,7 +89,7 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, like: nnx.State) -> nnx.St
 def state_to_hf_tensors(state: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our parameters under HF names and layouts (float32): the inverse of loading."""
     values = {"/".join(str(p) for p in path): var.get_value() for path, var in nnx.to_flat_state(state)}
-    return {m.hf_name: np.ascontiguousarray(m.to_hf(np.asarray(jax.device_get(values[m.key]), np.float32)))
+    return {m.hf_name: np.ascontiguousarray(m.to_hf(m.part(np.asarray(jax.device_get(values[m.key]), np.float32))))
             for m in tensor_maps(cfg)}
 
 
@@ -115,16 +127,13 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
         hf, ours = f"model.layers.{i}.", f"layers/{i}/"
         attn, a = hf + "self_attn.", ours + "attn/"
         maps += [
-            TensorMap(hf + "input_layernorm.weight", ours + "attn_norm/scale", _same, _same),
-            TensorMap(hf + "post_attention_layernorm.weight", ours + "mlp_norm/scale", _same, _same),
+            *_norm_maps(cfg, hf, ours),
             TensorMap(attn + "q_proj.weight", a + "q_dnh", *_in_proj(d, n, h)),
             TensorMap(attn + "k_proj.weight", a + "k_dkh", *_in_proj(d, k, h)),
             TensorMap(attn + "v_proj.weight", a + "v_dkh", *_in_proj(d, k, h)),
             TensorMap(attn + "o_proj.weight", a + "o_nhd", *_out_proj(d, n, h)),
-            TensorMap(hf + "mlp.gate_proj.weight", ours + "mlp/gate_df", _t, _t),
-            TensorMap(hf + "mlp.up_proj.weight", ours + "mlp/up_df", _t, _t),
-            TensorMap(hf + "mlp.down_proj.weight", ours + "mlp/down_fd", _t, _t),
         ]
+        maps += _mlp_maps(cfg, i)
         if cfg.qkv_bias:
             maps += [TensorMap(attn + "q_proj.bias", a + "q_bias_nh", *_heads(n, h)),
                      TensorMap(attn + "k_proj.bias", a + "k_bias_kh", *_heads(k, h)),
@@ -135,6 +144,33 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
             maps += [TensorMap(attn + "q_norm.weight", a + "q_norm/scale", _same, _same),
                      TensorMap(attn + "k_norm.weight", a + "k_norm/scale", _same, _same)]
     return maps
+
+
+def _mlp_maps(cfg: ModelConfig, i: int) -> list[TensorMap]:
+    """Layer i's MLP: dense, or (Qwen3-MoE) the router `mlp.gate` and one HF tensor per expert
+    and projection, each a slice of our stacked [E, ...] expert parameters (moe.py)."""
+    hf, ours = f"model.layers.{i}.mlp.", f"layers/{i}/mlp/"
+    if cfg.moe is None or not cfg.moe.routed(i):
+        return [TensorMap(hf + "gate_proj.weight", ours + "gate_df", _t, _t),
+                TensorMap(hf + "up_proj.weight", ours + "up_df", _t, _t),
+                TensorMap(hf + "down_proj.weight", ours + "down_fd", _t, _t)]
+    maps = [TensorMap(hf + "gate.weight", ours + "router_de", _t, _t)]
+    for name, key in (("gate_proj", "gate_edf"), ("up_proj", "up_edf"), ("down_proj", "down_efd")):
+        maps += [TensorMap(f"{hf}experts.{e}.{name}.weight", ours + key, _t, _t, expert=e)
+                 for e in range(cfg.moe.num_experts)]
+    return maps
+
+
+def _norm_maps(cfg: ModelConfig, hf: str, ours: str) -> list[TensorMap]:
+    """A layer's RMSNorm scales. HF stores Gemma's (1 + w) norms as w, as we do (RMSNorm
+    unit_offset); Gemma's post_attention_layernorm is the norm after attention, its
+    pre_feedforward_layernorm the one before the MLP (Llama's post_attention_layernorm)."""
+    if not cfg.post_norms:
+        return [TensorMap(hf + "input_layernorm.weight", ours + "attn_norm/scale", _same, _same),
+                TensorMap(hf + "post_attention_layernorm.weight", ours + "mlp_norm/scale", _same, _same)]
+    names = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attn_norm"),
+             ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "post_mlp_norm"))
+    return [TensorMap(f"{hf}{theirs}.weight", f"{ours}{mine}/scale", _same, _same) for theirs, mine in names]
 
 
 def _same(x: np.ndarray) -> np.ndarray:
@@ -169,8 +205,8 @@ def _from_index(index: Path) -> dict[str, Path]:
     return files
 
 
-def _check_names(files: dict[str, Path], maps: dict[str, TensorMap], cfg: ModelConfig) -> None:
-    wanted = {m.hf_name for m in maps.values()}
+def _check_names(files: dict[str, Path], maps: dict[str, list[TensorMap]], cfg: ModelConfig) -> None:
+    wanted = {m.hf_name for ms in maps.values() for m in ms}
     missing = sorted(wanted - files.keys())
     if missing:
         raise ValueError(f"checkpoint: missing tensor {missing[0]!r} ({len(missing)} missing; "
@@ -231,7 +267,7 @@ class _TensorFile:
 
 def _read(handle: _TensorFile, m: TensorMap, like: Any, file: Path) -> np.ndarray:
     """The tensor in our layout, float32, after checking its HF shape against `like`'s."""
-    expected = jax.eval_shape(m.to_hf, jax.ShapeDtypeStruct(tuple(like.shape), np.float32)).shape
+    expected = jax.eval_shape(m.to_hf, jax.ShapeDtypeStruct(m.part_shape(tuple(like.shape)), np.float32)).shape
     found = handle.shape(m.hf_name)
     if found != expected:
         raise ValueError(f"checkpoint: {m.hf_name!r} in {file.name} has shape {list(found)}, expected "

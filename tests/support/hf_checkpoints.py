@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.support.chat_templates import LLAMA31, QWEN25
+from tests.support.chat_templates import GEMMA2, GEMMA3, LLAMA31, QWEN25
 
 # Qwen2's split: single digits, letters with one leading non-letter, punctuation runs, spaces.
 _SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -25,6 +25,10 @@ _CORPUS = [
     "string", "object", "required", "function", "expression", "Evaluate an arithmetic expression.",
 ] * 4
 
+_GEMMA_TOKENS: dict[str, Any] = dict(
+    tokenizer_class="PreTrainedTokenizerFast", specials=["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+    added=[], bos="<bos>", eos="<end_of_turn>", pad="<pad>", extra_eos=["<eos>"])
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(config_class="Qwen2Config", template=QWEN25, tokenizer_class="Qwen2Tokenizer",
                   specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<tool_call>", "</tool_call>"],
@@ -34,12 +38,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
                   specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<tool_call>", "</tool_call>"],
                   bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra_eos=["<|endoftext|>"],
                   config=dict(tie_word_embeddings=True, head_dim=16, rope_theta=1e6)),
+    # Qwen3-MoE: 8 experts, top-2, renormalised (Qwen3-30B-A3B's norm_topk_prob), Qwen's chat template.
+    "qwen3_moe": dict(config_class="Qwen3MoeConfig", template=QWEN25, tokenizer_class="Qwen2Tokenizer",
+                      specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=["<tool_call>", "</tool_call>"],
+                      bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra_eos=["<|endoftext|>"],
+                      config=dict(tie_word_embeddings=False, head_dim=16, rope_theta=1e6, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)),
     "llama3": dict(config_class="LlamaConfig", template=LLAMA31, tokenizer_class="PreTrainedTokenizerFast",
                    specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                              "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], added=[],
                    bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|end_of_text|>",
                    extra_eos=["<|end_of_text|>", "<|eom_id|>"],
                    config=dict(tie_word_embeddings=False, rope_theta=500000.0)),
+    # Gemma: layer 0 slides over 8 positions, layer 1 is full (Gemma 3's sliding_window_pattern 2
+    # instead of 6, so 2 layers have both kinds); query_pre_attn_scalar differs from head_dim.
+    "gemma2": dict(config_class="Gemma2Config", template=GEMMA2, **_GEMMA_TOKENS,
+                   config=dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8)),
+    "gemma3": dict(config_class="Gemma3TextConfig", template=GEMMA3, **_GEMMA_TOKENS,
+                   config=dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2)),
 }
 
 
@@ -61,7 +77,7 @@ def train_tokenizer(specials: list[str], added: list[str], vocab_size: int = 400
 
 def write_checkpoint(path: Path, family: str, *, layers: int = 2, hidden: int = 32, seed: int = 0,
                      max_shard_size: str | None = None, dtype: str = "float32") -> Path:
-    """A `family` ("qwen2", "qwen3", "llama3") checkpoint at `path`, written by transformers."""
+    """A `family` (a FAMILIES key) checkpoint at `path`, written by transformers."""
     import torch
     import transformers
 
