@@ -1,9 +1,10 @@
-"""`arlo up | train | demo | status | export`: the local front door.
+"""`arlo up | train | demo | status | export | plan`: the local front door.
 
 `up` starts Redis (if none answers) and the services, and stays in the foreground until
 SIGINT/SIGTERM; `train` drives a run against running services; `demo` does both on the
 built-in config and exits; `status` shows versions, queue depth and health; `export` writes
 the policy as a Hugging Face model directory (`train`/`demo --export DIR` do it at the end).
+`plan` says, per device, what the run's trainer and inference need, before renting devices.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
+from arlo.app import plan as memory_plan
 from arlo.app import stopping
 from arlo.app.driver import NotRunning, TrainReport, require_serving, run_training
 from arlo.app.live import LiveRun, eval_text
@@ -250,7 +252,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     cfg = load_cli_config(args.config)
     token = None if args.checkpoint else resolve_token(cfg)
     try:
-        result = export_run(cfg, args.out, token=token, version=args.version, checkpoint=args.checkpoint or "")
+        result = export_run(cfg, args.out, token=token, version=args.version, checkpoint=args.checkpoint or "",
+                            adapter=args.adapter)
     except ExportError as e:
         console.print(f"[red]arlo export: {e}")
         return 1
@@ -328,13 +331,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--version", type=int, help="a version the running trainer still holds, or its checkpoint; "
                         "0: the initial weights (model.path or the preset); default: the newest")
     export.add_argument("--checkpoint", help="an Orbax checkpoint directory (<trainer.checkpoint_dir>/<version>)")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run (trainer.lora): write the adapters alone as a PEFT adapter directory for "
+                             "the base at model.path (default: the base with the adapters merged in)")
     status = sub.add_parser("status", help="versions, queue depth and health of a run")
     status.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
     status.add_argument("--json", action="store_true", help="print JSON")
+    memory_plan.add_parser(sub)
     return parser
 
 
-COMMANDS = {"up": cmd_up, "train": cmd_train, "demo": cmd_demo, "status": cmd_status, "export": cmd_export}
+COMMANDS = {"up": cmd_up, "train": cmd_train, "demo": cmd_demo, "status": cmd_status, "export": cmd_export,
+            "plan": memory_plan.cmd_plan}
 
 
 MAX_STEPS = 10**12
