@@ -11,6 +11,7 @@ directory (model.path), or are the byte tokenizer's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -23,7 +24,9 @@ from flax import nnx
 
 from arlo.config import RunConfig
 from arlo.coord import WeightPointer, connect
+from arlo.model import lora
 from arlo.model.export import ExportResult, export_hf
+from arlo.model.lora_export import ADAPTER_WEIGHTS, export_peft_adapter
 from arlo.model.source import ModelSource, cast_state
 from arlo.model.weights import sha256_hex, state_from_bytes, state_to_bytes
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
@@ -35,24 +38,48 @@ class ExportError(RuntimeError):
 
 
 def export_run(cfg: RunConfig, out: str | Path, *, token: str | None, version: int | None = None,
-               checkpoint: str = "") -> ExportResult:
-    """Writes the policy to `out`; see the module docstring for where it comes from."""
+               checkpoint: str = "", adapter: bool = False) -> ExportResult:
+    """Writes the policy to `out`; see the module docstring for where it comes from. A LoRA run
+    (trainer.lora) exports the base with its adapters merged in, or with `adapter` the adapters
+    alone as a PEFT adapter directory for the base at model.path."""
     source = cfg.model_source()
-    return export_hf(policy_state(cfg, source, token=token, version=version, checkpoint=checkpoint), source.cfg, out,
-                     tokenizer=source.tokenizer(), tokenizer_dir=source.tokenizer_dir, dtype=source.param_dtype,
-                     base_config=source.base_config())
+    published = policy_state(cfg, source, token=token, version=version, checkpoint=checkpoint)
+    if adapter:
+        if source.cfg.lora is None:
+            raise ExportError("--adapter: this run trains no adapters (trainer.lora.rank is 0)")
+        root = export_peft_adapter(published, source.cfg, out, base_model=cfg.model.path or cfg.model.name)
+        files = tuple(sorted(p.name for p in root.iterdir()))
+        return ExportResult(out=root, files=files, num_bytes=(root / ADAPTER_WEIGHTS).stat().st_size)
+    model_cfg, state = source.cfg, published
+    if model_cfg.lora is not None:
+        state = lora.merged_weights(lora.merge_states(_base(source), published), model_cfg)
+        model_cfg = dataclasses.replace(model_cfg, lora=None)
+    return export_hf(state, model_cfg, out, tokenizer=source.tokenizer(), tokenizer_dir=source.tokenizer_dir,
+                     dtype=source.param_dtype, base_config=source.base_config())
+
+
+def _base(source: ModelSource) -> nnx.State:
+    """A LoRA run's frozen base: the model source's own weights, which no publish carries."""
+    return lora.split_adapters(source.initial_state())[1]
+
+
+def published_like(source: ModelSource, dtype: str | None = None) -> nnx.State:
+    """The shape of what a publish and a checkpoint hold: the whole policy, or with LoRA the adapters."""
+    like = source.abstract_state(dtype)
+    return lora.split_adapters(like)[0] if source.cfg.lora is not None else like
 
 
 def policy_state(cfg: RunConfig, source: ModelSource, *, token: str | None, version: int | None,
                  checkpoint: str) -> nnx.State:
-    """The weights to export: `checkpoint`; version 0 (the model source itself: the checkpoint at
+    """The weights to export, as a publish carries them (with LoRA, the adapters): `checkpoint`; version 0 (the model source itself: the checkpoint at
     model.path or the preset's seeded init, what inference and the trainer load, so it needs no
     trainer); another version from the trainer while it holds it, else its checkpoint; None, the
     newest published, else the newest checkpoint."""
     if checkpoint:
         return read_checkpoint(Path(checkpoint.removeprefix("file://")), source)
     if version == 0:
-        return source.initial_state()
+        initial = source.initial_state()
+        return lora.split_adapters(initial)[0] if source.cfg.lora is not None else initial
     directory = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None
     try:
         return asyncio.run(pull_published(cfg, source, token=token, version=version or 0))
@@ -88,7 +115,7 @@ async def pull_published(cfg: RunConfig, source: ModelSource, *, token: str | No
     data = await _pull(pointer.source.removeprefix("grpc://"), want, token=token, cfg=cfg)
     if want == pointer.version and sha256_hex(data) != pointer.sha256:
         raise ExportError(f"version {want}: the payload's sha256 does not match the pointer's")
-    return state_from_bytes(data, source.abstract_state())
+    return state_from_bytes(data, published_like(source))
 
 
 async def _pull(target: str, version: int, *, token: str | None, cfg: RunConfig) -> bytes:
@@ -120,7 +147,7 @@ def read_checkpoint(path: Path, source: ModelSource) -> nnx.State:
         raise ExportError(f"{path}: not a trainer checkpoint (expected <trainer.checkpoint_dir>/<version>)")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                        source.abstract_state("float32"))
+                        published_like(source, "float32"))
     options = ocp.CheckpointManagerOptions(step_format_fixed_length=len(path.name), read_only=True)
     with ocp.CheckpointManager(path.parent, options=options) as manager:
         restored = manager.restore(int(path.name), args=ocp.args.Composite(
