@@ -67,3 +67,8 @@ async def test_the_endpoint_returns_the_familys_tool_calls(family: str, tmp_path
         record = await served.stub.GetEpisode(inference_pb2.GetEpisodeRequest(episode_id="ep-1"))
         first, second = record.calls
         assert len(second.prompt_token_ids) > len(first.prompt_token_ids)
+        # The second prompt continues the first's exact tokens, but for Gemma 4, whose template writes
+        # a result only inside the calling turn: that conversation is rendered whole instead.
+        assert second.continued == (family != "gemma")
+        if second.continued:
+            assert list(second.prompt_token_ids[:len(first.prompt_token_ids)]) == list(first.prompt_token_ids)
