@@ -19,6 +19,8 @@ Reference = Literal["initial", "after_sft"]
 Remat = Literal["none", "full", "dots"]
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Projections a LoRA adapter can attach to, by their Hugging Face (and PEFT) module names."""
+LoraQuantize = Literal["none", "int8", "nf4"]
+"""QLoRA: how the frozen base's projection weights are stored (arlo/model/quantize.py)."""
 LoraInit = Literal["default", "gaussian", "pissa", "olora"]
 """Initialisation of LoRA's A (B is zero): PEFT's "default" (kaiming-uniform) or "gaussian"; "pissa"
 and "olora" are named so that choosing them gets an error that says why (they shift the base)."""

@@ -27,6 +27,7 @@ from arlo.coord import WeightPointer, connect
 from arlo.model import lora
 from arlo.model.export import ExportResult, export_hf
 from arlo.model.lora_export import ADAPTER_WEIGHTS, export_peft_adapter
+from arlo.model.quantize import dequantized, quantize_base
 from arlo.model.source import ModelSource, cast_state
 from arlo.model.weights import sha256_hex, state_from_bytes, state_to_bytes
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
@@ -59,8 +60,15 @@ def export_run(cfg: RunConfig, out: str | Path, *, token: str | None, version: i
 
 
 def _base(source: ModelSource) -> nnx.State:
-    """A LoRA run's frozen base: the model source's own weights, which no publish carries."""
-    return lora.split_adapters(source.initial_state())[1]
+    """A LoRA run's frozen base: the model source's own weights, which no publish carries. With
+    QLoRA, quantised and dequantised as trainer and inference hold it, so the merged export is the
+    function the run served; a PEFT adapter (--adapter) goes onto the original base instead, as
+    QLoRA adapters are used, which differs by the quantisation error."""
+    base = lora.split_adapters(source.initial_state())[1]
+    shape = source.cfg.lora
+    if shape is None or shape.quantize == "none":
+        return base
+    return dequantized(quantize_base(base, shape.quantize, shape.quant_block))
 
 
 def published_like(source: ModelSource, dtype: str | None = None) -> nnx.State:

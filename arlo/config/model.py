@@ -71,7 +71,8 @@ class ModelSpec:
             from arlo.model.config import LoraShape
 
             shape = LoraShape(rank=lora.rank, alpha=lora.effective_alpha, targets=tuple(lora.targets),
-                              rslora=lora.rslora, init=lora.init)
+                              rslora=lora.rslora, init=lora.init, quantize=lora.quantize,
+                              quant_block=lora.quant_block)
         return resolve_model(name=self.name, path=self.path, tokenizer=self.tokenizer, seed=self.seed,
                              dtype=self.dtype, param_dtype=self.param_dtype, max_seq_len=self.max_seq_len,
                              lora=shape)

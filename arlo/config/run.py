@@ -88,9 +88,18 @@ class RunConfig:
         from arlo.model.config import ModelConfig
 
         m = ModelConfig.from_hf_dir(self.model.path) if self.model.path else ModelConfig.named(self.model.name)
+        mlp = [t for t in lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
+        _check("trainer.lora.targets", m.moe is None or not mlp,
+               f"{mlp}: the model's MLPs are routed experts (Qwen3-MoE), which carry no LoRA adapters; "
+               "target the attention projections (q_proj, k_proj, v_proj, o_proj)")
         widths = {"q_proj": (m.dim, m.num_heads * m.head_dim), "k_proj": (m.dim, m.num_kv_heads * m.head_dim),
                   "v_proj": (m.dim, m.num_kv_heads * m.head_dim), "o_proj": (m.num_heads * m.head_dim, m.dim),
                   "gate_proj": (m.dim, m.mlp_dim), "up_proj": (m.dim, m.mlp_dim), "down_proj": (m.mlp_dim, m.dim)}
+        if lora.quantize == "nf4":  # two 4-bit codes per byte along each weight's last axis
+            odd = [name for name, size in (("model dim", m.dim), ("head_dim", m.head_dim), ("mlp_dim", m.mlp_dim))
+                   if size % 2]
+            _check("trainer.lora.quantize", not odd, f"nf4 packs pairs along each weight's last axis; this "
+                   f"model's {', '.join(odd)} is odd: use int8")
         for target in lora.targets:
             narrow = min(widths[target])
             _check("trainer.lora.rank", lora.rank < narrow,

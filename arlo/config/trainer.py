@@ -10,6 +10,7 @@ from arlo.choices import (
     Aggregation,
     KlKind,
     LoraInit,
+    LoraQuantize,
     LoraTarget,
     RatioLevel,
     Reference,
@@ -171,6 +172,14 @@ class LoraConfig:
     inference does not have."""
     rslora: bool = False
     """Scale by alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank."""
+    quantize: LoraQuantize = "none"
+    """QLoRA: store the frozen base's projection weights quantised, "int8" (1 byte per weight) or
+    "nf4" (4-bit NormalFloat, half a byte), dequantised layer by layer in the forward, in the
+    trainer and in inference alike (so both compute the same function); embeddings and norms stay
+    in model.param_dtype. Pair it with trainer.remat, or the backward may keep dequantised copies."""
+    quant_block: int = ranged(64, ge=2, le=65536)
+    """Elements per quantisation block (one float32 scale each) along a weight's last axis; a
+    last axis it does not divide is one block per row."""
 
     def validate(self, path: str) -> None:
         check_ranges(self, path)

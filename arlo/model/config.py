@@ -27,6 +27,9 @@ class LoraShape:
     """Scale alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank."""
     init: str = "default"
     """A's initialisation: "default" (PEFT's kaiming-uniform) or "gaussian" (std 1/rank)."""
+    quantize: str = "none"
+    """QLoRA: the frozen base's projections stored "int8" or "nf4" (arlo/model/quantize.py); "none"."""
+    quant_block: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,6 +35,7 @@ from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, abstract_model
 from arlo.model.kv_cache import KVCache
 from arlo.model.lora import merge_states, split_adapters
+from arlo.model.quantize import quantize_base
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource
 from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
@@ -93,7 +95,7 @@ class Engine:
         # The placement comes from the abstract state, so a checkpoint streams straight into it.
         placement = jax.devices()[0] if mesh is None else fitted_state_shardings(abstract, mesh)
         self.mesh = mesh
-        self._policy = _Policy(state=source.initial_state(placement), version=0)
+        self._policy = _Policy(state=_served_base(source, placement), version=0)
         self.num_slots = _num_slots(self.config, self.model_cfg)
         device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         min_rows = row_floor(self.config.min_rows, platform=device.platform, params=base.num_params())
@@ -410,6 +412,17 @@ def _num_slots(config: InferenceConfig, model_cfg: ModelConfig) -> int:
                          f"{config.kv_cache_mib}, {per_slot / 2**20:.2f} MiB per slot) cannot hold n = "
                          f"{config.max_n} (inference.max_n)")
     return slots
+
+
+def _served_base(source: ModelSource, placement: Any) -> nnx.State:
+    """Version 0's weights; with QLoRA the base's projections quantised as the trainer's are
+    (arlo/model/quantize.py), so engine and trainer run the same function."""
+    state = source.initial_state(placement)
+    lora = source.cfg.lora
+    if lora is None or lora.quantize == "none":
+        return state
+    adapters, base = split_adapters(state)
+    return merge_states(quantize_base(base, lora.quantize, lora.quant_block), adapters)
 
 
 def _has_base(state: nnx.State) -> bool:

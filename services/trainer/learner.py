@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from arlo.config import SamplingConfig, TrainerConfig
 from arlo.model import abstract_model
 from arlo.model.lora import merge_states, split_adapters
+from arlo.model.quantize import quantize_base
 from arlo.model.sharding import batch_sharding, fitted_state_shardings, state_shardings
 from arlo.model.source import ModelSource, cast_state
 from services.trainer.batching import Batch, objective_rewards
@@ -265,7 +266,7 @@ def initial_params(source: ModelSource, shardings: Any) -> tuple[nnx.State, nnx.
     # Loaded in param_dtype, so a float32 copy of the base never exists; the adapters' A is
     # random anyway (and B zero), so their round trip through param_dtype loses nothing that matters.
     adapters, base = split_adapters(source.initial_state(shardings, dtype=source.param_dtype))
-    return cast_state(adapters, "float32"), base
+    return cast_state(adapters, "float32"), quantize_base(base, source.cfg.lora.quantize, source.cfg.lora.quant_block)
 
 
 def policy_model(graphdef: Any, params: nnx.State, frozen: nnx.State | None) -> Any:
