@@ -55,3 +55,39 @@ def test_rl_and_sft_steps_report_and_train_on_the_aux_loss(moe_dir: Path) -> Non
 def test_a_dense_model_refuses_the_setting() -> None:
     with pytest.raises(ValueError, match="trainer.router_aux_loss_coef"):
         Learner(preset_source("tiny"), cfg=TrainerConfig(router_aux_loss_coef=0.001))
+
+
+def test_the_engine_serves_the_models_greedy_tokens(moe_dir: Path) -> None:
+    """The inference engine (chunked buffered decode, continuous batching) serves a Qwen3-MoE
+    checkpoint with transformers' own greedy tokens."""
+    import torch
+    import transformers
+
+    from arlo.config import InferenceConfig
+    from services.inference.engine import Engine, SamplingRequest
+
+    source = resolve_model(name="tiny", path=str(moe_dir), tokenizer="", seed=0, max_seq_len=64)
+    prompts = [(5, 17, 42, 99, 7), tuple(range(30, 52))]
+    engine = Engine(source, config=InferenceConfig(max_n=1, max_tokens=12, max_prompt_tokens=32, max_batch=4,
+                                                   max_seq_len=64, decode_steps=4))
+    try:
+        served = [h.result(300)[0].token_ids for h in engine.submit_many(
+            [SamplingRequest(prompt=p, n=1, max_tokens=12, temperature=0.0, ignore_eos=True) for p in prompts])]
+    finally:
+        engine.close()
+    # Each served token is transformers' argmax after the prompt and the tokens served before it
+    # (not `generate`, whose min_new_tokens masks the eos ids the engine, told ignore_eos, may pick).
+    hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, attn_implementation="eager").eval()
+    for prompt, tokens in zip(prompts, served, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([[*prompt, *tokens]])).logits[0, len(prompt) - 1: -1]
+        assert list(tokens) == logits.argmax(-1).tolist()
+
+
+def test_lora_on_routed_experts_is_refused_naming_the_targets(moe_dir: Path) -> None:
+    from arlo.config import ConfigError, RunConfig, from_dict
+
+    with pytest.raises(ConfigError, match="trainer.lora.targets"):
+        from_dict(RunConfig, {"model": {"path": str(moe_dir)}, "trainer": {"lora": {"rank": 4}}}).validate()
+    from_dict(RunConfig, {"model": {"path": str(moe_dir)},
+                          "trainer": {"lora": {"rank": 4, "targets": ["q_proj", "v_proj"]}}}).validate()
