@@ -78,7 +78,7 @@ def test_each_missing_or_unsupported_piece_is_named(checkpoint: Path, tmp_path: 
         check_model_dir(broken)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "gemma2", "gemma3"])
 def test_checkpoints_written_by_transformers_resolve_with_every_eos_id(family: str, tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     from tests.support.hf_checkpoints import write_checkpoint
