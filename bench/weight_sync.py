@@ -53,6 +53,7 @@ from typing import Any
 from bench.common import check_json_arg, float_list, int_at_least, print_table, run_main, write_json
 
 WAYS = ("at publish", "on first pull")
+MODELS = ("qwen2.5-0.5b-shape", "tiny-shape")
 START_S = 60.0
 """How long the trainer side may take to import and listen."""
 
@@ -144,6 +145,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes-mb", default="2.4,64,256", type=float_list(0), help="payload sizes, MB (10^6 bytes)")
     parser.add_argument("--pulls", type=int_at_least(1), default=10, help="timed versions per size and way")
     parser.add_argument("--json", help="write the figures here")
+    fleet = parser.add_argument_group("a fleet (bench/weight_fanout.py): publish -> N replicas serving, "
+                                      "deltas, the trainer's egress")
+    fleet.add_argument("--replicas", type=int_at_least(1), help="measure 1 replica against this many instead")
+    fleet.add_argument("--model", default="qwen2.5-0.5b-shape", choices=MODELS,
+                       help="the parameter shapes published (random weights)")
+    fleet.add_argument("--deltas", type=int_at_least(1), default=4, help="delta versions after the full one")
+    fleet.add_argument("--lr", type=float, default=1e-6, help="the +-lr each element moves per step")
+    fleet.add_argument("--topology", choices=("storage", "trainer"), default="storage",
+                       help="storage: written once to a file:// directory; trainer: every replica pulls over gRPC")
+    fleet.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="a Redis to use (else one is started)")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the trainer side (a subprocess)
     args = parser.parse_args(argv)
     if args.serve is None:
@@ -155,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.serve is not None:
         asyncio.run(serve(args.serve))
+        return
+    if args.replicas is not None:
+        fanout_main(args)
         return
     figures: dict[str, Any] = {"pulls": args.pulls, "sizes": {}}
     rows = []
@@ -171,6 +185,35 @@ def main(argv: list[str] | None = None) -> None:
                 ["payload", "chunk digests", "publish ms", "pull ms", "publish + pull ms", "pull MB/s",
                  "one sha256 pass ms"], rows)
     write_json(args.json, figures)
+
+
+def fanout_main(args: argparse.Namespace) -> None:
+    from arlo.app.redis_server import redis_answers, start_local_redis
+    from bench.weight_fanout import figures, phase
+
+    server = None if redis_answers(args.redis) else start_local_redis()
+    url = server.url if server is not None else args.redis
+    model = args.model.removesuffix("-shape")
+    try:
+        single = phase(url, model=model, replicas=1, deltas=args.deltas, lr=args.lr, topology=args.topology)
+        fleet = phase(url, model=model, replicas=args.replicas, deltas=args.deltas, lr=args.lr,
+                      topology=args.topology)
+    finally:
+        if server is not None:
+            server.stop()
+    out = {"replicas": args.replicas, "model": args.model, "lr": args.lr, "topology": args.topology,
+           **figures(single, fleet)}
+    rows = [(r["replicas"], r["version"], r["kind"], f"{100 * r['changed_fraction']:.2f}",
+             f"{r['published_bytes'] / 1e6:.1f}", f"{r['published_bytes'] / r['full_bytes']:.3f}",
+             f"{r['egress_copies']:.3f}", f"{r['publish_s']:.2f}", f"{r['all_served_s']:.2f}") for r in out["versions"]]
+    print_table(f"Weight sync, {args.model} (bfloat16, {out['full_bytes'] / 1e6:.0f} MB), lr {args.lr:g}, "
+                f"{args.topology}: 1 replica, then {args.replicas}",
+                ["replicas", "version", "kind", "changed %", "published MB", "of a full copy", "trainer egress copies",
+                 "publish s", "publish -> all serving s"], rows)
+    print(f"fanout_over_single {out['fanout_over_single']:.2f} (full version: {out['fanout_over_single_full']:.2f}), "
+          f"trainer_egress_copies {out['trainer_egress_copies']:.3f}, delta_bytes_ratio "
+          f"{out['delta_bytes_ratio'] if out['delta_bytes_ratio'] is None else round(out['delta_bytes_ratio'], 4)}")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,15 @@ def version_path(root: Path, version: int, kind: PayloadKind) -> Path:
     return root / f"{version:012d}.{kind}"
 
 
-def read_version(uri: str, version: int, kind: PayloadKind) -> bytes:
-    """The envelope of `version` as `kind`; FileNotFoundError when it is not (or no longer) there."""
-    return version_path(storage_dir(uri), version, kind).read_bytes()
+def read_version(uri: str, version: int, kind: PayloadKind) -> bytearray:
+    """The envelope of `version` as `kind`, read into one buffer (no second copy of a full
+    payload); FileNotFoundError when it is not (or no longer) there. Blocking."""
+    with open(version_path(storage_dir(uri), version, kind), "rb") as f:
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        got = f.readinto(buf)
+    if got != len(buf):
+        raise OSError(f"version {version} ({kind}): read {got} of {len(buf)} bytes")
+    return buf
 
 
 class VersionFiles:

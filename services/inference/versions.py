@@ -70,6 +70,7 @@ class VersionFetcher:
             self.fallbacks += 1
             log.warning("version %d by %s failed (%s); pulling it full from the trainer", pointer.version,
                         "storage" if pointer.storage else "deltas", e, extra={"weight_fallbacks": self.fallbacks})
+        self.held = None
         data, _ = await pull(pointer.version, "full")  # `pull` checks it against the pointer
         return Fetched(data=data, kind="full", fetched_bytes=len(data), deltas=0, from_storage=False)
 
@@ -85,6 +86,7 @@ class VersionFetcher:
         else:
             if not pointer.storage:
                 return None  # the trainer keeps the newest versions full: one pull, not a full and deltas
+            self.held = None  # a full payload replaces it: not two beside the served state
             envelope = await _read(pointer, start, "full")
             env = await asyncio.to_thread(unpack, envelope)
             _check_envelope(env, start, "full")
@@ -106,13 +108,9 @@ class VersionFetcher:
 
 async def _read(pointer: WeightPointerState, version: int, kind: PayloadKind) -> bytearray:
     try:
-        return await asyncio.to_thread(_read_into, pointer.storage, version, kind)
+        return await asyncio.to_thread(read_version, pointer.storage, version, kind)
     except FileNotFoundError as e:
         raise VersionFetchError(f"version {version} ({kind}) is not in {pointer.storage}") from e
-
-
-def _read_into(uri: str, version: int, kind: PayloadKind) -> bytearray:
-    return bytearray(read_version(uri, version, kind))
 
 
 def _body(envelope: bytearray, env: Envelope) -> bytearray:

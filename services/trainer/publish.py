@@ -219,7 +219,8 @@ class VersionEncoder:
         previous_full = self.store.get().full_version if self.store.get() is not None else 0
         published = self.store.put(version, data, sha256=sha256, chunk_digests=chunk_digests, delta=delta,
                                    delta_bytes=delta_bytes)
-        if self.files is not None and delta is None and previous_full:
-            # A replica one chain behind still finds its deltas; one further behind starts here.
-            await asyncio.to_thread(self.files.prune, previous_full)
+        if self.files is not None and delta is None:
+            # A replica one chain behind still finds its deltas; one further behind starts here. A
+            # trainer's first full (a restart) keeps only itself: older chains are another lineage's.
+            await asyncio.to_thread(self.files.prune, previous_full or version)
         return published
