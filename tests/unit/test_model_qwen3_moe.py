@@ -240,19 +240,23 @@ def test_bad_moe_fields_name_the_field(field: str, value: Any, needle: str) -> N
 SHARDED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from arlo.config import MeshConfig
+    from arlo.config import MeshConfig, TrainerConfig
     from arlo.distributed import make_mesh
     from arlo.model import ModelConfig, create_model
     from arlo.model.config import MoeShape
     from arlo.model.moe import load_balancing_loss
     from arlo.model.sharding import batch_sharding, fitted_state_shardings
+    from arlo.model.source import ModelSource
+    from services.trainer.batching import build_batch
+    from services.trainer.learner import Learner
+    from tests.unit.test_trainer_learner import random_groups
 
     assert jax.device_count() == 8
-    cfg = ModelConfig(vocab_size=96, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=48,
+    cfg = ModelConfig(vocab_size=264, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=48,
                       max_seq_len=64, qk_norm=True, tie_embeddings=False,
                       moe=MoeShape(num_experts=8, top_k=2, mlp_dim=16, norm_topk_prob=True, dense_layers=(1,)))
     graphdef, state = nnx.split(create_model(cfg, seed=0))
-    tokens = np.random.default_rng(0).integers(0, 96, (4, 16)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, 264, (4, 16)).astype(np.int32)
 
     @jax.jit
     def run(state, tokens):
@@ -271,6 +275,18 @@ SHARDED_SCRIPT = textwrap.dedent("""
         np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), atol=1e-5)
         np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
         np.testing.assert_allclose(float(out[2]), float(ref[2]), atol=1e-6)
+
+    # The learner on an expert-parallel mesh: the same RL step, load-balancing loss included.
+    tc = TrainerConfig(router_aux_loss_coef=0.01)
+    batch = build_batch(random_groups(2, 4), 256, 256)
+    mesh = make_mesh(MeshConfig(axis_names=("data", "expert", "tensor"), axis_sizes=(2, 4, 1)))
+    plain = Learner(ModelSource.from_config(cfg, seed=0), cfg=tc)
+    sharded = Learner(ModelSource.from_config(cfg, seed=0), cfg=tc, mesh=mesh)
+    assert sharded.state["layers"][0]["mlp"]["up_edf"][...].sharding.spec[0] == "expert"
+    a, b = plain.step(batch), sharded.step(batch)
+    np.testing.assert_allclose(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a.grad_norm, b.grad_norm, rtol=1e-4)
+    np.testing.assert_allclose(a.extra["router_aux_loss"], b.extra["router_aux_loss"], rtol=1e-5)
     print("ok")
 """)
 
@@ -278,8 +294,9 @@ SHARDED_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(660)
 def test_expert_parallel_forward_matches_one_device() -> None:
     """Experts sharded over an 'expert' mesh axis (alone, and beside data and tensor axes) on 8
-    fake CPU devices: the same logits, routing and load-balancing loss as unsharded. XLA reads
-    its flags when JAX starts, so this runs in a fresh interpreter."""
+    fake CPU devices: the same logits, routing and load-balancing loss as unsharded, and the
+    learner's RL step the same loss and gradient norm. XLA reads its flags when JAX starts, so
+    this runs in a fresh interpreter."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
