@@ -28,8 +28,19 @@ LORA_STREAM = "lora"
 """The nnx.Rngs stream adapters draw their A from (apart from `params`, the base's)."""
 
 
+class AdapterRows(nnx.Variable):
+    """Which adapter slot each row of a batch uses ([rows] int32), in a model serving several
+    adapters at once (`LoraShape.slots`); the engine sets it for each program call (`with_rows`)."""
+
+
 class LoraAdapter(nnx.Module):
-    """The low-rank update of one projection whose weight maps `in_shape` to `out_shape`."""
+    """The low-rank update of one projection whose weight maps `in_shape` to `out_shape`.
+
+    With `shape.slots` = S > 0 it holds S adapters stacked (A [S, *in, r], B [S, r, *out]) and
+    each row of a batch uses the one `rows` names: the rank-r updates of all S are computed as one
+    rank-S*r update whose blocks are zeroed per row (two matmuls S times as wide as one
+    adapter's, no per-row copy of any adapter), so rows of different runs share a batch.
+    """
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], in_axes: tuple[str, ...],
                  out_axes: tuple[str, ...], shape: LoraShape, *, rngs: nnx.Rngs):
@@ -40,9 +51,14 @@ class LoraAdapter(nnx.Module):
             a = jax.random.normal(key, (*in_shape, r), jnp.float32) / r
         else:
             a = jax.random.uniform(key, (*in_shape, r), jnp.float32, -bound, bound)
-        self.a = nnx.LoRAParam(a, out_sharding=(*in_axes, None), eager_sharding=False)
-        self.b = nnx.LoRAParam(jnp.zeros((r, *out_shape), jnp.float32), out_sharding=(None, *out_axes),
-                               eager_sharding=False)
+        b = jnp.zeros((r, *out_shape), jnp.float32)
+        self.slots = shape.slots
+        stack: tuple[None, ...] = ()
+        if self.slots:
+            a, b, stack = jnp.broadcast_to(a, (self.slots, *a.shape)), jnp.zeros((self.slots, *b.shape)), (None,)
+            self.rows = AdapterRows(jnp.zeros((1,), jnp.int32))
+        self.a = nnx.LoRAParam(a, out_sharding=(*stack, *in_axes, None), eager_sharding=False)
+        self.b = nnx.LoRAParam(b, out_sharding=(*stack, None, *out_axes), eager_sharding=False)
         self.scale = shape.scale
         self.in_dims = len(in_shape)
 
@@ -53,8 +69,14 @@ class LoraAdapter(nnx.Module):
         a, b = self.a[...].astype(dt), self.b[...].astype(dt)
         r = a.shape[-1]
         lead = x.shape[: x.ndim - (in_dims or self.in_dims)]
-        low = x.reshape(*lead, a.size // r) @ a.reshape(-1, r)
-        out = (low @ b.reshape(r, -1)).reshape(*lead, *b.shape[1:])
+        if not self.slots:
+            low = x.reshape(*lead, a.size // r) @ a.reshape(-1, r)
+            out = (low @ b.reshape(r, -1)).reshape(*lead, *b.shape[1:])
+            return out * jnp.asarray(self.scale, dt)
+        s = self.slots
+        low = jnp.einsum("...i,sir->...sr", x.reshape(*lead, -1), a.reshape(s, -1, r))
+        pick = jax.nn.one_hot(self.rows[...], s, dtype=dt).reshape(lead[0], *(1,) * (len(lead) - 1), s, 1)
+        out = jnp.einsum("...sr,sro->...o", low * pick, b.reshape(s, r, -1)).reshape(*lead, *b.shape[2:])
         return out * jnp.asarray(self.scale, dt)
 
 
@@ -81,6 +103,27 @@ def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
 
 def has_adapters(state: nnx.State) -> bool:
     return any(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state))
+
+
+def stacked(adapters: nnx.State, slots: int) -> nnx.State:
+    """One adapter (the trainer's and a publish's shape) as `slots` identical stacked slots."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (slots, *x.shape)), adapters)
+
+
+def slot_of(adapters: nnx.State, index: int) -> nnx.State:
+    """Slot `index` of stacked adapters, in the published shape."""
+    return jax.tree.map(lambda x: x[index], adapters)
+
+
+def with_slot(adapters: nnx.State, index: int, one: nnx.State) -> nnx.State:
+    """Stacked `adapters` with slot `index` replaced by `one` (published shape)."""
+    return jax.tree.map(lambda stack, x: stack.at[index].set(x.astype(stack.dtype)), adapters, one)
+
+
+def with_rows(state: nnx.State, rows_b: jax.Array) -> nnx.State:
+    """`state` (of a model with stacked adapters) with every AdapterRows set to `rows_b`."""
+    out = [(path, var.copy(rows_b) if isinstance(var, AdapterRows) else var) for path, var in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(out)
 
 
 def merge_states(*states: nnx.State) -> nnx.State:

@@ -17,7 +17,7 @@ from flax import nnx
 from arlo.config import InferenceConfig, RunConfig, SamplingConfig, TrainerConfig, from_dict
 from arlo.config.base import ConfigError
 from arlo.config.trainer import LoraConfig, lora_rate_warning
-from arlo.model import ModelConfig, create_model, lora, state_from_bytes, state_to_bytes
+from arlo.model import ModelConfig, abstract_model, create_model, lora, state_from_bytes, state_to_bytes
 from arlo.model.config import LORA_TARGETS, LoraShape
 from arlo.model.quantize import NF4_LEVELS, quantize, stored_bytes
 from services.inference.engine import Engine, SamplingRequest
@@ -189,3 +189,30 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state(tmp_path) -> 
     fresh.restore(restored.params, restored.opt_state, restored.meta.step)
     a, b = saved.step(batch), fresh.step(batch)
     assert a.loss == pytest.approx(b.loss, abs=1e-7) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
+
+
+def test_stacked_adapters_give_each_row_its_own_adapter() -> None:
+    """Several adapters in one model (`LoraShape.slots`), each batch row naming its own: every row's
+    logits are the ones a model holding that row's adapter alone computes (the engine's path to
+    serving several runs over one base)."""
+    one, slots = lora_cfg(), 3
+    many = dataclasses.replace(one, lora=dataclasses.replace(one.lora, slots=slots))
+    graphdef, first, base = perturbed_adapters(one, seed=10)
+    sets = [first, *(perturbed_adapters(one, seed=11 + k)[1] for k in range(slots - 1))]
+    stacked = lora.stacked(sets[0], slots)
+    for k in range(1, slots):
+        stacked = lora.with_slot(stacked, k, sets[k])
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+               zip(jax.tree.leaves(lora.slot_of(stacked, 2)), jax.tree.leaves(sets[2]), strict=True))
+    graphdef_many, abstract = nnx.split(abstract_model(many))
+    rows_b = jnp.asarray([2, 0, 1, 2], jnp.int32)
+    rows = [(p, v.copy(rows_b)) for p, v in nnx.to_flat_state(abstract) if isinstance(v, lora.AdapterRows)]
+    model = nnx.merge(graphdef_many, lora.merge_states(base, stacked, nnx.from_flat_state(rows)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 250, (4, 20)), jnp.int32)
+    got = np.asarray(model(tokens))
+    for i, k in enumerate(rows_b.tolist()):
+        want = np.asarray(nnx.merge(graphdef, base, sets[k])(tokens[i: i + 1]))[0]
+        np.testing.assert_allclose(got[i], want, atol=2e-5)
+    assert np.abs(got[1] - got[2]).max() > 1e-3  # rows 1 and 2 used different adapters
+    with_rows = lora.with_rows(lora.merge_states(base, stacked, nnx.from_flat_state(rows)), jnp.zeros(4, jnp.int32))
+    np.testing.assert_allclose(np.asarray(nnx.merge(graphdef_many, with_rows)(tokens))[1], got[1], atol=2e-5)
