@@ -9,10 +9,13 @@ the dense `layers.MLP`.
 Grouped matmul, no capacity: the n*k (token, expert) pairs are sorted by expert and each
 projection is one `jax.lax.ragged_dot` over the sorted rows (group sizes = pairs per expert).
 No token is dropped and the work is the pairs', not E dense MLPs'. Memory with XLA's ragged-dot
-instruction (GPU, TPU): the sorted pairs [n*k, dim] and their hidden [n*k, moe_mlp_dim] beside
-the weights; at Qwen3-30B-A3B's shape (dim 2048, 768, k 8) that is 45 KiB per token in bf16.
-XLA:CPU has none, and JAX's fallback expands the pairs to [E, n*k, dim] before one dense
-contraction (E times the pairs' memory and work): right for the CPU tests, not for serving.
+instruction (GPU, TPU): the sorted pairs in and out ([n*k, dim] each) and their gate and up
+([n*k, moe_mlp_dim] each) beside the weights: at Qwen3-30B-A3B's shape (dim 2048, moe_mlp_dim
+768, k 8) 2 * 32 + 2 * 12 = 88 KiB per token in bf16, whatever the routing; a dense dispatch
+with capacity factor 1.25 holds [E, capacity, dim] buffers of the same order and drops the
+tokens past an expert's capacity, which RL cannot afford (the sampler never dropped them).
+XLA:CPU has no such kernel, and JAX's fallback expands the pairs to [E, n*k, dim] before one
+dense contraction (E times the pairs' memory and work): right for the CPU tests, not for serving.
 
 Expert weights carry the logical axis "expert" (arlo.model.sharding maps it onto a mesh axis
 of that name: expert parallel); the router is small and replicated.
@@ -124,8 +127,8 @@ def _routing(probs_bte: jax.Array, experts_btk: jax.Array, count_bt: jax.Array |
 def load_balancing_loss(routings: Sequence[Routing]) -> jax.Array:
     """The Switch Transformer auxiliary loss as HF's `load_balancing_loss_func` computes it: over
     every routed layer's counted tokens pooled, E * sum_e f_e * P_e, where f_e is the pairs sent to
-    expert e per token and P_e its mean router probability (1 * k when balanced, up to E * k when
-    one expert takes everything). Weighted by `trainer.router_aux_loss_coef` in the trainer."""
+    expert e per token and P_e its mean router probability (top_k when balanced, towards E as one
+    expert takes every token with all the probability). Weighted by `trainer.router_aux_loss_coef` in the trainer."""
     if not routings:
         raise ValueError("load_balancing_loss: the model has no routed layer")
     tokens = jnp.maximum(sum(r.tokens for r in routings), 1.0)
