@@ -126,12 +126,13 @@ def with_reference_logprobs(ref_model, mbs: dict[str, Array], tc: TrainerConfig)
     function; kept when `mbs` already has them (critic.prepare_gae computed them for GAE's KL).
 
     Why before the step rather than inside each update's loss: the reference gets no gradient,
-    so inside the loss it would only add its forward's activations to the peak of the update's
-    forward and backward (they are live at the same time) and run again on every update
-    (ppo_epochs x mini_batches); here its peak is one micro-batch's no-gradient forward on its
-    own, and it runs once. Measured (compiled RL step, vocab 151,936, 8 x 4096, chunk 128, dim 64,
-    2 layers, remat full, kl_coef 0.05): REF_INSIDE_MIB MiB of temporaries with the reference inside the
-    loss, REF_BEFORE_MIB MiB before the step; the [rows, length] float32 they leave costs 128 KiB."""
+    so in the loss it would run again on every update (ppo_epochs x mini_batches forwards of the
+    whole batch instead of one) for the same numbers. Memory does not decide it: XLA plans the
+    same temporaries either way (compiled RL step, kl_coef 0.05, chunk 128, remat full, dim 64,
+    2 layers: 8,834 MiB at vocab 151,936 and 8 x 4096, 152 MiB at vocab 32,768 and 8 x 512,
+    inside the loss and before it alike; bench/long_context.py), since a forward without
+    gradient keeps no residuals; the [rows, length] float32 it leaves costs 128 KiB at 8 x 4096.
+    """
     if "ref_logprobs_bt" in mbs:
         return mbs
     return {**mbs, "ref_logprobs_bt": jax.lax.map(lambda mb: reference_logprobs(ref_model, mb, tc), mbs)}
