@@ -53,8 +53,9 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def write_checkpoint(path: Path, shape: str = "qwen2.5-0.5b") -> Path:
-    """The random-weight 0.5B checkpoint at `path` (kept: a second run reuses it)."""
+def write_checkpoint(path: Path, shape: str | dict[str, Any] = "qwen2.5-0.5b") -> Path:
+    """The random-weight checkpoint at `path` (kept: a second run reuses it); `shape`: a name in
+    SHAPES or a Qwen2Config's shape fields (bench/lora.py adds its own)."""
     if (path / "config.json").is_file():
         return path
     import torch
@@ -74,7 +75,7 @@ def write_checkpoint(path: Path, shape: str = "qwen2.5-0.5b") -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "bos_token": None}))
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(**SHAPES[shape], eos_token_id=tok.token_to_id("<|im_end|>"),
+    config = transformers.Qwen2Config(**(SHAPES[shape] if isinstance(shape, str) else shape), eos_token_id=tok.token_to_id("<|im_end|>"),
                                       pad_token_id=tok.token_to_id("<|endoftext|>"))
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="500MB")
