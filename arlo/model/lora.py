@@ -126,6 +126,15 @@ def with_rows(state: nnx.State, rows_b: jax.Array) -> nnx.State:
     return nnx.from_flat_state(out)
 
 
+def select_adapters(model: nnx.Module, rows_b: jax.Array) -> nnx.Module:
+    """`model` (merged inside a jitted program) with each batch row using adapter slot rows_b[row];
+    a model without stacked adapters is returned as it is."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, LoraAdapter) and module.slots:
+            module.rows.set_value(rows_b)
+    return model
+
+
 def merge_states(*states: nnx.State) -> nnx.State:
     """One state from disjoint parts (adapters and base)."""
     return nnx.merge_state(*states)

@@ -34,10 +34,10 @@ from arlo.compile_watch import ahead_of_use
 from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, abstract_model
 from arlo.model.kv_cache import KVCache
-from arlo.model.lora import merge_states, split_adapters
+from arlo.model.lora import AdapterRows, merge_states, slot_of, split_adapters, stacked, with_slot
 from arlo.model.quantize import quantize_base
 from arlo.model.sharding import fitted_state_shardings
-from arlo.model.source import ModelSource
+from arlo.model.source import ModelSource, cast_state
 from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
 from services.inference.idle_compile import IdleCompiler
 from services.inference.programs import Key, row_floor
@@ -68,34 +68,50 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Policy:
     state: nnx.State
-    version: int
+    versions: tuple[int, ...]
+    """The version served per adapter slot (one entry unless the engine holds several adapters)."""
+
+    @property
+    def version(self) -> int:
+        return self.versions[0]
 
 
 class Engine:
     """One model, one swappable policy, many concurrent requests batched on one device loop."""
 
     def __init__(self, source: ModelSource, *, config: InferenceConfig | None = None,
-                 mesh: Mesh | None = None) -> None:
+                 mesh: Mesh | None = None, adapters: int = 0) -> None:
         """`source`: the decoder, tokenizer and version-0 weights (a checkpoint or a preset's
         seed), in the source's param_dtype. `config`: the run's inference section (slots,
         limits, KV budget; its `server` and `mesh` are the service's business). `mesh`: shard
         the weights by their logical axes and the KV cache (slots over the data axes, kv heads
-        over `tensor`) across its devices; None serves from the default device."""
+        over `tensor`) across its devices; None serves from the default device. `adapters`: a LoRA
+        source's adapters held at once (> 1: several runs over one base, each request naming its
+        slot, each slot swapped and versioned on its own); 0 or 1: one."""
         self.config = config or InferenceConfig()
         self.config.validate("inference")
         self.model_name = source.name
         base = source.cfg
+        if adapters > 1:
+            if base.lora is None:
+                raise ValueError(f"adapters={adapters}: the model has no LoRA adapters (trainer.lora.rank is 0)")
+            base = dataclasses.replace(base, lora=dataclasses.replace(base.lora, slots=adapters))
+        self.adapter_slots = max(adapters, 1)
         slot_len = min(base.max_seq_len, self.config.max_seq_len or base.max_seq_len)
         self.model_cfg = dataclasses.replace(base, max_seq_len=slot_len)
         self.tokenizer = source.tokenizer()
-        abstract = source.abstract_state()
-        self.graphdef = nnx.split(abstract_model(base))[0]
+        self.graphdef, abstract = nnx.split(abstract_model(base))
+        abstract = cast_state(abstract, source.param_dtype)
         # Committed to the device(s), as every swapped-in state will be (see swap): jit keys its
         # programs on placement, and a mismatch would recompile everything on the first swap.
         # The placement comes from the abstract state, so a checkpoint streams straight into it.
         placement = jax.devices()[0] if mesh is None else fitted_state_shardings(abstract, mesh)
         self.mesh = mesh
-        self._policy = _Policy(state=_served_base(source, placement), version=0)
+        state = _served_base(source, jax.devices()[0] if mesh is None else fitted_state_shardings(
+            source.abstract_state(), mesh))
+        if adapters > 1:
+            state = jax.device_put(_stacked_state(state, abstract, adapters), placement)
+        self._policy = _Policy(state=state, versions=(0,) * self.adapter_slots)
         self.num_slots = _num_slots(self.config, self.model_cfg)
         device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         min_rows = row_floor(self.config.min_rows, platform=device.platform, params=base.num_params())
@@ -128,27 +144,47 @@ class Engine:
         return self._policy.state
 
     @property
+    def versions(self) -> tuple[int, ...]:
+        """The version served per adapter slot."""
+        return self._policy.versions
+
+    @property
     def published_state(self) -> nnx.State:
         """What a publish carries: the whole policy, or with LoRA its adapters alone (the base is
         this engine's own, loaded once and never replaced)."""
-        state = self._policy.state
-        return split_adapters(state)[0] if self.model_cfg.lora is not None else state
+        return self.published_state_of(0)
 
-    def swap(self, state: nnx.State, version: int) -> None:
+    def published_state_of(self, adapter: int) -> nnx.State:
+        """`published_state` of adapter slot `adapter`."""
+        state = self._policy.state
+        if self.model_cfg.lora is None:
+            return state
+        adapters = split_adapters(state)[0]
+        return slot_of(adapters, adapter) if self.model_cfg.lora.slots else adapters
+
+    def swap(self, state: nnx.State, version: int, *, adapter: int = 0) -> None:
         """Installs new weights for the next engine step; one reference assignment, so a chunk
         sees old or new weights, never a mix. Raises ValueError for an old version or a state
         whose tree, shapes or dtypes differ (it would recompile every program). With LoRA,
         `state` may be the adapters alone (`published_state`'s shape): they join the served base
-        unmerged, so the engine computes x@W + scale*(x@A)@B exactly as the trainer does."""
+        unmerged, so the engine computes x@W + scale*(x@A)@B exactly as the trainer does. With
+        several adapter slots, `adapter` names the slot replaced; the others serve on untouched."""
         with self._swap_lock:
-            if version <= self._policy.version:
-                raise ValueError(f"version {version} is not newer than the served {self._policy.version}")
+            served = self._policy.versions[adapter]
+            if version <= served:
+                raise ValueError(f"version {version} is not newer than the served {served}")
             if self.model_cfg.lora is not None and not _has_base(state):
-                state = merge_states(split_adapters(self._policy.state)[1], state)
+                held, base = split_adapters(self._policy.state)
+                if self.model_cfg.lora.slots:
+                    _check_like(slot_of(held, adapter), state)
+                    state = with_slot(held, adapter, state)
+                state = merge_states(base, state)
             _check_like(self._policy.state, state)
             # A no-op for arrays already placed like the served ones (state_from_bytes does that).
             state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), state, self._policy.state)
-            self._policy = _Policy(state=state, version=version)
+            versions = list(self._policy.versions)
+            versions[adapter] = version
+            self._policy = _Policy(state=state, versions=tuple(versions))
             self.stats.swaps += 1
 
     # ----- requests -----
@@ -165,6 +201,8 @@ class Engine:
     def validate(self, req: SamplingRequest) -> None:
         """Raises ValueError naming what this engine refuses in `req` (what submit would raise)."""
         validate_request(req, self.config, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.max_seq_len)
+        if not 0 <= req.adapter < self.adapter_slots:
+            raise ValueError(f"adapter {req.adapter}: this engine holds {self.adapter_slots} adapter slot(s)")
 
     def submit_many(self, reqs: list[SamplingRequest], *, on_tokens: OnTokens | None = None,
                     on_done: OnDone | Sequence[OnDone] | None = None) -> list[RequestHandle]:
@@ -312,14 +350,14 @@ class Engine:
 
     def _step(self) -> None:
         policy = self._policy  # read once: the whole step runs under one version
-        admitted = self.scheduler.schedule(policy.version)
+        admitted = self.scheduler.schedule(policy.versions)
         now = time.perf_counter()
         for req in admitted:
             req.admitted_at = now
         if admitted:
             self.stats.prefills += 1
             for em in self.runner.prefill(policy.state, admitted):
-                self._apply(em, policy.version)
+                self._apply(em, policy.versions[em.seq.request.params.adapter])
         seqs = self.scheduler.decoding()
         if not seqs:
             return
@@ -333,7 +371,7 @@ class Engine:
         self.stats.decode_rows += len(seqs)
         self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
         for em in emitted:
-            self._apply(em, policy.version)
+            self._apply(em, policy.versions[em.seq.request.params.adapter])
 
     def _apply(self, em: Emitted, version: int) -> None:
         """The update half: new tokens, stop ids, max tokens, stop strings, then notify."""
@@ -423,6 +461,14 @@ def _served_base(source: ModelSource, placement: Any) -> nnx.State:
         return state
     adapters, base = split_adapters(state)
     return merge_states(quantize_base(base, lora.quantize, lora.quant_block), adapters)
+
+
+def _stacked_state(state: nnx.State, abstract: nnx.State, slots: int) -> nnx.State:
+    """One adapter's served state as `slots` stacked copies, with the batch-row selectors."""
+    adapters, base = split_adapters(state)
+    rows = [(p, v.copy(jax.numpy.zeros((1,), jax.numpy.int32))) for p, v in nnx.to_flat_state(abstract)
+            if isinstance(v, AdapterRows)]
+    return merge_states(base, stacked(adapters, slots), nnx.from_flat_state(rows))
 
 
 def _has_base(state: nnx.State) -> bool:

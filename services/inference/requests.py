@@ -35,6 +35,8 @@ class SamplingRequest:
     stop_strings: tuple[str, ...] = ()
     session_id: str = ""
     """Multi-turn session (n = 1 only): its KV prefix is kept between turns when memory allows."""
+    adapter: int = 0
+    """The LoRA adapter slot that generates it, on an engine serving several (`Engine(adapters=)`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -48,6 +48,7 @@ from arlo.model.kv_cache import (
     scatter_window,
     write_band,
 )
+from arlo.model.lora import select_adapters
 from arlo.model.sampling import sample
 from arlo.model.sharding import BATCH_AXES
 from services.inference.programs import MIN_ROWS, Buckets, Key, pack_calls, program_set
@@ -78,6 +79,7 @@ class PrefillBatch(NamedTuple):
     dst_slot: np.ndarray  # [j] slot of each sample
     src_row: np.ndarray  # [j] prompt row each sample copies
     params: SampleParams  # [j]
+    adapter: np.ndarray  # [m] LoRA adapter slot of each prompt row (0 without several)
 
 
 class DecodeBatch(NamedTuple):
@@ -89,6 +91,7 @@ class DecodeBatch(NamedTuple):
     stop_ids: np.ndarray  # [b, MAX_STOP_IDS], -1 padded
     live: np.ndarray  # [b] False on padding rows
     params: SampleParams  # [b]
+    adapter: np.ndarray  # [b] LoRA adapter slot of each row (0 without several)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,7 +197,8 @@ class Runner:
             # A reused prefix is exact (the session rule: one version, the same tokens), so two
             # requests with the same prompt and start hold the same KV below it as well.
             rows = groups.setdefault((t, self.window(start + t)), {})
-            rows.setdefault((start, tuple(req.params.prompt)), []).append((req, start))
+            # Rows share a prompt's KV only under the same adapter: another run's adapter writes other KV.
+            rows.setdefault((start, req.params.adapter, tuple(req.params.prompt)), []).append((req, start))
         out = []
         for (t, w), by_prompt in sorted(groups.items()):
             members = list(by_prompt.values())
@@ -246,16 +250,18 @@ def _prefill_batch(rows: Sequence[tuple[Request, int]], seqs: Sequence[tuple[int
     tokens = np.zeros((m, t), np.int32)
     lengths, starts = np.ones((m,), np.int32), np.zeros((m,), np.int32)
     src_slot = np.full((m,), scratch, np.int32)
+    adapter = np.zeros((m,), np.int32)
     for row, (req, start) in enumerate(rows):
         chunk = req.params.prompt[start:]
         tokens[row, : len(chunk)] = chunk
         lengths[row], starts[row], src_slot[row] = len(chunk), start, req.seqs[0].slot
+        adapter[row] = req.params.adapter
     dst_slot = np.full((j,), scratch, np.int32)
     src_row = np.zeros((j,), np.int32)
     for i, (row, seq) in enumerate(seqs):
         dst_slot[i], src_row[i] = seq.slot, row
     return PrefillBatch(src_slot=src_slot, tokens=tokens, lengths=lengths, starts=starts, dst_slot=dst_slot,
-                        src_row=src_row, params=_sample_params([s for _, s in seqs], j))
+                        src_row=src_row, params=_sample_params([s for _, s in seqs], j), adapter=adapter)
 
 
 def _sample_params(seqs: Sequence[Seq], rows: int) -> SampleParams:
@@ -277,13 +283,15 @@ def _decode_batch(seqs: Sequence[Seq], rows: int, scratch: int) -> DecodeBatch:
     max_tokens = np.zeros((rows,), np.int32)
     stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
     live = np.zeros((rows,), np.bool_)
+    adapter = np.zeros((rows,), np.int32)
     for r, seq in enumerate(seqs):
         req = seq.request
         slot[r], token[r], pos[r], count[r] = seq.slot, seq.token_ids[-1], seq.position, len(seq.token_ids)
+        adapter[r] = req.params.adapter
         max_tokens[r], live[r] = req.params.max_tokens, True
         stop_ids[r, : len(req.stop_ids)] = req.stop_ids
     return DecodeBatch(slot=slot, token=token, pos=pos, count=count, max_tokens=max_tokens, stop_ids=stop_ids,
-                       live=live, params=_sample_params(seqs, rows))
+                       live=live, params=_sample_params(seqs, rows), adapter=adapter)
 
 
 def _row_keys(params: SampleParams) -> jax.Array:
@@ -312,7 +320,7 @@ def _keep_layout(cache: KVCache, sharding: KVCache | None) -> KVCache:
 
 def _prefill(graphdef: nnx.GraphDef, window: int, sharding: KVCache | None, state: nnx.State, cache: KVCache,
              batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
-    model = nnx.merge(graphdef, state)
+    model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
     win = gather_window(cache, batch.src_slot, window)
     logits_mv, win = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts)
     cache = scatter_window(cache, win, batch.dst_slot, batch.src_row)
@@ -322,7 +330,7 @@ def _prefill(graphdef: nnx.GraphDef, window: int, sharding: KVCache | None, stat
 
 def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache | None, state: nnx.State,
             cache: KVCache, batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array, jax.Array]]:
-    model = nnx.merge(graphdef, state)
+    model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
     row_keys = _row_keys(batch.params)
     win = gather_window(cache, batch.slot, window)  # read-only in the loop: valid below batch.pos
 

@@ -94,8 +94,9 @@ class Scheduler:
             raise ValueError(f"n={req.params.n} exceeds the engine's {self.num_slots} slots")
         self.waiting.append(req)
 
-    def schedule(self, version: int) -> list[Request]:
-        """Admits waiting requests, in order, while slots and this step's prefill budget last."""
+    def schedule(self, versions: tuple[int, ...]) -> list[Request]:
+        """Admits waiting requests, in order, while slots and this step's prefill budget last.
+        `versions`: the version served per adapter slot (one entry without several adapters)."""
         admitted: list[Request] = []
         budget = self.prefill_tokens
         while self.waiting:
@@ -104,6 +105,7 @@ class Scheduler:
             need = req.params.n - (own is not None)
             if need > len(self._free) + len(self.sessions) - (own is not None):
                 break
+            version = versions[req.params.adapter]
             tokens = len(req.params.prompt) - (reusable_prefix(own, req.params.prompt, version) if own else 0)
             if admitted and tokens > budget:
                 break

@@ -30,11 +30,11 @@ def test_requests_wait_for_slots_and_run_as_others_finish() -> None:
     a, b, c = request(), request(), request()
     for r in (a, b, c):
         s.add(r)
-    assert s.schedule(0) == [a, b] and list(s.waiting) == [c]
+    assert s.schedule((0,)) == [a, b] and list(s.waiting) == [c]
     assert {seq.slot for seq in a.seqs + b.seqs} == {0, 1}
-    assert s.schedule(0) == []  # full: c queues, nothing fails
+    assert s.schedule((0,)) == []  # full: c queues, nothing fails
     run_to_end(s, a, [5])
-    assert s.schedule(0) == [c] and c.seqs[0].slot == 0  # a's slot, freed
+    assert s.schedule((0,)) == [c] and c.seqs[0].slot == 0  # a's slot, freed
     assert a.seqs[0].finished and a.seqs[0].slot == -1
 
 
@@ -44,10 +44,10 @@ def test_n_samples_are_admitted_together_and_in_order() -> None:
     for r in (small, big, later):
         s.add(r)
     # big needs 4 slots, 3 are free: it waits, and the request behind it waits too (no starvation).
-    assert s.schedule(0) == [small]
-    assert s.schedule(0) == []
+    assert s.schedule((0,)) == [small]
+    assert s.schedule((0,)) == []
     run_to_end(s, small, [5])
-    assert s.schedule(0) == [big]
+    assert s.schedule((0,)) == [big]
     assert sorted(seq.slot for seq in big.seqs) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="exceeds the engine's 4 slots"):
         s.add(request(n=5))
@@ -58,12 +58,12 @@ def test_prefill_budget_spreads_a_burst_over_steps() -> None:
     reqs = [request(prompt=tuple(range(6))) for _ in range(3)]
     for r in reqs:
         s.add(r)
-    assert s.schedule(0) == reqs[:1]  # 6 + 6 > 10
-    assert s.schedule(0) == reqs[1:2]
+    assert s.schedule((0,)) == reqs[:1]  # 6 + 6 > 10
+    assert s.schedule((0,)) == reqs[1:2]
     huge = request(prompt=tuple(range(50)))
     s.add(huge)
-    assert s.schedule(0) == [reqs[2]]
-    assert s.schedule(0) == [huge]  # over the budget alone: admitted anyway, never stuck
+    assert s.schedule((0,)) == [reqs[2]]
+    assert s.schedule((0,)) == [huge]  # over the budget alone: admitted anyway, never stuck
 
 
 def test_abort_frees_slots_of_running_and_drops_waiting() -> None:
@@ -71,7 +71,7 @@ def test_abort_frees_slots_of_running_and_drops_waiting() -> None:
     a, b = request(n=2), request()
     s.add(a)
     s.add(b)
-    s.schedule(0)
+    s.schedule((0,))
     assert s.free_slots == 0
     assert s.abort(b.id) is b and not s.waiting
     assert s.abort(a.id) is a and s.free_slots == 2
@@ -83,7 +83,7 @@ def test_decoding_lists_prefilled_running_sequences_by_slot() -> None:
     s = Scheduler(num_slots=4, prefill_tokens=100)
     a = request(n=3)
     s.add(a)
-    s.schedule(0)
+    s.schedule((0,))
     assert s.decoding() == []  # not prefilled yet
     for seq in a.seqs:
         s.append(seq, [7], [-1.0], 0)
@@ -96,13 +96,13 @@ def test_session_reuses_the_common_prefix_of_the_same_version() -> None:
     s = Scheduler(num_slots=2, prefill_tokens=100)
     turn1 = request(prompt=(1, 2, 3), session="ep")
     s.add(turn1)
-    s.schedule(0)
+    s.schedule((0,))
     slot = turn1.seqs[0].slot
     run_to_end(s, turn1, [4, 5])  # KV holds 1 2 3 4 (5 was sampled, never fed)
     assert len(s.sessions) == 1 and s.free_slots == 1
     turn2 = request(prompt=(1, 2, 3, 4, 5, 6), session="ep")
     s.add(turn2)
-    assert s.schedule(0) == [turn2]
+    assert s.schedule((0,)) == [turn2]
     assert turn2.reuse == 4 and turn2.seqs[0].slot == slot
     assert s.sessions.stats.hits == 1 and s.sessions.stats.reused_tokens == 4
 
@@ -116,11 +116,11 @@ def test_session_reuse_is_exact_or_nothing(prompt: tuple[int, ...], version: int
     s = Scheduler(num_slots=1, prefill_tokens=100)
     turn1 = request(prompt=(1, 2, 3), session="ep")
     s.add(turn1)
-    s.schedule(0)
+    s.schedule((0,))
     run_to_end(s, turn1, [4, 5])
     turn2 = request(prompt=prompt, session="ep")
     s.add(turn2)
-    s.schedule(version)
+    s.schedule((version,))
     assert turn2.reuse == reuse
 
 
@@ -129,17 +129,17 @@ def test_parked_sessions_are_evicted_under_pressure_and_counted() -> None:
     for name in ("a", "b"):
         r = request(session=name)
         s.add(r)
-        s.schedule(0)
+        s.schedule((0,))
         run_to_end(s, r, [4])
     assert s.free_slots == 0 and len(s.sessions) == 2
     fresh = request(n=2)
     s.add(fresh)
-    assert s.schedule(0) == [fresh]  # parked slots are idle capacity: a new request never waits for them
+    assert s.schedule((0,)) == [fresh]  # parked slots are idle capacity: a new request never waits for them
     assert s.sessions.stats.evictions == 2 and len(s.sessions) == 0
     back = request(prompt=(1, 2, 3, 4, 5), session="a")
     s.add(back)
     run_to_end(s, fresh, [1])
-    s.schedule(0)
+    s.schedule((0,))
     assert back.reuse == 0 and s.sessions.stats.misses == 3
 
 
@@ -148,7 +148,7 @@ def test_aborted_or_mixed_version_sessions_are_not_parked() -> None:
     a, b = request(session="a"), request(session="b")
     for r in (a, b):
         s.add(r)
-    s.schedule(0)
+    s.schedule((0,))
     s.abort(a.id)
     s.append(b.seqs[0], [4], [0.0], 0)
     s.append(b.seqs[0], [5], [0.0], 1)  # a swap happened mid-turn: its KV mixes two versions
