@@ -10,6 +10,7 @@ program.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -25,11 +26,15 @@ FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def plan_source(cfg: RunConfig, hf_config: str = "") -> ModelSource:
-    """The run's model as the services build it (`model.path` or the preset), or, with
-    `hf_config` (a Hugging Face config.json alone, no weights), that shape with the run's dtypes
-    and sequence cap. Only its shapes are used."""
+    """The run's model as the services build it (`model.path` or the preset, with
+    `trainer.lora`'s adapters), or, with `hf_config` (a Hugging Face config.json alone, no
+    weights), that shape with the run's dtypes, sequence cap and adapters. Only shapes are used."""
+    if cfg.trainer.lora.rank and cfg.trainer.lora.quantize != "none":
+        raise ValueError(f"trainer.lora.quantize: {cfg.trainer.lora.quantize!r} is not planned yet "
+                         "(plan with 'none': the base then counts in model.param_dtype, an upper bound)")
+    source = cfg.model_source()
     if not hf_config:
-        return cfg.model_source()
+        return source
     try:
         with open(hf_config) as f:
             hf = json.load(f)
@@ -41,6 +46,8 @@ def plan_source(cfg: RunConfig, hf_config: str = "") -> ModelSource:
     if cfg.model.max_seq_len:
         model_cfg = ModelConfig.from_hf_config(hf, dtype=cfg.model.dtype,
                                                max_seq_len=min(model_cfg.max_seq_len, cfg.model.max_seq_len))
+    # The run's adapters (the LoraShape the services build) on the config.json's shape.
+    model_cfg = dataclasses.replace(model_cfg, lora=source.cfg.lora)
     return ModelSource.from_config(model_cfg, param_dtype=cfg.model.param_dtype)
 
 

@@ -30,7 +30,8 @@ DEFAULT_USABLE = 0.9
 PLAN_TIMEOUT_S = 1800.0
 """A 70B step on 2 CPU cores compiles in minutes; past this something is wrong."""
 
-TRAINER_ROWS = (("parameters (float32 master)", "parameters_bytes"), ("optimizer state (AdamW)", "optimizer_bytes"),
+TRAINER_ROWS = (("trained parameters (float32)", "parameters_bytes"), ("frozen base (LoRA)", "frozen_base_bytes"),
+                ("optimizer state (AdamW)", "optimizer_bytes"),
                 ("KL reference", "reference_bytes"), ("batch", "batch_bytes"),
                 ("activations / temporaries", "temporaries_bytes"), ("step peak (XLA)", "step_peak_bytes"),
                 ("publish copy (formula)", "publish_copy_bytes"), ("total", "total_bytes"))
@@ -113,6 +114,7 @@ def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[str], list[list[st
     budget_text = f"{plan['device_gb']:g} GiB x {plan['usable']:g} usable"
     return [
         (f"trainer, per device ({t['devices']} devices: {mesh(t)}; {t['num_params'] / 1e6:,.1f}M params; "
+         f"{'LoRA rank ' + str(t['lora_rank']) + '; ' if t['lora_rank'] else ''}"
          f"{t['rows']} rows x {t['length']} tokens; remat {t['remat']}, logprob_chunk {t['logprob_chunk']}; "
          f"against {budget_text})", ["", "per device", "of budget"], rows(t, TRAINER_ROWS)),
         (f"inference, per device ({i['devices']} devices: {mesh(i)}; {i['num_slots']} slots x {i['slot_len']} "

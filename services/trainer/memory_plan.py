@@ -17,6 +17,8 @@ next step, so `total_bytes` counts it.
 
 Not planned: the GAE critic (`algorithm.advantage: gae`: a second backbone and its AdamW) and
 the SFT warm start's step (its own AdamW state, made before RL's and dropped when RL starts).
+With `trainer.lora` the trained parameters, AdamW and the publish are the adapters' and the
+frozen base (model.param_dtype) is one more argument; a quantised base (QLoRA) is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from arlo.config import RunConfig, TrainerConfig
 from arlo.distributed import make_mesh
 from arlo.memory_plan import compiled_figures, per_device_bytes, placed, plan_main, plan_source
 from arlo.model import abstract_model
+from arlo.model.lora import split_adapters
 from arlo.model.sharding import batch_sharding
 from arlo.model.source import ModelSource, cast_state
 from services.trainer.batching import bucket_length
@@ -68,7 +71,13 @@ def train_step_plan(source: ModelSource, cfg: RunConfig, *, mesh: Mesh | None, g
     abstract = source.abstract_state("float32")
     shardings = (fitted_shardings(abstract, mesh) if mesh is not None
                  else jax.tree.map(lambda _: _replicated(None), abstract))
-    state = placed(abstract, shardings)
+    # As `learner.initial_params`: the whole model in float32, or with LoRA the adapters in
+    # float32 and the frozen base in param_dtype (a never-donated argument of every step).
+    state, frozen = placed(abstract, shardings), None
+    if source.cfg.lora is not None:
+        adapters, frozen = split_adapters(state)
+        state, frozen = adapters, cast_state(frozen, source.param_dtype)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
     tx = rl_optimizer(tc)
     # The optimizer state placed as the learner's eager `tx.init` places it: moments as their
     # parameters, scalars (Adam's count, uncommitted there) replicated.
@@ -81,9 +90,11 @@ def train_step_plan(source: ModelSource, cfg: RunConfig, *, mesh: Mesh | None, g
     key = jax.ShapeDtypeStruct((2,), np.uint32, sharding=_replicated(mesh))
     step = jax.jit(functools.partial(_rl_step, graphdef, tx, tc, source.param_dtype, cfg.rollout.sampling),
                    donate_argnums=(0, 1), static_argnums=(6,))
-    xla = compiled_figures(step.lower(state, opt_state, ref, rows, rewards, key, mini).compile())
+    kwargs = {} if frozen is None else {"frozen": frozen}
+    xla = compiled_figures(step.lower(state, opt_state, ref, rows, rewards, key, mini, **kwargs).compile())
     serving = per_device_bytes(cast_state(state, source.param_dtype))
-    return {"parameters_bytes": per_device_bytes(state), "optimizer_bytes": per_device_bytes(opt_state),
+    return {"parameters_bytes": per_device_bytes(state), "frozen_base_bytes": per_device_bytes(frozen),
+            "optimizer_bytes": per_device_bytes(opt_state),
             "reference_bytes": per_device_bytes(ref) if ref is not None else 0, "batch_bytes": per_device_bytes(rows),
             **{k: v for k, v in xla.items() if k != "peak_bytes"}, "step_peak_bytes": xla["peak_bytes"],
             "publish_copy_bytes": serving, "total_bytes": xla["peak_bytes"] + serving}
@@ -103,7 +114,7 @@ def trainer_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[
                               length=length)
     return {"devices": devices, "mesh": dict(mesh.shape) if mesh is not None else {},
             "rows": tc.groups_per_step * cfg.rollout.group_size, "length": length,
-            "num_params": source.cfg.num_params(), "remat": tc.remat, "logprob_chunk": tc.logprob_chunk,
+            "num_params": source.cfg.num_params(), "lora_rank": tc.lora.rank, "remat": tc.remat, "logprob_chunk": tc.logprob_chunk,
             "micro_batch_size": tc.micro_batch_size, "param_dtype": source.param_dtype, "dtype": source.cfg.dtype,
             **figures}
 

@@ -47,7 +47,7 @@ def measured_peaks(config: Path | None, devices: int) -> dict[str, int]:
         cfg = load_config({str(config) if config else None!r})
         tc, devices = cfg.trainer, {devices}
         mesh = make_mesh(tc.mesh, path="trainer.mesh") if devices > 1 else None
-        learner = Learner(cfg.model.source(), cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
+        learner = Learner(cfg.model_source(), cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
         plan = trainer_plan(cfg, "", devices)
         groups, size, length = tc.groups_per_step, cfg.rollout.group_size, plan["length"]
         rows = groups * size
@@ -60,8 +60,8 @@ def measured_peaks(config: Path | None, devices: int) -> dict[str, int]:
         rewards_gk, device_rows = learner.device_inputs(batch, mini_batches=1)
         key = learner._replicated(jax.random.key_data(jax.random.key(0)))
         compiled = learner._rl_step.lower(learner.state, learner.opt_state, learner.ref_state, device_rows,
-                                          learner._replicated(rewards_gk), key, 1).compile()
-        engine = Engine(cfg.model.source(), config=cfg.inference, mesh=None)
+                                          learner._replicated(rewards_gk), key, 1, **learner.step_kwargs).compile()
+        engine = Engine(cfg.model_source(), config=cfg.inference, mesh=None)
         eplan = engine_plan(cfg, "", 1)
         from services.inference.runner import _decode_batch, _decode_jit
         r = engine.runner
@@ -116,6 +116,21 @@ def test_plan_of_a_bench_step_on_a_mesh_matches_its_measured_step(tmp_path: Path
     got = measured_peaks(config, 4)
     assert within(got["trainer_planned"], got["trainer_measured"]), got
     assert within(got["decode_planned"], got["decode_measured"]), got
+
+
+def test_plan_of_a_lora_run_matches_its_measured_step(tmp_path: Path) -> None:
+    """With trainer.lora the step trains the adapters beside a frozen base: the plan counts
+    adapter-sized parameters and AdamW, the base apart, and still equals the real step's peak."""
+    config = tmp_path / "run.yaml"
+    text = resource_path("demo.yaml").read_text().replace("trainer:\n", "trainer:\n  lora: {rank: 4}\n", 1)
+    config.write_text(text)
+    got = measured_peaks(config, 1)
+    assert within(got["trainer_planned"], got["trainer_measured"]), got
+    plan = json.loads(subprocess.run(
+        [sys.executable, "-m", "services.trainer.memory_plan", "--config", str(config)], cwd=ROOT,
+        capture_output=True, text=True, timeout=300, check=True).stdout.strip().splitlines()[-1])
+    assert plan["lora_rank"] == 4 and 0 < plan["parameters_bytes"] < plan["frozen_base_bytes"]
+    assert plan["optimizer_bytes"] < plan["frozen_base_bytes"]  # AdamW over the adapters alone
 
 
 def test_plan_takes_a_config_json_alone_and_a_faked_mesh(tmp_path: Path) -> None:
