@@ -203,6 +203,27 @@ def test_replayed_experts_are_used(case: tuple[Any, Path, str]) -> None:
     assert np.max(np.abs(np.asarray(h_other - h))) > 1e-3
 
 
+def test_grouped_and_dense_experts_agree() -> None:
+    """The ragged_dot path (GPU/TPU's) and the dense one (CPU's default) compute the same outputs
+    and gradients: the reference tests above run the dense one on CPU, this holds the grouped one
+    to it (JAX's ragged_dot fallback runs on CPU, slowly)."""
+    from arlo.model.config import MoeShape
+
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=48,
+                      max_seq_len=64, moe=MoeShape(num_experts=8, top_k=2, mlp_dim=16, norm_topk_prob=True))
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 9, 32))
+
+    def loss(moe: MoE, x: jax.Array, grouped: bool) -> jax.Array:
+        moe.grouped = grouped
+        return jnp.sum(jnp.sin(moe(x)))
+
+    values = {g: nnx.jit(nnx.value_and_grad(loss), static_argnums=2)(moe, x, g) for g in (True, False)}
+    np.testing.assert_allclose(float(values[True][0]), float(values[False][0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(values[True][1]), jax.tree.leaves(values[False][1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 def test_remat_keeps_the_numbers(case: tuple[Any, Path, str]) -> None:
     _, path, _ = case
     model = load_hf_model(path)
@@ -240,16 +261,12 @@ def test_bad_moe_fields_name_the_field(field: str, value: Any, needle: str) -> N
 SHARDED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from arlo.config import MeshConfig, TrainerConfig
+    from arlo.config import MeshConfig
     from arlo.distributed import make_mesh
     from arlo.model import ModelConfig, create_model
     from arlo.model.config import MoeShape
     from arlo.model.moe import load_balancing_loss
     from arlo.model.sharding import batch_sharding, fitted_state_shardings
-    from arlo.model.source import ModelSource
-    from services.trainer.batching import build_batch
-    from services.trainer.learner import Learner
-    from tests.unit.test_trainer_learner import random_groups
 
     assert jax.device_count() == 8
     cfg = ModelConfig(vocab_size=264, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=48,
@@ -275,8 +292,25 @@ SHARDED_SCRIPT = textwrap.dedent("""
         np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref[0]), atol=1e-5)
         np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref[1]))
         np.testing.assert_allclose(float(out[2]), float(ref[2]), atol=1e-6)
+    print("ok")
+""")
 
-    # The learner on an expert-parallel mesh: the same RL step, load-balancing loss included.
+
+LEARNER_SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    from arlo.config import MeshConfig, TrainerConfig
+    from arlo.distributed import make_mesh
+    from arlo.model import ModelConfig
+    from arlo.model.config import MoeShape
+    from arlo.model.source import ModelSource
+    from services.trainer.batching import build_batch
+    from services.trainer.learner import Learner
+    from tests.unit.test_trainer_learner import random_groups
+
+    assert jax.device_count() == 8
+    cfg = ModelConfig(vocab_size=264, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=48,
+                      max_seq_len=64, qk_norm=True, tie_embeddings=False,
+                      moe=MoeShape(num_experts=8, top_k=2, mlp_dim=16, norm_topk_prob=True, dense_layers=(1,)))
     tc = TrainerConfig(router_aux_loss_coef=0.01)
     batch = build_batch(random_groups(2, 4), 256, 256)
     mesh = make_mesh(MeshConfig(axis_names=("data", "expert", "tensor"), axis_sizes=(2, 4, 1)))
@@ -294,12 +328,23 @@ SHARDED_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(660)
 def test_expert_parallel_forward_matches_one_device() -> None:
     """Experts sharded over an 'expert' mesh axis (alone, and beside data and tensor axes) on 8
-    fake CPU devices: the same logits, routing and load-balancing loss as unsharded, and the
-    learner's RL step the same loss and gradient norm. XLA reads its flags when JAX starts, so
-    this runs in a fresh interpreter."""
+    fake CPU devices: the same logits, routing and load-balancing loss as unsharded. XLA reads
+    its flags when JAX starts, so this runs in a fresh interpreter."""
+    _run_on_8_devices(SHARDED_SCRIPT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+def test_expert_parallel_learner_matches_one_device() -> None:
+    """The learner on a data 2 x expert 4 mesh takes the unsharded RL step (loss, gradient norm,
+    load-balancing loss); minutes on 2 CPU cores, so in the slow tier."""
+    _run_on_8_devices(LEARNER_SCRIPT)
+
+
+def _run_on_8_devices(script: str) -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok"), proc.stdout[-2000:]
