@@ -13,9 +13,10 @@ its share of the rows. "Used" is measured, not assumed: the distinct experts the
 for the batch's rows at one position (each layer, averaged over positions) on this model, so at
 batch 16 a step reads fewer experts than at 64. arlo / floor is the fraction of that floor.
 
-On a CPU the figures only say the code runs: XLA:CPU has no ragged-dot kernel and JAX's
-fallback multiplies every expert's rows (arlo/model/moe.py), which the floor does not. The
-issue's bar (>= 0.5 of the floor at batch 16 and 64) is for a GPU, in bfloat16 (--dtype).
+On a CPU the figures only say the code runs: XLA:CPU has no ragged-dot kernel, so arlo runs
+every expert over every token there (arlo/model/moe.py, MoE._dense), E / top_k times the work
+the floor counts. The issue's bar (>= 0.5 of the floor at batch 16 and 64) is for a GPU, in
+bfloat16 (--dtype), where the experts are grouped matmuls.
 
 `python -m bench.moe_decode [--shape qwen3-moe-0.5b] [--batches 16,64] [--prompt 32]
 [--new-tokens 32] [--dtype float32|bfloat16] [--json PATH]`
