@@ -32,6 +32,10 @@ import uuid
 from typing import Any
 
 START_S = 600.0
+TUNABLES = "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=16777216"
+"""Buffers of 16 MB and more (payloads, arrays) mapped on their own and handed back when freed:
+five processes each holding ~1 GB payloads share one small machine (the services keep their
+peak instead, arlo/hostmem.py)."""
 """How long a process may take to import JAX and build its model (0.5B on a loaded 2-core machine)."""
 
 
@@ -41,7 +45,7 @@ class Proc:
     def __init__(self, argv: list[str], name: str) -> None:
         self.name = name
         self.proc = subprocess.Popen([sys.executable, "-m", *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                                     text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": TUNABLES})
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -138,8 +142,32 @@ class Fleet:
         self.trainer = None
 
 
-def phase(redis_url: str, *, model: str, replicas: int, deltas: int, lr: float, topology: str) -> list[dict[str, Any]]:
-    """One fresh fleet of `replicas`: a full version, then `deltas` deltas; a row per version."""
+def wait_for_memory(need_bytes: int, timeout_s: float = 900.0) -> None:
+    """Waits until the machine has `need_bytes` available (MemAvailable): a shared dev machine's
+    other work comes and goes, and a fleet started short of memory gets someone OOM-killed."""
+    deadline = time.monotonic() + timeout_s
+    while (available := _available_bytes()) < need_bytes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{need_bytes / 2**30:.1f} GiB never became available "
+                               f"({available / 2**30:.1f} GiB after {timeout_s:.0f}s)")
+        print(f"waiting for {need_bytes / 2**30:.1f} GiB of memory ({available / 2**30:.1f} available)",
+              file=sys.stderr, flush=True)
+        time.sleep(15)
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def phase(redis_url: str, *, model: str, replicas: int, deltas: int, lr: float, topology: str,
+          need_bytes: int = 0) -> list[dict[str, Any]]:
+    """One fresh fleet of `replicas`: a full version, then `deltas` deltas; a row per version.
+    `need_bytes`: the memory to wait for before starting it."""
+    wait_for_memory(need_bytes)
     with tempfile.TemporaryDirectory(prefix="arlo-weights-") as tmp:
         storage = f"file://{tmp}" if topology == "storage" else ""
         fleet = Fleet(redis_url=redis_url, model=model, storage=storage, full_every=deltas + 1000, lr=lr)
@@ -158,8 +186,7 @@ def phase(redis_url: str, *, model: str, replicas: int, deltas: int, lr: float, 
                              "all_served_s": max(x["served_at"] for x in lines) - published["started_at"],
                              "publish_s": published["pointer_at"] - published["started_at"],
                              "egress_copies": egress / published["full_bytes"]})
-                print(f"{replicas} replica(s): version {published['version']} ({published['kind']}) served by all "
-                      f"in {rows[-1]['all_served_s']:.2f}s", file=sys.stderr, flush=True)
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "sha256"}), file=sys.stderr, flush=True)
         finally:
             fleet.close()
         return rows

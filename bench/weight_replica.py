@@ -1,8 +1,8 @@
 """One inference replica's weight path without the engine, for bench/weight_fanout.py and the
 weight-sync fault tests: the real WeightSync follows the pointer, fetches (deltas onto the payload
 held, shared storage, or the trainer's full payload), checks the sha256 against the pointer, and
-swaps the version into a bare parameter tree (each array copied out of the payload: the tree
-never shares bytes with the payload the next delta rewrites).
+swaps the version into a bare parameter tree (views into the verified payload, which no delta
+rewrites: the fetcher applies deltas onto a copy of it).
 
     python -m bench.weight_replica --redis URL --run RUN [--check]
 
@@ -53,9 +53,11 @@ class ParameterTree:
 
 
 def restore(data: bytearray, like: Any) -> tuple[Any, str | None]:
-    """The payload's arrays copied out (one copy, as a device transfer would be), plus its framing."""
+    """The payload's arrays as views into it, plus its framing: the fetcher holds the payload
+    copy-on-write (a delta applies onto a copy), so the served tree's bytes never change under it,
+    and a replica holds one copy of the weights, not two (four 0.5B replicas on a 23 GB machine)."""
     regions = payload_regions(data)
-    arrays = [np.frombuffer(data, np.uint8, r.nbytes, r.offset).copy() for r in regions]
+    arrays = [np.frombuffer(data, np.uint8, r.nbytes, r.offset) for r in regions]
     framing, at = [], 0
     for r in regions:
         framing.append(bytes(data[at : r.offset]))
@@ -77,12 +79,13 @@ def tree_sha256(state: Any) -> str:
 async def follow(redis_url: str, run: str, check: bool) -> None:
     from arlo.config import RedisConfig
     from arlo.coord import WeightPointer, connect
+    from services.inference.versions import VersionFetcher
     from services.inference.weights import WeightSync
 
     redis = await connect(RedisConfig(url=redis_url))
     tree = ParameterTree()
     sync = WeightSync(tree, WeightPointer(redis, run), token=None, poll_s=0.2, max_message_bytes=64 << 20,
-                      restore=restore)
+                      restore=restore, versions=VersionFetcher(copy_on_write=True))
     original_swap = tree.swap
 
     def swap(state: Any, version: int) -> None:

@@ -194,10 +194,14 @@ def fanout_main(args: argparse.Namespace) -> None:
     server = None if redis_answers(args.redis) else start_local_redis()
     url = server.url if server is not None else args.redis
     model = args.model.removesuffix("-shape")
+    # Per process at 0.5B: the trainer side ~5 GB (a float32 master, the version held, a publish's
+    # copies), a replica ~2.5 GB (the payload served, a delta's copy of it, the runtime).
+    need = {"qwen2.5-0.5b": (5 << 30, 5 << 29), "tiny": (1 << 29, 1 << 28)}[model]
     try:
-        single = phase(url, model=model, replicas=1, deltas=args.deltas, lr=args.lr, topology=args.topology)
+        single = phase(url, model=model, replicas=1, deltas=args.deltas, lr=args.lr, topology=args.topology,
+                       need_bytes=need[0] + need[1])
         fleet = phase(url, model=model, replicas=args.replicas, deltas=args.deltas, lr=args.lr,
-                      topology=args.topology)
+                      topology=args.topology, need_bytes=need[0] + args.replicas * need[1])
     finally:
         if server is not None:
             server.stop()

@@ -32,6 +32,22 @@ from typing import Any
 SHAPES = ("tiny", "qwen2.5-0.5b")
 
 
+def jax_jit_lazy(fn: Any, **jit_kw: Any) -> Any:
+    """`jax.jit(fn, **jit_kw)`, built on the first call (the module imports without JAX)."""
+    jitted = None
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        nonlocal jitted
+        if jitted is None:
+            import jax
+
+            jitted = jax.jit(fn, **jit_kw)
+        return jitted(*args)
+
+    return call
+
+
 def model_state(shape: str) -> Any:
     """The shape's parameters in float32 at a trained model's scale (normal, std 0.02; norms 1)."""
     import jax
@@ -45,33 +61,34 @@ def model_state(shape: str) -> Any:
     cfg = ModelConfig.from_hf_config({"model_type": "qwen2", **HF_SHAPES[shape]})
     _, abstract = nnx.split(abstract_model(cfg))
     flat = list(nnx.to_flat_state(abstract))
-    norms = tuple(any("norm" in str(part) for part in path) for path, _ in flat)
-    shapes = tuple(var.get_value().shape for _, var in flat)
+    keys = jax.random.split(jax.random.key(0), len(flat))
 
-    @jax.jit
-    def init(key: jax.Array) -> list[jax.Array]:  # one program: XLA draws every leaf on all cores
-        keys = jax.random.split(key, len(shapes))
-        return [jnp.ones(shape, jnp.float32) if norm else 0.02 * jax.random.normal(k, shape, jnp.float32)
-                for shape, norm, k in zip(shapes, norms, keys, strict=True)]
+    def init(key: jax.Array, path: tuple[Any, ...], shape: tuple[int, ...]) -> jax.Array:
+        if any("norm" in str(part) for part in path):
+            return jnp.ones(shape, jnp.float32)
+        return _normal(key, shape)
 
-    arrays = init(jax.random.key(0))
-    return nnx.from_flat_state([(path, var.replace(x)) for (path, var), x in zip(flat, arrays, strict=True)])
+    return nnx.from_flat_state([(path, var.replace(init(k, path, var.get_value().shape)))
+                                for (path, var), k in zip(flat, keys, strict=True)])
 
 
-@functools.cache
-def _adam_first_step() -> Any:
+@functools.partial(jax_jit_lazy, static_argnums=1)
+def _normal(key: Any, shape: tuple[int, ...]) -> Any:
     import jax
     import jax.numpy as jnp
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(leaves: list[jax.Array], key: jax.Array, lr: float) -> list[jax.Array]:
-        # Adam's first update is lr * m/sqrt(v) = lr * sign(g) for every element: the most an
-        # element moves per step, so the changed fraction here bounds a real run's from above.
-        keys = jax.random.split(key, len(leaves))
-        return [w + lr * (2.0 * (jax.random.bits(k, w.shape, jnp.uint8) & 1) - 1.0).astype(w.dtype)
-                for w, k in zip(leaves, keys, strict=True)]
+    return 0.02 * jax.random.normal(key, shape, jnp.float32)
 
-    return step
+
+@functools.partial(jax_jit_lazy, donate_argnums=0)
+def _adam_first_step(w: Any, key: Any, lr: float) -> Any:
+    """Adam's first update is lr * m/sqrt(v) = lr * sign(g) for every element: the most an element
+    moves per step, so the changed fraction here bounds a real run's from above. Jitted per array
+    (a handful of distinct shapes): one program over every array took minutes to compile."""
+    import jax
+    import jax.numpy as jnp
+
+    return w + lr * (2.0 * (jax.random.bits(key, w.shape, jnp.uint8) & 1) - 1.0).astype(w.dtype)
 
 
 class Harness:
@@ -84,7 +101,9 @@ class Harness:
         self.args = args
         self.state = model_state(args.model)
         self.leaves, self.treedef = jax.tree.flatten(self.state)
-        self.store = VersionStore(keep=2)
+        # One version held: a delta is taken before the next put evicts its base, and a replica's
+        # fallback pulls the newest (a trainer keeps two, for a replica mid-pull of the older one).
+        self.store = VersionStore(keep=1)
         self.encoder = VersionEncoder(self.store, WeightPublishConfig(
             full_every=args.full_every, storage=args.storage))
         self.key = jax.random.key(1)
@@ -103,7 +122,8 @@ class Harness:
         import jax
 
         self.key, sub = jax.random.split(self.key)
-        self.leaves = _adam_first_step()(self.leaves, sub, self.args.lr)
+        keys = jax.random.split(sub, len(self.leaves))
+        self.leaves = [_adam_first_step(w, k, self.args.lr) for w, k in zip(self.leaves, keys, strict=True)]
         self.state = jax.tree.unflatten(self.treedef, self.leaves)
 
     async def publish(self, mode: str) -> dict[str, Any]:

@@ -51,7 +51,12 @@ class Fetched:
 class VersionFetcher:
     """Holds the payload of the version served, to apply the next deltas onto."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, copy_on_write: bool = False) -> None:
+        """`copy_on_write`: deltas apply onto a copy of the payload held, never onto it, for a
+        target whose served state shares its bytes (bench/weight_replica.py's tree is views into
+        it: one copy of the weights in memory, not two). The engine's state is its own (on the
+        device), so by default the payload held is rewritten in place."""
+        self.copy_on_write = copy_on_write
         self.held: bytearray | None = None
         self.held_version = 0
         self.fallbacks = 0
@@ -81,8 +86,9 @@ class VersionFetcher:
         start = pointer.chain_start
         fetched = 0
         if self.held is not None and start <= self.held_version < pointer.version and pointer.payload == "delta":
-            buf, at = self.held, self.held_version
-            self.held = None  # rewritten below: until it checks out it is no version at all
+            buf, at = (bytearray(self.held) if self.copy_on_write else self.held), self.held_version
+            if not self.copy_on_write:
+                self.held = None  # rewritten below: until it checks out it is no version at all
         else:
             if not pointer.storage:
                 return None  # the trainer keeps the newest versions full: one pull, not a full and deltas

@@ -152,9 +152,10 @@ class WeightSync:
     """Keeps `engine` on the newest published version."""
 
     def __init__(self, engine: Engine | Servable, pointer: WeightPointer, *, token: str | None, poll_s: float,
-                 max_message_bytes: int, tls: TlsConfig | None = None, restore: Restore | None = None) -> None:
+                 max_message_bytes: int, tls: TlsConfig | None = None, restore: Restore | None = None,
+                 versions: VersionFetcher | None = None) -> None:
         """`restore`: how a payload becomes a state (default: `state_from_bytes` like the served
-        state, then the finiteness check)."""
+        state, then the finiteness check); `versions`: how a version's payload is fetched and held."""
         self.tls = tls
         self.engine = engine
         self.restore = restore or _checked_state
@@ -163,7 +164,7 @@ class WeightSync:
         self.poll_s = poll_s
         self.max_message_bytes = max_message_bytes
         self.stats = SyncStats()
-        self.versions = VersionFetcher()
+        self.versions = versions or VersionFetcher()
         self._refused: tuple[int, str] | None = None  # the last (version, sha) refused as non-finite
         # One channel to the trainer for every pull: a new connection per version cost a few ms of
         # each swap (bench.step_anatomy's "pull"); a new trainer address gets a new channel.
