@@ -6,9 +6,10 @@ every running sequence, all on the device) -> `update` (append tokens, apply sto
 finish, free slots, notify callers). Callers on any thread `submit` and get a handle whose
 callbacks fire per chunk (streaming) and at the end.
 
-The policy is one reference to (state, version). `swap` replaces it between two engine
-steps: no drain, no restart; a chunk runs under one version and each token records it, so
-one completion may span versions.
+The policy is one reference to (state, versions) (policy.py). `swap` replaces it between two
+engine steps: no drain, no restart; a chunk runs under one policy and each token records its
+version, so one completion may span versions. With several LoRA adapter slots (several runs over
+one base) each request names its slot and each slot has its own version.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
@@ -34,12 +33,11 @@ from arlo.compile_watch import ahead_of_use
 from arlo.config import InferenceConfig
 from arlo.model import ModelConfig, abstract_model
 from arlo.model.kv_cache import KVCache
-from arlo.model.lora import AdapterRows, merge_states, slot_of, split_adapters, stacked, with_slot
-from arlo.model.quantize import quantize_base
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource, cast_state
 from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
 from services.inference.idle_compile import IdleCompiler
+from services.inference.policy import initial_policy, published, replaced
 from services.inference.programs import Key, row_floor
 from services.inference.requests import (
     MAX_STOP_IDS,
@@ -63,17 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Policy:
-    state: nnx.State
-    versions: tuple[int, ...]
-    """The version served per adapter slot (one entry unless the engine holds several adapters)."""
-
-    @property
-    def version(self) -> int:
-        return self.versions[0]
 
 
 class Engine:
@@ -107,11 +94,7 @@ class Engine:
         # The placement comes from the abstract state, so a checkpoint streams straight into it.
         placement = jax.devices()[0] if mesh is None else fitted_state_shardings(abstract, mesh)
         self.mesh = mesh
-        state = _served_base(source, jax.devices()[0] if mesh is None else fitted_state_shardings(
-            source.abstract_state(), mesh))
-        if adapters > 1:
-            state = jax.device_put(_stacked_state(state, abstract, adapters), placement)
-        self._policy = _Policy(state=state, versions=(0,) * self.adapter_slots)
+        self._policy = initial_policy(source, abstract, placement, slots=adapters)
         self.num_slots = _num_slots(self.config, self.model_cfg)
         device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         min_rows = row_floor(self.config.min_rows, platform=device.platform, params=base.num_params())
@@ -156,11 +139,7 @@ class Engine:
 
     def published_state_of(self, adapter: int) -> nnx.State:
         """`published_state` of adapter slot `adapter`."""
-        state = self._policy.state
-        if self.model_cfg.lora is None:
-            return state
-        adapters = split_adapters(state)[0]
-        return slot_of(adapters, adapter) if self.model_cfg.lora.slots else adapters
+        return published(self._policy, self.model_cfg, adapter)
 
     def swap(self, state: nnx.State, version: int, *, adapter: int = 0) -> None:
         """Installs new weights for the next engine step; one reference assignment, so a chunk
@@ -170,21 +149,7 @@ class Engine:
         unmerged, so the engine computes x@W + scale*(x@A)@B exactly as the trainer does. With
         several adapter slots, `adapter` names the slot replaced; the others serve on untouched."""
         with self._swap_lock:
-            served = self._policy.versions[adapter]
-            if version <= served:
-                raise ValueError(f"version {version} is not newer than the served {served}")
-            if self.model_cfg.lora is not None and not _has_base(state):
-                held, base = split_adapters(self._policy.state)
-                if self.model_cfg.lora.slots:
-                    _check_like(slot_of(held, adapter), state)
-                    state = with_slot(held, adapter, state)
-                state = merge_states(base, state)
-            _check_like(self._policy.state, state)
-            # A no-op for arrays already placed like the served ones (state_from_bytes does that).
-            state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), state, self._policy.state)
-            versions = list(self._policy.versions)
-            versions[adapter] = version
-            self._policy = _Policy(state=state, versions=tuple(versions))
+            self._policy = replaced(self._policy, self.model_cfg, state, version, adapter)
             self.stats.swaps += 1
 
     # ----- requests -----
@@ -450,36 +415,3 @@ def _num_slots(config: InferenceConfig, model_cfg: ModelConfig) -> int:
                          f"{config.kv_cache_mib}, {per_slot / 2**20:.2f} MiB per slot) cannot hold n = "
                          f"{config.max_n} (inference.max_n)")
     return slots
-
-
-def _served_base(source: ModelSource, placement: Any) -> nnx.State:
-    """Version 0's weights; with QLoRA the base's projections quantised as the trainer's are
-    (arlo/model/quantize.py), so engine and trainer run the same function."""
-    state = source.initial_state(placement)
-    lora = source.cfg.lora
-    if lora is None or lora.quantize == "none":
-        return state
-    adapters, base = split_adapters(state)
-    return merge_states(quantize_base(base, lora.quantize, lora.quant_block), adapters)
-
-
-def _stacked_state(state: nnx.State, abstract: nnx.State, slots: int) -> nnx.State:
-    """One adapter's served state as `slots` stacked copies, with the batch-row selectors."""
-    adapters, base = split_adapters(state)
-    rows = [(p, v.copy(jax.numpy.zeros((1,), jax.numpy.int32))) for p, v in nnx.to_flat_state(abstract)
-            if isinstance(v, AdapterRows)]
-    return merge_states(base, stacked(adapters, slots), nnx.from_flat_state(rows))
-
-
-def _has_base(state: nnx.State) -> bool:
-    return any(not isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state))
-
-
-def _check_like(old: nnx.State, new: nnx.State) -> None:
-    old_leaves, old_tree = jax.tree.flatten(old)
-    new_leaves, new_tree = jax.tree.flatten(new)
-    if old_tree != new_tree:
-        raise ValueError("swap: the new state's tree differs from the served one")
-    for a, b in zip(old_leaves, new_leaves, strict=True):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(f"swap: a parameter of {a.dtype}{list(a.shape)} came as {b.dtype}{list(b.shape)}")
