@@ -13,6 +13,7 @@ from arlo.config.base import (
     _check,
     _frozen,
     check_ranges,
+    check_run_id,
     ranged,
 )
 
@@ -70,10 +71,19 @@ class InferenceConfig:
     when it needs them; a shape needed before its turn compiles on first use, as without it.
     Compiles made this way count as `ahead_compiles`, not late ones. False (or `warmup_programs`
     0): the larger set only compiles on first use."""
+    runs: tuple[str, ...] = ()
+    """Other runs this service serves beside `run_id`, over the same base model: each trains its
+    own LoRA adapter (trainer.lora, the same shape in every run) and gets an adapter slot of its own
+    here, followed from its own weight pointer, versioned on its own, and batched with the others'
+    requests (a request names its run; docs/deploy.md#several-runs-on-one-inference-fleet).
+    Empty: this run alone."""
 
     def validate(self, path: str) -> None:
         check_ranges(self, path)
         self.server.validate(f"{path}.server")
+        for i, run in enumerate(self.runs):
+            check_run_id(run, f"{path}.runs[{i}]")
+        _check(f"{path}.runs", len(set(self.runs)) == len(self.runs), "lists a run twice")
         _check(f"{path}.min_rows", self.min_rows & (self.min_rows - 1) == 0, "must be 0 (automatic) or a power of two")
         _check(f"{path}.max_batch", self.max_batch >= self.max_n, "must be >= max_n (a request's samples run together)")
         self.mesh.validate(f"{path}.mesh")

@@ -78,6 +78,11 @@ class RunConfig:
         self._check_episode_fits()
         self._check_step_fits_backlog()
         self._check_lora_fits()
+        runs = self.inference.runs
+        _check("inference.runs", not runs or self.trainer.lora.rank > 0,
+               "several runs share one inference service through LoRA adapter slots over one base: "
+               "set trainer.lora.rank (every run the same shape)")
+        _check("inference.runs", self.run_id not in runs, f"lists this config's own run_id {self.run_id!r}")
 
     def _check_lora_fits(self) -> None:
         """A rank at or above a targeted projection's narrower side is no low-rank update: full

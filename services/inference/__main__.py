@@ -39,6 +39,7 @@ from arlo.tracing import Tracing, service_tracing
 from services.inference.engine import Engine
 from services.inference.episodes import EpisodeRecorder
 from services.inference.openai_http import OpenAIEndpoint, bind, serve_openai
+from services.inference.runs import EngineSlot, run_slots
 from services.inference.server import InferenceServicer
 from services.inference.weights import WeightSync
 
@@ -50,19 +51,23 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
     ic = cfg.inference
     compiles = compiles or CompileWatch().install()
     source = cfg.model_source()
-    engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh))
+    slots = run_slots(cfg)
+    engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh), adapters=len(slots) if len(slots) > 1 else 0)
     # Every program the limits allow, and the check a pulled version goes through, compile now:
     # a run then compiles nothing (each late compile is logged and counted).
     await asyncio.to_thread(engine.warm_up)
     await asyncio.to_thread(nonfinite_param, engine.state)
     compiles.mark_warm()
     redis = await connect(cfg.redis)
-    sync = WeightSync(engine, WeightPointer(redis, cfg.run_id), token=load_token(cfg.auth), tls=cfg.auth.tls,
-                      poll_s=ic.weight_poll_s, max_message_bytes=ic.server.max_message_bytes)
+    # One WeightSync per run, each following its run's pointer into its own adapter slot.
+    syncs = {run: WeightSync(engine if slot == 0 else EngineSlot(engine, slot), WeightPointer(redis, run),
+                             token=load_token(cfg.auth), tls=cfg.auth.tls, poll_s=ic.weight_poll_s,
+                             max_message_bytes=ic.server.max_message_bytes) for run, slot in slots.items()}
+    sync = syncs[cfg.run_id]
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     recorder = EpisodeRecorder(max_episodes=ic.openai_max_episodes, max_calls=ic.openai_max_calls,
                                ttl_s=ic.openai_episode_ttl_s)
-    servicer = InferenceServicer(engine, source.tokenizer_name, recorder=recorder)
+    servicer = InferenceServicer(engine, source.tokenizer_name, recorder=recorder, runs=slots)
     running = await start_server("inference", ic.server, cfg.auth, [
         ServiceBinding(name=name, add_to_server=inference_pb2_grpc.add_InferenceServicer_to_server,
                        servicer=servicer)], tracing=tracing)
@@ -71,12 +76,13 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
     host = advertise_host(ic.server.host)
     if ic.openai_port >= 0:
         servicer.openai_url = start_openai(cfg, engine, recorder, tasks, host)
-    heartbeat = Heartbeat(redis, cfg.run_id, service="inference", instance=instance_id())
     tasks.spawn("engine", lambda: run_engine(engine))
-    tasks.spawn("weight-sync", sync.run)
-    tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: {
-        "address": f"{host}:{running.port}", "openai_url": servicer.openai_url, **engine.metrics(),
-        **compiles.metrics()}))
+    for run, slot in slots.items():  # every run served here sees this service in its own status
+        heartbeat = Heartbeat(redis, run, service="inference", instance=instance_id())
+        tasks.spawn(f"weight-sync-{run}" if slot else "weight-sync", syncs[run].run)
+        tasks.spawn(f"heartbeat-{run}" if slot else "heartbeat", lambda hb=heartbeat, s=slot: hb.run(2.0, lambda: {
+            "address": f"{host}:{running.port}", "openai_url": servicer.openai_url, **engine.metrics(),
+            "weight_version": engine.versions[s], **compiles.metrics()}))
     return running, engine
 
 

@@ -30,9 +30,12 @@ MAX_BATCH_MESSAGE_BYTES = 4 << 20
 completions in one message could pass the channel's max message size (64 MiB by default)."""
 
 
-def to_sampling_request(req: inference_pb2.GenerateRequest) -> SamplingRequest:
+def to_sampling_request(req: inference_pb2.GenerateRequest, runs: dict[str, int] | None = None) -> SamplingRequest:
+    """`runs`: run_id -> adapter slot of the runs this service serves (services/inference/runs.py);
+    a request's empty run_id is the service's own run (slot 0)."""
     if len(req.session_id.encode()) > MAX_ID_BYTES or len(req.request_id.encode()) > MAX_ID_BYTES:
         raise ValueError(f"session_id and request_id are at most {MAX_ID_BYTES} bytes")
+    adapter = slot_of_run(req.run_id, runs)
     if not req.HasField("sampling") or req.sampling.max_tokens == 0:
         raise ValueError("sampling.max_tokens is required (>= 1)")
     s = req.sampling
@@ -40,8 +43,21 @@ def to_sampling_request(req: inference_pb2.GenerateRequest) -> SamplingRequest:
         prompt=tuple(req.prompt_token_ids), n=req.n, max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None,
-        stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop), session_id=req.session_id,
+        stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop),
+        # Sessions park KV written by one run's adapter: another run's request must never reuse it.
+        session_id=f"{adapter}:{req.session_id}" if adapter and req.session_id else req.session_id,
+        adapter=adapter,
     )
+
+
+def slot_of_run(run_id: str, runs: dict[str, int] | None) -> int:
+    """The adapter slot of `run_id`; ValueError for a run this service does not serve (a rollout
+    pointed at another run's inference would otherwise sample that run's policy as its own)."""
+    if not run_id or runs is None:
+        return 0
+    if run_id not in runs:
+        raise ValueError(f"run_id {run_id[:MAX_ID_BYTES]!r} is not served here (serving {sorted(runs)})")
+    return runs[run_id]
 
 
 def to_completion(sample: Sample) -> inference_pb2.Completion:
@@ -56,8 +72,11 @@ def _put_at(bridge: Bridge, index: int, result: list[Sample] | BaseException) ->
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, engine: Engine, tokenizer_name: str, *, recorder: EpisodeRecorder | None = None) -> None:
+    def __init__(self, engine: Engine, tokenizer_name: str, *, recorder: EpisodeRecorder | None = None,
+                 runs: dict[str, int] | None = None) -> None:
+        """`runs`: run_id -> adapter slot when several runs share this service (None: one run)."""
         self.engine = engine
+        self.runs = runs
         self.tokenizer_name = tokenizer_name
         self.recorder = recorder
         self.openai_url = ""
@@ -67,7 +86,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                       stream: bool) -> tuple[int, Bridge]:
         bridge = Bridge()
         try:
-            handle = self.engine.submit(to_sampling_request(req), on_tokens=bridge.put if stream else None,
+            handle = self.engine.submit(to_sampling_request(req, self.runs), on_tokens=bridge.put if stream else None,
                                         on_done=bridge.put)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -107,7 +126,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         refused, indices, sampling = [], [], []
         for i, req in enumerate(request.requests):
             try:
-                sr = to_sampling_request(req)
+                sr = to_sampling_request(req, self.runs)
                 self.engine.validate(sr)
             except ValueError as e:
                 refused.append(inference_pb2.GenerateBatchResult(
@@ -172,10 +191,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request, context):  # noqa: N802
         e = self.engine
+        try:
+            slot = slot_of_run(request.run_id, self.runs)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return inference_pb2.GetModelInfoResponse(
             model_name=e.model_name, tokenizer=self.tokenizer_name, vocab_size=e.model_cfg.vocab_size,
             max_seq_len=e.max_seq_len, max_prompt_tokens=e.config.max_prompt_tokens,
-            max_tokens=e.config.max_tokens, max_n=e.config.max_n, policy_version=e.version,
+            max_tokens=e.config.max_tokens, max_n=e.config.max_n, policy_version=e.versions[slot],
             eos_token_id=e.tokenizer.eos_id, openai_url=self.openai_url,
         )
 

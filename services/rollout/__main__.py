@@ -54,7 +54,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     await stream.ensure_group()
     instance = instance_id()
     gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
-                          batch_window_s=rc.batch_window_s, tracer=tracer)
+                          batch_window_s=rc.batch_window_s, tracer=tracer, run_id=cfg.run_id)
     # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
                          batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,
@@ -78,7 +78,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     )
     greedy = InferenceClient(inference, dataclasses.replace(rc.sampling, temperature=0.0),
                              stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
-                             batch_window_s=rc.batch_window_s, tracer=tracer)
+                             batch_window_s=rc.batch_window_s, tracer=tracer, run_id=cfg.run_id)
     evaluator = Evaluator(rc, run_id=cfg.run_id, greedy=greedy, sampled=worker.gen, run_episode=worker.episode)
 
     running = await start_server("rollout", rc.server, cfg.auth, [], tracing=tracing)

@@ -99,10 +99,13 @@ class InferenceClient:
 
     def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *,
                  stop_token_ids: Sequence[int], timeout_s: float, batch_window_s: float = 0.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, run_id: str = "") -> None:
         """`stop_token_ids`: the tokenizer's (every eos id of the model); sampling.stop_token_ids
         are added to them. `batch_window_s` > 0: calls to one replica that arrive together leave
-        as one GenerateBatch (services/rollout/coalescing.py); 0: one Generate each."""
+        as one GenerateBatch (services/rollout/coalescing.py); 0: one Generate each. `run_id`: the
+        run this worker generates for, sent with every call (an inference service shared by several
+        runs picks that run's adapter and version; one serving another run refuses it)."""
+        self.run_id = run_id
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.channel = None if self.replicas else channel
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
@@ -162,7 +165,8 @@ class InferenceClient:
         this is what a caller can count on all of them having."""
         stubs = ([self.stub] if self.replicas is None else
                  [inference_pb2_grpc.InferenceStub(channel) for channel in await self.replicas.all_channels()])
-        infos = await asyncio.gather(*(stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        infos = await asyncio.gather(*(stub.GetModelInfo(inference_pb2.GetModelInfoRequest(run_id=self.run_id),
+                                                         timeout=self.timeout_s)
                                        for stub in stubs))
         return min(info.policy_version for info in infos)
 
@@ -176,7 +180,7 @@ class InferenceClient:
         if seed is not None:  # unset, the engine draws a fresh seed per request
             params.seed = seed
         resp = await self._call(inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params))
+            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params, run_id=self.run_id))
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                     policy_versions=list(c.policy_versions),

@@ -55,12 +55,17 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     """Number of samples, 1 to the server's max_n."""
     session_id: _builtins.str
     """Multi-turn session whose KV prefix may be reused (at most 128 bytes)."""
     request_id: _builtins.str
     """Client's request id for logs (at most 128 bytes)."""
+    run_id: _builtins.str
+    """The run whose policy generates it, on a service shared by several runs (inference.runs):
+    each run's LoRA adapter and version. Empty: the service's own run.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt tokens, 1 to the server's max_prompt_tokens; each in [0, vocab_size)."""
@@ -77,10 +82,11 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         session_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        run_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "run_id", b"run_id", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -302,12 +308,17 @@ Global___GenerateStreamResponse: _TypeAlias = GenerateStreamResponse  # noqa: Y0
 class GetModelInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """On a service shared by several runs: report this run's policy version. Empty: the service's own run."""
     def __init__(
         self,
+        *,
+        run_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
