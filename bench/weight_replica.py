@@ -46,6 +46,10 @@ class ParameterTree:
         """What a publish carries: here the whole tree (the engine's, with LoRA, is the adapters)."""
         return self._served[1]
 
+    @property
+    def published_scope(self) -> str:
+        return "model"
+
     def swap(self, state: Any, version: int) -> None:
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the served {self.version}")

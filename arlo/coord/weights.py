@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
@@ -31,7 +31,8 @@ _PUBLISH_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'version')
 if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'source', ARGV[2], 'sha256', ARGV[3], 'time', ARGV[4],
-           'payload', ARGV[6], 'base_version', ARGV[7], 'full_version', ARGV[8], 'storage', ARGV[9])
+           'payload', ARGV[6], 'base_version', ARGV[7], 'full_version', ARGV[8], 'storage', ARGV[9],
+           'scope', ARGV[10])
 redis.call('PUBLISH', ARGV[5], ARGV[1])
 return 1
 """
@@ -61,6 +62,9 @@ class WeightPointerState:
     holding an older version starts there and applies the deltas after it in order."""
     storage: str = ""
     """Where each version is written once (`file:///dir`); empty: pulled from `source`."""
+    scope: WeightScope = "model"
+    """What the payload holds: the whole policy, or a LoRA run's "adapters" alone (the reader
+    applies them onto the base it holds)."""
 
     @property
     def chain_start(self) -> int:
@@ -72,14 +76,14 @@ class WeightPointerState:
             version=self.version, source=self.source, sha256=self.sha256,
             checkpoint_version=self.checkpoint_version, checkpoint_uri=self.checkpoint_uri, time=self.time,
             payload=_PAYLOAD_PROTO[self.payload], base_version=self.base_version, full_version=self.full_version,
-            storage=self.storage)
+            storage=self.storage, scope=self.scope)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.WeightVersion) -> WeightPointerState:
         return cls(version=msg.version, source=msg.source, sha256=msg.sha256,
                    checkpoint_version=msg.checkpoint_version, checkpoint_uri=msg.checkpoint_uri, time=msg.time,
                    payload=_PAYLOAD_KIND[msg.payload], base_version=msg.base_version,
-                   full_version=msg.full_version, storage=msg.storage)
+                   full_version=msg.full_version, storage=msg.storage, scope=_scope(msg.scope))
 
     @classmethod
     def from_hash(cls, raw: Mapping[Any, Any]) -> WeightPointerState:
@@ -91,7 +95,20 @@ class WeightPointerState:
                    checkpoint_version=int(h.get("checkpoint_version") or 0),
                    checkpoint_uri=h.get("checkpoint_uri", ""), time=float(h.get("time") or 0.0),
                    payload=payload, base_version=int(h.get("base_version") or 0),  # type: ignore[arg-type]
-                   full_version=int(h.get("full_version") or 0), storage=h.get("storage", ""))
+                   full_version=int(h.get("full_version") or 0), storage=h.get("storage", ""),
+                   scope=_scope(h.get("scope", "")))
+
+
+WeightScope = Literal["model", "adapters"]
+SCOPES: tuple[WeightScope, ...] = get_args(WeightScope)
+
+
+def _scope(raw: str) -> WeightScope:
+    if not raw:
+        return "model"  # written before scopes existed: the whole policy
+    if raw not in SCOPES:
+        raise ValueError(f"scope {raw!r} is not one of {list(SCOPES)}")
+    return raw  # type: ignore[return-value]
 
 
 _PAYLOAD_PROTO: dict[str, int] = {"full": common_pb2.WEIGHT_PAYLOAD_FULL, "delta": common_pb2.WEIGHT_PAYLOAD_DELTA}
@@ -108,20 +125,23 @@ class WeightPointer:
 
     @cancel_safe
     async def publish(self, version: int, *, source: str, sha256: str, payload: PayloadKind = "full",
-                      base_version: int = 0, full_version: int = 0, storage: str = "") -> bool:
+                      base_version: int = 0, full_version: int = 0, storage: str = "",
+                      scope: WeightScope = "model") -> bool:
         """Moves the pointer to `version` if it is newer; True when moved, False when stale.
         `payload` and the rest: how the version was published (WeightPointerState)."""
         if version < 1:
             raise ValueError(f"version: must be >= 1, got {version}")
         if payload not in _PAYLOAD_PROTO:
             raise ValueError(f"payload: must be one of {sorted(_PAYLOAD_PROTO)}, got {payload!r}")
+        if scope not in SCOPES:
+            raise ValueError(f"scope: must be one of {list(SCOPES)}, got {scope!r}")
         if payload == "delta" and not 0 < full_version <= base_version < version:
             raise ValueError(f"a delta needs 0 < full_version <= base_version < version, got {full_version}, "
                              f"{base_version}, {version}")
         moved = await self._publish(
             keys=[self._keys.weights],
             args=[str(version), source, sha256, repr(time.time()), self._keys.weights_events, payload,
-                  str(base_version), str(full_version), storage])
+                  str(base_version), str(full_version), storage, scope])
         return bool(moved)
 
     @cancel_safe

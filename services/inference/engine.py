@@ -137,6 +137,11 @@ class Engine:
         this engine's own, loaded once and never replaced)."""
         return self.published_state_of(0)
 
+    @property
+    def published_scope(self) -> str:
+        """What a publish this engine installs holds: "adapters" (LoRA) or "model" (the whole policy)."""
+        return "model" if self.model_cfg.lora is None else "adapters"
+
     def published_state_of(self, adapter: int) -> nnx.State:
         """`published_state` of adapter slot `adapter`."""
         return published(self._policy, self.model_cfg, adapter)

@@ -33,5 +33,9 @@ class EngineSlot:
     def published_state(self) -> Any:
         return self.engine.published_state_of(self.slot)
 
+    @property
+    def published_scope(self) -> str:
+        return self.engine.published_scope
+
     def swap(self, state: Any, version: int) -> None:
         self.engine.swap(state, version, adapter=self.slot)

@@ -141,6 +141,11 @@ class Servable(Protocol):
         """The part of the served state a publish carries (with LoRA, the adapters alone)."""
         ...
 
+    @property
+    def published_scope(self) -> str:
+        """"adapters" when a publish carries LoRA adapters alone, else "model"."""
+        ...
+
     def swap(self, state: Any, version: int) -> None: ...
 
 
@@ -215,6 +220,11 @@ class WeightSync:
             raise WeightPullError(f"version {pointer.version} was refused: it holds NaN or inf")
         if not pointer.source.startswith("grpc://"):
             raise ValueError(f"unsupported weight source {pointer.source!r}")
+        if pointer.scope != self.engine.published_scope:
+            # A trainer and an inference service configured apart (trainer.lora on one side only):
+            # the payload could never be installed, so say what differs instead of a tree mismatch.
+            raise ValueError(f"version {pointer.version} holds the {pointer.scope} but this service serves "
+                             f"{self.engine.published_scope} publishes: trainer.lora must be the same on both sides")
         loop = asyncio.get_running_loop()
         started = loop.time()
         target = pointer.source.removeprefix("grpc://")

@@ -94,7 +94,8 @@ class Publisher:
         if await self.pointer.publish(published.version, source=self.source, sha256=published.sha256,
                                       payload=published.kind, full_version=published.full_version,
                                       base_version=published.version - 1 if published.kind == "delta" else 0,
-                                      storage=self.encoder.storage):
+                                      storage=self.encoder.storage,
+                                      scope="adapters" if self.replica.learner.frozen is not None else "model"):
             return None
         current = await self.pointer.get()
         if current is not None and (current.version != published.version or current.sha256 != published.sha256):

@@ -71,7 +71,8 @@ async def test_two_runs_share_one_inference_service_each_with_its_adapter_and_ve
     try:
         async with scripted_server(trainer_pb2_grpc.add_TrainerServicer_to_server, OneVersion(5, payload)) as trainer:
             pointer_b = WeightPointer(redis, "runs-b")
-            assert await pointer_b.publish(5, source=f"grpc://{trainer}", sha256=hashlib.sha256(payload).hexdigest())
+            assert await pointer_b.publish(5, source=f"grpc://{trainer}", sha256=hashlib.sha256(payload).hexdigest(),
+                                           scope="adapters")
             sync_b = WeightSync(EngineSlot(engine, 1), pointer_b, token=None, poll_s=0.1,
                                 max_message_bytes=64 << 20)
             await sync_b.sync_to(await pointer_b.get())
@@ -110,3 +111,28 @@ def test_inference_runs_need_lora_and_other_run_ids() -> None:
         load_config(overrides={"run_id": "a", "trainer": {"lora": {"rank": 4}}, "inference": {"runs": ["a"]}})
     with pytest.raises(ConfigError, match=r"inference.runs\[0\]"):
         load_config(overrides={"trainer": {"lora": {"rank": 4}}, "inference": {"runs": ["bad id"]}})
+
+
+async def test_the_pointer_says_a_publish_holds_adapters_and_a_service_without_lora_refuses_it(redis_url: str) -> None:
+    """A LoRA trainer's pointer says "adapters"; an inference service configured without LoRA
+    (the two configs drifted apart) refuses the version naming trainer.lora, and serves on."""
+    from arlo.model.source import preset_source
+
+    redis = await connect(load_config(overrides={"redis": {"url": redis_url}}).redis)
+    pointer = WeightPointer(redis, "runs-scope")
+    try:
+        assert await pointer.publish(1, source="grpc://127.0.0.1:1", sha256="0" * 64, scope="adapters")
+        state = await pointer.get()
+        assert state is not None and state.scope == "adapters"
+        assert type(state).from_proto(state.to_proto()).scope == "adapters"
+        with pytest.raises(ValueError, match="scope"):
+            await pointer.publish(2, source="grpc://127.0.0.1:1", sha256="0" * 64, scope="lora")  # type: ignore[arg-type]
+        engine = Engine(preset_source("tiny"), config=InferenceConfig(max_n=1, max_tokens=8, max_prompt_tokens=16))
+        sync = WeightSync(engine, pointer, token=None, poll_s=0.1, max_message_bytes=1 << 20)
+        with pytest.raises(ValueError, match="trainer.lora must be the same on both sides"):
+            await sync.sync_to(state)
+        assert engine.version == 0
+        engine.close()
+    finally:
+        await delete_run(redis, "runs-scope")
+        await redis.aclose()

@@ -392,6 +392,7 @@ class WeightVersion(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _builtins.int
     FULL_VERSION_FIELD_NUMBER: _builtins.int
     STORAGE_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Monotonic version number (>= 1); never repeats within a run."""
     source: _builtins.str
@@ -416,6 +417,10 @@ class WeightVersion(_message.Message):
     """Where every version is written once ("file:///dir", a mount shared with the trainer; the
     form a GCS/S3 bucket takes on Kubernetes); empty: pulled from `source` over PullWeights.
     """
+    scope: _builtins.str
+    """What the payload holds: "model" (the whole policy; empty reads as this) or "adapters" (a
+    LoRA run's adapters alone, applied by the reader onto the base it holds itself).
+    """
     def __init__(
         self,
         *,
@@ -429,10 +434,11 @@ class WeightVersion(_message.Message):
         base_version: _builtins.int = ...,
         full_version: _builtins.int = ...,
         storage: _builtins.str = ...,
+        scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "checkpoint_uri", b"checkpoint_uri", "checkpoint_version", b"checkpoint_version", "full_version", b"full_version", "payload", b"payload", "sha256", b"sha256", "source", b"source", "storage", b"storage", "time", b"time", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "checkpoint_uri", b"checkpoint_uri", "checkpoint_version", b"checkpoint_version", "full_version", b"full_version", "payload", b"payload", "scope", b"scope", "sha256", b"sha256", "source", b"source", "storage", b"storage", "time", b"time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
