@@ -75,7 +75,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
         lambda: {**engine.metrics(), **compiles.metrics(), "last_swap_seconds": sync.stats.last_swap_s}))
     host = advertise_host(ic.server.host)
     if ic.openai_port >= 0:
-        servicer.openai_url = start_openai(cfg, engine, recorder, tasks, host)
+        servicer.openai_url = start_openai(cfg, engine, recorder, tasks, host, runs=slots)
     tasks.spawn("engine", lambda: run_engine(engine))
     for run, slot in slots.items():  # every run served here sees this service in its own status
         heartbeat = Heartbeat(redis, run, service="inference", instance=instance_id())
@@ -86,11 +86,13 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
     return running, engine
 
 
-def start_openai(cfg: RunConfig, engine: Engine, recorder: EpisodeRecorder, tasks: TaskGroup, host: str) -> str:
+def start_openai(cfg: RunConfig, engine: Engine, recorder: EpisodeRecorder, tasks: TaskGroup, host: str,
+                 runs: dict[str, int] | None = None) -> str:
     """Binds the OpenAI-compatible endpoint beside gRPC; returns its base URL."""
     ic, tls = cfg.inference, cfg.auth.tls
     sock = bind(ic.server.host, ic.openai_port)
-    endpoint = OpenAIEndpoint(engine, recorder, token=load_token(cfg.auth), tool_format=cfg.model.tool_format)
+    endpoint = OpenAIEndpoint(engine, recorder, token=load_token(cfg.auth), tool_format=cfg.model.tool_format,
+                              runs=runs)
     tasks.spawn("openai-http", lambda: serve_openai(endpoint, sock, cert_file=tls.cert_file if tls.enabled else "",
                                                     key_file=tls.key_file if tls.enabled else "",
                                                     grace_s=ic.server.grace_s))

@@ -43,6 +43,8 @@ class Sampling:
     include_usage: bool
     episode: str
     """From the `user` field; the X-Arlo-Episode header wins over it."""
+    model: str = ""
+    """The request's `model`: on a service shared by several runs, a run_id picks that run's adapter."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,10 +182,13 @@ def _sampling(body: Mapping[str, Any], *, max_tokens: Any, logprobs: bool) -> Sa
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")
     seed = body.get("seed")
+    model = body.get("model") or ""
+    if not isinstance(model, str) or len(model.encode()) > MAX_ID_BYTES:
+        raise BadRequest(f"model must be a string of at most {MAX_ID_BYTES} bytes", "model")
     return Sampling(
         n=_int(body.get("n", 1), "n", 1, 1 << 16),
         max_tokens=None if max_tokens is None else _int(max_tokens, "max_tokens", 1, 1 << 30),
         temperature=_number(body, "temperature", 1.0, 0.0, 10.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         stop=tuple(stop), seed=None if seed is None else _int(seed, "seed", 0, 2**64 - 1), logprobs=logprobs,
-        stream=stream, include_usage=bool(options.get("include_usage")), episode=user,
+        stream=stream, include_usage=bool(options.get("include_usage")), episode=user, model=model,
     )

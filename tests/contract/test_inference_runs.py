@@ -9,6 +9,7 @@ import hashlib
 from collections.abc import AsyncIterator
 
 import grpc
+import jax
 import pytest
 
 from arlo.config import InferenceConfig, RunConfig, TrainerConfig, load_config
@@ -136,3 +137,33 @@ async def test_the_pointer_says_a_publish_holds_adapters_and_a_service_without_l
     finally:
         await delete_run(redis, "runs-scope")
         await redis.aclose()
+
+
+def test_the_openai_door_picks_a_runs_adapter_by_model() -> None:
+    """`model` naming a run served here generates with that run's adapter and reports its version;
+    /v1/models lists the runs; any other `model` is the service's own run."""
+    from starlette.testclient import TestClient
+
+    from services.inference.episodes import EpisodeRecorder
+    from services.inference.openai_http import OpenAIEndpoint
+
+    cfg = load_config(overrides={"run_id": "door-a", "trainer": {"lora": {"rank": 4}},
+                                 "inference": {"runs": ["door-b"]}})
+    slots = run_slots(cfg)
+    engine = Engine(cfg.model_source(), config=InferenceConfig(max_n=2, max_tokens=8, max_prompt_tokens=32),
+                    adapters=2)
+    adapters = lora.slot_of(lora.split_adapters(engine.state)[0], 1)
+    engine.swap(jax.tree.map(lambda x: x + 0.3, adapters), 7, adapter=1)
+    endpoint = OpenAIEndpoint(engine, EpisodeRecorder(max_episodes=4, max_calls=4, ttl_s=60.0), token=None, runs=slots)
+    try:
+        with TestClient(endpoint.app) as client:
+            listed = client.get("/v1/models").json()["data"]
+            assert [(m["id"], m["policy_version"]) for m in listed][1:] == [("door-b", 7)]
+            body = {"prompt": [257, 260, 51, 43], "max_tokens": 6, "temperature": 0, "seed": 1}
+            b = client.post("/v1/completions", json={**body, "model": "door-b"}).json()
+            a = client.post("/v1/completions", json={**body, "model": "door-a"}).json()
+            other = client.post("/v1/completions", json={**body, "model": "anything"}).json()
+        assert b["system_fingerprint"] == "arlo-v7" and a["system_fingerprint"] == "arlo-v0"
+        assert other["choices"][0]["text"] == a["choices"][0]["text"] != b["choices"][0]["text"]
+    finally:
+        engine.close()
