@@ -3,7 +3,8 @@ class, safetensors, a BPE tokenizer trained by `tokenizers`, the family's real c
 `model.path`; `arlo demo` runs SFT on tool-call demonstrations, then RL steps of the tool-using
 arith environment (its calculator schema in the prompt, Hermes tool calls parsed by the gateway)
 through every service as subprocesses on a real Redis, and exports the policy; transformers loads the export with logits equal to arlo's within 1e-4.
-Config errors for a bad model section come at load, naming the field and the file."""
+Gemma 3 (sliding-window and full layers, QK-norm, its template without tools) goes the same way
+on plain arithmetic. Config errors for a bad model section come at load, naming the field and the file."""
 
 from __future__ import annotations
 
@@ -45,7 +46,18 @@ def tool_demonstrations(path: Path) -> Path:
     return path
 
 
-def own_model_config(path: Path, run_id: str, redis_url: str, model_dir: Path, **model) -> Path:
+def plain_demonstrations(path: Path) -> Path:
+    """SFT lines without tools, for templates that have none (Gemma 2/3): a question, its answer."""
+    lines = [{"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
+             for a, b in ((2, 3), (4, 5), (1, 7), (6, 2))]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def own_model_config(path: Path, run_id: str, redis_url: str, model_dir: Path, *, tools: bool = True,
+                     **model) -> Path:
+    demos = tool_demonstrations if tools else plain_demonstrations
+    env_config = {"op": "+", "max_operand": 9, "tool": tools, "max_turns": 2 if tools else 1}
     cfg = {
         "run_id": run_id, "redis": {"url": redis_url},
         "model": {"path": str(model_dir), "max_seq_len": 512, **model},
@@ -54,10 +66,10 @@ def own_model_config(path: Path, run_id: str, redis_url: str, model_dir: Path, *
         # model rarely adds right), so the export is provably the trained policy.
         "trainer": {"groups_per_step": 2, "learning_rate": 0.001, "algorithm": {"entropy_coef": 0.01,
                                                                                "reference": "after_sft"},
-                    "sft": {"data": str(tool_demonstrations(path.parent / "demos.jsonl")), "steps": 2,
+                    "sft": {"data": str(demos(path.parent / "demos.jsonl")), "steps": 2,
                             "batch_size": 4, "warmup_steps": 0}},
-        "rollout": {"env_name": "arith", "env_config_json": '{"op": "+", "max_operand": 9, "tool": true, "max_turns": 2}',
-                    "group_size": 4, "max_turns": 2, "max_episode_tokens": 500, "concurrent_groups": 2,
+        "rollout": {"env_name": "arith", "env_config_json": json.dumps(env_config),
+                    "group_size": 4, "max_turns": env_config["max_turns"], "max_episode_tokens": 500, "concurrent_groups": 2,
                     "sampling": {"temperature": 1.0, "max_tokens": 8}, "rpc_timeout_s": 120.0},
     }
     path.write_text(yaml.safe_dump(cfg))
@@ -73,6 +85,23 @@ def test_a_checkpoint_trains_through_every_service_and_exports(tmp_path: Path, r
     test_hf_export.py)."""
     model_dir = write_checkpoint(tmp_path / "qwen2", "qwen2")
     config = own_model_config(tmp_path / "run.yaml", run_id, redis_url, model_dir, param_dtype="bfloat16")
+    _demo_exports_trained_policy(tmp_path, config, model_dir, "bfloat16")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 120)
+def test_a_gemma3_checkpoint_trains_through_every_service_and_exports(tmp_path: Path, redis_url: str,
+                                                                     run_id: str) -> None:
+    """Gemma 3 (a sliding layer with an 8-token window and a full one, prompts past the window)
+    through SFT, RL steps and export, float32 end to end; its template has no tools, so the
+    arith env asks plainly. In the slow tier (CI runs it): the Qwen2 run above covers the services."""
+    model_dir = write_checkpoint(tmp_path / "gemma3", "gemma3")
+    config = own_model_config(tmp_path / "run.yaml", run_id, redis_url, model_dir, tools=False)
+    _demo_exports_trained_policy(tmp_path, config, model_dir, "float32")
+
+
+def _demo_exports_trained_policy(tmp_path: Path, config: Path, model_dir: Path, dtype: str) -> None:
     out, report = tmp_path / "exported", tmp_path / "report.json"
     result = arlo("demo", "-c", str(config), "--steps", "2", "--no-eval", "--json", str(report),
                   "--export", str(out), home=tmp_path / "home", timeout=DEMO_TIMEOUT_S)
@@ -82,7 +111,7 @@ def test_a_checkpoint_trains_through_every_service_and_exports(tmp_path: Path, r
     hf_cfg = json.loads((out / "config.json").read_text())
     assert hf_cfg["architectures"] == json.loads((model_dir / "config.json").read_text())["architectures"]
     assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
-    assert (out / "generation_config.json").is_file() and hf_cfg["dtype"] == "bfloat16"
+    assert (out / "generation_config.json").is_file() and hf_cfg["dtype"] == dtype
 
     from arlo.model.hf import load_hf_model
 
