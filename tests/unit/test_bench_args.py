@@ -114,6 +114,8 @@ BAD = [
     ("grpo_inprocess", ["--warmup", "-1"], "--warmup"),
     ("grpo_inprocess", ["--model", "bogus"], "unknown model config"),
     ("grpo_inprocess_agent", ["--turns", "0"], "--turns"),
+    ("lora_sft_rates", ["--runs", "8"], "--runs: expected RANK:LEARNING_RATE pairs"),
+    ("lora_sft_rates", ["--steps", "0"], "--steps: must be >= 1"),
 ]
 
 
@@ -124,7 +126,7 @@ def test_a_bad_argument_is_refused_before_the_run(module: str, argv: list[str], 
 
 
 JSON_BENCHES = ["grpo_tiny", "step_anatomy", "pipeline", "env", "first_step", "load", "openai_load", "mcp_load",
-                "load_memory", "weight_sync", "real_model", "decode", "train_step"]
+                "load_memory", "weight_sync", "real_model", "decode", "train_step", "lora_sft_rates"]
 
 
 def test_every_bench_that_takes_json_is_listed_here() -> None:
