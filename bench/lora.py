@@ -34,7 +34,34 @@ LoRA is rank --rank (16) on all 7 projections (q, k, v, o, gate, up, down), alph
 `python -m bench.lora [--model qwen2.5-0.5b|small|tiny] [--smoke] [--parts plan,rss,mismatch,sync]
 [--pulls 3] [--sync-repeats 3] [--dir DIR] [--json PATH]`
 
-Measured: (none yet)
+Measured 2026-12-06 on the shared 2-core, 24 GiB machine (load average 3-30: other agents'
+jobs), Qwen2.5-0.5B shape (494.0M parameters), rank 16 on all 7 projections (8.80M adapter
+parameters), `python -m bench.lora --parts plan,sync,mismatch --pulls 1 --sync-repeats 2`:
+
+| bar | value | needs | |
+| --- | --- | --- | --- |
+| publish_bytes_ratio | 0.0178 (17.6 MB of 988.1 MB) | <= 0.05 | met |
+| trainer_rss_ratio, XLA step peak (planned_rss_ratio) | 0.405 (4,635 of 11,457 MiB) | <= 0.45 | met |
+| qlora_rss_ratio, XLA step peak, nf4 / int8 | 0.259 / 0.289 (2,971 / 3,313 MiB) | < LoRA's | met |
+| lora_logprob_mismatch (float32, 128 sampled tokens) | 9.1e-7 | < 1e-5 | met |
+| lora_sync_ratio | 0.035 (0.232 s of 6.63 s) | <= 0.10 | met |
+
+The step's XLA peak, full fine-tuning: arguments 5,654 MiB (float32 master, AdamW's two moments,
+the batch; donated, so the outputs reuse them) + temporaries 5,803 MiB; LoRA: arguments 1,043
+MiB (the bfloat16 base, the adapters and their moments) + temporaries 3,592 MiB; QLoRA's base
+is 723 (int8) / 553 (nf4) MiB of arguments and its temporaries are lower still (2,589 / 2,419
+MiB). XLA:CPU computes in float32 where the program says bfloat16 (docs/plan.md), so LoRA's
+temporaries hold float32 copies an accelerator would not: read the ratio as an upper bound.
+Publish to served, LoRA / full in seconds: trainer cast + check + pack 0.077 / 2.18, hash +
+PullWeights 0.062 / 2.97, replica unpack + check + swap 0.094 / 1.48.
+
+Process RSS (part `rss`) at the 0.5B shape did not finish here: a LoRA step ran 18 minutes
+with 3.6 CPU-minutes (load average 25) before it was stopped, and full fine-tuning's step needs
+~14 GiB beside other agents' jobs. At `--model small` (4 layers, hidden 256, vocab 16384:
+activations, not weights, dominate), the same machine measured trainer_rss_ratio 0.965
+(1,162 / 1,203 MB, of which ~230 MB is the imported runtime), publish_bytes_ratio 0.044,
+lora_logprob_mismatch 4.4e-7, lora_sync_ratio 0.18 (0.056 / 0.309 s: fixed costs dominate a
+16 MB payload).
 """
 
 from __future__ import annotations
