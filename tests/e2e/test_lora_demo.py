@@ -41,7 +41,7 @@ def publish_bytes(run: RunConfig) -> tuple[int, int]:
     return len(state_to_bytes(learner.serving_state())), len(state_to_bytes(learner.policy_state()))
 
 
-@pytest.mark.slow  # 600 SFT + 80 RL steps, 4 evaluations: 10 min on a 2-core host at load average ~24
+@pytest.mark.slow  # 600 SFT + 80 RL steps, 4 evaluations: 188 s on a near-idle 2-core host, 10 min at load ~24
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 120)  # above the demo's own limit: never cut short by the suite's default
 def test_lora_demo_learns_through_every_service_publishing_adapters_alone(tmp_path: Path, redis_url: str,
                                                                          run_id: str) -> None:
