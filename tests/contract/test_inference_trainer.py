@@ -22,6 +22,7 @@ from arlo.model.weights import state_to_bytes
 from arlo.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from services.inference.__main__ import start_inference
+from services.inference.engine import Engine
 from services.inference.weights import WeightPullError, WeightSync
 from services.trainer.__main__ import start_trainer
 
@@ -245,7 +246,10 @@ async def test_deltas_and_storage_reach_the_engine_bit_exact(stack: dict, tmp_pa
     from arlo.config.trainer import WeightPublishConfig
     from services.trainer.publish import VersionEncoder
 
-    cfg, loop, engine = stack["cfg"], stack["loop"], stack["engine"]
+    cfg, loop = stack["cfg"], stack["loop"]
+    # A replica of its own: the served engine's WeightSync follows the same pointer and would
+    # install some versions before this one does (a race the counts below would lose).
+    engine = Engine(cfg.model_source(), config=cfg.inference)
     loop.publisher.encoder = VersionEncoder(loop.store, WeightPublishConfig(full_every=3,
                                                                             storage=f"file://{tmp_path}"))
     pointer = WeightPointer(await connect(cfg.redis), cfg.run_id)
@@ -268,5 +272,6 @@ async def test_deltas_and_storage_reach_the_engine_bit_exact(stack: dict, tmp_pa
             assert sync.stats.last_sync["from_storage"] == 1.0
     finally:
         await sync.aclose()
+        engine.close()
     assert kinds == ["full", "delta", "delta", "full", "delta"]
     assert sync.versions.fallbacks == 0 and loop.store.sent_bytes == 0  # nothing pulled from the trainer
