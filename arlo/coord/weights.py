@@ -113,6 +113,7 @@ def _scope(raw: str) -> WeightScope:
 
 _PAYLOAD_PROTO: dict[str, int] = {"full": common_pb2.WEIGHT_PAYLOAD_FULL, "delta": common_pb2.WEIGHT_PAYLOAD_DELTA}
 _PAYLOAD_KIND: dict[int, PayloadKind] = {v: k for k, v in _PAYLOAD_PROTO.items()}  # type: ignore[misc]
+_PAYLOAD_KIND[common_pb2.WEIGHT_PAYLOAD_UNSPECIFIED] = "full"  # unset: a version from before payload kinds
 
 
 class WeightPointer:

@@ -52,7 +52,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"version {published.version} was published full, not as a delta")
             sent = published.delta
-        elif request.payload != common_pb2.WEIGHT_PAYLOAD_FULL:
+        elif request.payload not in (common_pb2.WEIGHT_PAYLOAD_FULL, common_pb2.WEIGHT_PAYLOAD_UNSPECIFIED):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown payload kind {request.payload}")
         if request.offset >= max(len(sent.data), 1):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,

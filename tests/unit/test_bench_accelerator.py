@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_smoke_run_reports_decode_and_transformers_figures(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bench.accelerator", "--smoke", "--json", str(tmp_path / "a.json")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "200"})
+                         cwd=ROOT, capture_output=True, text=True, timeout=280, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr[-3000:]
     fig = json.loads((tmp_path / "a.json").read_text())
     for part in ("decode", "hf"):

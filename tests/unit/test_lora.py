@@ -241,7 +241,7 @@ def test_one_engine_serves_two_runs_adapters_in_one_batch_each_with_its_own_vers
     handles = engine.submit_many([
         SamplingRequest(prompt=PROMPT, n=8, max_tokens=24, temperature=0.8, top_p=0.95, seed=5, adapter=slot)
         for slot in (0, 1)])
-    results = [h.result(timeout=300) for h in handles]
+    results = [h.result(timeout=240) for h in handles]
     assert engine.stats.largest_batch == 16  # both runs' samples decoded together
     assert [s.token_ids for s in results[0]] != [s.token_ids for s in results[1]]  # same seed, other adapter
     for slot, learner in enumerate(learners):

@@ -31,7 +31,7 @@ def arlo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, env={**os.environ, "COLUMNS": "200"})
 
 
-def measured_peaks(config: Path | None, devices: int) -> dict[str, int]:
+def measured_peaks(config: Path | None, devices: int, timeout: float = 280) -> dict[str, int]:
     """The real trainer step's and engine programs' XLA peaks for `config`, after a real step
     (a subprocess: the faked devices must be set before JAX starts)."""
     code = textwrap.dedent(f"""
@@ -73,7 +73,7 @@ def measured_peaks(config: Path | None, devices: int) -> dict[str, int]:
                           "decode_planned": eplan["decode"]["peak_bytes"]}}))
     """)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -105,6 +105,7 @@ def test_plan_of_the_demo_matches_its_measured_step_within_15_percent() -> None:
 
 
 @pytest.mark.slow  # ~1 min alone, minutes on a loaded 2-core host: three compiles of a 25M model's step
+@pytest.mark.timeout(660)
 def test_plan_of_a_bench_step_on_a_mesh_matches_its_measured_step(tmp_path: Path) -> None:
     """bench/train_step.py's default step (small preset, 4 x 4 rows of 256) with remat and a
     logprob chunk, on a faked 4-device fsdp x tensor mesh."""
@@ -113,11 +114,12 @@ def test_plan_of_a_bench_step_on_a_mesh_matches_its_measured_step(tmp_path: Path
                       "trainer: {groups_per_step: 4, remat: full, logprob_chunk: 64, mesh: {axis_sizes: [1, 2, 2]}}\n"
                       "rollout: {group_size: 4, max_episode_tokens: 256}\n"
                       "inference: {max_batch: 16, max_n: 4, max_tokens: 64, max_prompt_tokens: 64}\n")
-    got = measured_peaks(config, 4)
+    got = measured_peaks(config, 4, timeout=600)
     assert within(got["trainer_planned"], got["trainer_measured"]), got
     assert within(got["decode_planned"], got["decode_measured"]), got
 
 
+@pytest.mark.timeout(600)  # two compiles in subprocesses, one after the other
 def test_plan_of_a_lora_run_matches_its_measured_step(tmp_path: Path) -> None:
     """With trainer.lora the step trains the adapters beside a frozen base: the plan counts
     adapter-sized parameters and AdamW, the base apart, and still equals the real step's peak."""
@@ -128,7 +130,7 @@ def test_plan_of_a_lora_run_matches_its_measured_step(tmp_path: Path) -> None:
     assert within(got["trainer_planned"], got["trainer_measured"]), got
     plan = json.loads(subprocess.run(
         [sys.executable, "-m", "services.trainer.memory_plan", "--config", str(config)], cwd=ROOT,
-        capture_output=True, text=True, timeout=300, check=True).stdout.strip().splitlines()[-1])
+        capture_output=True, text=True, timeout=280, check=True).stdout.strip().splitlines()[-1])
     assert plan["lora_rank"] == 4 and 0 < plan["parameters_bytes"] < plan["frozen_base_bytes"]
     assert plan["optimizer_bytes"] < plan["frozen_base_bytes"]  # AdamW over the adapters alone
 

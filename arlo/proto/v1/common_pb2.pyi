@@ -55,17 +55,21 @@ class _WeightPayload:
 
 class _WeightPayloadEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightPayload.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
-    WEIGHT_PAYLOAD_FULL: _WeightPayload.ValueType  # 0
+    WEIGHT_PAYLOAD_UNSPECIFIED: _WeightPayload.ValueType  # 0
+    """Unset: read as FULL (what every version was before payload kinds existed)."""
+    WEIGHT_PAYLOAD_FULL: _WeightPayload.ValueType  # 1
     """The serialized weights whole (arlo.weights.v1)."""
-    WEIGHT_PAYLOAD_DELTA: _WeightPayload.ValueType  # 1
+    WEIGHT_PAYLOAD_DELTA: _WeightPayload.ValueType  # 2
     """The serving-dtype elements changed since base_version (arlo/model/weight_delta.py)."""
 
 class WeightPayload(_WeightPayload, metaclass=_WeightPayloadEnumTypeWrapper):
     """The kind of payload a weight version travels as. An adapter-only kind would join here."""
 
-WEIGHT_PAYLOAD_FULL: WeightPayload.ValueType  # 0
+WEIGHT_PAYLOAD_UNSPECIFIED: WeightPayload.ValueType  # 0
+"""Unset: read as FULL (what every version was before payload kinds existed)."""
+WEIGHT_PAYLOAD_FULL: WeightPayload.ValueType  # 1
 """The serialized weights whole (arlo.weights.v1)."""
-WEIGHT_PAYLOAD_DELTA: WeightPayload.ValueType  # 1
+WEIGHT_PAYLOAD_DELTA: WeightPayload.ValueType  # 2
 """The serving-dtype elements changed since base_version (arlo/model/weight_delta.py)."""
 Global___WeightPayload: _TypeAlias = WeightPayload  # noqa: Y015
 
