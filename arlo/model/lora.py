@@ -16,7 +16,6 @@ and without LoRA.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ LORA_STREAM = "lora"
 
 class AdapterRows(nnx.Variable):
     """Which adapter slot each row of a batch uses ([rows] int32), in a model serving several
-    adapters at once (`LoraShape.slots`); the engine sets it for each program call (`with_rows`)."""
+    adapters at once (`LoraShape.slots`); the engine sets it for each program call (`select_adapters`)."""
 
 
 class LoraAdapter(nnx.Module):
@@ -99,10 +98,6 @@ def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
     """(adapters, base): the LoRA parameters and everything else."""
     adapters, base = nnx.split_state(state, nnx.LoRAParam, ...)
     return adapters, base
-
-
-def has_adapters(state: nnx.State) -> bool:
-    return any(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state))
 
 
 def stacked(adapters: nnx.State, slots: int) -> nnx.State:
@@ -176,10 +171,3 @@ def adapter_count(cfg: ModelConfig) -> int:
     sizes = {"q_proj": (d, n * h), "k_proj": (d, k * h), "v_proj": (d, k * h), "o_proj": (n * h, d),
              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
     return cfg.num_layers * sum(r * (i + o) for t, (i, o) in sizes.items() if t in cfg.lora.targets)
-
-
-def describe(cfg: ModelConfig) -> dict[str, Any]:
-    """What a run's adapters are, for logs and the pointer."""
-    assert cfg.lora is not None
-    return {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "targets": list(cfg.lora.targets),
-            "params": adapter_count(cfg)}
