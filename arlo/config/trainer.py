@@ -280,6 +280,13 @@ class TrainerConfig:
     """Activation rematerialisation: "none", "full" (recompute each layer) or "dots" (keep matmul outputs)."""
     logprob_chunk: int = ranged(0, ge=0)
     """> 0: compute logprobs in pieces of this many tokens (never [batch, length, vocab] logits whole)."""
+    pack: bool = False
+    """Sequence packing: the RL step's forward passes run several trajectories per row (first-fit
+    decreasing into rows of the batch's length bucket; attention never crosses a trajectory, each
+    restarts at position 0), so a long-tail batch costs its tokens rather than rows x its longest.
+    The loss is the padded batch's (services/trainer/packing.py). Needs mini_batches 1 (the rows a
+    mini-batch gets are shuffled inside the step, after packing) and a group advantage (not "gae":
+    the critic's forward is not packed). Each packed row count compiles its own step."""
     router_aux_loss_coef: float = ranged(0.0, ge=0, special={0: "off"})
     """Weight of the routers' load-balancing loss (Switch Transformer's, as HF Qwen3-MoE computes it:
     arlo/model/moe.py) added to the RL and SFT objectives, over the tokens the loss trains on; needs a
@@ -312,6 +319,10 @@ class TrainerConfig:
                "LoRA with algorithm.advantage gae is not supported (the critic copies the whole backbone)")
         self.mesh.validate(f"{path}.mesh")
         self.algorithm.validate(f"{path}.algorithm")
+        _check(f"{path}.pack", not self.pack or self.algorithm.advantage != "gae",
+               "sequence packing does not pack the critic's forward: use a group advantage, or pack: false")
+        _check(f"{path}.pack", not self.pack or self.mini_batches == 1,
+               "needs mini_batches: 1 (mini-batches are dealt from shuffled rows inside the step, after packing)")
         _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),
                "needs checkpoint_dir")
         # A URI would resolve to a relative local path ("./gs:/bucket"): checkpoints on the pod's

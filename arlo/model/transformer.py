@@ -2,6 +2,7 @@
 
 Two entry points share the layers:
 - `__call__(tokens_bt)`: full causal forward for training, logits for every position.
+  `hidden` also takes packed rows (several episodes per row: `segment_ids_bt`, `positions_bt`).
 - `prefill` / `decode_step`: the KV-cache path for generation. Cache slots are absolute
   positions, so the causal mask is just `slot <= position`; slots beyond a row's position
   hold stale or padding keys and are masked, never cleared.
@@ -89,16 +90,17 @@ class Transformer(nnx.Module):
         """Causal forward over whole sequences; returns float32 logits_btv."""
         return self._logits(self.hidden(tokens_bt))
 
-    def hidden(self, tokens_bt: jax.Array, *, remat: str = "none") -> jax.Array:
+    def hidden(self, tokens_bt: jax.Array, *, remat: str = "none", segment_ids_bt: jax.Array | None = None,
+               positions_bt: jax.Array | None = None) -> jax.Array:
         """Final-normed hidden states h_btd (logits = `logits_from_hidden(h)`).
 
         `remat` trades compute for memory in training: "full" recomputes each layer in the
         backward pass, "dots" keeps only the matmul outputs (`dots_with_no_batch_dims_saveable`).
+        Packed rows (services/trainer/packing.py): `segment_ids_bt` (0 = padding, 1.. one per
+        episode) keeps attention inside each episode, `positions_bt` gives RoPE each episode's
+        own positions; see `_train_layout`.
         """
-        t = tokens_bt.shape[1]
-        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens_bt.shape)
-        mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
-        masks = self._layer_masks(mask_bts, positions_bt[:1], positions_bt[:1])
+        positions_bt, masks = self._train_layout(tokens_bt, segment_ids_bt, positions_bt)
         x_btd = self._embed(tokens_bt)
         if remat == "none":
             for layer in self.layers:
@@ -108,14 +110,14 @@ class Transformer(nnx.Module):
         return self.final_norm(x_btd)
 
     def hidden_routed(self, tokens_bt: jax.Array, *, remat: str = "none", experts_lbtk: jax.Array | None = None,
-                      count_bt: jax.Array | None = None) -> tuple[jax.Array, tuple[Routing, ...]]:
+                      count_bt: jax.Array | None = None, segment_ids_bt: jax.Array | None = None,
+                      positions_bt: jax.Array | None = None) -> tuple[jax.Array, tuple[Routing, ...]]:
         """`hidden` with the routed layers' Routing (moe.py), one per routed layer in order:
         the experts each token used and the load-balancing statistics over `count_bt`'s tokens.
         `experts_lbtk` ([routed layers, b, t, top_k]) replays recorded experts instead of routing.
-        With `remat`, each layer is rematerialised on its own (no scan: the Routing is per layer)."""
-        t = tokens_bt.shape[1]
-        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens_bt.shape)
-        masks = self._layer_masks(jnp.tril(jnp.ones((t, t), jnp.bool_))[None], positions_bt[:1], positions_bt[:1])
+        With `remat`, each layer is rematerialised on its own (no scan: the Routing is per layer).
+        `segment_ids_bt` / `positions_bt`: packed rows, as in `hidden`."""
+        positions_bt, masks = self._train_layout(tokens_bt, segment_ids_bt, positions_bt)
         if remat not in ("none", *REMAT_POLICIES):
             raise ValueError(f"unknown remat policy {remat!r}; use none, {', '.join(REMAT_POLICIES)}")
         x_btd, routings = self._embed(tokens_bt), []
@@ -211,6 +213,22 @@ class Transformer(nnx.Module):
         # Gemma: sqrt(dim) rounded to the compute dtype first, as HF rounds it to the weights' dtype.
         return x_btd * jnp.asarray(self.cfg.dim**0.5, dt) if self.cfg.embed_scale else x_btd
 
+    def _train_layout(self, tokens_bt: jax.Array, segment_ids_bt: jax.Array | None,
+                      positions_bt: jax.Array | None) -> tuple[jax.Array, Masks]:
+        """(positions_bt, masks) of a training forward. Without segments or positions, exactly the
+        arrays (and so the compiled program) of a plain causal forward; with segments, causal AND
+        same segment AND not padding, the sliding window measured in the episodes' positions
+        (within one segment those differ as the columns do)."""
+        t = tokens_bt.shape[1]
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens_bt.shape)
+            if segment_ids_bt is None:  # the operations, in the order, of the unpacked forward
+                mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
+                return positions_bt, self._layer_masks(mask_bts, positions_bt[:1], positions_bt[:1])
+        causal_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None]
+        mask_bts = causal_bts if segment_ids_bt is None else causal_bts & segment_mask_bts(segment_ids_bt)
+        return positions_bt, self._layer_masks(mask_bts, positions_bt, positions_bt)
+
     def _layer_masks(self, mask_bts: jax.Array, q_pos_bt: jax.Array, k_pos_bs: jax.Array) -> Masks:
         """(mask_bts, the same without keys sliding_window or more positions behind the query)
         for query positions q_pos_bt and key positions k_pos_bs (HF: kv > q - sliding_window)."""
@@ -226,6 +244,13 @@ class Transformer(nnx.Module):
             head_dv = self.lm_head_dv[...].astype(x_btd.dtype)
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
         return softcap(logits_btv, self.cfg.final_logit_softcap)
+
+
+def segment_mask_bts(segment_ids_bt: jax.Array) -> jax.Array:
+    """[b, t, t]: query t may see key s of the same segment, and padding (segment 0) sees nothing
+    (its softmax is uniform over masked scores, finite, and no loss reads it)."""
+    same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    return same & (segment_ids_bt[:, None, :] != 0)
 
 
 REMAT_POLICIES = {

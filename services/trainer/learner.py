@@ -22,6 +22,10 @@ a copy of the backbone, its own AdamW): at the batch's start (no gradient) its v
 GAE give per-token advantages and returns; the policy's updates use those advantages, then
 the critic takes the same epochs x mini-batches (the same shuffles) on the clipped value
 loss, in a second jitted function, skipped on a non-finite loss or gradient like the policy.
+
+With `trainer.pack` each micro-batch also carries its packed rows (`packing.packed_micro_batches`,
+built on the host with the batch): the forward passes run on those, the losses on the batch's
+own rows (objectives.forward_layout / to_batch_layout).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from services.trainer.objectives import (
     with_reference_logprobs,
 )
 from services.trainer.optimizers import critic_optimizer, rl_optimizer, sft_optimizer
+from services.trainer.packing import packed_micro_batches
 from services.trainer.sft import SFTBatch
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,8 @@ class Learner:
         if cfg.router_aux_loss_coef and source.cfg.moe is None:
             raise ValueError("trainer.router_aux_loss_coef: the model has no routed experts (a Qwen3-MoE "
                              "checkpoint in model.path has); set it to 0")
+        if cfg.pack and (cfg.algorithm.advantage == "gae" or cfg.mini_batches > 1):
+            raise ValueError("trainer.pack needs a group advantage (not gae) and mini_batches 1; see its docstring")
         self.model_cfg = source.cfg
         self.param_dtype = source.param_dtype
         self.cfg = cfg
@@ -214,18 +221,24 @@ class Learner:
                 "mask_bt": batch.mask_bt}
         if self.critic is not None:
             rows["token_rewards_bt"] = token_rewards
-        return rewards_gk, self._on_device(rows, mini_batches=mini_batches)
+        return rewards_gk, self._on_device(rows, mini_batches=mini_batches, pack=self.cfg.pack)
 
-    def _on_device(self, rows: dict[str, np.ndarray], *, mini_batches: int = 1) -> dict[str, jax.Array]:
+    def _on_device(self, rows: dict[str, np.ndarray], *, mini_batches: int = 1,
+                   pack: bool = False) -> dict[str, jax.Array]:
+        """[micro_batches, rows, ...] arrays on the device; `pack`: plus each micro-batch's packed
+        rows (trainer.pack, packing.packed_micro_batches), which the forward passes run on."""
         mini_rows = -(-len(rows["tokens_bt"]) // mini_batches)
         size = self.cfg.micro_batch_size or mini_rows
         # Whole micro-batches per mini-batch: rows padded to mini_batches x ceil(mini_rows / size) x size.
         padded = pad_rows(rows, multiple=mini_batches * size * -(-mini_rows // size))
         # [micro_batches, rows, ...]: static shapes, so one compiled step per bucket.
         shaped = {k: v.reshape(-1, size, *v.shape[1:]) for k, v in padded.items()}
+        if pack:
+            shaped.update(packed_micro_batches(shaped["tokens_bt"], shaped["mask_bt"]))
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in shaped.items()}
-        return {k: jax.device_put(v, batch_sharding(self.mesh, size, ndim=v.ndim)) for k, v in shaped.items()}
+        # Packed rows number fewer than the batch's: each array is split over its own rows.
+        return {k: jax.device_put(v, batch_sharding(self.mesh, v.shape[1], ndim=v.ndim)) for k, v in shaped.items()}
 
     def _replicated(self, array: np.ndarray) -> jax.Array:
         # On a mesh spanning several processes a jitted step takes only global arrays.

@@ -11,6 +11,11 @@ Every forward here honours `logprob_chunk`: the policy's logprobs, its own (unfi
 for the KL and its entropy come out of one chunked pass (`policy_terms_fn`), and the reference's
 logprobs are computed once per batch before the step (`with_reference_logprobs`), so with
 `logprob_chunk` > 0 no [batch, length, vocab] logits exist anywhere in the train step.
+
+With `trainer.pack` a micro-batch also carries its packed rows (services/trainer/packing.py):
+every forward here runs on those (`forward_layout`) and its per-target outputs come back in the
+batch's own layout (`to_batch_layout`) before any loss term reads them, so the loss is computed
+exactly as for the padded batch.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from services.trainer.losses import (
     policy_loss,
     sft_loss,
 )
+from services.trainer.packing import unpack
 
 _UNFILTERED = SamplingConfig()
 
@@ -59,23 +65,27 @@ def behaviour_logprob_fn(sampling: SamplingConfig, *, with_outside: bool = False
 
 
 def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "none", logprob_chunk: int = 0,
-                     logprob_fn: LogprobFn = token_logprobs, h: Array | None = None) -> tuple[Any, Array | None, Array]:
+                     logprob_fn: LogprobFn = token_logprobs, h: Array | None = None,
+                     layout: dict[str, Array] | None = None) -> tuple[Any, Array | None, Array]:
     """(logprobs_bt (or what `logprob_fn` returns), logits_btv or None when chunked, hidden_btd):
-    `logprob_chunk` > 0 never holds [batch, length, vocab] logits whole."""
-    h = model.hidden(inputs, remat=remat) if h is None else h  # `h`: hidden states already computed
+    `logprob_chunk` > 0 never holds [batch, length, vocab] logits whole. `layout`: packed rows'
+    segment ids and positions (`forward_layout`)."""
+    h = model.hidden(inputs, remat=remat, **(layout or {})) if h is None else h  # `h`: already computed
     if logprob_chunk:
         return chunked_token_logprobs(model, h, targets, logprob_chunk, logprob_fn), None, h
     logits = model.logits_from_hidden(h)
     return logprob_fn(logits, targets), logits, h
 
 
-def routed_hidden(model, inputs: Array, count_bt: Array, tc: TrainerConfig) -> tuple[Array, Array | None]:
+def routed_hidden(model, inputs: Array, count_bt: Array, tc: TrainerConfig,
+                  layout: dict[str, Array] | None = None) -> tuple[Array, Array | None]:
     """The policy's hidden states and, with `trainer.router_aux_loss_coef`, its routers'
     load-balancing loss over the tokens `count_bt` marks (arlo.model.moe.load_balancing_loss);
-    None without it."""
+    None without it. `layout`: packed rows (`forward_layout`)."""
+    layout = layout or {}
     if not tc.router_aux_loss_coef:
-        return model.hidden(inputs, remat=tc.remat), None
-    h, routings = model.hidden_routed(inputs, remat=tc.remat, count_bt=count_bt)
+        return model.hidden(inputs, remat=tc.remat, **layout), None
+    h, routings = model.hidden_routed(inputs, remat=tc.remat, count_bt=count_bt, **layout)
     if not routings:
         raise ValueError("trainer.router_aux_loss_coef: the model has no routed experts; set it to 0")
     return h, load_balancing_loss(routings)
@@ -115,9 +125,7 @@ def reference_logprobs(ref_model, mb: dict[str, Array], tc: TrainerConfig) -> Ar
     """The reference policy's logprobs of a micro-batch's targets (temperature 1, unfiltered: a
     filtered reference would put the floor on tokens it filters out and blow the KL up), chunked
     by `logprob_chunk`; no gradient."""
-    inputs, targets, _, _ = shifted(mb)
-    out, _, _ = forward_logprobs(ref_model, inputs, targets, logprob_chunk=tc.logprob_chunk)
-    return jax.lax.stop_gradient(out)
+    return jax.lax.stop_gradient(batch_logprobs(ref_model, mb, logprob_chunk=tc.logprob_chunk))
 
 
 def with_reference_logprobs(ref_model, mbs: dict[str, Array], tc: TrainerConfig) -> dict[str, Array]:
@@ -143,9 +151,8 @@ def old_logprobs(model, mb: dict[str, Array], tc: TrainerConfig, sampling: Sampl
     """The trainer's logprobs of a micro-batch's targets before any update of this batch (the
     proximal policy of several updates per batch), under the behaviour distribution; no gradient.
     `with_outside`: (logprobs, outside), for `mb["old_outside_bt"]` (see rl_objective)."""
-    inputs, targets, _, _ = shifted(mb)
-    out, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk,
-                                 logprob_fn=behaviour_logprob_fn(sampling, with_outside=with_outside))
+    out = batch_logprobs(model, mb, logprob_chunk=tc.logprob_chunk,
+                         logprob_fn=behaviour_logprob_fn(sampling, with_outside=with_outside))
     return jax.lax.stop_gradient(out)
 
 
@@ -171,6 +178,38 @@ def shifted(mb: dict[str, Array]) -> tuple[Array, Array, Array, Array]:
     return tokens[:, :-1], tokens[:, 1:], mb["behaviour_logprobs_bt"][:, 1:], mb["mask_bt"][:, 1:]
 
 
+def forward_layout(mb: dict[str, Array], inputs: Array, targets: Array,
+                   count_bt: Array) -> tuple[Array, Array, dict[str, Array], Array]:
+    """(inputs, targets, the forward's `layout`, count_bt) of the rows the model runs on: the
+    batch's own (as given), or with `trainer.pack` its packed rows (services/trainer/packing.py:
+    each episode attends only to itself, at its own positions). Their per-target outputs come
+    back in the batch's layout through `to_batch_layout`."""
+    if "packed_tokens_bt" not in mb:
+        return inputs, targets, {}, count_bt
+    tokens = mb["packed_tokens_bt"]
+    layout = {"segment_ids_bt": mb["packed_segment_ids_bt"][:, :-1],
+              "positions_bt": mb["packed_positions_bt"][:, :-1]}
+    return tokens[:, :-1], tokens[:, 1:], layout, mb["packed_count_bt"]
+
+
+def to_batch_layout(out: Any, mb: dict[str, Array]) -> Any:
+    """Per-target outputs of the forward ([rows, length - 1] arrays, or a tree of them) in the
+    batch's own layout, whatever layout the forward ran in; so the loss is the padded batch's."""
+    if "packed_index_bt" not in mb:
+        return out
+    return jax.tree.map(lambda x: unpack(x, mb["packed_index_bt"]), out)
+
+
+def batch_logprobs(model, mb: dict[str, Array], *, remat: Remat = "none", logprob_chunk: int = 0,
+                   logprob_fn: LogprobFn = token_logprobs) -> Any:
+    """`forward_logprobs` of the micro-batch's targets, in its own layout (packed or not)."""
+    inputs, targets, _, mask = shifted(mb)
+    inputs, targets, layout, _ = forward_layout(mb, inputs, targets, mask)
+    out, _, _ = forward_logprobs(model, inputs, targets, remat=remat, logprob_chunk=logprob_chunk,
+                                 logprob_fn=logprob_fn, layout=layout)
+    return to_batch_layout(out, mb)
+
+
 def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerConfig,
                  ref_model=None, sampling: SamplingConfig = _UNFILTERED,
                  batch_tokens: Array | None = None) -> tuple[Array, dict[str, Array]]:
@@ -193,10 +232,12 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     norm = cfg.norm_constant or None
     inputs, targets, behaviour, mask = shifted(mb)
     kl_in_loss = bool(cfg.kl_coef) and not cfg.kl_in_reward
-    h, router_aux = routed_hidden(model, inputs, mask, tc)
+    inputs, targets, layout, count = forward_layout(mb, inputs, targets, mask)
+    h, router_aux = routed_hidden(model, inputs, count, tc, layout)
     terms, _, _ = forward_logprobs(
         model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk,
         logprob_fn=policy_terms_fn(sampling, model_logprobs=kl_in_loss, entropy=cfg.entropy_coef > 0), h=h)
+    terms = to_batch_layout(terms, mb)
     logprobs, outside = terms["logprobs"], terms["outside"]
     old = mb["old_logprobs_bt"] if "old_logprobs_bt" in mb else jax.lax.stop_gradient(logprobs)
     proximal = old if cfg.decoupled or cfg.is_cap else behaviour
@@ -225,7 +266,9 @@ def model_kl_bt(model, mb: dict[str, Array], tc: TrainerConfig) -> Array:
     gradient: the KL penalty folded into the reward (`kl_in_reward`). The policy's logprobs are
     chunked by `logprob_chunk`; the reference's are `mb["ref_logprobs_bt"]` (with_reference_logprobs)."""
     inputs, targets, _, mask = shifted(mb)
-    lp, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk)
+    inputs, targets, layout, _ = forward_layout(mb, inputs, targets, mask)
+    lp, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk, layout=layout)
+    lp = to_batch_layout(lp, mb)
     return jax.lax.stop_gradient(kl_estimate(lp, mb["ref_logprobs_bt"], tc.algorithm.kl_kind)) * mask
 
 

@@ -42,6 +42,9 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
     at each length; returns the number of lengths compiled (0 with several JAX processes)."""
     if jax.process_count() > 1:
         return 0
+    if learner.cfg.pack:  # a packed step's shape depends on how the batch packs: known with the batch only
+        log.info("warm-up: trainer.pack is on, the RL step compiles on first use per (length, packed rows)")
+        return 0
     started = time.perf_counter()
     rows = groups * group_size
     mini = min(learner.cfg.mini_batches, rows)
