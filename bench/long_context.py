@@ -32,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.common import check_json_arg, name_list, print_table, run_main, write_json
+from bench.long_context_packing import COLUMNS as PACKING_COLUMNS
+from bench.long_context_packing import packing
 
 MIB = 2**20
 RATIO_BAR = 1.2
@@ -113,6 +115,7 @@ def train_memory(args: argparse.Namespace) -> tuple[list[list[Any]], dict[str, A
 
 SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], tuple[list[list[Any]], dict[str, Any]]], list[str]]] = {
     "train_memory": (train_memory, ["compiled RL step", *(f"{t} MiB" for t in TERMS), "kl+entropy / off"]),
+    "packing": (packing, PACKING_COLUMNS),
 }
 
 
