@@ -33,9 +33,16 @@ class InferenceConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh axes (data/fsdp/tensor; -1 = the rest); see arlo.distributed."""
     max_batch: int = ranged(64, ge=1)
-    """Sequences decoded together (engine slots); at least max_n."""
+    """Sequences in flight (decoded together) at most; at least max_n. The KV pages free bound them too."""
     kv_cache_mib: float = ranged(0.0, ge=0)
-    """KV cache budget; fewer slots are made when it holds fewer, and requests then queue. 0 = max_batch full-length slots."""
+    """KV cache budget, in pages of `page_size` positions; requests queue while the pages are taken.
+    0 = as many pages as max_batch sequences of max_seq_len need."""
+    page_size: int = ranged(64, ge=4, special={0: "dense"})
+    """Positions per KV page (a power of two): a sequence takes pages as it grows and gives them back
+    when it ends, so short and long sequences share the budget by what they use, and full pages of a
+    common prefix (a group's prompt, a shared system prompt, an episode's earlier turns) are shared
+    across requests of the same weight version. 0: one page of max_seq_len per sequence (the dense
+    cache: every sequence reserves the longest length, and no prefix is shared)."""
     decode_steps: int = ranged(8, ge=1, le=1024)
     """Tokens decoded per host round trip: more amortises the sync, fewer admits new requests sooner."""
     prefill_tokens: int = ranged(2048, ge=1)
@@ -43,7 +50,7 @@ class InferenceConfig:
     max_prefill_rows: int = ranged(16, ge=1)
     """Prompts prefilled together in one call (at least one request is admitted per step)."""
     max_seq_len: int = ranged(0, ge=0)
-    """Prompt + completion tokens one slot holds (KV cache length); 0 = the model's max_seq_len."""
+    """Prompt + completion tokens one sequence may reach (its page table's length); 0 = the model's max_seq_len."""
     openai_port: int = ranged(0, ge=0, le=65535, special={-1: "off"})
     """Port of the OpenAI-compatible HTTP endpoint (/v1/chat/completions, /v1/completions, /v1/models)
     on server.host: 0 picks a free one (its URL is in the heartbeat and GetModelInfo), -1 turns it off."""
@@ -85,5 +92,6 @@ class InferenceConfig:
             check_run_id(run, f"{path}.runs[{i}]")
         _check(f"{path}.runs", len(set(self.runs)) == len(self.runs), "lists a run twice")
         _check(f"{path}.min_rows", self.min_rows & (self.min_rows - 1) == 0, "must be 0 (automatic) or a power of two")
+        _check(f"{path}.page_size", self.page_size & (self.page_size - 1) == 0, "must be 0 (dense) or a power of two")
         _check(f"{path}.max_batch", self.max_batch >= self.max_n, "must be >= max_n (a request's samples run together)")
         self.mesh.validate(f"{path}.mesh")

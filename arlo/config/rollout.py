@@ -280,6 +280,13 @@ class RolloutConfig:
     """Wall-time limit of an episode: no turn starts after it (finish_reason "max_wall_time")."""
     concurrent_groups: int = ranged(4, ge=1)
     """Groups in flight per worker."""
+    partial: bool = False
+    """Partial rollouts (AReaL's interruptible generation): at a weight swap, generations in flight
+    stop at a token boundary and go on under the new weights, their KV recomputed by them (mostly a
+    prefill of what they have), so every token after the swap is the new policy's exactly. False:
+    they go on over the KV the old weights wrote. Either way each token keeps the version that
+    sampled it, the staleness bound counts a trajectory by its oldest token, and the trainer's
+    off-policy correction (trainer.algorithm: decoupled PPO / truncated IS) weighs the mix."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How the policy samples during training episodes."""
     rpc_timeout_s: float = ranged(30.0, gt=0, le=MAX_WAIT_S)

@@ -52,7 +52,8 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
     compiles = compiles or CompileWatch().install()
     source = cfg.model_source()
     slots = run_slots(cfg)
-    engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh), adapters=len(slots) if len(slots) > 1 else 0)
+    engine = Engine(source, config=ic, mesh=inference_mesh(ic.mesh), adapters=len(slots) if len(slots) > 1 else 0,
+                    recompute_on_swap=cfg.rollout.partial)
     # Every program the limits allow, and the check a pulled version goes through, compile now:
     # a run then compiles nothing (each late compile is logged and counted).
     await asyncio.to_thread(engine.warm_up)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import secrets
 import threading
 import time
@@ -25,18 +24,19 @@ from collections import deque
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from arlo.compile_watch import ahead_of_use
 from arlo.config import InferenceConfig
-from arlo.model import ModelConfig, abstract_model
+from arlo.model import abstract_model
 from arlo.model.kv_cache import KVCache
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource, cast_state
 from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
 from services.inference.idle_compile import IdleCompiler
+from services.inference.kv_budget import kv_layout
+from services.inference.pages import PagePool
 from services.inference.policy import initial_policy, published, replaced
 from services.inference.programs import Key, row_floor
 from services.inference.requests import (
@@ -67,14 +67,17 @@ class Engine:
     """One model, one swappable policy, many concurrent requests batched on one device loop."""
 
     def __init__(self, source: ModelSource, *, config: InferenceConfig | None = None,
-                 mesh: Mesh | None = None, adapters: int = 0) -> None:
+                 mesh: Mesh | None = None, adapters: int = 0, recompute_on_swap: bool = False) -> None:
         """`source`: the decoder, tokenizer and version-0 weights (a checkpoint or a preset's
         seed), in the source's param_dtype. `config`: the run's inference section (slots,
         limits, KV budget; its `server` and `mesh` are the service's business). `mesh`: shard
         the weights by their logical axes and the KV cache (slots over the data axes, kv heads
         over `tensor`) across its devices; None serves from the default device. `adapters`: a LoRA
         source's adapters held at once (> 1: several runs over one base, each request naming its
-        slot, each slot swapped and versioned on its own); 0 or 1: one."""
+        slot, each slot swapped and versioned on its own); 0 or 1: one. `recompute_on_swap`: partial
+        rollouts (rollout.partial): at a swap, in-flight samples stop at a token boundary and go on
+        under the new weights with their KV recomputed by them; False: they go on over the KV the
+        old weights wrote. Either way each token keeps the version that sampled it."""
         self.config = config or InferenceConfig()
         self.config.validate("inference")
         self.model_name = source.name
@@ -95,13 +98,19 @@ class Engine:
         placement = jax.devices()[0] if mesh is None else fitted_state_shardings(abstract, mesh)
         self.mesh = mesh
         self._policy = initial_policy(source, abstract, placement, slots=adapters)
-        self.num_slots = _num_slots(self.config, self.model_cfg)
+        self.kv = kv_layout(self.config, self.model_cfg)
+        self.max_seqs = self.kv.max_seqs
         device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         min_rows = row_floor(self.config.min_rows, platform=device.platform, params=base.num_params())
-        self.runner = Runner(self.graphdef, self.model_cfg, num_slots=self.num_slots, slot_len=slot_len,
-                             decode_steps=self.config.decode_steps, max_prefill_rows=self.config.max_prefill_rows,
-                             max_n=self.config.max_n, min_rows=min_rows, mesh=mesh)
-        self.scheduler = Scheduler(num_slots=self.num_slots, prefill_tokens=self.config.prefill_tokens)
+        self.runner = Runner(self.graphdef, self.model_cfg, pages=self.kv.pages, page_size=self.kv.page_size,
+                             max_seqs=self.max_seqs, slot_len=slot_len, decode_steps=self.config.decode_steps,
+                             max_prefill_rows=self.config.max_prefill_rows, max_n=self.config.max_n, min_rows=min_rows,
+                             mesh=mesh)
+        self.scheduler = Scheduler(max_seqs=self.max_seqs, prefill_tokens=self.config.prefill_tokens,
+                                   pool=PagePool(self.runner.pages, self.kv.page_size),
+                                   prefill_start=self.runner.prefill_start)
+        self.recompute_on_swap = recompute_on_swap
+        self._served_versions: tuple[int, ...] = self._policy.versions
         self.stats = EngineStats()
         self.timeline: deque[ChunkRecord] = deque(maxlen=4096)
         self._ids = itertools.count(1)
@@ -261,16 +270,19 @@ class Engine:
 
     def metrics(self) -> dict[str, int | float]:
         """A snapshot for heartbeats and /metrics (read from another thread: plain ints only)."""
-        s, sessions = self.stats, self.scheduler.sessions.stats
+        s, pool, sched = self.stats, self.scheduler.pool, self.scheduler
+        running = sched.running_seqs()
         return {
             "weight_version": self.version, "requests": s.requests, "generated_tokens": s.generated_tokens,
-            "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "slots": self.num_slots, "programs": self.programs(),
-            "mean_batch": s.decode_rows / max(s.decode_chunks, 1), "largest_batch": s.largest_batch, "swaps": s.swaps,
-            "batch_occupancy": len(self.scheduler.running) / self.num_slots,
-            "kv_slots_used": self.num_slots - self.scheduler.free_slots,
-            "kv_use": (self.num_slots - self.scheduler.free_slots) / self.num_slots,
-            "aborted": s.aborted, "busy_s": round(s.busy_s, 3), "session_hits": sessions.hits, "session_misses": sessions.misses,
-            "session_evictions": sessions.evictions, "session_reused_tokens": sessions.reused_tokens,
+            "waiting": len(sched.waiting), "running": len(sched.running), "slots": self.max_seqs,
+            "programs": self.programs(), "mean_batch": s.decode_rows / max(s.decode_chunks, 1),
+            "largest_batch": s.largest_batch, "swaps": s.swaps, "batch_occupancy": running / self.max_seqs,
+            "kv_pages": pool.num_pages, "kv_pages_used": pool.used_pages, "kv_page_size": pool.page_size,
+            "kv_use": pool.used_pages / pool.num_pages, "kv_pages_cached": pool.cached_pages,
+            "prefix_hit_rate": pool.stats.hit_rate, "prefix_hit_tokens": pool.stats.hit_tokens,
+            "prefix_lookup_tokens": pool.stats.lookup_tokens, "prefix_evictions": pool.stats.evictions,
+            "preemptions": sched.preemptions, "recomputed": s.recomputed, "aborted": s.aborted, "busy_s": round(s.busy_s, 3),
+            "prefill_tokens": self.runner.prefill_tokens,
             "prefill_rows": self.runner.prefill_rows, "shared_prefills": self.runner.shared_prefills,
             "warm_programs": len(self.runner.warm or ()), "late_programs": len(self.runner.late),
         }
@@ -320,14 +332,22 @@ class Engine:
 
     def _step(self) -> None:
         policy = self._policy  # read once: the whole step runs under one version
-        admitted = self.scheduler.schedule(policy.versions)
+        if policy.versions != self._served_versions:
+            if self.recompute_on_swap:
+                self.stats.recomputed += self.scheduler.preempt_all()
+            self._served_versions = policy.versions
+        items = self.scheduler.schedule(policy.versions)
         now = time.perf_counter()
-        for req in admitted:
-            req.admitted_at = now
-        if admitted:
+        for item in items:
+            for seq in item.seqs:
+                seq.request.admitted_at = seq.request.admitted_at or now
+        if items:
             self.stats.prefills += 1
-            for em in self.runner.prefill(policy.state, admitted):
+            emitted = self.runner.prefill(policy.state, items)
+            self.scheduler.pool.written()
+            for em in emitted:
                 self._apply(em, policy.versions[em.seq.request.params.adapter])
+        self.scheduler.grow(self.config.decode_steps)
         seqs = self.scheduler.decoding()
         if not seqs:
             return
@@ -392,7 +412,7 @@ class Engine:
             if handle is not None:
                 handle._done(error)
         # A failed program may have consumed the donated cache: start from a fresh one.
-        self.scheduler.drop_sessions()
+        self.scheduler.reset()
         self.runner.reset_cache()
 
     def _fail_all(self, error: BaseException) -> None:
@@ -406,17 +426,3 @@ class Engine:
 def _sample(seq: Seq, queue_s: float, engine_s: float) -> Sample:
     return Sample(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs), policy_versions=list(seq.versions),
                   finish_reason=seq.finish_reason or "abort", queue_s=queue_s, engine_s=engine_s)
-
-
-def _num_slots(config: InferenceConfig, model_cfg: ModelConfig) -> int:
-    """max_batch, or fewer when the KV budget holds fewer full-length slots."""
-    per_slot = (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
-                * np.dtype(model_cfg.compute_dtype).itemsize * (model_cfg.max_seq_len + config.decode_steps))
-    slots = config.max_batch
-    if config.kv_cache_mib:
-        slots = min(slots, math.floor(config.kv_cache_mib * 2**20 / per_slot))
-    if slots < config.max_n:
-        raise ValueError(f"inference: {slots} slots (max_batch={config.max_batch}, kv_cache_mib="
-                         f"{config.kv_cache_mib}, {per_slot / 2**20:.2f} MiB per slot) cannot hold n = "
-                         f"{config.max_n} (inference.max_n)")
-    return slots

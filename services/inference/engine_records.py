@@ -21,6 +21,8 @@ class EngineStats:
     largest_batch: int = 0
     """Most sequences decoded in one chunk so far (inference.max_batch is the capacity)."""
     aborted: int = 0
+    recomputed: int = 0
+    """Requests stopped at a swap and continued on the new weights with their KV recomputed (partial rollouts)."""
     busy_s: float = 0.0
     """Wall time inside engine steps (prefill + decode); the rest of the time it waited for work."""
 

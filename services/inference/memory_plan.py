@@ -3,12 +3,12 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python -m services.inference.memory_plan [--config RUN.yaml] [--hf-config config.json] --devices 8
 
-prints one JSON object. Slots, cache length and buckets are the engine's own (`engine._num_slots`,
-`programs.Buckets`), the KV cache is laid out and sharded as the runner lays it out
-(`kv_cache.cache_shardings`: slots over the data axes, kv heads over `tensor`), and the programs
+prints one JSON object. KV pages, sequences and buckets are the engine's own (`kv_budget.kv_layout`,
+`programs.Buckets`), the KV pool is laid out and sharded as the runner lays it out
+(`paged_kv.pool_shardings`: pages over the data axes, kv heads over `tensor`), and the programs
 are the runner's jitted prefill and decode chunk (`runner._prefill_jit`, `runner._decode_jit`),
 lowered over ShapeDtypeStructs: neither the weights nor the cache are allocated. Two programs
-bound the engine's peak: the decode chunk over every slot at the longest window, and the
+bound the engine's peak: the decode chunk over every sequence at the longest window, and the
 prefill of the most prompt rows at the longest prompt bucket. The plan is the larger of their
 XLA peaks (arguments, among them the weights in model.param_dtype and the donated cache, +
 temporaries + outputs - aliased).
@@ -29,9 +29,10 @@ from arlo.config import RunConfig
 from arlo.distributed import make_mesh
 from arlo.memory_plan import compiled_figures, per_device_bytes, placed, plan_main, plan_source
 from arlo.model import abstract_model
-from arlo.model.kv_cache import KVCache, cache_shapes, cache_shardings
+from arlo.model.kv_cache import KVCache
+from arlo.model.paged_kv import pool_shapes, pool_shardings
 from arlo.model.sharding import BATCH_AXES, fitted_state_shardings
-from services.inference.engine import _num_slots
+from services.inference.kv_budget import kv_layout
 from services.inference.programs import MIN_ROWS, MIN_TOKEN_BUCKET, Buckets, pow2
 from services.inference.runner import _decode_batch, _decode_jit, _prefill_batch, _prefill_jit
 
@@ -42,7 +43,7 @@ def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[s
     base = source.cfg
     slot_len = min(base.max_seq_len, ic.max_seq_len or base.max_seq_len)
     model_cfg = dataclasses.replace(base, max_seq_len=slot_len)
-    num_slots = _num_slots(ic, model_cfg)
+    kv = kv_layout(ic, model_cfg)
     # As the service: a mesh only over several devices (services/inference/__main__.py).
     mesh = make_mesh(ic.mesh, jax.devices()[:devices], path="inference.mesh") if devices > 1 else None
     one = SingleDeviceSharding(jax.devices()[0])
@@ -50,29 +51,31 @@ def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[s
     state = placed(abstract, fitted_state_shardings(abstract, mesh) if mesh is not None
                    else jax.tree.map(lambda _: one, abstract))
     graphdef = nnx.split(abstract_model(base))[0]
-    # The runner's cache: slots + a scratch row, rounded up to split over the data axes, each
-    # `decode_steps` longer than a slot (runner.Runner.__init__).
+    # The runner's pool: the pages + the null page, rounded up to split over the data axes
+    # (runner.Runner.__init__).
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
-    rows, cache_len = -(-(num_slots + 1) // ways) * ways, slot_len + ic.decode_steps
-    sharding = None if mesh is None else cache_shardings(model_cfg, mesh, batch=rows, length=cache_len)
-    k_shape, v_shape = cache_shapes(model_cfg, batch=rows, length=cache_len)
+    pages, cache_len = -(-(kv.pages + 1) // ways) * ways, kv.cache_len
+    sharding = None if mesh is None else pool_shardings(model_cfg, mesh, pages=pages, page_size=kv.page_size)
+    k_shape, v_shape = pool_shapes(model_cfg, pages=pages, page_size=kv.page_size)
     dtype = model_cfg.compute_dtype
     cache = KVCache(k=tuple(jax.ShapeDtypeStruct(k_shape, dtype, sharding=sharding.k[i] if sharding else one)
                             for i in range(base.num_layers)),
                     v=tuple(jax.ShapeDtypeStruct(v_shape, dtype, sharding=sharding.v[i] if sharding else one)
                             for i in range(base.num_layers)))
-    buckets = Buckets(num_slots=num_slots, cache_len=cache_len, max_prefill_rows=ic.max_prefill_rows,
+    buckets = Buckets(num_slots=kv.max_seqs, cache_len=cache_len, max_prefill_rows=ic.max_prefill_rows,
                       max_n=ic.max_n, min_rows=ic.min_rows or MIN_ROWS)
-    b = buckets.decode_rows(num_slots)
+    b = buckets.decode_rows(kv.max_seqs)
     w = buckets.window(min(ic.max_prompt_tokens + ic.max_tokens, slot_len))
     decode = compiled_figures(_decode_jit.lower(graphdef, ic.decode_steps, w, sharding, state, cache,
-                                                _decode_batch([], b, num_slots)).compile())
+                                                _decode_batch([], b, kv.table_len)).compile())
     t = min(pow2(min(ic.max_prompt_tokens, slot_len), MIN_TOKEN_BUCKET), cache_len)
     m = buckets.prefill_rows(buckets.prefill_rows_cap(), t)
-    prefill = compiled_figures(_prefill_jit.lower(graphdef, buckets.window(t), sharding, state, cache,
-                                                  _prefill_batch([], [], m, t, buckets.samples, num_slots)).compile())
+    span = -(-t // kv.page_size)
+    prefill = compiled_figures(_prefill_jit.lower(graphdef, buckets.window(t), span, sharding, state, cache,
+                                                  _prefill_batch([], m, t, buckets.samples, kv.table_len)).compile())
     worst = max(("decode", decode), ("prefill", prefill), key=lambda kv: kv[1]["peak_bytes"])
-    return {"devices": devices, "mesh": dict(mesh.shape) if mesh is not None else {}, "num_slots": num_slots,
+    return {"devices": devices, "mesh": dict(mesh.shape) if mesh is not None else {}, "num_slots": kv.max_seqs,
+            "kv_pages": kv.pages, "page_size": kv.page_size,
             "slot_len": slot_len, "param_dtype": source.param_dtype, "dtype": base.dtype,
             "parameters_bytes": per_device_bytes(state), "kv_cache_bytes": per_device_bytes(cache),
             "decode": {"rows": b, "window": w, **decode},

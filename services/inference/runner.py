@@ -1,23 +1,25 @@
-"""The device side of the engine: one KV cache for all slots and two jitted programs.
+"""The device side of the engine: one paged KV pool for every sequence and two jitted programs.
 
-The cache has num_slots + 1 rows of `cache_len` positions (rounded up to split evenly
-over a mesh's data axes); row num_slots is scratch, where the padding rows of a bucketed
-batch read and write. It lives on the device(s) and is donated to every program, so each
-write is an in-place update; on a mesh every program hands it back sharded as it came.
+The pool has `pages` + 1 pages of `page_size` positions (rounded up to split evenly over a mesh's
+data axes); page 0 is the null page, where padding rows and the entries a table does not hold
+read and write (arlo/model/paged_kv.py). It lives on the device(s) and is donated to every
+program, so each write is an in-place update; on a mesh every program hands it back sharded as
+it came. Which sequence holds which page is the scheduler's (services/inference/pages.py): the
+programs take page tables.
 
-- prefill(rows m, tokens t, window w, samples j): gathers the window [slots, :w] of the
-  requests being admitted, runs the model's prefill from each request's start (past a
-  session's reused prefix), copies each prompt's window into the slots of its n samples
-  (one prefill per prompt) and samples every first token. Requests admitted together with
-  the same prompt from the same start (the G episodes of a GRPO group, each its own n=1
-  request) share one row too: same tokens on the same weights give the same keys/values.
-- decode chunk(rows b, window w): gathers [slots, :w], where w covers the furthest row's
-  cached length, so attention reads only the valid region rounded up to a bucket; runs
-  `steps` tokens as one lax.scan over that read-only window plus a [b, steps] buffer of the
-  chunk's own keys/values (written in place at the step's slot: no per-row scatter inside
-  the loop), then writes the buffer into each row's band of the cache once. Sampling, stop
-  ids and max tokens are applied on the device with per-row parameters, so a round trip
-  costs one host sync per chunk, not per token.
+- prefill(rows m, tokens t, window w, samples j): gathers the window [0, w) of each prompt row
+  through its table (the pages before its start come from the prefix cache or an earlier turn),
+  runs the model's prefill from the row's start, writes the pages the chunk covers into the
+  table of every sample that reads the row (one prefill per prompt: the full pages are shared,
+  each sample's partial page is its own) and samples every first token. Requests admitted
+  together with the same prompt from the same start (the G episodes of a GRPO group, each its own
+  n=1 request) share one row too.
+- decode chunk(rows b, window w): gathers each row's window, where w covers the furthest row's
+  cached length, so attention reads only the valid region rounded up to a bucket; runs `steps`
+  tokens as one lax.scan over that read-only window plus a [b, steps] buffer of the chunk's own
+  keys/values, then writes the buffer into each row's pages once. Sampling, stop ids and max
+  tokens are applied on the device with per-row parameters, so a round trip costs one host sync
+  per chunk, not per token.
 
 Every dimension is bucketed (services/inference/programs.py), so the programs are a small
 known set: `warm_up` compiles all of them before the service takes traffic, and a shape
@@ -40,20 +42,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arlo.model.config import ModelConfig
-from arlo.model.kv_cache import (
-    KVCache,
-    cache_shardings,
-    gather_window,
-    init_cache,
-    scatter_window,
-    write_band,
-)
+from arlo.model.kv_cache import KVCache, init_cache
 from arlo.model.lora import select_adapters
+from arlo.model.paged_kv import gather_pages, init_pool, pool_shardings, write_positions, write_prefill
 from arlo.model.sampling import sample
 from arlo.model.sharding import BATCH_AXES
+from services.inference.pages import NULL_PAGE
 from services.inference.programs import MIN_ROWS, Buckets, Key, pack_calls, program_set
 from services.inference.requests import MAX_STOP_IDS
-from services.inference.scheduler import Request
+from services.inference.scheduler import PrefillItem
 from services.inference.scheduler import Sequence as Seq
 
 log = logging.getLogger(__name__)
@@ -72,18 +69,19 @@ class SampleParams(NamedTuple):
 
 
 class PrefillBatch(NamedTuple):
-    src_slot: np.ndarray  # [m]
+    src_table: np.ndarray  # [m, P] page table each prompt row reads
     tokens: np.ndarray  # [m, t]
     lengths: np.ndarray  # [m] tokens of this chunk that are real
-    starts: np.ndarray  # [m] position of the chunk's first token
-    dst_slot: np.ndarray  # [j] slot of each sample
-    src_row: np.ndarray  # [j] prompt row each sample copies
+    starts: np.ndarray  # [m] position of the chunk's first token (a page boundary)
+    dst_table: np.ndarray  # [j, P] page table of each sample
+    src_row: np.ndarray  # [j] prompt row each sample reads
+    count: np.ndarray  # [j] index of the token sampled in its sample (> 0 when resumed)
     params: SampleParams  # [j]
     adapter: np.ndarray  # [m] LoRA adapter slot of each prompt row (0 without several)
 
 
 class DecodeBatch(NamedTuple):
-    slot: np.ndarray  # [b]
+    table: np.ndarray  # [b, P]
     token: np.ndarray  # [b] newest token, not yet fed
     pos: np.ndarray  # [b] where it is fed
     count: np.ndarray  # [b] tokens generated so far
@@ -108,29 +106,35 @@ def abstract(tree):  # noqa: ANN001, ANN201 (any pytree of arrays)
 
 
 class Runner:
-    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, num_slots: int, slot_len: int,
-                 decode_steps: int, max_prefill_rows: int, max_n: int = 1, min_rows: int = MIN_ROWS,
+    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, pages: int, page_size: int, max_seqs: int,
+                 slot_len: int, decode_steps: int, max_prefill_rows: int, max_n: int = 1, min_rows: int = MIN_ROWS,
                  mesh: Mesh | None = None) -> None:
+        """`pages` of `page_size` positions hold every sequence's KV; `max_seqs` sequences decode
+        together at most; `slot_len` positions (prompt + completion) one sequence reaches at most."""
         self.graphdef = graphdef
         self.mesh = mesh
-        self.num_slots = num_slots
-        self.scratch = num_slots
         self.decode_steps = decode_steps
         self.max_prefill_rows = max_prefill_rows
-        # The band a decode chunk writes back may reach `steps` positions past a slot's end.
+        self.page_size = page_size
+        # The band a decode chunk writes back may reach `steps` positions past a sequence's end.
         self.cache_len = slot_len + decode_steps
-        self.buckets = Buckets(num_slots=num_slots, cache_len=self.cache_len, max_prefill_rows=max_prefill_rows,
+        self.table_len = -(-self.cache_len // page_size)
+        self.buckets = Buckets(num_slots=max_seqs, cache_len=self.cache_len, max_prefill_rows=max_prefill_rows,
                                max_n=max_n, min_rows=min_rows)
         self.windows = self.buckets.windows
         self._model_cfg = model_cfg
-        # Slots + the scratch row, rounded up so the rows split evenly over the data axes.
+        # Pages + the null page, rounded up so the pages split evenly over the data axes.
         ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
-        self.cache_rows = -(-(num_slots + 1) // ways) * ways
-        self.cache_sharding: KVCache | None = None if mesh is None else cache_shardings(
-            model_cfg, mesh, batch=self.cache_rows, length=self.cache_len)
+        self.pool_pages = -(-(pages + 1) // ways) * ways
+        self.pages = self.pool_pages - 1
+        """Pages the scheduler may hand out (1..pages; the rounding's extra pages are usable too)."""
+        self.cache_sharding: KVCache | None = None if mesh is None else pool_shardings(
+            model_cfg, mesh, pages=self.pool_pages, page_size=page_size)
         self.cache = self._new_cache()
         self.prefill_rows = 0
-        """Prompts prefilled so far (n samples of one prompt count once)."""
+        """Prompt rows prefilled so far (n samples of one prompt count once)."""
+        self.prefill_tokens = 0
+        """Tokens those rows prefilled (a prefix found in the cache is not prefilled)."""
         self.shared_prefills = 0
         """Requests whose prompt rode on another request's prefill row (same prompt, same step)."""
         self.shapes: set[Key] = set()
@@ -146,7 +150,7 @@ class Runner:
     def _new_cache(self) -> KVCache:
         # Committed like the programs' outputs, so the first call and every later one (which
         # gets the donated output back) share one compiled program.
-        cache = init_cache(self._model_cfg, batch=self.cache_rows, length=self.cache_len)
+        cache = init_pool(self._model_cfg, pages=self.pool_pages, page_size=self.page_size)
         return jax.device_put(cache, self.cache_sharding or jax.devices()[0])
 
     def cache_bytes(self) -> int:
@@ -154,6 +158,11 @@ class Runner:
 
     def window(self, length: int) -> int:
         return self.buckets.window(length)
+
+    def prefill_start(self, length: int, cached: int) -> int:
+        """Where a prompt of `length` tokens whose first `cached` are in the cache starts its
+        prefill: 0 when its token bucket would overrun the table (the prefix is recomputed)."""
+        return self.buckets.prefill_shape(length, cached)[0]
 
     def program_set(self, *, max_prompt: int, max_tokens: int) -> set[Key]:
         """Every program key requests within these limits can need (services/inference/programs.py)."""
@@ -174,11 +183,15 @@ class Runner:
         if kind == "decode":
             b, w = dims
             _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, cache,
-                              _decode_batch([], int(b), self.scratch)).compile()
+                              _decode_batch([], int(b), self.table_len)).compile()
         else:
             m, t, w, j = (int(d) for d in dims)
-            _prefill_jit.lower(self.graphdef, w, self.cache_sharding, state, cache,
-                               _prefill_batch([], [], m, t, j, self.scratch)).compile()
+            _prefill_jit.lower(self.graphdef, w, self._span(t), self.cache_sharding, state, cache,
+                               _prefill_batch([], m, t, j, self.table_len)).compile()
+
+    def _span(self, t: int) -> int:
+        """Pages a prefill chunk of t tokens from a page boundary covers."""
+        return -(-t // self.page_size)
 
     def _note(self, key: Key) -> None:
         if key in self.shapes:
@@ -189,21 +202,20 @@ class Runner:
             log.warning("program %s ran after the warm-up without being in it: it compiles now", key,
                         extra={"late_program": list(key)})
 
-    def prefill(self, state: nnx.State, requests: Sequence[Request]) -> list[Emitted]:
-        """Prefills the admitted requests (grouped by shape) and samples each sample's first token."""
-        groups: dict[tuple[int, int], dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]]] = {}
-        for req in requests:
-            start, t = self._prefill_shape(req)
-            # A reused prefix is exact (the session rule: one version, the same tokens), so two
-            # requests with the same prompt and start hold the same KV below it as well.
-            rows = groups.setdefault((t, self.window(start + t)), {})
+    def prefill(self, state: nnx.State, items: Sequence[PrefillItem]) -> list[Emitted]:
+        """Prefills the step's prompt rows (grouped by shape) and samples each sample's next token."""
+        groups: dict[tuple[int, int], dict[tuple[int, int, int, tuple[int, ...]], list[tuple[PrefillItem, int]]]] = {}
+        for item in items:
+            t = self.buckets.prefill_shape(len(item.tokens), item.start)[1]
+            rows = groups.setdefault((t, self.window(item.start + t)), {})
             # Rows share a prompt's KV only under the same adapter: another run's adapter writes other KV.
-            rows.setdefault((start, req.params.adapter, tuple(req.params.prompt)), []).append((req, start))
+            key = (item.start, item.adapter, item.count, item.tokens)
+            rows.setdefault(key, []).append((item, item.start))
         out = []
         for (t, w), by_prompt in sorted(groups.items()):
             members = list(by_prompt.values())
             for call in pack_calls(members, rows=self.buckets.prefill_rows_cap(), samples=self.buckets.samples,
-                                   size=lambda req: req.params.n):
+                                   size=lambda item: len(item.seqs)):
                 # Counted per row as packed: a prompt whose samples fill more than one call is
                 # prefilled once per row it was split into, and shares only within each.
                 self.shared_prefills += sum(len(row) - 1 for row in call)
@@ -213,7 +225,7 @@ class Runner:
     def decode(self, state: nnx.State, seqs: Sequence[Seq]) -> list[Emitted]:
         """One chunk of `decode_steps` tokens for every running sequence."""
         b = self.buckets.decode_rows(len(seqs))
-        batch = _decode_batch(seqs, b, self.scratch)
+        batch = _decode_batch(seqs, b, self.table_len)
         w = self.window(int(batch.pos.max()))  # the chunk's own tokens live in a buffer beside it
         self._note(("decode", b, w))
         self.cache, (tok_kb, lp_kb, emit_kb) = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding,
@@ -222,46 +234,53 @@ class Runner:
         return [Emitted(seq=seq, token_ids=tok_kb[emit_kb[:, r], r].tolist(),
                         logprobs=lp_kb[emit_kb[:, r], r].tolist()) for r, seq in enumerate(seqs)]
 
-    def _prefill_shape(self, req: Request) -> tuple[int, int]:
-        """(start, token bucket); a reused prefix is given up when the bucket would overrun the slot."""
-        start, t = self.buckets.prefill_shape(len(req.params.prompt), req.reuse)
-        req.reuse = start  # 0 when given up: the prefix is recomputed (slower, never wrong)
-        return start, t
-
-    def _prefill_call(self, state: nnx.State, members: list[list[tuple[Request, int]]], t: int,
+    def _prefill_call(self, state: nnx.State, members: list[list[tuple[PrefillItem, int]]], t: int,
                       w: int) -> list[Emitted]:
-        """One prefill program: a row per distinct prompt, every sample of every request on it."""
+        """One prefill program: a row per distinct prompt, every sample of every item on it."""
         m = self.buckets.prefill_rows(len(members), t)
         self.prefill_rows += len(members)
-        seqs = [(row, seq) for row, same in enumerate(members) for req, _ in same for seq in req.seqs]
+        self.prefill_tokens += sum(len(same[0][0].tokens) - same[0][1] for same in members)
         j = self.buckets.samples
         self._note(("prefill", m, t, w, j))
-        batch = _prefill_batch([same[0] for same in members], seqs, m, t, j, self.scratch)
-        self.cache, (tok_j, lp_j) = _prefill_jit(self.graphdef, w, self.cache_sharding, state, self.cache, batch)
+        batch = _prefill_batch(members, m, t, j, self.table_len)
+        self.cache, (tok_j, lp_j) = _prefill_jit(self.graphdef, w, self._span(t), self.cache_sharding, state,
+                                                 self.cache, batch)
         tok_j, lp_j = jax.device_get((tok_j, lp_j))
+        seqs = [seq for same in members for item, _ in same for seq in item.seqs]
         return [Emitted(seq=seq, token_ids=[int(tok_j[i])], logprobs=[float(lp_j[i])])
-                for i, (_, seq) in enumerate(seqs)]
+                for i, seq in enumerate(seqs)]
 
 
-def _prefill_batch(rows: Sequence[tuple[Request, int]], seqs: Sequence[tuple[int, Seq]], m: int, t: int, j: int,
-                   scratch: int) -> PrefillBatch:
-    """`rows`: (request, start) per prompt row; `seqs`: (row, sequence) per sample. Padding rows
-    and samples point at the scratch slot."""
+def _table(pages: Sequence[int], width: int) -> np.ndarray:
+    table = np.full((width,), NULL_PAGE, np.int32)
+    table[: len(pages)] = pages[:width]
+    return table
+
+
+def _prefill_batch(members: Sequence[Sequence[tuple[PrefillItem, int]]], m: int, t: int, j: int,
+                   width: int) -> PrefillBatch:
+    """`members`: per prompt row, the items (with their start) that share it. Padding rows and
+    samples read and write the null page."""
     tokens = np.zeros((m, t), np.int32)
     lengths, starts = np.ones((m,), np.int32), np.zeros((m,), np.int32)
-    src_slot = np.full((m,), scratch, np.int32)
+    src_table = np.full((m, width), NULL_PAGE, np.int32)
     adapter = np.zeros((m,), np.int32)
-    for row, (req, start) in enumerate(rows):
-        chunk = req.params.prompt[start:]
+    dst_table = np.full((j, width), NULL_PAGE, np.int32)
+    src_row, count = np.zeros((j,), np.int32), np.zeros((j,), np.int32)
+    seqs: list[Seq] = []
+    for row, same in enumerate(members):
+        item, start = same[0]
+        chunk = item.tokens[start:]
         tokens[row, : len(chunk)] = chunk
-        lengths[row], starts[row], src_slot[row] = len(chunk), start, req.seqs[0].slot
-        adapter[row] = req.params.adapter
-    dst_slot = np.full((j,), scratch, np.int32)
-    src_row = np.zeros((j,), np.int32)
-    for i, (row, seq) in enumerate(seqs):
-        dst_slot[i], src_row[i] = seq.slot, row
-    return PrefillBatch(src_slot=src_slot, tokens=tokens, lengths=lengths, starts=starts, dst_slot=dst_slot,
-                        src_row=src_row, params=_sample_params([s for _, s in seqs], j), adapter=adapter)
+        lengths[row], starts[row], adapter[row] = len(chunk), start, item.adapter
+        src_table[row] = _table(item.seqs[0].pages, width)
+        for other, _ in same:
+            for seq in other.seqs:
+                i = len(seqs)
+                dst_table[i], src_row[i], count[i] = _table(seq.pages, width), row, other.count
+                seqs.append(seq)
+    return PrefillBatch(src_table=src_table, tokens=tokens, lengths=lengths, starts=starts, dst_table=dst_table,
+                        src_row=src_row, count=count, params=_sample_params(seqs, j), adapter=adapter)
 
 
 def _sample_params(seqs: Sequence[Seq], rows: int) -> SampleParams:
@@ -277,8 +296,8 @@ def _sample_params(seqs: Sequence[Seq], rows: int) -> SampleParams:
     return SampleParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, sample=index)
 
 
-def _decode_batch(seqs: Sequence[Seq], rows: int, scratch: int) -> DecodeBatch:
-    slot = np.full((rows,), scratch, np.int32)
+def _decode_batch(seqs: Sequence[Seq], rows: int, width: int) -> DecodeBatch:
+    table = np.full((rows, width), NULL_PAGE, np.int32)
     token, pos, count = (np.zeros((rows,), np.int32) for _ in range(3))
     max_tokens = np.zeros((rows,), np.int32)
     stop_ids = np.full((rows, MAX_STOP_IDS), -1, np.int32)
@@ -286,11 +305,11 @@ def _decode_batch(seqs: Sequence[Seq], rows: int, scratch: int) -> DecodeBatch:
     adapter = np.zeros((rows,), np.int32)
     for r, seq in enumerate(seqs):
         req = seq.request
-        slot[r], token[r], pos[r], count[r] = seq.slot, seq.token_ids[-1], seq.position, len(seq.token_ids)
+        table[r], token[r], pos[r], count[r] = _table(seq.pages, width), seq.token_ids[-1], seq.position, len(seq.token_ids)
         adapter[r] = req.params.adapter
         max_tokens[r], live[r] = req.params.max_tokens, True
         stop_ids[r, : len(req.stop_ids)] = req.stop_ids
-    return DecodeBatch(slot=slot, token=token, pos=pos, count=count, max_tokens=max_tokens, stop_ids=stop_ids,
+    return DecodeBatch(table=table, token=token, pos=pos, count=count, max_tokens=max_tokens, stop_ids=stop_ids,
                        live=live, params=_sample_params(seqs, rows), adapter=adapter)
 
 
@@ -318,13 +337,14 @@ def _keep_layout(cache: KVCache, sharding: KVCache | None) -> KVCache:
     return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
 
 
-def _prefill(graphdef: nnx.GraphDef, window: int, sharding: KVCache | None, state: nnx.State, cache: KVCache,
-             batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
+def _prefill(graphdef: nnx.GraphDef, window: int, span: int, sharding: KVCache | None, state: nnx.State,
+             cache: KVCache, batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
     model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
-    win = gather_window(cache, batch.src_slot, window)
+    win = gather_pages(cache, batch.src_table, window)
     logits_mv, win = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts)
-    cache = scatter_window(cache, win, batch.dst_slot, batch.src_row)
-    first = _draw(logits_mv[batch.src_row], _row_keys(batch.params), jnp.zeros_like(batch.src_row), batch.params)
+    first_page = batch.starts // cache.length
+    cache = write_prefill(cache, win, batch.src_table, batch.dst_table, batch.src_row, first_page, span)
+    first = _draw(logits_mv[batch.src_row], _row_keys(batch.params), batch.count, batch.params)
     return _keep_layout(cache, sharding), first
 
 
@@ -332,7 +352,7 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache |
             cache: KVCache, batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array, jax.Array]]:
     model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
     row_keys = _row_keys(batch.params)
-    win = gather_window(cache, batch.slot, window)  # read-only in the loop: valid below batch.pos
+    win = gather_pages(cache, batch.table, window)  # read-only in the loop: valid below batch.pos
 
     def step(carry: tuple, i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array, jax.Array]]:
         buf, token, pos, count, stopped = carry
@@ -344,12 +364,12 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache |
         token = jnp.where(active, new, token)
         return (buf, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active)
 
-    buf = init_cache(model.cfg, batch=batch.slot.shape[0], length=steps)
+    buf = init_cache(model.cfg, batch=batch.table.shape[0], length=steps)
     start = (buf, batch.token, batch.pos, batch.count, jnp.zeros_like(batch.live))
     (buf, *_), (tok_kb, lp_kb, emit_kb) = jax.lax.scan(step, start, jnp.arange(steps, dtype=jnp.int32))
-    return _keep_layout(write_band(cache, buf, batch.slot, batch.pos), sharding), (tok_kb, lp_kb, emit_kb)
+    return _keep_layout(write_positions(cache, buf, batch.table, batch.pos), sharding), (tok_kb, lp_kb, emit_kb)
 
 
 # Module-level so every engine over the same graphdef shares the compiled programs.
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 _decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))

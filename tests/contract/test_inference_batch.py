@@ -82,7 +82,7 @@ async def test_a_batch_whose_client_goes_away_frees_every_slot(served: tuple[str
         await asyncio.gather(consumer, return_exceptions=True)
         await until(lambda: engine.stats.aborted >= 3 and not engine.scheduler.running and not engine.scheduler.waiting,
                     "the batch's slots were not freed")
-    assert engine.scheduler.free_slots == engine.num_slots
+    assert engine.scheduler.pool.used_pages == 0
 
 
 def client(channel: grpc.aio.Channel, window_s: float, timeout_s: float = 30.0) -> InferenceClient:
@@ -133,7 +133,7 @@ async def test_coalesced_callers_that_go_away_cancel_the_batch(served: tuple[str
         await asyncio.gather(*callers, return_exceptions=True)
         await until(lambda: engine.stats.aborted >= 3 and not engine.scheduler.running,
                     "the cancelled batch's slots were not freed")
-    assert engine.scheduler.free_slots == engine.num_slots
+    assert engine.scheduler.pool.used_pages == 0
 
 
 async def test_a_batch_to_a_server_that_is_gone_is_retryable_for_every_caller() -> None:

@@ -165,7 +165,7 @@ async def test_trained_version_reaches_inference_intact(stack: dict) -> None:
     assert made >= 1 and scraped["arlo_inference_generated_tokens_total"] >= made
     assert scraped["arlo_inference_weight_version"] == 1
     assert scraped["arlo_inference_slots"] >= 1 and 0 <= scraped["arlo_inference_kv_use"] <= 1
-    assert 0 <= scraped["arlo_inference_batch_occupancy"] <= 1 and "arlo_inference_kv_slots_used" in scraped
+    assert 0 <= scraped["arlo_inference_batch_occupancy"] <= 1 and "arlo_inference_kv_pages_used" in scraped
     async with make_channel(stack["trainer"], token=TOKEN) as ch:
         status = await trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetStatusRequest())
     assert status.version == 1 and status.step == 1 and status.trajectories_consumed == 2

@@ -1,6 +1,6 @@
 """The continuous-batching engine on the tiny model: exact against a no-cache reference in
 any batch, per-row sampling, one prefill per prompt, KV budget queueing, cancellation,
-hot swap between chunks, and multi-turn sessions."""
+hot swap between chunks, the prefix cache across turns, preemption and partial rollouts."""
 
 from __future__ import annotations
 
@@ -189,21 +189,67 @@ def test_cancel_frees_the_slot_at_the_next_chunk(engine: Engine) -> None:
     (sample,) = handle.result(120)
     assert sample.finish_reason == "abort" and len(sample.token_ids) < 32
     assert engine.generate(greedy(PROMPTS[1], 2), 120)[0].finish_reason == "length"
-    assert engine.scheduler.free_slots + len(engine.scheduler.sessions) == engine.num_slots
+    assert engine.scheduler.pool.used_pages == 0  # every page back: free, or idle in the prefix cache
 
 
 def test_a_small_kv_budget_queues_requests_instead_of_failing_them() -> None:
-    per_slot = 2 * 2 * 2 * 16 * 4 * (256 + 4)  # layers x (k, v) x kv heads x head dim x f32 x slot length
+    """Dense pages (one of max_seq_len per sequence): the budget of 2.5 sequences runs two at a time."""
+    per_seq = 2 * 2 * 2 * 16 * 4 * (256 + 4)  # layers x (k, v) x kv heads x head dim x f32 x slot length
     with pytest.raises(ValueError, match="cannot hold n = 8"):
-        new_engine(kv_cache_mib=2.5 * per_slot / 2**20)
-    e = new_engine(max_n=2, kv_cache_mib=2.5 * per_slot / 2**20)
+        new_engine(page_size=0, kv_cache_mib=2.5 * per_seq / 2**20)
+    e = new_engine(page_size=0, max_n=2, kv_cache_mib=2.5 * per_seq / 2**20)
     try:
-        assert e.num_slots == 2
+        assert e.runner.pages == 2
         handles = [e.submit(greedy(p, 6)) for p in PROMPTS]
         assert all(len(h.result(120)[0].token_ids) == 6 for h in handles)
         assert e.stats.largest_batch == 2
     finally:
         e.close()
+
+
+def test_pages_hold_more_short_sequences_than_dense_slots_and_give_the_same_tokens() -> None:
+    """The same 2.5-sequence budget in pages of 16 positions: short requests take a page or two
+    each, so all six run together, and each gives what the dense engine gives."""
+    per_seq = 2 * 2 * 2 * 16 * 4 * (256 + 4)
+    dense = new_engine(page_size=0, max_n=2, kv_cache_mib=2.5 * per_seq / 2**20)
+    try:
+        want = [dense.generate(greedy(p, 6), 120)[0] for p in PROMPTS]
+    finally:
+        dense.close()
+    e = new_engine(page_size=16, max_n=2, kv_cache_mib=2.5 * per_seq / 2**20)
+    try:
+        handles = e.submit_many([greedy(p, 6) for p in PROMPTS])
+        got = [h.result(120)[0] for h in handles]
+        assert e.stats.largest_batch == len(PROMPTS)
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert e.scheduler.pool.used_pages == 0
+    finally:
+        e.close()
+
+
+def test_running_out_of_pages_preempts_and_recomputes_without_changing_a_sample() -> None:
+    """Six samples that each grow to 3-4 pages share 10 pages (2 x 5-page sequences, the least
+    max_n = 2 allows): the engine preempts the newest, recomputes it when pages free up, and
+    every completion is what it is with room to spare (greedy: the recomputed KV may differ from
+    the decoded one in the last bits, which a sampled token near a tie would show)."""
+    per_page = 2 * 2 * 2 * 16 * 4 * 16
+    small = {"page_size": 16, "max_n": 2, "max_seq_len": 64, "max_tokens": 40, "max_prompt_tokens": 16}
+    tight = new_engine(**small, kv_cache_mib=10 * per_page / 2**20)
+    roomy = new_engine(**small)
+    reqs = [greedy(p, 40) for p in PROMPTS]
+    try:
+        got = [h.result(300)[0] for h in tight.submit_many(reqs)]
+        want = [h.result(300)[0] for h in roomy.submit_many(reqs)]
+        assert tight.scheduler.preemptions > 0 and roomy.scheduler.preemptions == 0
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert tight.scheduler.pool.used_pages == 0
+    finally:
+        tight.close()
+        roomy.close()
 
 
 def test_swap_takes_effect_between_chunks_without_a_drain_or_a_recompile() -> None:
@@ -233,25 +279,54 @@ def test_swap_takes_effect_between_chunks_without_a_drain_or_a_recompile() -> No
         e.close()
 
 
-def test_sessions_prefill_only_new_tokens_and_never_change_the_result() -> None:
-    e = new_engine(max_batch=8)
+def test_a_later_turn_prefills_only_what_the_cache_lacks_and_never_changes_the_result() -> None:
+    """The prefix cache across requests: turn 2 finds turn 1's full pages (same version), turn 3
+    after a swap finds nothing (the version is in the key), and neither changes a completion."""
+    e = new_engine(page_size=16)
     try:
-        turn1 = tuple(range(60, 70))
-        (a,) = e.generate(greedy(turn1, 6, session_id="ep"), 120)
+        turn1 = tuple(range(60, 90))
+        (a,) = e.generate(greedy(turn1, 6), 120)
+        stats = e.scheduler.pool.stats
+        before = stats.hit_tokens
         turn2 = (*turn1, *a.token_ids, 33, 34, 35)
-        (hit,) = e.generate(greedy(turn2, 6, session_id="ep"), 120)
-        stats = e.scheduler.sessions.stats
-        assert stats.hits == 1 and stats.reused_tokens == len(turn1) + len(a.token_ids) - 1
+        (hit,) = e.generate(greedy(turn2, 6), 120)
+        assert stats.hit_tokens - before == 32  # 35 valid positions of turn 1: two full pages
+        e.runner.reset_cache()  # the same pool, zeroed: a fresh prefill must not read the cache
+        e.scheduler.reset()
         (fresh,) = e.generate(greedy(turn2, 6), 120)
         assert hit.token_ids == fresh.token_ids
         np.testing.assert_allclose(hit.logprobs, fresh.logprobs, atol=1e-5)
-        # Memory pressure: a request for every slot evicts the parked session (counted)...
-        e.generate(SamplingRequest(prompt=PROMPTS[0], n=8, max_tokens=2), 120)
-        assert stats.evictions == 1
-        # ...and the next turn is a miss that still gives the same completion.
+        e.swap(e.state, 1)
+        before = stats.hit_tokens
         turn3 = (*turn2, *hit.token_ids, 36)
-        (after,) = e.generate(greedy(turn3, 6, session_id="ep"), 120)
-        (fresh3,) = e.generate(greedy(turn3, 6), 120)
-        assert stats.misses == 2 and after.token_ids == fresh3.token_ids
+        (after,) = e.generate(greedy(turn3, 6), 120)
+        assert stats.hit_tokens == before and after.policy_versions == [1] * 6
+    finally:
+        e.close()
+
+
+def test_a_swap_with_recompute_continues_in_flight_samples_on_the_new_weights() -> None:
+    """Partial rollouts: a sample in flight at a swap stops at a token boundary and goes on under
+    the new weights with its KV recomputed by them: what follows the swap is exactly what the new
+    weights give that prefix, and each token keeps the version that sampled it."""
+    e = new_engine(page_size=16)
+    e.recompute_on_swap = True
+    try:
+        other = state_from_bytes(state_to_bytes(nnx.split(create_model(ModelConfig.named("tiny"), 7))[1]), e.state)
+        swapped = threading.Event()
+
+        def on_tokens(delta: TokenDelta) -> None:
+            if not swapped.is_set():
+                e.swap(other, 1)
+                swapped.set()
+
+        (sample,) = e.submit(greedy(PROMPTS[3], 24), on_tokens=on_tokens).result(120)
+        versions = sample.policy_versions
+        cut = versions.index(1)
+        assert 0 < cut < 24 and set(versions[cut:]) == {1} and e.stats.recomputed == 1
+        # Under version 1 alone, the same prefix continues the same way.
+        (tail,) = e.generate(greedy((*PROMPTS[3], *sample.token_ids[:cut]), 24 - cut), 120)
+        assert tail.token_ids == sample.token_ids[cut:]
+        np.testing.assert_allclose(tail.logprobs, sample.logprobs[cut:], atol=1e-5)
     finally:
         e.close()

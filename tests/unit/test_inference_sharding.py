@@ -53,12 +53,12 @@ SCRIPT = textwrap.dedent("""
         q = engine.state["layers"][0]["attn"]["q_dnh"][...]
         assert q.sharding.spec[1] == "tensor", q.sharding
         k, v = engine.runner.cache.k[0], engine.runner.cache.v[0]
-        if sizes == (2, 1, 2):  # slots over data, kv heads (2) over tensor (2)
+        if sizes == (2, 1, 2):  # pages over data, kv heads (2) over tensor (2)
             for x in (k, v):
                 assert tuple(x.sharding.spec)[:2] == ("data", "tensor"), x.sharding
                 shard = x.addressable_shards[0].data.shape
                 assert shard[0] == x.shape[0] // 2 and shard[1] == x.shape[1] // 2, (shard, x.shape)
-            assert engine.runner.cache_rows % 2 == 0
+            assert engine.runner.pool_pages % 2 == 0
         else:  # 2 kv heads do not split 4 ways: the cache stays whole, the tokens the same
             assert k.sharding.is_fully_replicated, k.sharding
         assert len(k.sharding.device_set) == int(np.prod(sizes))

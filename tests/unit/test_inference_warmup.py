@@ -20,7 +20,7 @@ from services.inference.idle_compile import idle_order
 
 # Tight limits, as a workload would set them: two programs (one prefill, one decode).
 CONFIG = InferenceConfig(max_n=4, max_tokens=8, max_prompt_tokens=16, max_batch=16, max_prefill_rows=4,
-                         decode_steps=4, max_seq_len=32)
+                         decode_steps=4, max_seq_len=32, page_size=4)
 
 
 @pytest.mark.timeout(300)
@@ -38,10 +38,11 @@ def test_after_the_warm_up_a_mix_of_requests_compiles_nothing(min_rows: int) -> 
                     for length in (1, 5, 9, 16) for n in (1, 4) for tokens in (1, 8)]
         for handle in engine.submit_many(requests):  # arrive together: shared and split prefills
             handle.result(120)
-        first = engine.generate(SamplingRequest(prompt=(1, 2, 3), max_tokens=4, session_id="s"), 120)[0]
-        turn = (1, 2, 3, *first.token_ids, 7)  # the next turn reuses the session's KV prefix
-        engine.generate(SamplingRequest(prompt=turn, max_tokens=8, session_id="s"), 120)
-        assert engine.scheduler.sessions.stats.hits == 1
+        first = engine.generate(SamplingRequest(prompt=(9, 2, 3), max_tokens=4), 120)[0]
+        turn = (9, 2, 3, *first.token_ids, 7)  # the next turn starts past the first's cached full page
+        hits = engine.scheduler.pool.stats.hit_tokens
+        engine.generate(SamplingRequest(prompt=turn, max_tokens=8), 120)
+        assert engine.scheduler.pool.stats.hit_tokens == hits + 4
         assert (watch.late, engine.runner.late) == (0, [])
         assert engine.runner.shapes <= engine.runner.warm
         if min_rows == 0:  # the set is exact: every program was needed (the mix never runs 2 rows alone)

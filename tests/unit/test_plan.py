@@ -66,7 +66,7 @@ def measured_peaks(config: Path | None, devices: int, timeout: float = 280) -> d
         from services.inference.runner import _decode_batch, _decode_jit
         r = engine.runner
         decode = _decode_jit.lower(r.graphdef, r.decode_steps, eplan["decode"]["window"], r.cache_sharding,
-                                   engine.state, r.cache, _decode_batch([], eplan["decode"]["rows"], r.scratch)).compile()
+                                   engine.state, r.cache, _decode_batch([], eplan["decode"]["rows"], r.table_len)).compile()
         print(json.dumps({{"trainer_measured": compiled_figures(compiled)["peak_bytes"],
                           "trainer_planned": plan["step_peak_bytes"],
                           "decode_measured": compiled_figures(decode)["peak_bytes"],
