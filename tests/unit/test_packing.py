@@ -191,3 +191,18 @@ def test_pack_is_refused_with_gae_and_with_mini_batches() -> None:
         TrainerConfig(pack=True, mini_batches=2).validate("trainer")
     with pytest.raises(ValueError, match=r"trainer\.pack"):
         Learner(ModelSource.from_config(TINY, seed=0), cfg=TrainerConfig(pack=True, mini_batches=2))
+
+
+def test_learner_step_trains_packed_with_the_padded_loss() -> None:
+    """Through Learner.step (the jitted, donated step the trainer runs), AdamW and all."""
+    batch = build_batch(uneven_groups(LENGTHS, seed=3), 256, 256)
+    results = []
+    for pack in (False, True):
+        learner = Learner(ModelSource.from_config(TINY, seed=0), cfg=TrainerConfig(pack=pack, micro_batch_size=6))
+        results.append([learner.step(batch) for _ in range(2)])
+    (padded, padded_next), (packed, packed_next) = results
+    assert not packed.skipped and packed.num_tokens == padded.num_tokens
+    assert abs(packed.loss - padded.loss) <= 1e-6 and abs(packed.grad_norm - padded.grad_norm) <= 1e-6
+    # After an AdamW update (which rounds gradient entries near 0 to +-lr either way) loosely.
+    assert not packed_next.skipped and packed_next.loss != packed.loss
+    assert abs(packed_next.loss - padded_next.loss) <= 1e-4
