@@ -3,8 +3,9 @@
     python -m bench.long_context [--sections train_memory] [--json PATH]
 
 Each section is a function `(args) -> (table rows, figures)` registered in SECTIONS by name, so
-later sections (paged KV capacity, prefix cache, packing, ...) add themselves without touching
-the others; `--sections` picks which run, and the JSON holds one object per section.
+later sections add themselves without touching the others; `--sections` picks which run, and the
+JSON holds one object per section. Sections: train_memory (below), packing
+(bench/long_context_packing.py), capacity, prefix and paged_vs_dense (bench/long_context_paged.py).
 
 train_memory: the compiled RL step's temporaries (`memory_analysis().temp_size_in_bytes` of the
 learner's own jitted step, compiled, never run) with the KL penalty (`kl_coef` 0.05) and the
@@ -34,6 +35,14 @@ from typing import Any
 from bench.common import check_json_arg, name_list, print_table, run_main, write_json
 from bench.long_context_packing import COLUMNS as PACKING_COLUMNS
 from bench.long_context_packing import packing
+from bench.long_context_paged import (
+    CAPACITY_COLUMNS,
+    PAGED_COLUMNS,
+    PREFIX_COLUMNS,
+    capacity,
+    paged_vs_dense,
+    prefix,
+)
 
 MIB = 2**20
 RATIO_BAR = 1.2
@@ -116,6 +125,9 @@ def train_memory(args: argparse.Namespace) -> tuple[list[list[Any]], dict[str, A
 SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], tuple[list[list[Any]], dict[str, Any]]], list[str]]] = {
     "train_memory": (train_memory, ["compiled RL step", *(f"{t} MiB" for t in TERMS), "kl+entropy / off"]),
     "packing": (packing, PACKING_COLUMNS),
+    "capacity": (capacity, CAPACITY_COLUMNS),
+    "prefix": (prefix, PREFIX_COLUMNS),
+    "paged_vs_dense": (paged_vs_dense, PAGED_COLUMNS),
 }
 
 
