@@ -117,6 +117,11 @@ class RolloutEnvConfig:
     eval_config_json: str = ""
     """JSON object merged over config_json for this entry's held-out evaluation, instead of
     rollout.eval.env_config_json (empty: that one applies; "{}": evaluate on config_json as is)."""
+    max_tokens: int = ranged(0, ge=0)
+    """New tokens per model turn in this entry's episodes; 0 = rollout.sampling.max_tokens. A
+    mixture of entries with different budgets gives a run episodes of different lengths (a long
+    tail: a few tasks that need long answers among many short ones); inference.max_tokens and
+    rollout.max_episode_tokens must cover the longest."""
 
     @property
     def key(self) -> str:

@@ -97,7 +97,8 @@ class Evaluator:
         sampling_seed = None if c.sampling.seed is None else derive_seed(c.sampling.seed, "eval", target.key,
                                                                          seed, sample)
         return EpisodeSpec(env_name=env.name, env_config_json=target.config_json, reward_fn=env.reward_fn,
-                           seed=seed, max_turns=c.max_turns, max_tokens_per_turn=c.sampling.max_tokens,
+                           seed=seed, max_turns=c.max_turns,
+                           max_tokens_per_turn=env.max_tokens or c.sampling.max_tokens,
                            max_episode_tokens=c.max_episode_tokens, run_id=self.run_id,
                            group_id=f"eval-{uuid.uuid4().hex}", group_size=1, sampling_seed=sampling_seed)
 

@@ -193,7 +193,8 @@ class RolloutWorker:
         group_id = group_id or uuid.uuid4().hex
         spec = EpisodeSpec(
             env_name=env.name, env_config_json=env.config_json, reward_fn=env.reward_fn,
-            seed=task_seed, max_turns=self.cfg.max_turns, max_tokens_per_turn=self.cfg.sampling.max_tokens,
+            seed=task_seed, max_turns=self.cfg.max_turns,
+            max_tokens_per_turn=env.max_tokens or self.cfg.sampling.max_tokens,
             max_episode_tokens=self.cfg.max_episode_tokens, run_id=self.run_id, group_id=group_id,
             group_size=self.cfg.group_size, max_wall_s=self.cfg.episode_timeout_s,
         )

@@ -142,3 +142,37 @@ def test_the_rollout_counts_what_the_trainer_trains_on() -> None:
         failed = trajs[0].status == common_pb2.TRAJECTORY_STATUS_ERROR
         assert trainable_count(trajs, filter_zero_variance=True) == (len(trajs) if kept_by_trainer and not failed else 0)
         assert trainable_count(trajs, filter_zero_variance=False) == (0 if failed else len(trajs))
+
+
+class Budgets(Solver):
+    """The solver, recording each turn's token budget."""
+
+    def __init__(self) -> None:
+        self.budgets: list[int] = []
+
+    async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
+        self.budgets.append(max_tokens)
+        return await super().generate(prompt, max_tokens=max_tokens, session_id=session_id, seed=seed)
+
+
+async def test_a_mixture_entry_sets_its_own_turn_budget(redis_url: str, run_id: str) -> None:
+    """rollout.envs[i].max_tokens replaces sampling.max_tokens for that entry's episodes (0: the run's)."""
+    from arlo.config import RolloutEnvConfig
+
+    redis = aioredis.from_url(redis_url)
+    short, long = RolloutEnvConfig(name="arith", label="short"), RolloutEnvConfig(name="arith", label="long",
+                                                                                 max_tokens=64)
+    cfg = RolloutConfig(envs=(short, long), group_size=2, max_turns=2, max_episode_tokens=256,
+                        sampling=SamplingConfig(max_tokens=8))
+    gen, env = Budgets(), GatewayEnv()
+    worker = RolloutWorker(cfg, run_id=run_id, tokenizer=TOK, gen=gen, env=env, scorer=CoreScorer(),
+                           stream=TrajectoryStream(redis, run_id, consumer="rollout"), seed=0)
+    try:
+        await worker.run_group(3, short)
+        assert gen.budgets == [8, 8]
+        await worker.run_group(3, long)
+        assert gen.budgets[2:] == [64, 64]
+    finally:
+        env.shutdown()
+        await delete_run(redis, run_id)
+        await redis.aclose()
