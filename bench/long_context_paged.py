@@ -161,7 +161,7 @@ def engine_capacity(rows: list[list[Any]]) -> dict[str, Any]:
 
 
 def _position_bytes(cfg: Any) -> int:
-    from services.inference.kv_budget import position_bytes
+    from arlo.model.kv_budget import position_bytes
 
     return position_bytes(cfg)
 

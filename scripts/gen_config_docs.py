@@ -22,6 +22,7 @@ from arlo import config as config_module  # noqa: E402
 from arlo.config.base import range_of  # noqa: E402
 
 OUT = ROOT / "docs" / "configuration.md"
+GUIDE = ROOT / "docs" / "configuration_guide.md"
 PACKAGE = Path(config_module.__file__).parent
 
 
@@ -78,8 +79,10 @@ def default_of(f: dataclasses.Field) -> object:
 def render() -> str:
     docs = field_docs()
     lines = ["# Configuration reference", "",
-             "Generated from `arlo/config/` by `scripts/gen_config_docs.py`; do not edit by hand.",
-             "A run is one YAML file; every section and field below is optional unless marked required.", ""]
+             "Generated from `arlo/config/` by `scripts/gen_config_docs.py`; do not edit by hand (the guide",
+             "below comes from `docs/configuration_guide.md`).",
+             "A run is one YAML file; every section and field below is optional unless marked required.", "",
+             *GUIDE.read_text().rstrip().splitlines(), ""]
 
     def section(cls: type, path: str, instance: object | None) -> None:
         hints = typing.get_type_hints(cls)

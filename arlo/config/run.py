@@ -76,6 +76,7 @@ class RunConfig:
                f"must stay below redis.socket_timeout_s ({timeout:g} s) by min(1 s, half of it): at most "
                f"{most_ms} here, got {self.trainer.read_block_ms}")
         self._check_episode_fits()
+        self._check_kv_budget()
         self._check_step_fits_backlog()
         self._check_lora_fits()
         runs = self.inference.runs
@@ -111,6 +112,22 @@ class RunConfig:
                    f"{lora.rank} is not below {target}'s narrower side ({narrow}: {widths[target][0]} -> "
                    f"{widths[target][1]}), so the adapter is no low-rank update; lower it or drop {target} "
                    "from trainer.lora.targets")
+
+    def _check_kv_budget(self) -> None:
+        """The inference engine's KV pages must hold one request of inference.max_n samples at the
+        engine's full sequence length, or it could never be admitted; the engine refuses such a
+        budget at start, this says so when the config loads (a 32k-token run's first check)."""
+        if not self.inference.kv_cache_mib:
+            return
+        from arlo.model.config import ModelConfig
+        from arlo.model.kv_budget import kv_layout
+
+        base = ModelConfig.from_hf_dir(self.model.path) if self.model.path else ModelConfig.named(self.model.name)
+        length = min(base.max_seq_len, *(n for n in (self.model.max_seq_len, self.inference.max_seq_len) if n))
+        try:
+            kv_layout(self.inference, dataclasses.replace(base, max_seq_len=length, dtype=self.model.dtype))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _check_step_fits_backlog(self) -> None:
         """Liveness: the trainer holds trained entries until a checkpoint covers them, and takes a

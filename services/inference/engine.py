@@ -30,12 +30,12 @@ from jax.sharding import Mesh
 from arlo.compile_watch import ahead_of_use
 from arlo.config import InferenceConfig
 from arlo.model import abstract_model
+from arlo.model.kv_budget import kv_layout
 from arlo.model.kv_cache import KVCache
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource, cast_state
 from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
 from services.inference.idle_compile import IdleCompiler
-from services.inference.kv_budget import kv_layout
 from services.inference.pages import PagePool
 from services.inference.policy import initial_policy, published, replaced
 from services.inference.programs import Key, row_floor

@@ -29,10 +29,10 @@ from arlo.config import RunConfig
 from arlo.distributed import make_mesh
 from arlo.memory_plan import compiled_figures, per_device_bytes, placed, plan_main, plan_source
 from arlo.model import abstract_model
+from arlo.model.kv_budget import kv_layout
 from arlo.model.kv_cache import KVCache
 from arlo.model.paged_kv import pool_shapes, pool_shardings
 from arlo.model.sharding import BATCH_AXES, fitted_state_shardings
-from services.inference.kv_budget import kv_layout
 from services.inference.programs import MIN_ROWS, MIN_TOKEN_BUCKET, Buckets, pow2
 from services.inference.runner import _decode_batch, _decode_jit, _prefill_batch, _prefill_jit
 

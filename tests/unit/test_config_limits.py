@@ -28,3 +28,13 @@ def test_a_backlog_that_could_stall_the_run_is_refused_naming_the_fields(backlog
         return
     with pytest.raises(ConfigError, match=r"redis.max_backlog: .*trainer.groups_per_step x rollout.group_size"):
         load_config(overrides=overrides)
+
+
+def test_a_kv_budget_that_cannot_hold_one_request_is_refused_at_load_naming_the_fields() -> None:
+    """Issue 36, item 6: the engine refused such a budget only when it started; the config says so
+    when it loads, with the least budget that holds inference.max_n full-length sequences."""
+    base = {"inference": {"max_n": 8, "max_seq_len": 4096, "page_size": 64}, "model": {"max_seq_len": 0}}
+    with pytest.raises(ConfigError, match=r"inference\.kv_cache_mib: .* cannot hold n = 8 \(inference\.max_n\) "
+                                          r"sequences of \d+ positions .*raise it to at least \d+"):
+        load_config(overrides={**base, "inference": {**base["inference"], "kv_cache_mib": 0.5}})
+    load_config(overrides={**base, "inference": {**base["inference"], "kv_cache_mib": 64}})

@@ -1,15 +1,19 @@
 """How many KV pages an engine gets and how long they are: one function of the inference config and
-the model, shared by the engine and `arlo plan` (services/inference/memory_plan.py)."""
+the model, shared by the engine, `arlo plan` (services/inference/memory_plan.py) and the run
+config's check (arlo/config/run.py). Plain arithmetic: no JAX, so config loading stays light."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+from arlo.model.config import ModelConfig
 
-from arlo.config import InferenceConfig
-from arlo.model import ModelConfig
+if TYPE_CHECKING:
+    from arlo.config import InferenceConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,8 +37,7 @@ class KVLayout:
 
 def position_bytes(model_cfg: ModelConfig) -> int:
     """KV bytes of one position over every layer (keys and values)."""
-    return (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
-            * np.dtype(model_cfg.compute_dtype).itemsize)
+    return 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * DTYPE_BYTES[model_cfg.dtype]
 
 
 def kv_layout(config: InferenceConfig, model_cfg: ModelConfig) -> KVLayout:
@@ -50,8 +53,10 @@ def kv_layout(config: InferenceConfig, model_cfg: ModelConfig) -> KVLayout:
     if config.kv_cache_mib:
         pages = math.floor(config.kv_cache_mib * 2**20 / per_page)
     if pages < config.max_n * per_seq:
-        raise ValueError(f"inference: {pages} KV pages (kv_cache_mib={config.kv_cache_mib}, page_size="
+        raise ValueError(f"inference.kv_cache_mib: {pages} KV pages ({config.kv_cache_mib} MiB, page_size "
                          f"{config.page_size}, {per_page / 2**20:.3f} MiB per page) cannot hold n = {config.max_n} "
-                         f"(inference.max_n) sequences of {slot_len} positions ({per_seq} pages each)")
+                         f"(inference.max_n) sequences of {slot_len} positions ({per_seq} pages each): raise it to "
+                         f"at least {math.ceil(config.max_n * per_seq * per_page / 2**20)}, or lower inference.max_n "
+                         "or inference.max_seq_len")
     return KVLayout(page_size=page_size, pages=pages, max_seqs=config.max_batch, slot_len=slot_len,
                     cache_len=cache_len)
