@@ -230,7 +230,7 @@ class Engine:
         `max_tokens`, `max_batch`, `max_n` and `max_prefill_rows`."""
         limit = self.max_seq_len - 1
         keys = self.runner.program_set(max_prompt=min(self.config.max_prompt_tokens, limit),
-                                       max_tokens=min(self.config.max_tokens, limit))
+                                       max_tokens=min(self.config.max_tokens, limit), recompute=self.preemptible)
         if len(keys) > self.config.warmup_programs:
             if self.config.compile_when_idle and self.config.warmup_programs > 0:  # 0: no warm-up at all
                 self._idle_compiler = IdleCompiler(keys, idle_s=self._idle_s, compile_one=self._compile_ahead)
@@ -250,6 +250,12 @@ class Engine:
         log.info("warm-up: %d programs compiled in %.1fs", len(keys), time.perf_counter() - started,
                  extra={"programs": len(keys)})
         return len(keys)
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether samples may be preempted and resumed by a prefill of their prompt and tokens:
+        partial rollouts, or fewer pages than every sequence at full length needs."""
+        return self.recompute_on_swap or self.runner.pages < self.max_seqs * self.runner.table_len
 
     def _idle_s(self) -> float:
         """How long the engine has had nothing to do (0 while it has work)."""

@@ -112,17 +112,22 @@ class Buckets:
         return start, t
 
 
-def program_set(b: Buckets, *, max_prompt: int, max_tokens: int, max_seq_len: int) -> set[Key]:
+def program_set(b: Buckets, *, max_prompt: int, max_tokens: int, max_seq_len: int,
+                recompute: bool = False) -> set[Key]:
     """Every key the runner can produce for prompts of 1..max_prompt tokens (with or without a
-    reused prefix) and completions of 1..max_tokens, prompt + completion <= max_seq_len."""
+    reused prefix) and completions of 1..max_tokens, prompt + completion <= max_seq_len.
+    `recompute`: samples may be preempted (a KV budget below every sequence at full length, or
+    partial rollouts): a resumed sample prefills its prompt and the tokens it has, so its row may
+    be as long as prompt + max_tokens - 1."""
     keys: set[Key] = set()
+    longest_row = max(max_prompt, min(max_prompt + max_tokens - 1, max_seq_len - 1)) if recompute else max_prompt
     # A chunk feeds from the prompt's length up to prompt + max_tokens - 2.
     furthest = max(min(max_prompt + max_tokens - 2, max_seq_len - 2, b.cache_len), 1)
     decode_windows = {b.window(p) for p in range(1, furthest + 1)}
     rows = {b.decode_rows(n) for n in range(1, b.num_slots + 1)}
     keys |= {("decode", r, w) for r in rows for w in decode_windows}
     shapes: set[tuple[int, int]] = set()  # (t, w) over every (length, start)
-    for length in range(1, max_prompt + 1):
+    for length in range(1, longest_row + 1):
         start, t = b.prefill_shape(length, 0)
         shapes.add((t, b.window(start + t)))
         shapes |= _reused_prefix_shapes(b, length)

@@ -164,10 +164,11 @@ class Runner:
         prefill: 0 when its token bucket would overrun the table (the prefix is recomputed)."""
         return self.buckets.prefill_shape(length, cached)[0]
 
-    def program_set(self, *, max_prompt: int, max_tokens: int) -> set[Key]:
-        """Every program key requests within these limits can need (services/inference/programs.py)."""
+    def program_set(self, *, max_prompt: int, max_tokens: int, recompute: bool = False) -> set[Key]:
+        """Every program key requests within these limits can need (services/inference/programs.py);
+        `recompute`: with the prefills of preempted samples resumed."""
         return program_set(self.buckets, max_prompt=max_prompt, max_tokens=max_tokens,
-                           max_seq_len=self.cache_len - self.decode_steps)
+                           max_seq_len=self.cache_len - self.decode_steps, recompute=recompute)
 
     def warm_up(self, state: nnx.State, keys: set[Key]) -> None:
         """Compiles every program in `keys` ahead of time (nothing runs: the cache is untouched),

@@ -243,6 +243,11 @@ def test_running_out_of_pages_preempts_and_recomputes_without_changing_a_sample(
         got = [h.result(300)[0] for h in tight.submit_many(reqs)]
         want = [h.result(300)[0] for h in roomy.submit_many(reqs)]
         assert tight.scheduler.preemptions > 0 and roomy.scheduler.preemptions == 0
+        # The resumed prefills (prompt + generated tokens, longer than any prompt) are in the set
+        # warm_up compiles: a preempting engine compiles nothing mid-run (they were late compiles).
+        assert tight.preemptible and not roomy.preemptible
+        warm = tight.runner.program_set(max_prompt=16, max_tokens=40, recompute=tight.preemptible)
+        assert tight.runner.shapes <= warm, tight.runner.shapes - warm
         for a, b in zip(got, want, strict=True):
             assert a.token_ids == b.token_ids
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

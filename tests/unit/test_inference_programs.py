@@ -29,6 +29,17 @@ def test_the_prefill_set_is_every_reachable_shape(cache_len: int, max_prompt: in
     assert {k[4] for k in keys if k[0] == "prefill"} == {b.samples}
 
 
+def test_with_recompute_the_set_holds_every_resumed_samples_prefill() -> None:
+    """A preempted sample is resumed by a prefill of its prompt and the tokens it has (up to
+    max_tokens - 1 of them), from any cached prefix: rows longer than any prompt."""
+    b = Buckets(num_slots=8, cache_len=132, max_prefill_rows=4, max_n=2)
+    keys = program_set(b, max_prompt=16, max_tokens=40, max_seq_len=128, recompute=True)
+    reachable = {(b.prefill_shape(length, start)[1], b.window(sum(b.prefill_shape(length, start))))
+                 for length in range(1, 16 + 40) for start in range(length)}
+    assert {(k[2], k[3]) for k in keys if k[0] == "prefill"} == reachable
+    assert len(program_set(b, max_prompt=16, max_tokens=40, max_seq_len=128)) < len(keys)
+
+
 def test_tight_limits_are_a_handful_of_programs() -> None:
     # bench/grpo_tiny's 76k workload: 16-token prompts, 16-token completions, 32 slots.
     b = Buckets(num_slots=32, cache_len=132, max_prefill_rows=16, max_n=4)
