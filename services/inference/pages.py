@@ -117,7 +117,9 @@ class PagePool:
 
     def lookup(self, keys: Sequence[bytes]) -> tuple[list[int], bool]:
         """(the cached pages of the longest run of `keys` from the first, whether the run stopped
-        at a page still pending this step). Counts the walk in `stats`; takes nothing."""
+        at a page still pending this step). Takes nothing and counts nothing: a request waiting for
+        pages looks up again every step, so the scheduler counts a lookup once, when it admits
+        (`count_lookup`)."""
         pages = []
         for key in keys:
             page = self._page_of.get(key)
@@ -126,9 +128,12 @@ class PagePool:
             if page in self.pending:
                 return pages, True
             pages.append(page)
-        self.stats.lookup_tokens += len(keys) * self.page_size
-        self.stats.hit_tokens += len(pages) * self.page_size
         return pages, False
+
+    def count_lookup(self, looked: int, hit: int) -> None:
+        """An admitted prompt walked `looked` full pages and reads `hit` of them from the cache."""
+        self.stats.lookup_tokens += looked * self.page_size
+        self.stats.hit_tokens += hit * self.page_size
 
     def acquire(self, pages: Sequence[int], times: int = 1) -> None:
         """Holds cached `pages` `times` more times (each sequence that reads them holds them once)."""

@@ -105,6 +105,8 @@ class _Plan:
     """Pages each sample takes for itself (its partial page and the first decode position's)."""
     rides: bool = False
     """It reads a row planned earlier in the step (the same prompt): no prefill of its own."""
+    looked: int = 0
+    """Full pages its prefix-cache lookup walked (the prefix stats count them at admission)."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -176,6 +178,8 @@ class Scheduler:
             self.running[req.id] = req
             for plan in plans:
                 self._register_prompt(plan, versions[req.params.adapter])
+                if not plan.rides:
+                    self.pool.count_lookup(plan.looked, len(plan.shared))
             budget -= tokens
             items += [p.item for p in plans]
         return items
@@ -210,7 +214,7 @@ class Scheduler:
         full = length // size
         item = PrefillItem(tokens=tokens, start=len(cached) * size, adapter=adapter, seqs=seqs, count=count)
         return [_Plan(item=item, shared=cached, fresh_shared=full - len(cached),
-                      private=self.pool.pages_for(length + 1) - full)]
+                      private=self.pool.pages_for(length + 1) - full, looked=len(keys))]
 
     def _take_pages(self, plans: list[_Plan]) -> bool:
         # Cached pages are held before the allocation, which would otherwise evict idle ones.

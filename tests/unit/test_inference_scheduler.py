@@ -162,6 +162,38 @@ def test_an_idle_cached_page_found_by_a_request_is_not_evicted_by_its_own_alloca
     assert len(set(later.seqs[0].pages)) == len(later.seqs[0].pages) == 5
 
 
+def test_the_prefix_stats_count_a_request_once_however_long_it_waits_and_only_the_pages_it_reads() -> None:
+    """A request waiting for pages looks the prefix cache up again every step: each walk was
+    counted, so the hit rate weighed a request by the steps it waited. And the pages a lookup
+    found but the prefill's bucket gave up (it restarts from 0) were counted as hits."""
+    s = scheduler(pages=5)
+    first = request(prompt=tuple(range(9)))
+    s.add(first)
+    admit(s)
+    run_to_end(s, first, [9])  # pages of 0..3 and 4..7 cached and idle
+    hog = request(prompt=(70, 71, 72))
+    s.add(hog)
+    admit(s)
+    later = request(prompt=(*range(8), *range(60, 68)))  # walks 3 full pages, finds 2, needs 3 pages more
+    s.add(later)
+    stats = s.pool.stats
+    looked, hit = stats.lookup_tokens, stats.hit_tokens
+    for _ in range(3):
+        assert admit(s) == []
+    run_to_end(s, hog, [1])
+    assert admit(s) == [later]
+    assert (stats.lookup_tokens - looked, stats.hit_tokens - hit) == (3 * PAGE, 2 * PAGE)
+    # A bucket that gives the reuse up (prefill_start 0) prefills the found pages again: no hit.
+    restart = Scheduler(max_seqs=8, prefill_tokens=1000, pool=PagePool(64, PAGE), prefill_start=lambda n, c: 0)
+    turn = request(prompt=tuple(range(9)))
+    restart.add(turn)
+    admit(restart)
+    run_to_end(restart, turn, [9])
+    restart.add(request(prompt=tuple(range(9))))
+    (item,) = restart.schedule((0,))
+    assert item.start == 0 and restart.pool.stats.hit_tokens == 0
+
+
 def test_growing_past_the_pool_preempts_the_newest_and_resumes_it_with_its_tokens() -> None:
     s = scheduler(pages=4)
     old, new = request(prompt=(1, 2, 3)), request(prompt=(4, 5, 6))
