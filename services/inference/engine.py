@@ -75,7 +75,7 @@ class Engine:
         over `tensor`) across its devices; None serves from the default device. `adapters`: a LoRA
         source's adapters held at once (> 1: several runs over one base, each request naming its
         slot, each slot swapped and versioned on its own); 0 or 1: one. `recompute_on_swap`: partial
-        rollouts (rollout.partial): at a swap, in-flight samples stop at a token boundary and go on
+        rollouts (rollout.partial): at a swap, the swapped slot's in-flight samples stop at a token boundary and go on
         under the new weights with their KV recomputed by them; False: they go on over the KV the
         old weights wrote. Either way each token keeps the version that sampled it."""
         self.config = config or InferenceConfig()
@@ -339,8 +339,10 @@ class Engine:
     def _step(self) -> None:
         policy = self._policy  # read once: the whole step runs under one version
         if policy.versions != self._served_versions:
-            if self.recompute_on_swap:
-                self.stats.recomputed += self.scheduler.preempt_all()
+            if self.recompute_on_swap:  # only the swapped slots' samples: the others' KV is still theirs
+                swapped = {slot for slot, (new, old) in enumerate(zip(policy.versions, self._served_versions,
+                                                                      strict=True)) if new != old}
+                self.stats.recomputed += self.scheduler.preempt_all(adapters=swapped)
             self._served_versions = policy.versions
         items = self.scheduler.schedule(policy.versions)
         now = time.perf_counter()

@@ -20,7 +20,7 @@ swap (`preempt_all`: partial rollouts).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from services.inference.pages import PagePool, page_keys, salt_of
@@ -297,10 +297,10 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(req)
 
-    def preempt_all(self) -> int:
-        """Preempts every running request (their KV is recomputed on the weights served next);
-        returns how many."""
-        reqs = list(self.running.values())
+    def preempt_all(self, adapters: Collection[int] | None = None) -> int:
+        """Preempts every running request (their KV is recomputed on the weights served next), or
+        those of the adapter slots `adapters` (the slots a swap replaced); returns how many."""
+        reqs = [r for r in self.running.values() if adapters is None or r.params.adapter in adapters]
         for req in reversed(reqs):  # the earliest admitted ends up first in the queue
             self.preempt(req)
         return len(reqs)
