@@ -63,14 +63,6 @@ def init_cache(cfg: ModelConfig, *, batch: int, length: int, dtype: jnp.dtype | 
                    v=tuple(jnp.zeros(v_shape, dt) for _ in range(cfg.num_layers)))
 
 
-def broadcast_cache(cache: KVCache, batch: int) -> KVCache:
-    """Repeat a batch-1 cache (one prefilled prompt) to `batch` rows."""
-    def rows(x: jax.Array) -> jax.Array:
-        return jnp.broadcast_to(x, (batch, *x.shape[1:]))
-
-    return jax.tree.map(rows, cache)
-
-
 def write_rows(k_bkhs: jax.Array, v_bksh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
                start_b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One layer's (keys, values) with t new tokens per row written at positions start_b..
@@ -90,20 +82,6 @@ def write_rows(k_bkhs: jax.Array, v_bksh: jax.Array, k_btkh: jax.Array, v_btkh: 
     return jax.vmap(row_k)(k_bkhs, k_new, start_b), jax.vmap(row_v)(v_bksh, v_new, start_b)
 
 
-def gather_window(cache: KVCache, rows: jax.Array, window: int) -> KVCache:
-    """Rows `rows`, positions [0, window): what a batch of slots attends (a copy)."""
-    return KVCache(k=tuple(x[rows, :, :, :window] for x in cache.k),
-                   v=tuple(x[rows, :, :window] for x in cache.v))
-
-
-def scatter_window(cache: KVCache, win: KVCache, rows: jax.Array, src: jax.Array | None = None) -> KVCache:
-    """Writes window rows `src` (default all, in order) over positions [0, window) of cache rows `rows`."""
-    w = win.length
-    pick = (lambda x: x) if src is None else (lambda x: x[src])
-    return KVCache(k=tuple(c.at[rows, :, :, :w].set(pick(x)) for c, x in zip(cache.k, win.k, strict=True)),
-                   v=tuple(c.at[rows, :, :w].set(pick(x)) for c, x in zip(cache.v, win.v, strict=True)))
-
-
 def write_slot(k_bkhs: jax.Array, v_bksh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
                start: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`write_rows` with one start for every row: a dynamic_update_slice, in place."""
@@ -117,7 +95,9 @@ def write_slot(k_bkhs: jax.Array, v_bksh: jax.Array, k_btkh: jax.Array, v_btkh: 
 
 def write_band(cache: KVCache, buf: KVCache, rows: jax.Array, start_b: jax.Array) -> KVCache:
     """Writes all `buf.length` positions of buffer row r at positions start_b[r].. of cache row
-    rows[r] (a decode chunk's new keys/values); callers guarantee start + length <= cache length."""
+    rows[r] (a decode chunk's new keys/values, into a dense cache: the model tests' reference;
+    the engine's paged pool is written by `paged_kv.write_positions`); callers guarantee
+    start + length <= cache length."""
     cols = start_b[:, None] + jnp.arange(buf.length, dtype=jnp.int32)  # [r, steps]
     # Advanced indices (rows, cols) split by slices: their dims come first -> [r, steps, k, h].
     return KVCache(k=tuple(c.at[rows[:, None], :, :, cols].set(jnp.transpose(x, (0, 3, 1, 2)).astype(c.dtype))

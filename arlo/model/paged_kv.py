@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from arlo.model.config import ModelConfig
-from arlo.model.kv_cache import KVCache, cache_shapes
-from arlo.model.sharding import BATCH_AXES, fit_spec
+from arlo.model.kv_cache import KVCache, cache_shapes, cache_shardings, init_cache
 
 
 def pool_shapes(cfg: ModelConfig, *, pages: int, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -32,21 +31,12 @@ def pool_shapes(cfg: ModelConfig, *, pages: int, page_size: int) -> tuple[tuple[
 
 def init_pool(cfg: ModelConfig, *, pages: int, page_size: int, dtype: jnp.dtype | None = None) -> KVCache:
     """Zeros: `pages` rows of `page_size` positions (a KVCache whose batch axis is the page)."""
-    k_shape, v_shape = pool_shapes(cfg, pages=pages, page_size=page_size)
-    dt = cfg.compute_dtype if dtype is None else dtype
-    return KVCache(k=tuple(jnp.zeros(k_shape, dt) for _ in range(cfg.num_layers)),
-                   v=tuple(jnp.zeros(v_shape, dt) for _ in range(cfg.num_layers)))
+    return init_cache(cfg, batch=pages, length=page_size, dtype=dtype)
 
 
 def pool_shardings(cfg: ModelConfig, mesh: Mesh, *, pages: int, page_size: int) -> KVCache:
     """Pages over the data-parallel axes, kv heads over `tensor`, each only where it divides."""
-    batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names) or None
-    heads_axis = "tensor" if "tensor" in mesh.axis_names else None
-    k_shape, v_shape = pool_shapes(cfg, pages=pages, page_size=page_size)
-    spec = PartitionSpec(batch_axes, heads_axis)
-    k = NamedSharding(mesh, fit_spec(mesh, k_shape, spec))
-    v = NamedSharding(mesh, fit_spec(mesh, v_shape, spec))
-    return KVCache(k=(k,) * cfg.num_layers, v=(v,) * cfg.num_layers)
+    return cache_shardings(cfg, mesh, batch=pages, length=page_size)
 
 
 def table_pages(window: int, page_size: int) -> int:
