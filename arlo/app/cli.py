@@ -270,7 +270,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     staleness = "-" if status["staleness"] is None else f"{status['staleness']:.2f}"
     table = Table(title=f"run '{status['run_id']}': trainer v{status['trainer_version']}, pointer "
                         f"v{status['pointer_version']}, queue depth {status['queue_depth']}, staleness {staleness}")
-    for col in ("service", "address", "healthy", "weight version", "instances", "throughput", "errors"):
+    for col in ("service", "address", "healthy", "weight version", "instances", "throughput", "KV cache", "errors"):
         table.add_column(col)
     for s in status["services"]:
         rates = ", ".join(f"{v:.1f} {unit}" for unit, v in s.get("throughput", {}).items()) or "-"
@@ -279,13 +279,22 @@ def cmd_status(args: argparse.Namespace) -> int:
                            if v) or "-"
         table.add_row(s["name"], s["address"], "yes" if s["healthy"] else "[red]no",
                       "-" if s["weight_version"] is None else str(s["weight_version"]),
-                      str(s.get("instances", "-")), rates, errors)
+                      str(s.get("instances", "-")), rates, _kv_text(s.get("kv", {})), errors)
     Console().print(table)
     if status.get("trainer_diagnostics"):
         Console().print(_diagnostics_line(status["trainer_diagnostics"]))
     if status.get("latest_eval"):
         Console().print(eval_text(f"{status['latest_eval']['tag']!r} (latest)", status["latest_eval"]))
     return 0
+
+
+def _kv_text(kv: dict) -> str:
+    """Inference's paged KV cache: pages in use, the prefix cache's hit rate, preemptions."""
+    if not kv.get("kv_pages"):
+        return "-"
+    hit = f", prefix hits {kv['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in kv else ""
+    preempted = f", {kv['preemptions']} preempted" if kv.get("preemptions") else ""
+    return f"{kv.get('kv_pages_used', 0)}/{kv['kv_pages']} pages{hit}{preempted}"
 
 
 DIAGNOSTICS_SHOWN = ("loss", "reward_mean", "kl_ref", "approx_kl", "clip_fraction", "entropy", "grad_norm",

@@ -29,6 +29,9 @@ ERRORS = {"trainer": ("dropped_stale", "dropped_failed", "dropped_malformed", "d
           "rollout": ("retries", "failed_groups"), "inference": ("aborted",)}
 COMPILES = ("compiles", "late_compiles", "ahead_compiles")
 """XLA compile counters of the services that run a model (arlo/compile_watch.py): late ones stall a run."""
+KV = ("kv_pages", "kv_pages_used", "prefix_hit_tokens", "prefix_lookup_tokens", "preemptions")
+"""The inference engines' paged KV cache (summed over replicas): pages in use, and the prefix cache's
+hit rate since start from its token counters."""
 
 
 async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float = 2.5) -> dict[str, Any]:
@@ -98,6 +101,14 @@ def service_activity(first: list[dict[str, str]], second: list[dict[str, str]]) 
             if counter in s:
                 compiles = entry.setdefault("compiles", {})
                 compiles[counter] = compiles.get(counter, 0) + int(float(s[counter]))
+        for counter in KV:
+            if counter in s:
+                kv = entry.setdefault("kv", {})
+                kv[counter] = kv.get(counter, 0) + int(float(s[counter]))
+    for entry in out.values():
+        kv = entry.get("kv")
+        if kv and kv.get("prefix_lookup_tokens"):
+            kv["prefix_hit_rate"] = kv.get("prefix_hit_tokens", 0) / kv["prefix_lookup_tokens"]
     return out
 
 
