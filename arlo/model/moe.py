@@ -22,10 +22,11 @@ for the CPU tests and demos, not for serving a real MoE.
 Expert weights carry the logical axis "expert" (arlo.model.sharding maps it onto a mesh axis
 of that name: expert parallel); the router is small and replicated.
 
-Routing replay ("R3"): `routed(x, experts_btk=...)` uses the given experts instead of the
-router's top-k, weighted by the router's current probabilities of those experts (so the router
-still learns), and every call returns the experts it used, so the sampler's choices can be
-recorded and the trainer's forward made to use them.
+Routing replay ("R3"): `routed(x, experts_btk=..., replay_bt=...)` uses the given experts
+instead of the router's top-k at the tokens `replay_bt` marks (every token without it), weighted
+by the router's current probabilities of those experts (so the router still learns), and every
+call returns the experts it used and the router's own top-k, so the sampler's choices can be
+recorded, the trainer's forward made to use them, and the two compared (`routing_mismatch`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Routing(NamedTuple):
 
     experts_btk: jax.Array
     """int32 [b, t, k]: the experts each token went to, the router's choice or the replayed one."""
+    own_btk: jax.Array
+    """int32 [b, t, k]: the router's own top-k (equal to experts_btk where nothing is replayed)."""
     load_e: jax.Array
     """float32 [E]: (token, expert) pairs counted per expert, over the counted tokens."""
     prob_e: jax.Array
@@ -83,24 +86,28 @@ class MoE(nnx.Module):
         return self.routed(x_btd)[0]
 
     def routed(self, x_btd: jax.Array, experts_btk: jax.Array | None = None,
-               count_bt: jax.Array | None = None) -> tuple[jax.Array, Routing]:
-        """(y_btd, Routing). `experts_btk` (int [b, t, top_k]) replaces the router's choice;
-        `count_bt` (0/1 [b, t]) picks the tokens the Routing's load statistics count."""
+               count_bt: jax.Array | None = None, replay_bt: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+        """(y_btd, Routing). `experts_btk` (int [b, t, top_k]) replaces the router's choice, at the
+        tokens `replay_bt` (0/1 [b, t]) marks when given (the router's own top-k elsewhere), at every
+        token without it; `count_bt` (0/1 [b, t]) picks the tokens the Routing's load statistics count."""
         b, t, d = x_btd.shape
         probs_bte = self.router_probs(x_btd)
+        weights_btk, own_btk = jax.lax.top_k(probs_bte, self.top_k)
         if experts_btk is None:
-            weights_btk, experts_btk = jax.lax.top_k(probs_bte, self.top_k)
+            experts_btk = own_btk
         else:
             if experts_btk.shape != (b, t, self.top_k):
                 raise ValueError(f"MoE replay: experts_btk has shape {experts_btk.shape}, expected "
                                  f"{(b, t, self.top_k)} (batch, length, top_k)")
             experts_btk = experts_btk.astype(jnp.int32)
+            if replay_bt is not None:
+                experts_btk = jnp.where(replay_bt[:, :, None] > 0, experts_btk, own_btk)
             weights_btk = jnp.take_along_axis(probs_bte, experts_btk, axis=-1)
         if self.norm_topk_prob:
             weights_btk = weights_btk / weights_btk.sum(axis=-1, keepdims=True)
         y_nd = self._experts(x_btd.reshape(b * t, d), experts_btk.reshape(b * t, -1),
                              weights_btk.reshape(b * t, -1).astype(x_btd.dtype))
-        return y_nd.reshape(b, t, d), _routing(probs_bte, experts_btk, count_bt)
+        return y_nd.reshape(b, t, d), _routing(probs_bte, experts_btk, own_btk, count_bt)
 
     def router_probs(self, x_btd: jax.Array) -> jax.Array:
         """float32 [b, t, E]. In float32 whatever the compute dtype: a bf16 router turns near-ties
@@ -140,12 +147,25 @@ class MoE(nnx.Module):
         return jnp.einsum("nkd,nk->nd", out_md[inverse].reshape(n, k, -1), weights_nk)
 
 
-def _routing(probs_bte: jax.Array, experts_btk: jax.Array, count_bt: jax.Array | None) -> Routing:
+def _routing(probs_bte: jax.Array, experts_btk: jax.Array, own_btk: jax.Array, count_bt: jax.Array | None) -> Routing:
     e = probs_bte.shape[-1]
     count = jnp.ones(probs_bte.shape[:2], jnp.float32) if count_bt is None else count_bt.astype(jnp.float32)
     chosen_bte = jax.nn.one_hot(experts_btk, e, dtype=jnp.float32).sum(axis=2)
-    return Routing(experts_btk=experts_btk, load_e=jnp.einsum("bte,bt->e", chosen_bte, count),
+    return Routing(experts_btk=experts_btk, own_btk=own_btk, load_e=jnp.einsum("bte,bt->e", chosen_bte, count),
                    prob_e=jnp.einsum("bte,bt->e", probs_bte, count), tokens=count.sum())
+
+
+def set_differs_bt(a_btk: jax.Array, b_btk: jax.Array) -> jax.Array:
+    """bool [b, t]: whether the SET of k experts differs (the order of the k does not matter)."""
+    return jnp.any(jnp.sort(a_btk, axis=-1) != jnp.sort(b_btk, axis=-1), axis=-1)
+
+
+def routing_mismatch_bt(routings: Sequence[Routing], recorded_lbtk: jax.Array) -> jax.Array:
+    """bool [b, t]: tokens where any routed layer's own top-k set differs from the recorded one."""
+    out = jnp.zeros(recorded_lbtk.shape[1:3], jnp.bool_)
+    for routing, recorded_btk in zip(routings, recorded_lbtk, strict=True):
+        out = out | set_differs_bt(routing.own_btk, recorded_btk)
+    return out
 
 
 def load_balancing_loss(routings: Sequence[Routing]) -> jax.Array:

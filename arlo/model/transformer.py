@@ -49,23 +49,35 @@ class Block(nnx.Module):
         mask_bts: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None = None,
         start_b: jax.Array | None = None,
+        experts: list[jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """`experts`: a routed layer appends the experts it chose ([b, t, top_k]) to it (recording)."""
         h_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, mask_bts, kv, start_b)
         x_btd = x_btd + self._post(h_btd, "post_attn_norm")
-        return x_btd + self._post(self.mlp(self.mlp_norm(x_btd)), "post_mlp_norm"), new_kv
+        return x_btd + self._post(self._mlp(self.mlp_norm(x_btd), experts), "post_mlp_norm"), new_kv
 
     def decode_buffered(self, x_btd: jax.Array, positions_bt: jax.Array, cache: Part, buf: Part,
-                        step: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                        step: jax.Array, experts: list[jax.Array] | None = None,
+                        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         h_btd, new_buf = self.attn.decode_buffered(self.attn_norm(x_btd), positions_bt, cache, buf, step)
         x_btd = x_btd + self._post(h_btd, "post_attn_norm")
-        return x_btd + self._post(self.mlp(self.mlp_norm(x_btd)), "post_mlp_norm"), new_buf
+        return x_btd + self._post(self._mlp(self.mlp_norm(x_btd), experts), "post_mlp_norm"), new_buf
+
+    def _mlp(self, x_btd: jax.Array, experts: list[jax.Array] | None) -> jax.Array:
+        if experts is None or not isinstance(self.mlp, MoE):
+            return self.mlp(x_btd)
+        y_btd, routing = self.mlp.routed(x_btd)
+        experts.append(routing.experts_btk)
+        return y_btd
 
     def routed(self, x_btd: jax.Array, positions_bt: jax.Array, mask_bts: jax.Array,
-               experts_btk: jax.Array | None, count_bt: jax.Array | None) -> tuple[jax.Array, Routing]:
-        """`__call__` without a cache for a routed layer, its routing in (replay) and out (moe.MoE.routed)."""
+               experts_btk: jax.Array | None, count_bt: jax.Array | None,
+               replay_bt: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+        """`__call__` without a cache for a routed layer, its routing in (replay, at `replay_bt`'s
+        tokens) and out (moe.MoE.routed)."""
         h_btd, _ = self.attn(self.attn_norm(x_btd), positions_bt, mask_bts)
         x_btd = x_btd + self._post(h_btd, "post_attn_norm")
-        y_btd, routing = self.mlp.routed(self.mlp_norm(x_btd), experts_btk, count_bt)
+        y_btd, routing = self.mlp.routed(self.mlp_norm(x_btd), experts_btk, count_bt, replay_bt)
         return x_btd + self._post(y_btd, "post_mlp_norm"), routing
 
     def _post(self, h_btd: jax.Array, norm: str) -> jax.Array:
@@ -111,10 +123,12 @@ class Transformer(nnx.Module):
 
     def hidden_routed(self, tokens_bt: jax.Array, *, remat: str = "none", experts_lbtk: jax.Array | None = None,
                       count_bt: jax.Array | None = None, segment_ids_bt: jax.Array | None = None,
-                      positions_bt: jax.Array | None = None) -> tuple[jax.Array, tuple[Routing, ...]]:
+                      positions_bt: jax.Array | None = None,
+                      replay_bt: jax.Array | None = None) -> tuple[jax.Array, tuple[Routing, ...]]:
         """`hidden` with the routed layers' Routing (moe.py), one per routed layer in order:
         the experts each token used and the load-balancing statistics over `count_bt`'s tokens.
-        `experts_lbtk` ([routed layers, b, t, top_k]) replays recorded experts instead of routing.
+        `experts_lbtk` ([routed layers, b, t, top_k]) replays recorded experts instead of routing,
+        at the tokens `replay_bt` (0/1 [b, t]) marks when given, at every token without it.
         With `remat`, each layer is rematerialised on its own (no scan: the Routing is per layer).
         `segment_ids_bt` / `positions_bt`: packed rows, as in `hidden`."""
         positions_bt, masks = self._train_layout(tokens_bt, segment_ids_bt, positions_bt)
@@ -124,7 +138,7 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             def run(layer: Block, x: jax.Array, experts: jax.Array | None) -> tuple[jax.Array, Routing | None]:
                 if isinstance(layer.mlp, MoE):
-                    return layer.routed(x, positions_bt, masks[layer.sliding], experts, count_bt)
+                    return layer.routed(x, positions_bt, masks[layer.sliding], experts, count_bt, replay_bt)
                 return layer(x, positions_bt, masks[layer.sliding])[0], None
 
             if remat != "none":
@@ -138,21 +152,28 @@ class Transformer(nnx.Module):
         return self._logits(h_btd)
 
     def prefill(
-        self, tokens_bt: jax.Array, lengths_b: jax.Array, cache: KVCache, *, start_b: jax.Array | None = None
-    ) -> tuple[jax.Array, KVCache]:
+        self, tokens_bt: jax.Array, lengths_b: jax.Array, cache: KVCache, *, start_b: jax.Array | None = None,
+        with_experts: bool = False,
+    ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
         """Write a right-padded chunk into the cache at positions start_b.. (default 0).
 
         Returns the float32 logits after each row's last real token (index lengths_b - 1 of
         the chunk), i.e. the next-token distribution, and the updated cache. Padding
         tokens are written too; they sit beyond the row's position and get overwritten by
-        later decode steps before anything attends to them.
+        later decode steps before anything attends to them. `with_experts` (a model with routed
+        experts): also the experts every routed layer chose at that last real token, int32
+        [b, routed layers, top_k] (what routing replay records for the token sampled from it).
         """
         if start_b is None:
             start_b = jnp.zeros(tokens_bt.shape[:1], jnp.int32)
-        x_btd, cache = self._forward_cached(tokens_bt, start_b, cache)
+        experts: list[jax.Array] | None = [] if with_experts else None
+        x_btd, cache = self._forward_cached(tokens_bt, start_b, cache, experts)
         last_b = jnp.asarray(lengths_b, jnp.int32) - 1
         x_bd = jnp.take_along_axis(x_btd, last_b[:, None, None], axis=1)[:, 0]
-        return self._logits(self.final_norm(x_bd[:, None]))[:, 0], cache
+        logits_bv = self._logits(self.final_norm(x_bd[:, None]))[:, 0]
+        if experts is None:
+            return logits_bv, cache
+        return logits_bv, cache, _stack_experts(experts, last_b)
 
     def decode_step(
         self, tokens_b: jax.Array, positions_b: jax.Array, cache: KVCache
@@ -163,15 +184,16 @@ class Transformer(nnx.Module):
 
     def decode_step_buffered(
         self, tokens_b: jax.Array, positions_b: jax.Array, base_b: jax.Array, cache: KVCache, buf: KVCache,
-        step: jax.Array,
-    ) -> tuple[jax.Array, KVCache]:
+        step: jax.Array, *, with_experts: bool = False,
+    ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
         """`decode_step` for a chunk of decode steps over a read-only `cache`.
 
         `cache` holds each row's keys/values below base_b (the row's position when the chunk
         began) and is not written; the chunk's own keys/values go to `buf` (same layout, one
         slot per step) at slot `step`, and slots <= step of `buf` are attended too. The
         caller writes `buf` back into its cache once per chunk (`kv_cache.write_band`).
-        Returns (logits_bv float32, buf).
+        Returns (logits_bv float32, buf); `with_experts` (a model with routed experts): plus the
+        experts every routed layer chose for the fed token, int32 [b, routed layers, top_k].
         """
         positions_bt = jnp.asarray(positions_b, jnp.int32)[:, None]
         cache_pos_bs = jnp.arange(cache.length, dtype=jnp.int32)[None, :]
@@ -183,16 +205,20 @@ class Transformer(nnx.Module):
         buf_masks = self._layer_masks(buf_mask_bts, positions_bt, buf_pos_bs)
         x_btd = self._embed(tokens_b[:, None])
         new_k, new_v = [], []
+        experts: list[jax.Array] | None = [] if with_experts else None
         for i, layer in enumerate(self.layers):
             cache_part = (cache.k[i], cache.v[i], cache_masks[layer.sliding])
             buf_part = (buf.k[i], buf.v[i], buf_masks[layer.sliding])
-            x_btd, (k, v) = layer.decode_buffered(x_btd, positions_bt, cache_part, buf_part, step)
+            x_btd, (k, v) = layer.decode_buffered(x_btd, positions_bt, cache_part, buf_part, step, experts)
             new_k.append(k)
             new_v.append(v)
-        return self._logits(self.final_norm(x_btd))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
+        logits_bv, buf = self._logits(self.final_norm(x_btd))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
+        if experts is None:
+            return logits_bv, buf
+        return logits_bv, buf, _stack_experts(experts, jnp.zeros(tokens_b.shape[:1], jnp.int32))
 
     def _forward_cached(
-        self, tokens_bt: jax.Array, start_b: jax.Array, cache: KVCache
+        self, tokens_bt: jax.Array, start_b: jax.Array, cache: KVCache, experts: list[jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         t = tokens_bt.shape[1]
         positions_bt = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)
@@ -201,7 +227,7 @@ class Transformer(nnx.Module):
         x_btd = self._embed(tokens_bt)
         new_k, new_v = [], []
         for layer, k_bskh, v_bskh in zip(self.layers, cache.k, cache.v, strict=True):
-            x_btd, kv = layer(x_btd, positions_bt, masks[layer.sliding], (k_bskh, v_bskh), start_b)
+            x_btd, kv = layer(x_btd, positions_bt, masks[layer.sliding], (k_bskh, v_bskh), start_b, experts)
             assert kv is not None
             new_k.append(kv[0])
             new_v.append(kv[1])
@@ -244,6 +270,14 @@ class Transformer(nnx.Module):
             head_dv = self.lm_head_dv[...].astype(x_btd.dtype)
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
         return softcap(logits_btv, self.cfg.final_logit_softcap)
+
+
+def _stack_experts(experts: list[jax.Array], index_b: jax.Array) -> jax.Array:
+    """int32 [b, routed layers, top_k]: each routed layer's experts ([b, t, top_k]) at column index_b."""
+    if not experts:
+        raise ValueError("with_experts: the model has no routed experts")
+    at = [jnp.take_along_axis(e, index_b[:, None, None], axis=1)[:, 0] for e in experts]
+    return jnp.stack(at, axis=1).astype(jnp.int32)
 
 
 def segment_mask_bts(segment_ids_bt: jax.Array) -> jax.Array:
