@@ -68,7 +68,13 @@ def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[s
     w = buckets.window(min(ic.max_prompt_tokens + ic.max_tokens, slot_len))
     decode = compiled_figures(_decode_jit.lower(graphdef, ic.decode_steps, w, sharding, state, cache,
                                                 _decode_batch([], b, kv.table_len)).compile())
-    t = min(pow2(min(ic.max_prompt_tokens, slot_len), MIN_TOKEN_BUCKET), cache_len)
+    # The longest prefill row: a prompt, or where samples can be preempted (partial rollouts, or
+    # fewer pages than every sequence at full length: Engine.preemptible) a resumed sample's
+    # prompt and tokens, up to max_prompt_tokens + max_tokens - 1.
+    longest = min(ic.max_prompt_tokens, slot_len)
+    if cfg.rollout.partial or pages - 1 < kv.max_seqs * kv.table_len:
+        longest = max(longest, min(ic.max_prompt_tokens + ic.max_tokens - 1, slot_len - 1))
+    t = min(pow2(longest, MIN_TOKEN_BUCKET), cache_len)
     m = buckets.prefill_rows(buckets.prefill_rows_cap(), t)
     span = -(-t // kv.page_size)
     prefill = compiled_figures(_prefill_jit.lower(graphdef, buckets.window(t), span, sharding, state, cache,

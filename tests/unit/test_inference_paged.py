@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arlo.config import InferenceConfig, RunConfig, TrainerConfig
+from arlo.config import InferenceConfig, RunConfig, TrainerConfig, load_config
 from arlo.config.trainer import LoraConfig
 from services.inference.engine import Engine, SamplingRequest, TokenDelta
 from services.inference.pages import NULL_PAGE, PagePool
@@ -155,3 +155,18 @@ def test_every_page_read_from_the_cache_holds_what_its_reader_needs(events: list
             m.versions[a % 2] += 1
             if kind == "partial":
                 s.preempt_all(adapters={a % 2})
+
+
+def test_the_memory_plan_prefills_the_longest_row_a_preempted_sample_resumes_with() -> None:
+    """`arlo plan`'s prefill program took the longest prompt; a preempted sample (partial rollouts,
+    or a KV budget below every sequence at full length) is resumed by a prefill of its prompt and
+    the tokens it has, a longer row: a bigger program than the plan's (an OOM the plan said fits)."""
+    from services.inference.memory_plan import engine_plan
+
+    base = {"rollout": {"max_episode_tokens": 128}, "inference": {"max_prompt_tokens": 16, "max_tokens": 100, "max_batch": 4,
+                                                       "max_n": 2, "max_seq_len": 128}}
+    roomy = engine_plan(load_config(overrides=base))["prefill"]["tokens"]
+    partial = engine_plan(load_config(overrides={**base, "rollout": {"max_episode_tokens": 128, "partial": True}}))["prefill"]["tokens"]
+    tight = engine_plan(load_config(overrides={**base, "inference": {**base["inference"], "page_size": 16,
+                                                                     "kv_cache_mib": 0.2}}))["prefill"]["tokens"]
+    assert (roomy, partial, tight) == (16, 128, 128)
