@@ -32,7 +32,9 @@ class ModelSpec:
     (bfloat16 halves the bytes); the trainer keeps a float32 master copy either way."""
     max_seq_len: int = ranged(0, ge=0)
     """Longest sequence (prompt + generated); 0 = the preset's or the checkpoint's
-    max_position_embeddings (often far more than a run needs: cap it)."""
+    max_position_embeddings (often far more than a run needs: cap it). A preset's is set by it,
+    raised too (a random init with RoPE positions: the `small` preset at 16,384 for long
+    episodes); a checkpoint's is only capped, never raised past its max_position_embeddings."""
     tool_format: ToolFormat = "auto"
     """How the model writes tool calls, read by the env gateway and the OpenAI endpoint's replies:
     hermes (`<tool_call>{json}</tool_call>`: Qwen2.5/3), llama3 (a whole-message JSON call),

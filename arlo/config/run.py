@@ -123,7 +123,7 @@ class RunConfig:
         from arlo.model.kv_budget import kv_layout
 
         base = ModelConfig.from_hf_dir(self.model.path) if self.model.path else ModelConfig.named(self.model.name)
-        length = min(base.max_seq_len, *(n for n in (self.model.max_seq_len, self.inference.max_seq_len) if n))
+        length = min(self._model_max_seq_len(), self.inference.max_seq_len or base.max_seq_len)
         try:
             kv_layout(self.inference, dataclasses.replace(base, max_seq_len=length, dtype=self.model.dtype))
         except ValueError as e:
@@ -152,6 +152,28 @@ class RunConfig:
             _check(where, not limit or limit >= episode,
                    f"{limit} cannot hold an episode of rollout.max_episode_tokens ({episode}, its prompt "
                    f"included): raise it, or lower rollout.max_episode_tokens")
+        # Unset (0), model.max_seq_len is the model's own length: a preset's table (the `small`
+        # preset's 1,024; set model.max_seq_len to raise it), a checkpoint's positions (never raised).
+        length = self._model_max_seq_len()
+        if self.model.path:
+            _check("model.path", length >= episode,
+                   f"{self.model.path}: its max_position_embeddings ({length}) cannot hold an episode of "
+                   f"rollout.max_episode_tokens ({episode}); a checkpoint's context is not raised past "
+                   f"it: lower rollout.max_episode_tokens, or use a checkpoint with more positions")
+        else:
+            _check("model.max_seq_len", length >= episode,
+                   f"unset, the preset {self.model.name!r} holds {length} positions, not an episode of "
+                   f"rollout.max_episode_tokens ({episode}); set model.max_seq_len to at least {episode} "
+                   f"(a preset's RoPE positions extend), or lower rollout.max_episode_tokens")
+
+    def _model_max_seq_len(self) -> int:
+        """The model's sequence length as every service resolves it (arlo.model.source)."""
+        from arlo.model.config import ModelConfig
+        from arlo.model.source import sequence_length
+
+        own = (ModelConfig.from_hf_dir(self.model.path) if self.model.path
+               else ModelConfig.named(self.model.name)).max_seq_len
+        return sequence_length(own, self.model.max_seq_len, checkpoint=bool(self.model.path))
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:

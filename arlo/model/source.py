@@ -125,8 +125,10 @@ def preset_source(name: str = "tiny", *, seed: int = 0, dtype: str = "float32",
 def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str = "float32",
                   param_dtype: str = "float32", max_seq_len: int = 0, lora: LoraShape | None = None) -> ModelSource:
     """`path` (an HF directory) wins over the preset `name`; its tokenizer is the directory's
-    own unless `tokenizer` names another. `max_seq_len` > 0 caps the sequence length (an HF
-    config's max_position_embeddings is often far longer than a run needs)."""
+    own unless `tokenizer` names another. `max_seq_len` > 0 sets a preset's sequence length
+    (raising it too: a preset is a random init with RoPE positions, so a run may give it a longer
+    context than its table's) and caps a checkpoint's (an HF config's max_position_embeddings is
+    often far longer than a run needs, and is never raised: the weights were trained up to it)."""
     root: Path | None = None
     if path:
         root = Path(path)
@@ -136,11 +138,21 @@ def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str
         cfg = dataclasses.replace(ModelConfig.named(name), dtype=dtype)
     tok = tokenizer_name(path=str(root) if root is not None else "", tokenizer=tokenizer)
     if max_seq_len:
-        cfg = dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, max_seq_len))
+        cfg = dataclasses.replace(cfg, max_seq_len=sequence_length(cfg.max_seq_len, max_seq_len,
+                                                                   checkpoint=root is not None))
     if lora is not None:
         cfg = dataclasses.replace(cfg, lora=lora)
     return ModelSource(cfg=cfg, checkpoint=root, tokenizer_name=tok, seed=seed, param_dtype=param_dtype,
                        name=str(root) if root is not None else name)
+
+
+def sequence_length(own: int, max_seq_len: int, *, checkpoint: bool) -> int:
+    """The run's sequence length from the model's own (`own`: a preset's table, a checkpoint's
+    max_position_embeddings) and `model.max_seq_len` (0: unset): a preset takes the setting, a
+    checkpoint is only capped by it."""
+    if not max_seq_len:
+        return own
+    return min(own, max_seq_len) if checkpoint else max_seq_len
 
 
 def check_model_dir(root: Path) -> None:

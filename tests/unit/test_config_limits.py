@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from arlo.config import ConfigError, load_config
@@ -12,7 +14,42 @@ def test_a_context_shorter_than_the_episode_budget_is_refused_naming_both(sectio
     with pytest.raises(ConfigError, match=rf"{section}\.max_seq_len: 300 cannot hold an episode of "
                                           r"rollout\.max_episode_tokens \(600, its prompt included\)"):
         load_config(overrides={section: {"max_seq_len": 300}, "rollout": {"max_episode_tokens": 600}})
-    load_config(overrides={section: {"max_seq_len": 600}, "rollout": {"max_episode_tokens": 600}})
+    # The tiny preset's own table holds 256 positions: model.max_seq_len raises it.
+    load_config(overrides={"model": {"max_seq_len": 600}, section: {"max_seq_len": 600},
+                           "rollout": {"max_episode_tokens": 600}})
+
+
+def test_a_preset_context_is_raised_by_model_max_seq_len_and_its_own_length_is_checked() -> None:
+    """A 16k-token episode on the `small` preset (1,024 positions of its own, RoPE): model.max_seq_len
+    raises the context every service builds; left unset, the config refuses the episode naming the
+    field, instead of each engine capping the context at 1,024 and refusing turns mid-run."""
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len: unset, the preset 'small' holds 1024 "
+                                          r"positions.*rollout\.max_episode_tokens \(16384\)"):
+        load_config(overrides={"model": {"name": "small"}, "rollout": {"max_episode_tokens": 16384}})
+    with pytest.raises(ConfigError, match=r"inference\.max_seq_len: 8192 cannot hold"):
+        load_config(overrides={"model": {"name": "small", "max_seq_len": 16384},
+                               "inference": {"max_seq_len": 8192}, "rollout": {"max_episode_tokens": 16384}})
+    cfg = load_config(overrides={"model": {"name": "small", "max_seq_len": 16384},
+                                 "rollout": {"max_episode_tokens": 16384}})
+    assert cfg.model_source().cfg.max_seq_len == 16384
+    # Lowering works as before.
+    assert load_config(overrides={"model": {"name": "small", "max_seq_len": 512}}).model_source().cfg.max_seq_len == 512
+
+
+def test_a_checkpoint_context_is_capped_never_raised(tmp_path: Path) -> None:
+    """A checkpoint's weights were trained up to its max_position_embeddings (512 here): model.max_seq_len
+    only caps it, and an episode budget past it is refused naming model.path."""
+    pytest.importorskip("transformers")
+    from tests.support.hf_checkpoints import write_checkpoint
+
+    model_dir = write_checkpoint(tmp_path / "qwen2", "qwen2")
+    cfg = load_config(overrides={"model": {"path": str(model_dir), "max_seq_len": 4096}})
+    assert cfg.model_source().cfg.max_seq_len == 512
+    capped = load_config(overrides={"model": {"path": str(model_dir), "max_seq_len": 300}})
+    assert capped.model_source().cfg.max_seq_len == 300
+    with pytest.raises(ConfigError, match=r"model\.path: .*max_position_embeddings \(512\) cannot hold an "
+                                          r"episode of rollout\.max_episode_tokens \(1024\)"):
+        load_config(overrides={"model": {"path": str(model_dir)}, "rollout": {"max_episode_tokens": 1024}})
 
 
 @pytest.mark.parametrize(("backlog", "groups", "size", "ok"), [
