@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from arlo.private_files import arlo_home
-from services.env_gateway.envs import arith, calculator, dataset, guess_number, python_exec, retrieval
+from services.env_gateway.envs import (
+    arith,
+    calculator,
+    dataset,
+    guess_number,
+    long_doc,
+    python_exec,
+    retrieval,
+)
 from services.env_gateway.envs.base import Environment
 from services.env_gateway.envs.dataset_source import DatasetRoots, DatasetStore
 from services.env_gateway.spec import EnvContext, EnvSpec
@@ -59,6 +67,8 @@ def builtin_specs(context: EnvContext) -> list[EnvSpec]:
         EnvSpec(name=guess_number.NAME, description=guess_number.DESCRIPTION,
                 factory=lambda ctx: guess_number.GuessNumberEnv(tool_format=ctx.tool_format), config_type=guess_number.GuessNumberConfig,
                 tools=guess_number.TOOLS, max_turns=guess_number.MAX_TURNS),
+        EnvSpec(name=long_doc.NAME, description=long_doc.DESCRIPTION, factory=lambda ctx: long_doc.LongDocEnv(),
+                config_type=long_doc.LongDocConfig, max_turns=long_doc.MAX_PARTS),
         EnvSpec(name=python_exec.NAME, description=python_exec.DESCRIPTION,
                 factory=lambda ctx: python_exec.PythonEnv(ctx.sandbox, tool_format=ctx.tool_format), config_type=python_exec.PythonConfig,
                 tools=python_exec.TOOLS, max_turns=python_exec.MAX_TURNS, blocking=True),

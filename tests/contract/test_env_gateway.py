@@ -66,7 +66,7 @@ async def reset(stub: env_pb2_grpc.EnvironmentStub, seed: int = 0, config_json: 
 async def test_list_environments(stub: env_pb2_grpc.EnvironmentStub) -> None:
     reply = await stub.ListEnvironments(env_pb2.ListEnvironmentsRequest(), timeout=5)
     infos = {info.name: info for info in reply.environments}
-    assert sorted(infos) == ["arith", "calculator", "dataset", "guess_number", "python", "retrieval"]
+    assert sorted(infos) == ["arith", "calculator", "dataset", "guess_number", "long_doc", "python", "retrieval"]
     info = infos["arith"]
     assert info.tools_json == "[]" and info.max_turns == 16 and info.description
 

@@ -134,7 +134,7 @@ async def test_bad_inputs_to_the_new_environments(stub: Stub) -> None:
     await fails(reset(stub, "retrieval", config={"top_k": "3"}), grpc.StatusCode.INVALID_ARGUMENT,
                 "retrieval config: top_k must be int")
     await fails(reset(stub, "sudoku"), grpc.StatusCode.NOT_FOUND,
-                "known: ['arith', 'calculator', 'dataset', 'guess_number', 'python', 'retrieval']")
+                "known: ['arith', 'calculator', 'dataset', 'guess_number', 'long_doc', 'python', 'retrieval']")
     session = (await reset(stub, "python")).session_id
     await fails(step(stub, session, "x" * (64 * 1024 + 1)), grpc.StatusCode.INVALID_ARGUMENT, "action is 65537 bytes")
     assert not (await step(stub, session, "no code here")).done  # the rejected step used no turn

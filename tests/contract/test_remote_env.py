@@ -115,7 +115,7 @@ def word_of(started: env_pb2.ResetResponse) -> str:
 async def test_example_service_proxied_end_to_end(example: ExampleProcess) -> None:
     async for stub in serve(config(example_remote(example))):  # env_names empty: discovered at start
         listed = [i.name for i in (await stub.ListEnvironments(env_pb2.ListEnvironmentsRequest(), timeout=5)).environments]
-        assert listed == ["arith", "calculator", "dataset", "guess_number", "python", "retrieval", "word_reverse"]
+        assert listed == ["arith", "calculator", "dataset", "guess_number", "long_doc", "python", "retrieval", "word_reverse"]
         started = await reset(stub, seed=3)
         assert started.session_id.startswith("r0:") and started.task_id == f"word_reverse-{word_of(started)}"
         word = word_of(started)

@@ -78,7 +78,7 @@ def test_factories_get_the_context_and_configs_are_typed() -> None:
 
 def test_builtin_specs_carry_tools_and_configs() -> None:
     registry = default_registry()
-    assert registry.names() == ["arith", "calculator", "dataset", "guess_number", "python", "retrieval"]
+    assert registry.names() == ["arith", "calculator", "dataset", "guess_number", "long_doc", "python", "retrieval"]
     for spec in registry.specs():
         assert spec.config_type.__dataclass_params__.frozen  # type: ignore[attr-defined]
         for field in dataclasses.fields(spec.config_type):
