@@ -49,3 +49,9 @@ def routing_shape(cfg) -> tuple[int, int, int] | None:  # noqa: ANN001 (arlo.mod
         return None
     layers = sum(moe.routed(i) for i in range(cfg.num_layers))
     return (layers, moe.top_k, moe.num_experts) if layers else None
+
+
+def routing_bytes(cfg) -> int:  # noqa: ANN001 (arlo.model.config.ModelConfig)
+    """Bytes of routed_experts per generated token for this model; 0 without routed experts."""
+    shape = routing_shape(cfg)
+    return 0 if shape is None else bytes_per_token(routed_layers=shape[0], top_k=shape[1], num_experts=shape[2])

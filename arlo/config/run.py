@@ -79,11 +79,24 @@ class RunConfig:
         self._check_kv_budget()
         self._check_step_fits_backlog()
         self._check_lora_fits()
+        self._check_routing_replay()
         runs = self.inference.runs
         _check("inference.runs", not runs or self.trainer.lora.rank > 0,
                "several runs share one inference service through LoRA adapter slots over one base: "
                "set trainer.lora.rank (every run the same shape)")
         _check("inference.runs", self.run_id not in runs, f"lists this config's own run_id {self.run_id!r}")
+
+    def _check_routing_replay(self) -> None:
+        """Routing replay records routed experts: a model without any has nothing to replay."""
+        if not self.trainer.algorithm.routing_replay:
+            return
+        from arlo.model.config import ModelConfig
+        from arlo.routing_replay import routing_shape
+
+        m = ModelConfig.from_hf_dir(self.model.path) if self.model.path else ModelConfig.named(self.model.name)
+        what = f"model.path {self.model.path!r}" if self.model.path else f"model.name {self.model.name!r}"
+        _check("trainer.algorithm.routing_replay", routing_shape(m) is not None,
+               f"{what} has no routed experts (a Qwen3-MoE checkpoint has); set it to false")
 
     def _check_lora_fits(self) -> None:
         """A rank at or above a targeted projection's narrower side is no low-rank update: full

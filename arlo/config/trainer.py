@@ -97,6 +97,18 @@ class AlgorithmConfig:
     for group advantages, at each turn's last model token for GAE. 0 (the default): the reward
     service's score alone. The built-in environments report their 0/1 correctness there too, so
     weighting both counts it twice."""
+    routing_replay: bool = False
+    """Routing replay ("R3", a model with routed experts: Qwen3-MoE). The rollout asks inference
+    for the experts every routed layer chose at each generated token's predicting position (the
+    last prompt token for a turn's first token, the previous generated token for the others),
+    carries them in the trajectory (`Trajectory.routed_experts`), and the trainer's policy forward
+    (its logprobs, and the proximal policy's) uses them at exactly those positions; its own router
+    everywhere else (prompt, observations). The KL reference and the critic route themselves.
+    Reported per step whenever routing was recorded, replay on or off: `routing_mismatch`, the
+    fraction of recorded tokens where any routed layer's experts in the trainer's forward differ (as
+    a set) from the sampler's (0 with replay), and `routing_own_mismatch`, the same for the routers'
+    own top-k (what replay overrides). The record travels compactly (1 byte per expert id up to 256
+    experts, 2 above; arlo/routing_replay.py). Not with trainer.pack."""
 
     def validate(self, path: str) -> None:
         check_ranges(self, path)
@@ -321,6 +333,9 @@ class TrainerConfig:
         self.algorithm.validate(f"{path}.algorithm")
         _check(f"{path}.pack", not self.pack or self.algorithm.advantage != "gae",
                "sequence packing does not pack the critic's forward: use a group advantage, or pack: false")
+        _check(f"{path}.pack", not self.pack or not self.algorithm.routing_replay,
+               "is not supported with trainer.algorithm.routing_replay (the replayed experts are not packed); "
+               "turn one of them off")
         _check(f"{path}.pack", not self.pack or self.mini_batches == 1,
                "needs mini_batches: 1 (mini-batches are dealt from shuffled rows inside the step, after packing)")
         _check(f"{path}.checkpoint_every", not self.checkpoint_every or bool(self.checkpoint_dir),

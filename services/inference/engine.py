@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -34,6 +35,7 @@ from arlo.model.kv_budget import kv_layout
 from arlo.model.kv_cache import KVCache
 from arlo.model.sharding import fitted_state_shardings
 from arlo.model.source import ModelSource, cast_state
+from arlo.routing_replay import routing_shape
 from services.inference.engine_records import ChunkRecord, EngineStats, RequestHandle
 from services.inference.idle_compile import IdleCompiler
 from services.inference.pages import PagePool
@@ -89,6 +91,8 @@ class Engine:
         self.adapter_slots = max(adapters, 1)
         slot_len = min(base.max_seq_len, self.config.max_seq_len or base.max_seq_len)
         self.model_cfg = dataclasses.replace(base, max_seq_len=slot_len)
+        self._routing = routing_shape(base)
+        """(routed layers, top_k, num_experts); None for a model without routed experts."""
         self.tokenizer = source.tokenizer()
         self.graphdef, abstract = nnx.split(abstract_model(base))
         abstract = cast_state(abstract, source.param_dtype)
@@ -182,6 +186,8 @@ class Engine:
         validate_request(req, self.config, vocab_size=self.model_cfg.vocab_size, max_seq_len=self.max_seq_len)
         if not 0 <= req.adapter < self.adapter_slots:
             raise ValueError(f"adapter {req.adapter}: this engine holds {self.adapter_slots} adapter slot(s)")
+        if req.return_routing and routing_shape(self.model_cfg) is None:
+            raise ValueError(f"return_routing: model {self.model_name!r} has no routed experts")
 
     def submit_many(self, reqs: list[SamplingRequest], *, on_tokens: OnTokens | None = None,
                     on_done: OnDone | Sequence[OnDone] | None = None) -> list[RequestHandle]:
@@ -378,6 +384,10 @@ class Engine:
             return
         before = len(seq.token_ids)
         self.scheduler.append(seq, em.token_ids, em.logprobs, version)
+        routing = req.params.return_routing
+        if routing:
+            assert em.experts is not None and len(em.experts) == len(em.token_ids), "the programs record experts"
+            seq.experts.extend(em.experts)
         reason = None
         if seq.token_ids[-1] in req.stop_ids:
             reason = "stop"
@@ -385,7 +395,7 @@ class Engine:
             reason = "length"
         cut = stop_string_cut(self.tokenizer.decode, seq.token_ids, req.params.stop_strings, checked=before)
         if cut is not None:
-            del seq.token_ids[cut:], seq.logprobs[cut:], seq.versions[cut:]
+            del seq.token_ids[cut:], seq.logprobs[cut:], seq.versions[cut:], seq.experts[cut:]
             reason = "stop"
         self.stats.generated_tokens += len(seq.token_ids) - before
         if reason is not None:
@@ -395,7 +405,8 @@ class Engine:
             return
         handle._tokens(TokenDelta(sample=seq.index, token_ids=tuple(seq.token_ids[before:]),
                                   logprobs=tuple(seq.logprobs[before:]),
-                                  policy_versions=tuple(seq.versions[before:]), finish_reason=reason))
+                                  policy_versions=tuple(seq.versions[before:]), finish_reason=reason,
+                                  routed_experts=_stacked(seq.experts[before:], self._routing) if routing else None))
         if req.done:
             self._complete(req)
 
@@ -405,7 +416,8 @@ class Engine:
             now = time.perf_counter()
             queue_s = (req.admitted_at or now) - req.submitted_at  # an abort may come before admission
             engine_s = now - req.admitted_at if req.admitted_at else 0.0
-            handle._done([_sample(seq, queue_s, engine_s) for seq in req.seqs])
+            routing = self._routing if req.params.return_routing else None
+            handle._done([_sample(seq, queue_s, engine_s, routing) for seq in req.seqs])
 
     def _abort(self, request_id: int) -> None:
         req = self.scheduler.abort(request_id)
@@ -431,6 +443,15 @@ class Engine:
             handle._done(error)
 
 
-def _sample(seq: Seq, queue_s: float, engine_s: float) -> Sample:
+def _sample(seq: Seq, queue_s: float, engine_s: float, routing: tuple[int, int, int] | None = None) -> Sample:
+    """`routing`: (routed layers, top_k, num_experts) when the request asked for its routing."""
     return Sample(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs), policy_versions=list(seq.versions),
-                  finish_reason=seq.finish_reason or "abort", queue_s=queue_s, engine_s=engine_s)
+                  finish_reason=seq.finish_reason or "abort", queue_s=queue_s, engine_s=engine_s,
+                  routed_experts=None if routing is None else _stacked(seq.experts, routing))
+
+
+def _stacked(experts: list, routing: tuple[int, int, int] | None) -> np.ndarray:
+    """int32 [tokens, routed layers, top_k] of a sequence's per-token records."""
+    assert routing is not None
+    layers, top_k, _ = routing
+    return np.stack(experts).astype(np.int32) if experts else np.zeros((0, layers, top_k), np.int32)

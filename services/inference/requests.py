@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from arlo.config import InferenceConfig
 
 MAX_STOP_IDS = 64
@@ -37,6 +39,9 @@ class SamplingRequest:
     """Multi-turn session (n = 1 only): its KV prefix is kept between turns when memory allows."""
     adapter: int = 0
     """The LoRA adapter slot that generates it, on an engine serving several (`Engine(adapters=)`)."""
+    return_routing: bool = False
+    """Routing replay: return, per generated token, the experts every routed layer chose at the
+    position that sampled it (`Sample.routed_experts`); refused for a model without routed experts."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +54,9 @@ class Sample:
     """Seconds the request waited before its samples were admitted to slots."""
     engine_s: float = 0.0
     """Seconds from admission to the request's completion (prefill and decode)."""
+    routed_experts: np.ndarray | None = None
+    """With return_routing: int [tokens, routed layers, top_k], token i's record as
+    arlo/routing_replay.py describes it; None without."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +69,8 @@ class TokenDelta:
     policy_versions: tuple[int, ...]
     finish_reason: str | None = None
     """Set on the sample's last delta only."""
+    routed_experts: np.ndarray | None = None
+    """With return_routing: int [len(token_ids), routed layers, top_k] (see Sample)."""
 
 
 OnTokens = Callable[[TokenDelta], None]

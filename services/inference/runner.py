@@ -47,6 +47,7 @@ from arlo.model.lora import select_adapters
 from arlo.model.paged_kv import gather_pages, init_pool, pool_shardings, write_positions, write_prefill
 from arlo.model.sampling import sample
 from arlo.model.sharding import BATCH_AXES
+from arlo.routing_replay import routing_shape
 from services.inference.pages import NULL_PAGE
 from services.inference.programs import MIN_ROWS, Buckets, Key, pack_calls, program_set
 from services.inference.requests import MAX_STOP_IDS
@@ -97,6 +98,9 @@ class Emitted:
     seq: Seq
     token_ids: list[int]
     logprobs: list[float]
+    experts: np.ndarray | None = None
+    """int [tokens, routed layers, top_k]: the experts each token's predicting position went to
+    (a model with routed experts; None without), for routing replay."""
 
 
 def abstract(tree):  # noqa: ANN001, ANN201 (any pytree of arrays)
@@ -229,11 +233,11 @@ class Runner:
         batch = _decode_batch(seqs, b, self.table_len)
         w = self.window(int(batch.pos.max()))  # the chunk's own tokens live in a buffer beside it
         self._note(("decode", b, w))
-        self.cache, (tok_kb, lp_kb, emit_kb) = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding,
-                                                            state, self.cache, batch)
-        tok_kb, lp_kb, emit_kb = jax.device_get((tok_kb, lp_kb, emit_kb))
-        return [Emitted(seq=seq, token_ids=tok_kb[emit_kb[:, r], r].tolist(),
-                        logprobs=lp_kb[emit_kb[:, r], r].tolist()) for r, seq in enumerate(seqs)]
+        self.cache, out = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding, state, self.cache,
+                                      batch)
+        tok_kb, lp_kb, emit_kb, *experts = jax.device_get(out)  # experts [steps, b, layers, k]: MoE only
+        return [Emitted(seq=seq, token_ids=tok_kb[emit_kb[:, r], r].tolist(), logprobs=lp_kb[emit_kb[:, r], r].tolist(),
+                        experts=experts[0][emit_kb[:, r], r] if experts else None) for r, seq in enumerate(seqs)]
 
     def _prefill_call(self, state: nnx.State, members: list[list[tuple[PrefillItem, int]]], t: int,
                       w: int) -> list[Emitted]:
@@ -244,11 +248,11 @@ class Runner:
         j = self.buckets.samples
         self._note(("prefill", m, t, w, j))
         batch = _prefill_batch(members, m, t, j, self.table_len)
-        self.cache, (tok_j, lp_j) = _prefill_jit(self.graphdef, w, self._span(t), self.cache_sharding, state,
-                                                 self.cache, batch)
-        tok_j, lp_j = jax.device_get((tok_j, lp_j))
+        self.cache, out = _prefill_jit(self.graphdef, w, self._span(t), self.cache_sharding, state, self.cache, batch)
+        tok_j, lp_j, *experts = jax.device_get(out)  # experts [j, layers, k]: MoE only
         seqs = [seq for same in members for item, _ in same for seq in item.seqs]
-        return [Emitted(seq=seq, token_ids=[int(tok_j[i])], logprobs=[float(lp_j[i])])
+        return [Emitted(seq=seq, token_ids=[int(tok_j[i])], logprobs=[float(lp_j[i])],
+                        experts=experts[0][i : i + 1] if experts else None)
                 for i, seq in enumerate(seqs)]
 
 
@@ -338,37 +342,58 @@ def _keep_layout(cache: KVCache, sharding: KVCache | None) -> KVCache:
     return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
 
 
+def _records_experts(model) -> bool:  # noqa: ANN001 (the merged Transformer)
+    """Static: the programs of a model with routed experts also return the experts chosen at each
+    sampled token's predicting position (routing replay); a dense model's programs are unchanged."""
+    return routing_shape(model.cfg) is not None
+
+
 def _prefill(graphdef: nnx.GraphDef, window: int, span: int, sharding: KVCache | None, state: nnx.State,
-             cache: KVCache, batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
+             cache: KVCache, batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, ...]]:
+    """-> (cache, (token_j, logprob_j[, experts_jlk])): experts for a model with routed experts,
+    chosen at each row's last real token (the position the sample's token is drawn from)."""
     model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
     win = gather_pages(cache, batch.src_table, window)
-    logits_mv, win = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts)
+    if _records_experts(model):
+        logits_mv, win, experts_mlk = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts,
+                                                    with_experts=True)
+    else:
+        (logits_mv, win), experts_mlk = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts), None
     first_page = batch.starts // cache.length
     cache = write_prefill(cache, win, batch.src_table, batch.dst_table, batch.src_row, first_page, span)
     first = _draw(logits_mv[batch.src_row], _row_keys(batch.params), batch.count, batch.params)
+    if experts_mlk is not None:
+        first = (*first, experts_mlk[batch.src_row])
     return _keep_layout(cache, sharding), first
 
 
 def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache | None, state: nnx.State,
-            cache: KVCache, batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, jax.Array, jax.Array]]:
+            cache: KVCache, batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, ...]]:
+    """-> (cache, (token_kb, logprob_kb, emitted_kb[, experts_kblk])): per step; experts for a model
+    with routed experts, chosen at the fed token (the position the step's token is drawn from)."""
     model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
     row_keys = _row_keys(batch.params)
     win = gather_pages(cache, batch.table, window)  # read-only in the loop: valid below batch.pos
+    records = _records_experts(model)
 
-    def step(carry: tuple, i: jax.Array) -> tuple[tuple, tuple[jax.Array, jax.Array, jax.Array]]:
+    def step(carry: tuple, i: jax.Array) -> tuple[tuple, tuple[jax.Array, ...]]:
         buf, token, pos, count, stopped = carry
         active = batch.live & ~stopped & (count < batch.max_tokens)
         # Finished rows still run (the batch is static); what they write lands past their end.
-        logits, buf = model.decode_step_buffered(token, pos, batch.pos, win, buf, i)
+        if records:
+            logits, buf, experts = model.decode_step_buffered(token, pos, batch.pos, win, buf, i, with_experts=True)
+        else:
+            logits, buf = model.decode_step_buffered(token, pos, batch.pos, win, buf, i)
         new, logprob = _draw(logits, row_keys, count, batch.params)
         hit = jnp.any(new[:, None] == batch.stop_ids, axis=1)
         token = jnp.where(active, new, token)
-        return (buf, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active)
+        out = (new, logprob, active, experts) if records else (new, logprob, active)
+        return (buf, token, pos + active, count + active, stopped | (active & hit)), out
 
     buf = init_cache(model.cfg, batch=batch.table.shape[0], length=steps)
     start = (buf, batch.token, batch.pos, batch.count, jnp.zeros_like(batch.live))
-    (buf, *_), (tok_kb, lp_kb, emit_kb) = jax.lax.scan(step, start, jnp.arange(steps, dtype=jnp.int32))
-    return _keep_layout(write_positions(cache, buf, batch.table, batch.pos), sharding), (tok_kb, lp_kb, emit_kb)
+    (buf, *_), out = jax.lax.scan(step, start, jnp.arange(steps, dtype=jnp.int32))
+    return _keep_layout(write_positions(cache, buf, batch.table, batch.pos), sharding), out
 
 
 # Module-level so every engine over the same graphdef shares the compiled programs.

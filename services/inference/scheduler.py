@@ -38,6 +38,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    experts: list = field(default_factory=list)
+    """With SamplingRequest.return_routing: per token, the experts its predicting position went
+    to (numpy int [routed layers, top_k]; routing replay), cut with the tokens."""
     kv_versions: set[int] = field(default_factory=set)
     """Policy versions that wrote its KV (its pages are cached for reuse only when it is one)."""
     finish_reason: str | None = None

@@ -16,6 +16,7 @@ import grpc
 
 from arlo.budget import runs_under
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
+from arlo.routing_replay import pack_experts
 from services.inference.bridge import Bridge
 from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelta
 from services.inference.episodes import EpisodeRecorder
@@ -46,7 +47,7 @@ def to_sampling_request(req: inference_pb2.GenerateRequest, runs: dict[str, int]
         stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop),
         # Sessions park KV written by one run's adapter: another run's request must never reuse it.
         session_id=f"{adapter}:{req.session_id}" if adapter and req.session_id else req.session_id,
-        adapter=adapter,
+        adapter=adapter, return_routing=req.return_routing,
     )
 
 
@@ -60,11 +61,15 @@ def slot_of_run(run_id: str, runs: dict[str, int] | None) -> int:
     return runs[run_id]
 
 
-def to_completion(sample: Sample) -> inference_pb2.Completion:
-    return inference_pb2.Completion(
+def to_completion(sample: Sample, num_experts: int = 0) -> inference_pb2.Completion:
+    """`num_experts`: the model's, for packing `Sample.routed_experts` (arlo/routing_replay.py)."""
+    completion = inference_pb2.Completion(
         token_ids=sample.token_ids, logprobs=sample.logprobs,
         policy_versions=sample.policy_versions, finish_reason=FINISH[sample.finish_reason],
     )
+    if sample.routed_experts is not None:
+        completion.routed_experts = pack_experts(sample.routed_experts, num_experts)
+    return completion
 
 
 def _put_at(bridge: Bridge, index: int, result: list[Sample] | BaseException) -> None:
@@ -98,7 +103,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _response(self, result: list[Sample]) -> inference_pb2.GenerateResponse:
         first = result[0].policy_versions[:1] if result else []
-        return inference_pb2.GenerateResponse(completions=[to_completion(s) for s in result],
+        routed = any(s.routed_experts is not None for s in result)  # only a routed model records them
+        num_experts = self.engine.model_cfg.moe.num_experts if routed else 0
+        return inference_pb2.GenerateResponse(completions=[to_completion(s, num_experts) for s in result],
                                               policy_version=first[0] if first else self.engine.version,
                                               queue_s=result[0].queue_s if result else 0.0,
                                               engine_s=result[0].engine_s if result else 0.0)

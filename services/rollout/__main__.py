@@ -54,7 +54,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     await stream.ensure_group()
     instance = instance_id()
     gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
-                          batch_window_s=rc.batch_window_s, tracer=tracer, run_id=cfg.run_id)
+                          batch_window_s=rc.batch_window_s, tracer=tracer, run_id=cfg.run_id,
+                          return_routing=cfg.trainer.algorithm.routing_replay)
     # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
                          batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,

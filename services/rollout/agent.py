@@ -38,6 +38,9 @@ class Turn:
     """The generator's own account of the call, when it gives one: time queued before a slot
     took it, and time from then to its last token (the rest of the call is transport)."""
     engine_s: float = 0.0
+    routed_experts: bytes = b""
+    """Routing replay: each token's recorded experts (Completion.routed_experts' encoding); empty
+    when the generator was not asked for them."""
 
 
 class Generator(Protocol):
@@ -131,6 +134,8 @@ class _Builder:
     turn_rewards: list[common_pb2.TurnReward] = field(default_factory=list)
     """The environment's reward per model turn, located at the end of the turn's model tokens."""
     tool_call_errors: int = 0
+    routed: list[bytes] = field(default_factory=list)
+    """Each model turn's Turn.routed_experts: together, the loss-mask-1 tokens' records in order."""
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.tokens += ids
@@ -143,6 +148,7 @@ class _Builder:
         self.logprobs += turn.logprobs
         self.mask += [1] * len(turn.token_ids)
         self.versions += turn.policy_versions
+        self.routed.append(turn.routed_experts)
 
 
 async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: EnvClient,
@@ -211,7 +217,7 @@ def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, p
         group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
         policy_versions=b.versions, prompt_length=prompt_length, finish_reason=finish,
         num_turns=turns, timings=timings, created_at=time.time(), turn_rewards=b.turn_rewards,
-        tool_call_errors=b.tool_call_errors,
+        tool_call_errors=b.tool_call_errors, routed_experts=b"".join(b.routed),
     )
     if score is None:
         # A limit ended the episode before an answer: trainable, with reward 0 for no answer.

@@ -99,13 +99,15 @@ class InferenceClient:
 
     def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *,
                  stop_token_ids: Sequence[int], timeout_s: float, batch_window_s: float = 0.0,
-                 tracer: Tracer | None = None, run_id: str = "") -> None:
+                 tracer: Tracer | None = None, run_id: str = "", return_routing: bool = False) -> None:
         """`stop_token_ids`: the tokenizer's (every eos id of the model); sampling.stop_token_ids
         are added to them. `batch_window_s` > 0: calls to one replica that arrive together leave
         as one GenerateBatch (services/rollout/coalescing.py); 0: one Generate each. `run_id`: the
         run this worker generates for, sent with every call (an inference service shared by several
-        runs picks that run's adapter and version; one serving another run refuses it)."""
+        runs picks that run's adapter and version; one serving another run refuses it).
+        `return_routing`: ask for each token's routed experts (trainer.algorithm.routing_replay)."""
         self.run_id = run_id
+        self.return_routing = return_routing
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.channel = None if self.replicas else channel
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
@@ -180,12 +182,13 @@ class InferenceClient:
         if seed is not None:  # unset, the engine draws a fresh seed per request
             params.seed = seed
         resp = await self._call(inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params, run_id=self.run_id))
+            prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params, run_id=self.run_id,
+            return_routing=self.return_routing))
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                     policy_versions=list(c.policy_versions),
                     finished_by_stop=c.finish_reason == inference_pb2.FINISH_REASON_STOP,
-                    queue_s=resp.queue_s, engine_s=resp.engine_s)
+                    queue_s=resp.queue_s, engine_s=resp.engine_s, routed_experts=c.routed_experts)
 
 
 class EnvironmentClient:

@@ -102,15 +102,23 @@ class CoreScorer:
 
 
 class EngineGenerator:
-    def __init__(self, engine: Engine, temperature: float = 1.0) -> None:
+    def __init__(self, engine: Engine, temperature: float = 1.0, *, return_routing: bool = False) -> None:
+        """`return_routing`: each turn carries its routed experts as inference's Completion packs them."""
         self.engine = engine
         self.temperature = temperature
+        self.return_routing = return_routing
         self.prompts: list[list[int]] = []
 
     async def generate(self, prompt, *, max_tokens: int, session_id: str = "", seed: int | None = None) -> Turn:
         self.prompts.append(list(prompt))
         (s,) = self.engine.generate(SamplingRequest(prompt=tuple(prompt), max_tokens=max_tokens,
                                                     temperature=self.temperature, stop_token_ids=(TOK.eos_id,),
-                                                    seed=seed))
+                                                    seed=seed, return_routing=self.return_routing))
+        routed = b""
+        if s.routed_experts is not None:
+            from arlo.routing_replay import pack_experts
+
+            assert self.engine.model_cfg.moe is not None
+            routed = pack_experts(s.routed_experts, self.engine.model_cfg.moe.num_experts)
         return Turn(token_ids=s.token_ids, logprobs=s.logprobs, policy_versions=s.policy_versions,
-                    finished_by_stop=s.finish_reason == "stop")
+                    finished_by_stop=s.finish_reason == "stop", routed_experts=routed)

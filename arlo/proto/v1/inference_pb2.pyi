@@ -56,6 +56,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    RETURN_ROUTING_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     """Number of samples, 1 to the server's max_n."""
     session_id: _builtins.str
@@ -65,6 +66,10 @@ class GenerateRequest(_message.Message):
     run_id: _builtins.str
     """The run whose policy generates it, on a service shared by several runs (inference.runs):
     each run's LoRA adapter and version. Empty: the service's own run.
+    """
+    return_routing: _builtins.bool
+    """Routing replay: return each completion's routed_experts. INVALID_ARGUMENT on a model without
+    routed experts.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -83,10 +88,11 @@ class GenerateRequest(_message.Message):
         session_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
         run_id: _builtins.str = ...,
+        return_routing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "run_id", b"run_id", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_routing", b"return_routing", "run_id", b"run_id", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -102,7 +108,14 @@ class Completion(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSIONS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
+    routed_experts: _builtins.bytes
+    """With GenerateRequest.return_routing: for each token, the experts every routed layer chose at
+    the position that sampled it (the last prompt token for the first token, the previous token
+    for the others). Shape [tokens, routed_layers, top_k] row-major, one uint8 per expert id when
+    the model has at most 256 experts, else uint16 little-endian (arlo/routing_replay.py).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Generated token ids (at most max_tokens)."""
@@ -122,10 +135,11 @@ class Completion(_message.Message):
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         policy_versions: _abc.Iterable[_builtins.int] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
+        routed_experts: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "routed_experts", b"routed_experts", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,7 +424,14 @@ class RecordedChoice(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSIONS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
+    routed_experts: _builtins.bytes
+    """With GenerateRequest.return_routing: for each token, the experts every routed layer chose at
+    the position that sampled it (the last prompt token for the first token, the previous token
+    for the others). Shape [tokens, routed_layers, top_k] row-major, one uint8 per expert id when
+    the model has at most 256 experts, else uint16 little-endian (arlo/routing_replay.py).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Exactly the tokens the engine produced (stop strings included; nothing re-tokenized)."""
@@ -426,10 +447,11 @@ class RecordedChoice(_message.Message):
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         policy_versions: _abc.Iterable[_builtins.int] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
+        routed_experts: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "routed_experts", b"routed_experts", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
