@@ -126,8 +126,8 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(q_btnh, positions_bt, self.theta, self.rope_scaling)
         k_btkh = apply_rope(k_btkh, positions_bt, self.theta, self.rope_scaling)
         new_kv = None
-        if kv is None:
-            out_btnh = _attend(q_btnh, k_btkh, v_btkh, mask_bts, self.score_scale, self.softcap)
+        if kv is None:  # training: mask_bts is causal in column order (transformer._train_layout)
+            out_btnh = _attend_causal(q_btnh, k_btkh, v_btkh, mask_bts, self.score_scale, self.softcap)
         else:
             assert start_b is not None, "a KV cache write needs start_b"
             new_kv = write_rows(kv[0], kv[1], k_btkh, v_btkh, start_b)
@@ -215,6 +215,40 @@ def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: j
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
     return out_btkgh.reshape(b, t, n, h)
+
+
+TRAIN_QUERY_CHUNK = 1024
+"""Query rows per block of `_attend_causal` on sequences longer than TRAIN_CHUNKED_ABOVE."""
+TRAIN_CHUNKED_ABOVE = 4096
+"""Training sequences up to this length attend in one block (the programs they always had)."""
+
+
+def _attend_causal(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array, scale: float,
+                   cap: float | None = None) -> jax.Array:
+    """`_attend` over a training sequence (`mask_bts` [1 or b, t, t]).
+
+    Past TRAIN_CHUNKED_ABOVE tokens the whole [t, t] scores are not formed: a scan takes the
+    queries TRAIN_QUERY_CHUNK rows at a time against every key, each block rematerialised in the
+    backward pass, so the temporaries are one block's scores instead of t x t per head (the
+    `small` preset's step at 16,384 tokens needed 34.7 GiB of temporaries dense, its scores
+    alone 8 GiB a layer). Each query row's softmax is the dense path's own row."""
+    b, t, n, h = q_btnh.shape
+    if t <= TRAIN_CHUNKED_ABOVE:
+        return _attend(q_btnh, k_bskh, v_bskh, mask_bts, scale, cap)
+    chunk = TRAIN_QUERY_CHUNK
+    blocks = -(-t // chunk)
+    pad = blocks * chunk - t
+    q_pad = jnp.pad(q_btnh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    m_pad = jnp.pad(mask_bts, ((0, 0), (0, pad), (0, 0)))  # padded query rows see nothing
+    q_cbqnh = jnp.moveaxis(q_pad.reshape(b, blocks, chunk, n, h), 1, 0)
+    m_cbqs = jnp.moveaxis(m_pad.reshape(m_pad.shape[0], blocks, chunk, t), 1, 0)
+
+    @jax.checkpoint
+    def block(q: jax.Array, m: jax.Array) -> jax.Array:
+        return _attend(q, k_bskh, v_bskh, m, scale, cap)
+
+    out_cbqnh = jax.lax.map(lambda qm: block(*qm), (q_cbqnh, m_cbqs))
+    return jnp.moveaxis(out_cbqnh, 0, 1).reshape(b, blocks * chunk, n, h)[:, :t]
 
 
 def _attend_parts(q_btnh: jax.Array, parts: Sequence[Part], scale: float, cap: float | None = None) -> jax.Array:
