@@ -25,6 +25,7 @@ from arlo.coord.metrics import MetricsStream
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.gc_pauses import freeze_startup
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
+from arlo.routing_replay import routing_bytes
 from arlo.rpc import (
     RunningServer,
     ServiceBinding,
@@ -74,7 +75,8 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
                       max_staleness=tc.max_staleness, vocab_size=learner.model_cfg.vocab_size,
                       filter_zero_variance=tc.algorithm.filter_zero_variance, expiring_wait_s=tc.expiring_wait_s,
                       checkpoint_every=tc.checkpoint_every, max_backlog=cfg.redis.max_backlog,
-                      sft_steps=warm_start.steps if warm_start else 0, start_paused=tc.start_paused)
+                      sft_steps=warm_start.steps if warm_start else 0, start_paused=tc.start_paused,
+                      routing_bytes=routing_bytes(learner.model_cfg))
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
         source="", core=core, read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir,

@@ -14,6 +14,7 @@ import numpy as np
 
 from arlo.config import AlgorithmConfig
 from arlo.proto.v1 import common_pb2
+from arlo.routing_replay import expert_dtype, unpack_experts
 from services.trainer.advantages import overlong_penalty
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,13 @@ class Batch:
     What the trainer optimises of these two is `objective_rewards`'s choice."""
     trajectory_ids: tuple[str, ...]
     num_tokens: int
+    experts_btlk: np.ndarray | None = None
+    """Routing replay (uint8/uint16 [rows, length, routed layers, top_k]): the experts the sampler
+    recorded for token t of row b, at INPUT position t - 1 (the position whose output predicts t),
+    so the forward over tokens[:, :-1] reads them at its own positions. None: nothing recorded."""
+    replay_bt: np.ndarray | None = None
+    """float32 [rows, length], 1 where experts_btlk holds a record (the positions before model
+    tokens of trajectories that carry Trajectory.routed_experts), 0 elsewhere."""
 
     @property
     def num_groups(self) -> int:
@@ -64,11 +72,14 @@ def bucket_length(n: int, minimum: int = 16, *, longest_episode: int = 0) -> int
 
 
 def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: int, pad_id: int,
-                *, overlong: tuple[int, int] | None = None, longest_episode: int = 0) -> Batch:
+                *, overlong: tuple[int, int] | None = None, longest_episode: int = 0,
+                routing: tuple[int, int, int] | None = None) -> Batch:
     """Right-pads whole groups into one batch; sequences longer than the model's context are cut.
 
     `overlong` = (max_tokens, buffer_tokens) adds DAPO's soft penalty on generated tokens to rewards.
     `longest_episode`: rollout.max_episode_tokens, a length bucket of its own (`bucket_length`).
+    `routing`: the model's (routed layers, top_k, num_experts) (arlo.routing_replay.routing_shape):
+    the trajectories' routed_experts become `experts_btlk` / `replay_bt` (None when none carries any).
     """
     trajs = [t for g in groups for t in g]
     group_size = len(groups[0])
@@ -90,6 +101,7 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
         for turn in t.turn_rewards:
             # A turn cut off by the context limit keeps its reward on the last token kept.
             token_rewards[row, min(turn.token_end, n) - 1] += turn.reward
+    experts, replay = _routing_arrays(trajs, length, routing)
     rewards = np.array([[t.reward for t in g] for g in groups], np.float32)
     if overlong is not None:
         generated = jnp.asarray([[sum(t.loss_mask) for t in g] for g in groups])
@@ -98,7 +110,29 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
         tokens_bt=tokens, behaviour_logprobs_bt=logprobs, mask_bt=mask, rewards_gk=rewards,
         token_rewards_bt=token_rewards,
         trajectory_ids=tuple(t.id for t in trajs), num_tokens=int(mask.sum()),
+        experts_btlk=experts, replay_bt=replay,
     )
+
+
+def _routing_arrays(trajs: Sequence[common_pb2.Trajectory], length: int,
+                    routing: tuple[int, int, int] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(experts_btlk, replay_bt) of `Batch`; (None, None) without routing or any record. Token t's
+    record goes to position t - 1; a model token cut off by the length is left out with it."""
+    if routing is None or not any(t.routed_experts for t in trajs):
+        return None, None
+    layers, top_k, num_experts = routing
+    experts = np.zeros((len(trajs), length, layers, top_k), expert_dtype(num_experts))
+    replay = np.zeros((len(trajs), length), np.float32)
+    for row, t in enumerate(trajs):
+        if not t.routed_experts:
+            continue
+        model_pos = np.flatnonzero(np.asarray(t.loss_mask, bool))
+        records = unpack_experts(t.routed_experts, tokens=len(model_pos), routed_layers=layers, top_k=top_k,
+                                 num_experts=num_experts)
+        keep = (model_pos >= 1) & (model_pos < min(len(t.token_ids), length))
+        experts[row, model_pos[keep] - 1] = records[keep]
+        replay[row, model_pos[keep] - 1] = 1.0
+    return experts, replay
 
 
 def objective_rewards(batch: Batch, cfg: AlgorithmConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -50,6 +50,7 @@ from arlo.model.lora import merge_states, split_adapters
 from arlo.model.quantize import quantize_base
 from arlo.model.sharding import batch_sharding, fitted_state_shardings, state_shardings
 from arlo.model.source import ModelSource, cast_state
+from arlo.routing_replay import routing_shape
 from services.trainer.batching import Batch, objective_rewards
 from services.trainer.critic import make_critic, prepare_gae, value_objective
 from services.trainer.losses import aggregate_denominator
@@ -94,6 +95,11 @@ class Learner:
         if cfg.router_aux_loss_coef and source.cfg.moe is None:
             raise ValueError("trainer.router_aux_loss_coef: the model has no routed experts (a Qwen3-MoE "
                              "checkpoint in model.path has); set it to 0")
+        if cfg.algorithm.routing_replay and routing_shape(source.cfg) is None:
+            raise ValueError("trainer.algorithm.routing_replay: the model has no routed experts (a Qwen3-MoE "
+                             "checkpoint in model.path has); set it to false")
+        if cfg.algorithm.routing_replay and cfg.pack:
+            raise ValueError("trainer.pack is not supported with trainer.algorithm.routing_replay; turn one off")
         if cfg.pack and (cfg.algorithm.advantage == "gae" or cfg.mini_batches > 1):
             raise ValueError("trainer.pack needs a group advantage (not gae) and mini_batches 1; see its docstring")
         self.model_cfg = source.cfg
@@ -221,6 +227,10 @@ class Learner:
                 "mask_bt": batch.mask_bt}
         if self.critic is not None:
             rows["token_rewards_bt"] = token_rewards
+        if batch.experts_btlk is not None and batch.replay_bt is not None and not self.cfg.pack:
+            # Routing replay's records (or, replay off, what routing_mismatch is measured against;
+            # packed rows carry none: trainer.pack and routing replay exclude each other).
+            rows["experts_btlk"], rows["replay_bt"] = batch.experts_btlk, batch.replay_bt
         return rewards_gk, self._on_device(rows, mini_batches=mini_batches, pack=self.cfg.pack)
 
     def _on_device(self, rows: dict[str, np.ndarray], *, mini_batches: int = 1,

@@ -30,6 +30,7 @@ from arlo.config.trainer import WeightPublishConfig
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights, ServingCopy
+from arlo.routing_replay import routing_shape
 from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_timing
 from services.trainer.batching import Batch, build_batch
 from services.trainer.checkpoint import Checkpointer
@@ -452,7 +453,8 @@ class TrainingLoop:
         batch_at = time.time()
         try:
             batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
-                                overlong=self.overlong, longest_episode=self.longest_episode)
+                                overlong=self.overlong, longest_episode=self.longest_episode,
+                                routing=routing_shape(self.learner.model_cfg))
             train_at = time.time()
             step = asyncio.create_task(self._jitted_step(batch), name="trainer-step")
             if overlap:

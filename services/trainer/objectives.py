@@ -16,6 +16,17 @@ With `trainer.pack` a micro-batch also carries its packed rows (services/trainer
 every forward here runs on those (`forward_layout`) and its per-target outputs come back in the
 batch's own layout (`to_batch_layout`) before any loss term reads them, so the loss is computed
 exactly as for the padded batch.
+
+Routing replay (`trainer.algorithm.routing_replay`, a model with routed experts): a micro-batch
+whose trajectories carry their sampler's experts has them as "experts_btlk" / "replay_bt" (at the
+input positions, batching.Batch). The policy's forward (`routed_hidden`) and the proximal
+policy's (`old_logprobs`, and the KL-in-reward policy forward) use them at the replayed positions
+and their own router elsewhere; the KL reference routes itself (it is another policy: replaying
+the sampler's choices into it would not measure its own distribution). Whenever a micro-batch
+carries recorded experts, replay on or off, the step reports `routing_mismatch` (the fraction of
+replayed positions where any routed layer's experts in the forward differ as a set from the
+recorded ones: 0 with replay) and `routing_own_mismatch` (the same for the routers' own top-k,
+which replay overrides: what the mismatch would be without it).
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from arlo.model.logprobs import (
     sampled_token_logprobs_and_outside,
     token_entropy,
 )
-from arlo.model.moe import load_balancing_loss
+from arlo.model.moe import load_balancing_loss, routing_mismatch_bt
 from services.trainer.advantages import (
     batch_normalized_advantages,
     grpo_advantages,
@@ -77,18 +88,56 @@ def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "no
     return logprob_fn(logits, targets), logits, h
 
 
+def recorded_routing(mb: dict[str, Array], inputs: Array) -> tuple[Array, Array] | None:
+    """(experts_lbtk int32 [routed layers, rows, t, top_k], replay_bt [rows, t]) of the sampler's
+    recorded experts at the forward's t input positions; None when the micro-batch carries none."""
+    if "experts_btlk" not in mb:
+        return None
+    if "packed_tokens_bt" in mb:
+        raise ValueError("trainer.pack: the recorded experts of routing replay are not packed; turn one off")
+    t = inputs.shape[1]
+    return jnp.moveaxis(mb["experts_btlk"][:, :t].astype(jnp.int32), 2, 0), mb["replay_bt"][:, :t]
+
+
 def routed_hidden(model, inputs: Array, count_bt: Array, tc: TrainerConfig,
-                  layout: dict[str, Array] | None = None) -> tuple[Array, Array | None]:
-    """The policy's hidden states and, with `trainer.router_aux_loss_coef`, its routers'
-    load-balancing loss over the tokens `count_bt` marks (arlo.model.moe.load_balancing_loss);
-    None without it. `layout`: packed rows (`forward_layout`)."""
+                  layout: dict[str, Array] | None = None,
+                  mb: dict[str, Array] | None = None) -> tuple[Array, Array | None, dict[str, Array]]:
+    """The policy's hidden states; with `trainer.router_aux_loss_coef`, its routers'
+    load-balancing loss over the tokens `count_bt` marks (arlo.model.moe.load_balancing_loss),
+    None without it; and with recorded experts in `mb` (routing replay), the routing metrics
+    (module docstring), replaying them when `trainer.algorithm.routing_replay`. `layout`: packed
+    rows (`forward_layout`)."""
     layout = layout or {}
-    if not tc.router_aux_loss_coef:
-        return model.hidden(inputs, remat=tc.remat, **layout), None
-    h, routings = model.hidden_routed(inputs, remat=tc.remat, count_bt=count_bt, **layout)
+    recorded = None if mb is None else recorded_routing(mb, inputs)
+    if not tc.router_aux_loss_coef and recorded is None:
+        return model.hidden(inputs, remat=tc.remat, **layout), None, {}
+    replay = recorded is not None and tc.algorithm.routing_replay
+    h, routings = model.hidden_routed(inputs, remat=tc.remat, count_bt=count_bt,
+                                      experts_lbtk=recorded[0] if replay else None,
+                                      replay_bt=recorded[1] if replay else None, **layout)
     if not routings:
-        raise ValueError("trainer.router_aux_loss_coef: the model has no routed experts; set it to 0")
-    return h, load_balancing_loss(routings)
+        raise ValueError("trainer.router_aux_loss_coef / trainer.algorithm.routing_replay: the model has no "
+                         "routed experts")
+    metrics = {}
+    if recorded is not None:
+        experts, replay_bt = recorded
+        replayed = jnp.maximum(replay_bt.sum(), 1.0)
+        used = routing_mismatch_bt([r._replace(own_btk=r.experts_btk) for r in routings], experts)
+        own = routing_mismatch_bt(routings, experts)
+        metrics = {"routing_mismatch": (used * replay_bt).sum() / replayed,
+                   "routing_own_mismatch": (own * replay_bt).sum() / replayed}
+    return h, load_balancing_loss(routings) if tc.router_aux_loss_coef else None, metrics
+
+
+def replayed_hidden(model, mb: dict[str, Array], inputs: Array, tc: TrainerConfig | None) -> Array | None:
+    """The policy's hidden states with the recorded experts replayed (routing replay on and the
+    micro-batch carrying them), for a forward without gradient; None otherwise (route itself)."""
+    if tc is None or not tc.algorithm.routing_replay:
+        return None
+    recorded = recorded_routing(mb, inputs)
+    if recorded is None:
+        return None
+    return model.hidden_routed(inputs, remat=tc.remat, experts_lbtk=recorded[0], replay_bt=recorded[1])[0]
 
 
 def with_router_aux(loss: Array, metrics: dict[str, Array], aux: Array | None, mask_bt: Array,
@@ -152,7 +201,7 @@ def old_logprobs(model, mb: dict[str, Array], tc: TrainerConfig, sampling: Sampl
     proximal policy of several updates per batch), under the behaviour distribution; no gradient.
     `with_outside`: (logprobs, outside), for `mb["old_outside_bt"]` (see rl_objective)."""
     out = batch_logprobs(model, mb, logprob_chunk=tc.logprob_chunk,
-                         logprob_fn=behaviour_logprob_fn(sampling, with_outside=with_outside))
+                         logprob_fn=behaviour_logprob_fn(sampling, with_outside=with_outside), replay=tc)
     return jax.lax.stop_gradient(out)
 
 
@@ -201,12 +250,14 @@ def to_batch_layout(out: Any, mb: dict[str, Array]) -> Any:
 
 
 def batch_logprobs(model, mb: dict[str, Array], *, remat: Remat = "none", logprob_chunk: int = 0,
-                   logprob_fn: LogprobFn = token_logprobs) -> Any:
-    """`forward_logprobs` of the micro-batch's targets, in its own layout (packed or not)."""
+                   logprob_fn: LogprobFn = token_logprobs, replay: TrainerConfig | None = None) -> Any:
+    """`forward_logprobs` of the micro-batch's targets, in its own layout (packed or not).
+    `replay`: the trainer config, to replay the micro-batch's recorded experts when its
+    `algorithm.routing_replay` says so (the policy's forwards); None: the model routes itself."""
     inputs, targets, _, mask = shifted(mb)
     inputs, targets, layout, _ = forward_layout(mb, inputs, targets, mask)
     out, _, _ = forward_logprobs(model, inputs, targets, remat=remat, logprob_chunk=logprob_chunk,
-                                 logprob_fn=logprob_fn, layout=layout)
+                                 logprob_fn=logprob_fn, layout=layout, h=replayed_hidden(model, mb, inputs, replay))
     return to_batch_layout(out, mb)
 
 
@@ -233,7 +284,7 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     inputs, targets, behaviour, mask = shifted(mb)
     kl_in_loss = bool(cfg.kl_coef) and not cfg.kl_in_reward
     inputs, targets, layout, count = forward_layout(mb, inputs, targets, mask)
-    h, router_aux = routed_hidden(model, inputs, count, tc, layout)
+    h, router_aux, routing_metrics = routed_hidden(model, inputs, count, tc, layout, mb)
     terms, _, _ = forward_logprobs(
         model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk,
         logprob_fn=policy_terms_fn(sampling, model_logprobs=kl_in_loss, entropy=cfg.entropy_coef > 0), h=h)
@@ -248,6 +299,7 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     # Sampler vs trainer on the same weights, whatever the ratio's denominator is: the numeric
     # part on tokens both kept, and apart from it the tokens outside the trainer's filter.
     metrics.update(mismatch_metrics(old, behaviour, mask, mb.get("old_outside_bt", outside)))
+    metrics.update(routing_metrics)
     if kl_in_loss:
         # KL between the models themselves (temperature 1, unfiltered), see reference_logprobs.
         ref_lp = mb["ref_logprobs_bt"] if "ref_logprobs_bt" in mb else reference_logprobs(ref_model, mb, tc)
@@ -267,7 +319,8 @@ def model_kl_bt(model, mb: dict[str, Array], tc: TrainerConfig) -> Array:
     chunked by `logprob_chunk`; the reference's are `mb["ref_logprobs_bt"]` (with_reference_logprobs)."""
     inputs, targets, _, mask = shifted(mb)
     inputs, targets, layout, _ = forward_layout(mb, inputs, targets, mask)
-    lp, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk, layout=layout)
+    lp, _, _ = forward_logprobs(model, inputs, targets, logprob_chunk=tc.logprob_chunk, layout=layout,
+                                h=replayed_hidden(model, mb, inputs, tc))
     lp = to_batch_layout(lp, mb)
     return jax.lax.stop_gradient(kl_estimate(lp, mb["ref_logprobs_bt"], tc.algorithm.kl_kind)) * mask
 
@@ -282,7 +335,7 @@ def sft_objective(model, mb: dict[str, Array], denominator: Array,
     """`mb` holds tokens_bt and mask_bt only (an SFT batch has no sampler logprobs)."""
     tokens = mb["tokens_bt"]
     mask = mb["mask_bt"][:, 1:]
-    h, router_aux = routed_hidden(model, tokens[:, :-1], mask, tc)
+    h, router_aux, _ = routed_hidden(model, tokens[:, :-1], mask, tc)
     logprobs, _, _ = forward_logprobs(model, tokens[:, :-1], tokens[:, 1:], remat=tc.remat,
                                       logprob_chunk=tc.logprob_chunk, h=h)
     loss, metrics = sft_loss(logprobs, mask)

@@ -34,12 +34,14 @@ class GroupBook:
     """`held_for_durability`: the trained steps not yet acknowledged (core/holds.py)."""
 
     def __init__(self, *, lineage: Lineage, groups_per_step: int, vocab_size: int, filter_zero_variance: bool,
-                 expiring_wait_s: float, held_for_durability: Callable[[], Iterable[TrainedStep]]) -> None:
+                 expiring_wait_s: float, held_for_durability: Callable[[], Iterable[TrainedStep]],
+                 routing_bytes: int = 0) -> None:
         self.lineage = lineage
         self.groups_per_step = groups_per_step
         self.filter_zero_variance = filter_zero_variance
         self.held_for_durability = held_for_durability
-        self.assembler = GroupAssembler(max_staleness=lineage.max_staleness, vocab_size=vocab_size, lineage=lineage)
+        self.assembler = GroupAssembler(max_staleness=lineage.max_staleness, vocab_size=vocab_size, lineage=lineage,
+                                        routing_bytes=routing_bytes)
         self.expiring = ExpiringWait(bound_s=expiring_wait_s)
         self.ready: list[ReadyGroup] = []
         self.in_step: list[ReadyGroup] = []

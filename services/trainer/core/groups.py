@@ -39,8 +39,9 @@ class DropCounts:
         return self.stale + self.failed + self.malformed + self.poisoned
 
 
-def validate_trajectory(traj: common_pb2.Trajectory) -> str | None:
-    """Why a trajectory cannot be trained on, or None when it is well formed."""
+def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0) -> str | None:
+    """Why a trajectory cannot be trained on, or None when it is well formed. `routing_bytes`: the
+    model's bytes of routed_experts per model token (arlo/routing_replay.py; 0: not checked)."""
     n = len(traj.token_ids)
     if n < 2:
         return "fewer than 2 tokens"
@@ -55,6 +56,11 @@ def validate_trajectory(traj: common_pb2.Trajectory) -> str | None:
     ends = [r.token_end for r in traj.turn_rewards]
     if any(not 1 <= e <= n for e in ends) or ends != sorted(ends):
         return f"turn_rewards token_end must be ascending in [1, {n}]"
+    if routing_bytes and traj.routed_experts:
+        want = sum(1 for m in traj.loss_mask if m) * routing_bytes
+        if len(traj.routed_experts) != want:
+            return (f"routed_experts has {len(traj.routed_experts)} bytes; the model tokens x {routing_bytes} bytes "
+                    f"per token is {want}")
     return None
 
 
@@ -119,6 +125,8 @@ class GroupAssembler:
     """How fresh a group must be (core/lineage.py); default: `max_staleness` on plain version numbers."""
     """Token ids must lie in [0, vocab_size) (0: only >= 0 is checked)."""
     incomplete_timeout_s: float = 600.0
+    routing_bytes: int = 0
+    """Bytes of routed_experts per model token (validate_trajectory); 0: not checked."""
     pending: dict[str, dict[str, common_pb2.Trajectory]] = field(default_factory=dict)
     drops: DropCounts = field(default_factory=DropCounts)
     _first_seen: dict[str, float] = field(default_factory=dict)
@@ -141,7 +149,7 @@ class GroupAssembler:
                 self._close(gid, reason)
             elif reason is None and (why := self._invalid(traj)) is not None:
                 # The member itself is dead-lettered with its reason (inspectable); its group closes.
-                kind = "malformed" if validate_trajectory(traj) else "poisoned"
+                kind = "malformed" if validate_trajectory(traj, self.routing_bytes) else "poisoned"
                 log.warning("group %r dropped: member %r is %s (%s)", gid[:64], traj.id[:64], kind, why)
                 self._close(gid, kind)
                 setattr(self.drops, kind, getattr(self.drops, kind) + 1)
@@ -190,7 +198,7 @@ class GroupAssembler:
         return dead
 
     def _invalid(self, traj: common_pb2.Trajectory) -> str | None:
-        return validate_trajectory(traj) or poison_reason(traj, self.vocab_size)
+        return validate_trajectory(traj, self.routing_bytes) or poison_reason(traj, self.vocab_size)
 
     def _close(self, gid: str, reason: str) -> None:
         """Drops the group's pending members now, and its later members on arrival."""

@@ -35,6 +35,9 @@ class CoreConfig:
     max_backlog: int = 4096
     sft_steps: int = 0
     start_paused: bool = False
+    routing_bytes: int = 0
+    """Bytes of Trajectory.routed_experts per model token for this model (arlo/routing_replay.py);
+    0: a model without routed experts (the field is not checked)."""
 
 
 def hold_bound(max_backlog: int) -> int:
@@ -53,7 +56,7 @@ class TrainerCore:
         self.holds = Holds(policy, self.state)
         self.book = GroupBook(lineage=self.lineage, groups_per_step=cfg.groups_per_step, vocab_size=cfg.vocab_size,
                               filter_zero_variance=cfg.filter_zero_variance, expiring_wait_s=cfg.expiring_wait_s,
-                              held_for_durability=self.holds.held)
+                              held_for_durability=self.holds.held, routing_bytes=cfg.routing_bytes)
         self.owes_publish = False
         """The newest version's publish failed or met a foreign pointer: publish before the next step."""
 
