@@ -61,6 +61,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ from bench.common import (
 )
 
 DEMO_CONFIG = resource_path("demo.yaml")
+OnStamp = Callable[[RunConfig, int], None]
 DEFAULT_CPUS = "auto"
 """`local.cpus` of the runs: the layout a user's `arlo demo` gets (arlo/app/cpu_layout.py)."""
 
@@ -158,15 +160,21 @@ def service_config(w: Workload, staleness: int, run_id: str) -> RunConfig:
                     "sampling": {"temperature": 1.0, "max_tokens": w.tokens}, "eval": {"every_versions": 0}}})
 
 
-async def stamp_versions(cfg: RunConfig, stamps: dict[int, float], ready: asyncio.Event) -> None:
-    """Records when each version is published (the trainer's step end), from the pointer's channel."""
+async def stamp_versions(cfg: RunConfig, stamps: dict[int, float], ready: asyncio.Event,
+                         on_stamp: OnStamp | None = None) -> None:
+    """Records when each version is published (the trainer's step end), from the pointer's channel;
+    `on_stamp(cfg, version)` runs at each new version (e.g. a scrape of a service's counters then)."""
     redis = await connect(cfg.redis)
     pubsub = redis.pubsub(ignore_subscribe_messages=True)
     try:
         await pubsub.subscribe(Keys(cfg.run_id).weights_events)
         ready.set()
         async for message in pubsub.listen():
-            stamps.setdefault(int(message["data"]), time.monotonic())
+            version = int(message["data"])
+            if version not in stamps:
+                stamps[version] = time.monotonic()
+                if on_stamp is not None:
+                    on_stamp(cfg, version)
     finally:
         await pubsub.aclose()
         await redis.aclose()
@@ -231,12 +239,12 @@ def generate_calls(inference: dict[str, float]) -> tuple[int, int]:
     return int(ok), int(sum(calls.values()) - ok)
 
 
-async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any,
-                stall_s: float = 300.0) -> tuple[dict[int, float], dict, list]:
+async def drive(cfg: RunConfig, token: str | None, steps: int, check: Any, stall_s: float = 300.0,
+                on_stamp: OnStamp | None = None) -> tuple[dict[int, float], dict, list]:
     """`steps` RL steps, as `arlo train` drives them; `stall_s`: the longest a step may take."""
     stamps: dict[int, float] = {}
     ready = asyncio.Event()
-    stamper = asyncio.create_task(stamp_versions(cfg, stamps, ready))
+    stamper = asyncio.create_task(stamp_versions(cfg, stamps, ready, on_stamp))
     await ready.wait()
     try:
         await RunDriver(cfg, token, on_progress=lambda row: None, check_children=check, evaluate=False,
@@ -266,17 +274,18 @@ def local_overrides(cpus: str, compute_nice: int | None) -> dict[str, Any]:
 
 
 def run_cluster(cfg: RunConfig, home: Path, cpus: str, steps: int, *, compute_nice: int | None = None,
-                start_timeout_s: float = 180.0, stall_s: float = 300.0) -> ServiceRun:
+                start_timeout_s: float = 180.0, stall_s: float = 300.0, on_stamp: OnStamp | None = None) -> ServiceRun:
     """`cfg` through the services as local processes (a fresh run under `home`) for `steps` RL steps;
     `cpus`: their `local.cpus` ("auto", "off" or explicit shares); `compute_nice`: local.compute_nice
-    (None: the default). The run's Redis keys are deleted at the end (its figures are read by then)."""
+    (None: the default); `on_stamp(cfg, version)`: called as each version is published (`cfg` with
+    the ports the run got). The run's Redis keys are deleted at the end (its figures are read by then)."""
     cfg = replace_config(cfg, local_overrides(cpus, compute_nice))
     cluster = prepare_cluster(cfg, home=home, free_ports=True, fresh_run=True)
     try:
         cluster.start(INFRA_SERVICES, timeout_s=start_timeout_s)
         cluster.start(("rollout",), timeout_s=start_timeout_s)
         stamps, status, records = asyncio.run(drive(cluster.cfg, cluster.token, steps, cluster.supervisor.check,
-                                                    stall_s=stall_s))
+                                                    stall_s=stall_s, on_stamp=on_stamp))
         peaks = peak_rss(cluster.supervisor)
         metrics = {name: scrape(getattr(cluster.cfg, name).server.metrics_port) for name in ("rollout", "inference")}
     finally:

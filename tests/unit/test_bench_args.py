@@ -127,7 +127,7 @@ def test_a_bad_argument_is_refused_before_the_run(module: str, argv: list[str], 
 
 JSON_BENCHES = ["grpo_tiny", "step_anatomy", "pipeline", "env", "first_step", "load", "openai_load", "mcp_load",
                 "load_memory", "weight_sync", "real_model", "decode", "train_step", "lora_sft_rates", "accelerator",
-                "long_context", "lora", "moe_decode"]
+                "long_context", "long_context_throughput", "lora", "moe_decode"]
 
 
 def test_every_bench_that_takes_json_is_listed_here() -> None:
