@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench import long_context_throughput
 from bench.common import check_json_arg, name_list, print_table, run_main, write_json
 from bench.long_context_packing import COLUMNS as PACKING_COLUMNS
 from bench.long_context_packing import packing
@@ -128,6 +129,7 @@ SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], tuple[list[list[Any]], 
     "capacity": (capacity, CAPACITY_COLUMNS),
     "prefix": (prefix, PREFIX_COLUMNS),
     "paged_vs_dense": (paged_vs_dense, PAGED_COLUMNS),
+    "throughput": (long_context_throughput.throughput, long_context_throughput.COLUMNS),
 }
 
 
