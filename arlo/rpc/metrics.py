@@ -49,6 +49,8 @@ TRAINER_GAUGES = {
     "logprob_mismatch": "Mean |behaviour - trainer| logprob on the model tokens both kept (last RL step).",
     "logprob_outside": "Fraction of model tokens outside the trainer's top-k/top-p/min-p set (last RL step).",
     "is_weight": "Mean importance weight on model tokens (last RL step).",
+    "routing_mismatch": "Fraction of recorded model tokens whose experts in the trainer's forward differ from the "
+                        "sampler's in any routed layer (last RL step; only with recorded routing, 0 with replay).",
     "staleness": "Mean versions the sampling policy of the last RL step's tokens was behind.",
     "staleness_max": "Largest token lag of the last RL step (bounded by trainer.max_staleness).",
     "queue_depth": "Trajectory stream entries not yet finished with by the trainer.",
