@@ -38,7 +38,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("qwen3_moe_r3"), "qwen3_moe")
 
 
-def _generate(moe_dir: Path, dtype: str, temperature: float, return_routing: bool = True) -> list:
+def _generate(moe_dir: Path, dtype: str, temperature: float, stop: tuple[str, ...] = ()) -> list:
     from arlo.config import InferenceConfig
     from services.inference.engine import Engine, SamplingRequest
 
@@ -48,7 +48,7 @@ def _generate(moe_dir: Path, dtype: str, temperature: float, return_routing: boo
                                                    max_seq_len=64, decode_steps=4))
     try:
         handles = engine.submit_many([SamplingRequest(prompt=p, n=2, max_tokens=MAX_TOKENS, temperature=temperature,
-                                                      ignore_eos=True, seed=i, return_routing=return_routing)
+                                                      ignore_eos=True, seed=i, return_routing=True, stop_strings=stop)
                                       for i, p in enumerate(PROMPTS)])
         return [h.result(300) for h in handles]
     finally:
@@ -70,7 +70,8 @@ def test_engine_records_the_routers_choice_and_the_bytes_round_trip(moe_dir: Pat
     from arlo.model import abstract_model
 
     graphdef, state = nnx.split(abstract_model(source.cfg))[0], source.initial_state(dtype="float32")
-    for prompt, samples in zip(PROMPTS, _generate(moe_dir, "float32", 0.0), strict=True):
+    results = _generate(moe_dir, "float32", 0.0)
+    for prompt, samples in zip(PROMPTS, results, strict=True):
         for sample in samples:
             tokens = [*prompt, *sample.token_ids]
             assert sample.routed_experts.shape == (len(sample.token_ids), layers, top_k)
@@ -83,6 +84,15 @@ def test_engine_records_the_routers_choice_and_the_bytes_round_trip(moe_dir: Pat
             back = unpack_experts(data, tokens=len(sample.token_ids), routed_layers=layers, top_k=top_k,
                                   num_experts=num_experts)
             np.testing.assert_array_equal(back, sample.routed_experts)
+    # A stop string cuts the experts with the tokens (greedy: the same tokens up to the cut).
+    first = results[0][0]
+    text = source.tokenizer().decode(first.token_ids[:4])
+    stop = text.strip()[-2:]
+    assert stop
+    cut = _generate(moe_dir, "float32", 0.0, stop=(stop,))[0][0]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) <= 4
+    assert cut.routed_experts.shape[0] == len(cut.token_ids)
+    np.testing.assert_array_equal(cut.routed_experts, first.routed_experts[: len(cut.token_ids)])
 
 
 def test_the_wire_format() -> None:
