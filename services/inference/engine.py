@@ -350,7 +350,7 @@ class Engine:
                                                                       strict=True)) if new != old}
                 self.stats.recomputed += self.scheduler.preempt_all(adapters=swapped)
             self._served_versions = policy.versions
-        items = self.scheduler.schedule(policy.versions)
+        items = self.scheduler.schedule(policy.versions, steps=self.config.decode_steps)
         now = time.perf_counter()
         for item in items:
             for seq in item.seqs:

@@ -158,12 +158,16 @@ class Scheduler:
 
     # ----- admission -----
 
-    def schedule(self, versions: tuple[int, ...]) -> list[PrefillItem]:
+    def schedule(self, versions: tuple[int, ...], *, steps: int = 0) -> list[PrefillItem]:
         """Admits waiting requests, in order, while sequences, pages and this step's prefill budget
-        last; returns the prefill rows to run. `versions`: the version served per adapter slot."""
+        last; returns the prefill rows to run. `versions`: the version served per adapter slot.
+        `steps`: the decode chunk that follows; the pages its growth takes (`grow`), the running
+        sequences' and the admitted ones', are kept free, so a request is never admitted only to
+        be preempted for them before its first chunk (its prefill wasted)."""
         items: list[PrefillItem] = []
         budget = self.prefill_tokens
         self._planned.clear()
+        keep = self._growth(steps)
         while self.waiting:
             req = self.waiting[0]
             live = [s for s in req.seqs if not s.finished]
@@ -175,8 +179,10 @@ class Scheduler:
             tokens = sum(p.prefill_tokens for p in plans)
             if items and tokens > budget:
                 break
-            if not self._take_pages(plans):
+            growth = sum(len(p.item.seqs) * self._first_growth(len(p.item.tokens), steps) for p in plans)
+            if not self._take_pages(plans, keep=keep + growth):
                 break
+            keep += growth
             self.waiting.popleft()
             self.running[req.id] = req
             for plan in plans:
@@ -219,11 +225,26 @@ class Scheduler:
         return [_Plan(item=item, shared=cached, fresh_shared=full - len(cached),
                       private=self.pool.pages_for(length + 1) - full, looked=len(keys))]
 
-    def _take_pages(self, plans: list[_Plan]) -> bool:
+    def _growth(self, steps: int) -> int:
+        """Pages the running sequences take for a decode chunk of `steps` (0: none)."""
+        if steps <= 0:
+            return 0
+        return sum(max(self.pool.pages_for(seq.position + steps) - len(seq.pages), 0)
+                   for req in self.running.values() for seq in req.seqs if not seq.finished and seq.token_ids)
+
+    def _first_growth(self, length: int, steps: int) -> int:
+        """Pages a sample prefilled over `length` tokens takes for its first decode chunk, past
+        the first decode position's page it is admitted with."""
+        return max(self.pool.pages_for(length + steps) - self.pool.pages_for(length + 1), 0) if steps > 0 else 0
+
+    def _take_pages(self, plans: list[_Plan], *, keep: int = 0) -> bool:
+        """Gives the plans' samples their pages, leaving `keep` pages free; False (nothing taken)
+        when the pool cannot."""
         # Cached pages are held before the allocation, which would otherwise evict idle ones.
         for plan in plans:
             self.pool.acquire(plan.shared, times=len(plan.item.seqs))
-        pages = self.pool.allocate(sum(p.pages for p in plans))
+        need = sum(p.pages for p in plans)
+        pages = self.pool.allocate(need) if self.pool.free_pages - need >= keep else None
         if pages is None:
             for plan in plans:
                 for _ in plan.item.seqs:

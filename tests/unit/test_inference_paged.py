@@ -81,7 +81,7 @@ class PageContents:
 
     def step(self, steps: int, token: int) -> None:
         s = self.s
-        items = s.schedule(tuple(self.versions))
+        items = s.schedule(tuple(self.versions), steps=steps if token % 2 else 0)
         for item in items:  # every position before the prefill's start is read from the cache
             salt = (item.adapter, self.versions[item.adapter])
             for seq in item.seqs:

@@ -214,6 +214,32 @@ def test_growing_past_the_pool_preempts_the_newest_and_resumes_it_with_its_token
     assert item.start == 4  # its first page was cached when it was preempted
 
 
+def test_a_request_is_not_admitted_into_the_pages_the_next_decode_chunk_needs() -> None:
+    """Admission ran before grow() and took the pages the running sequences' next chunk needed:
+    grow() then preempted the request just admitted (the newest), its prefill thrown away (on the
+    tight engine of test_inference_batching, 7 of 17 preemptions). It waits instead, and neither
+    its own first chunk nor the running ones' growth preempts anything."""
+    s = scheduler(pages=3)
+    old = request(prompt=(1, 2, 3))
+    s.add(old)
+    s.schedule((0,), steps=4)
+    s.pool.written()
+    s.append(old.seqs[0], [7], [0.0], 0)
+    s.grow(4)  # positions 3..6: two pages
+    s.append(old.seqs[0], [1, 1, 1, 1], [0.0] * 4, 0)
+    new = request(prompt=(4, 5, 6))  # one page now, a second for its first chunk
+    s.add(new)
+    assert s.schedule((0,), steps=4) == []  # old's next chunk needs the last page
+    s.grow(4)
+    assert s.preemptions == 0 and list(s.waiting) == [new]
+    run_to_end(s, old, [])
+    (item,) = s.schedule((0,), steps=4)
+    s.pool.written()
+    s.append(new.seqs[0], [8], [0.0], 0)
+    s.grow(4)
+    assert item.seqs[0].request is new and s.preemptions == 0 and len(new.seqs[0].pages) == 2
+
+
 def test_pages_of_a_sequence_whose_kv_mixes_versions_are_not_cached() -> None:
     s = scheduler()
     a = request(prompt=tuple(range(10)))
