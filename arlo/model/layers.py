@@ -126,8 +126,8 @@ class Attention(nnx.Module):
         q_btnh = apply_rope(q_btnh, positions_bt, self.theta, self.rope_scaling)
         k_btkh = apply_rope(k_btkh, positions_bt, self.theta, self.rope_scaling)
         new_kv = None
-        if kv is None:  # training: mask_bts is causal in column order (transformer._train_layout)
-            out_btnh = _attend_causal(q_btnh, k_btkh, v_btkh, mask_bts, self.score_scale, self.softcap)
+        if kv is None:  # training: long sequences attend in query blocks (_attend_blocked)
+            out_btnh = _attend_blocked(q_btnh, k_btkh, v_btkh, mask_bts, self.score_scale, self.softcap)
         else:
             assert start_b is not None, "a KV cache write needs start_b"
             new_kv = write_rows(kv[0], kv[1], k_btkh, v_btkh, start_b)
@@ -218,12 +218,12 @@ def _attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: j
 
 
 TRAIN_QUERY_CHUNK = 1024
-"""Query rows per block of `_attend_causal` on sequences longer than TRAIN_CHUNKED_ABOVE."""
+"""Query rows per block of `_attend_blocked` on sequences longer than TRAIN_CHUNKED_ABOVE."""
 TRAIN_CHUNKED_ABOVE = 4096
 """Training sequences up to this length attend in one block (the programs they always had)."""
 
 
-def _attend_causal(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array, scale: float,
+def _attend_blocked(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array, scale: float,
                    cap: float | None = None) -> jax.Array:
     """`_attend` over a training sequence (`mask_bts` [1 or b, t, t]).
 

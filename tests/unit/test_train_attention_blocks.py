@@ -1,5 +1,5 @@
 """Training attention past TRAIN_CHUNKED_ABOVE tokens goes in query blocks (arlo/model/layers.py
-`_attend_causal`), so a 16k-token episode's step does not form [t, t] scores per head: the fault it
+`_attend_blocked`), so a 16k-token episode's step does not form [t, t] scores per head: the fault it
 fixes is the `small` preset's RL step at 16,384 tokens needing 34.7 GiB of temporaries (8 GiB of
 scores a layer), more than the host. The blocks give the dense path's hidden states and gradients."""
 
