@@ -46,7 +46,8 @@ def kv_layout(config: InferenceConfig, model_cfg: ModelConfig) -> KVLayout:
     samples at full length (it could never be admitted)."""
     slot_len = model_cfg.max_seq_len
     cache_len = slot_len + config.decode_steps
-    page_size = config.page_size or cache_len
+    # A page past the sequence's whole length would only waste its tail: that is the dense layout.
+    page_size = min(config.page_size or cache_len, cache_len)
     per_seq = -(-cache_len // page_size)
     per_page = position_bytes(model_cfg) * page_size
     pages = config.max_batch * per_seq

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,17 @@ def test_a_kv_budget_that_cannot_hold_one_request_is_refused_at_load_naming_the_
                                           r"sequences of \d+ positions .*raise it to at least \d+"):
         load_config(overrides={**base, "inference": {**base["inference"], "kv_cache_mib": 0.5}})
     load_config(overrides={**base, "inference": {**base["inference"], "kv_cache_mib": 64}})
+
+
+def test_a_page_longer_than_the_sequence_is_the_dense_layout_not_more_memory() -> None:
+    """A 64-position page over 32-position sequences allocated 1.6x the dense memory and shared
+    nothing; the page is capped at the sequence's length (slot + one decode chunk)."""
+    from arlo.config import InferenceConfig
+    from arlo.model.config import ModelConfig
+    from arlo.model.kv_budget import kv_layout
+
+    cfg = ModelConfig.named("tiny")
+    short = dataclasses.replace(cfg, max_seq_len=32)
+    paged = kv_layout(InferenceConfig(page_size=64, max_batch=8, max_n=1, decode_steps=8), short)
+    dense = kv_layout(InferenceConfig(page_size=0, max_batch=8, max_n=1, decode_steps=8), short)
+    assert (paged.page_size, paged.pages) == (dense.page_size, dense.pages) == (40, 8)
