@@ -26,7 +26,9 @@ from arlo.rpc import make_channel
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "multihost-token"
 GROUPS = 4
-pytestmark = pytest.mark.timeout(420)
+# Slow tier: the two-process trainer itself (lockstep, equal to one process) is in the default tier,
+# tests/unit/test_trainer_multihost.py; this adds the service around it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def free_port() -> int:

@@ -77,12 +77,20 @@ def own_model_config(path: Path, run_id: str, redis_url: str, model_dir: Path, *
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~3.5 min under load; the default tier covers it part by part (see the docstring)
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 120)
 def test_a_checkpoint_trains_through_every_service_and_exports(tmp_path: Path, redis_url: str, run_id: str) -> None:
     """One run (each costs five services' start and JAX compiles): Qwen2 with two eos ids, bfloat16
     stored weights (published, served and exported in bf16, float32 master in the trainer).
     Llama 3 and Qwen3 load, serve and export through the same code (tests/unit/test_model_source.py,
-    test_hf_export.py)."""
+    test_hf_export.py).
+
+    In the slow tier (CI runs it). The default tier covers each part: a checkpoint resolving to
+    version 0 with its tokenizer (tests/unit/test_model_source.py), its template's tool-call
+    demonstrations masked for SFT (tests/unit/test_trainer_sft.py), a real inference service serving
+    a checkpoint with its family's template and tool calls (tests/contract/test_openai_tool_formats.py),
+    export with transformers' logits, bf16 included (tests/unit/test_hf_export.py,
+    test_app_export_versions.py), and every service training through the CLI (tests/e2e/test_cli.py)."""
     model_dir = write_checkpoint(tmp_path / "qwen2", "qwen2")
     config = own_model_config(tmp_path / "run.yaml", run_id, redis_url, model_dir, param_dtype="bfloat16")
     _demo_exports_trained_policy(tmp_path, config, model_dir, "bfloat16")
@@ -95,7 +103,7 @@ def test_a_gemma3_checkpoint_trains_through_every_service_and_exports(tmp_path: 
                                                                      run_id: str) -> None:
     """Gemma 3 (a sliding layer with an 8-token window and a full one, prompts past the window)
     through SFT, RL steps and export, float32 end to end; its template has no tools, so the
-    arith env asks plainly. In the slow tier (CI runs it): the Qwen2 run above covers the services."""
+    arith env asks plainly. In the slow tier (CI runs it), as the Qwen2 run above is."""
     model_dir = write_checkpoint(tmp_path / "gemma3", "gemma3")
     config = own_model_config(tmp_path / "run.yaml", run_id, redis_url, model_dir, tools=False)
     _demo_exports_trained_policy(tmp_path, config, model_dir, "float32")

@@ -15,7 +15,11 @@ import yaml
 
 from tests.e2e.test_cli import arlo
 
-pytestmark = pytest.mark.e2e
+# Slow tier (two `arlo demo` runs). The default tier covers each part: the refusal's message
+# (tests/unit/test_rollout_agent.py, EpisodeDoesNotFit), the driver stopping on a worker's refusal
+# (tests/contract/test_run_holds.py) and the failed run's count no longer holding the budget
+# (tests/contract/test_rollout_admission.py::test_budget_counts_only_what_the_stream_still_holds_for_the_trainer).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def config(path: Path, run_id: str, redis_url: str, *, episode_tokens: int) -> Path:

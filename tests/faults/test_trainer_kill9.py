@@ -81,6 +81,10 @@ def complete_versions(ckpt: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit())
 
 
+# Slow tier: the default tier kills -9 the trainer at three points of a run (mid-step, just published,
+# mid-save) and checks the same resume and exactly-once training, below
+# (test_kill9_mid_step_just_published_and_mid_save_never_go_back).
+@pytest.mark.slow
 async def test_kill9_resumes_from_the_last_complete_checkpoint_and_trains_each_trajectory_once(
         tmp_path: Path, redis_url: str, run_id: str) -> None:
     ckpt = tmp_path / "ckpt"

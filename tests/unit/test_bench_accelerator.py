@@ -18,6 +18,7 @@ from bench.accelerator import parse_args, peak_bandwidth, step_bytes
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a whole bench run; its arithmetic and arguments are checked below, in the default tier
 def test_smoke_run_reports_decode_and_transformers_figures(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bench.accelerator", "--smoke", "--json", str(tmp_path / "a.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=280, env={**os.environ, "COLUMNS": "200"})

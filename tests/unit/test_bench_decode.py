@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a whole bench run; the engine's decode is covered by test_inference_engine.py / test_inference_batching.py
 @pytest.mark.timeout(360)
 def test_decode_bench_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"

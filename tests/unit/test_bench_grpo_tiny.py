@@ -137,6 +137,9 @@ def baseline_batches(batch1: bool) -> tuple[dict, list[Batch]]:
     return run_timed(args, baseline.cfg, baseline.step), batches
 
 
+# Two baseline runs, compiles included: slow tier. The default tier holds the baseline's episodes
+# to the rollout's token for token (test_the_baselines_episode_is_the_rollouts_token_for_token).
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_agent_baselines_run_whole_episodes_and_train_on_model_tokens_only() -> None:
     figures, batches = baseline_batches(batch1=False)

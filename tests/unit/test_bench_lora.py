@@ -24,6 +24,9 @@ def run_bench(tmp_path: Path, *parts: str, timeout: int) -> dict:
     return json.loads(out.read_text())
 
 
+# A whole bench run (~70 s under load): slow tier. What it runs is covered in the default tier by
+# test_lora.py, test_plan.py's LoRA case and tests/contract/test_inference_runs.py.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lora_bench_plans_serves_and_syncs(tmp_path: Path) -> None:
     """The parts that run in the bench's own process: XLA's step peaks, the engine-vs-trainer

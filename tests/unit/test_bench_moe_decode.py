@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a whole bench run; MoE decode is covered by test_model_qwen3_moe.py
 @pytest.mark.timeout(300)
 def test_moe_decode_bench_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"

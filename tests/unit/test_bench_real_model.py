@@ -11,6 +11,10 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 ROOT = Path(__file__).resolve().parents[2]
+# Whole bench runs (a minute or more each under load): slow tier. The default tier checks the bench's
+# arguments (test_bench_args.py), the tiny checkpoint family's logits and greedy decode against
+# transformers (test_hf_reference.py) and the step anatomy it reports (test_step_anatomy.py).
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(420)

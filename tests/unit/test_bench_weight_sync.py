@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a whole bench run; PullWeights is covered by tests/contract/test_weight_pull.py
 @pytest.mark.timeout(150)
 def test_weight_sync_bench_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "sync.json"

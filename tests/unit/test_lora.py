@@ -218,6 +218,11 @@ def test_stacked_adapters_give_each_row_its_own_adapter() -> None:
     np.testing.assert_allclose(np.asarray(nnx.merge(graphdef_many, with_rows)(tokens))[1], got[1], atol=2e-5)
 
 
+# Slow tier (~80 s under load). The default tier covers it: two runs' adapter slots on one engine, each
+# request sampled by its own and reporting its own version (tests/contract/test_inference_runs.py), each
+# row of a batch on its own adapter (test_stacked_adapters_give_each_row_its_own_adapter) and the engine's
+# logprobs equal to the trainer's (test_the_engine_serves_published_adapters_unmerged_with_the_trainers_logprobs).
+@pytest.mark.slow
 def test_one_engine_serves_two_runs_adapters_in_one_batch_each_with_its_own_version() -> None:
     """Issue 35, item 2: the engine holds two adapters over one base, a request names its slot;
     requests of both run in the same batches, each gets the logprobs its own trainer computes

@@ -111,10 +111,13 @@ def test_micro_batches_give_the_full_batch_gradient_including_a_partial_last_one
         assert max(float(np.abs(a).max()) for a in full) > 1e-4  # the step did something
 
 
+# The KL and entropy variants are in the slow tier: test_trainer_chunked_terms.py's default cases step the
+# learner with KL in the loss (k3) and in the reward (k1), entropy_coef on, and check their metrics.
 @pytest.mark.parametrize("objective", [
     {"advantage": "rloo"}, {"advantage": "dr_grpo"}, {"advantage": "reinforce_pp"},
-    {"kl_coef": 0.1, "kl_kind": "k3"}, {"kl_coef": 0.1, "kl_in_reward": True, "kl_kind": "k1"},
-    {"entropy_coef": 0.01}, {"decoupled": True},
+    pytest.param({"kl_coef": 0.1, "kl_kind": "k3"}, marks=pytest.mark.slow),
+    pytest.param({"kl_coef": 0.1, "kl_in_reward": True, "kl_kind": "k1"}, marks=pytest.mark.slow),
+    pytest.param({"entropy_coef": 0.01}, marks=pytest.mark.slow), {"decoupled": True},
 ])
 def test_objective_variants_take_finite_steps(objective: dict) -> None:
     algorithm = AlgorithmConfig(**objective)
