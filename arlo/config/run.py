@@ -181,8 +181,7 @@ class RunConfig:
 
     def _model_max_seq_len(self) -> int:
         """The model's sequence length as every service resolves it (arlo.model.source)."""
-        from arlo.model.config import ModelConfig
-        from arlo.model.source import sequence_length
+        from arlo.model.config import ModelConfig, sequence_length
 
         own = (ModelConfig.from_hf_dir(self.model.path) if self.model.path
                else ModelConfig.named(self.model.name)).max_seq_len

@@ -265,3 +265,12 @@ _PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(vocab_size=264, dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
                          mlp_dim=1536, max_seq_len=1024),
 }
+
+
+def sequence_length(own: int, max_seq_len: int, *, checkpoint: bool) -> int:
+    """The run's sequence length from the model's own (`own`: a preset's table, a checkpoint's
+    max_position_embeddings) and `model.max_seq_len` (0: unset): a preset takes the setting, a
+    checkpoint is only capped by it."""
+    if not max_seq_len:
+        return own
+    return min(own, max_seq_len) if checkpoint else max_seq_len

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arlo.model.config import LoraShape, ModelConfig
+from arlo.model.config import LoraShape, ModelConfig, sequence_length
 from arlo.model.hf import INDEX_FILE, SINGLE_FILE, load_hf_state
 from arlo.model.hf_config import CONFIG_FILE, SUPPORTED_MODEL_TYPES, read_hf_config
 from arlo.model.lora import merge_states, split_adapters
@@ -144,15 +144,6 @@ def resolve_model(*, name: str, path: str, tokenizer: str, seed: int, dtype: str
         cfg = dataclasses.replace(cfg, lora=lora)
     return ModelSource(cfg=cfg, checkpoint=root, tokenizer_name=tok, seed=seed, param_dtype=param_dtype,
                        name=str(root) if root is not None else name)
-
-
-def sequence_length(own: int, max_seq_len: int, *, checkpoint: bool) -> int:
-    """The run's sequence length from the model's own (`own`: a preset's table, a checkpoint's
-    max_position_embeddings) and `model.max_seq_len` (0: unset): a preset takes the setting, a
-    checkpoint is only capped by it."""
-    if not max_seq_len:
-        return own
-    return min(own, max_seq_len) if checkpoint else max_seq_len
 
 
 def check_model_dir(root: Path) -> None:
