@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -257,19 +257,30 @@ def test_running_out_of_pages_preempts_and_recomputes_without_changing_a_sample(
         roomy.close()
 
 
+def other_weights(engine: Engine, *, seed: int) -> nnx.State:
+    """Another init of the tiny model, as WeightSync makes it: bytes from the trainer, restored
+    like the served state."""
+    return state_from_bytes(state_to_bytes(nnx.split(create_model(ModelConfig.named("tiny"), seed))[1]), engine.state)
+
+
+def swap_at_first_tokens(engine: Engine, state: nnx.State) -> Callable[[TokenDelta], None]:
+    """An on_tokens callback that swaps `state` in as version 1 when the first tokens arrive."""
+    swapped = threading.Event()
+
+    def on_tokens(delta: TokenDelta) -> None:
+        if not swapped.is_set():
+            engine.swap(state, 1)
+            swapped.set()
+
+    return on_tokens
+
+
 def test_swap_takes_effect_between_chunks_without_a_drain_or_a_recompile() -> None:
     e = new_engine()
     try:
         e.generate(greedy(PROMPTS[0], 24), 120)  # compile these shapes first
-        # As WeightSync makes it: bytes from the trainer, restored like the served state.
-        other = state_from_bytes(state_to_bytes(nnx.split(create_model(ModelConfig.named("tiny"), 123))[1]), e.state)
-        swapped = threading.Event()
-
-        def on_tokens(delta: TokenDelta) -> None:
-            if not swapped.is_set():
-                e.swap(other, 1)
-                swapped.set()
-
+        other = other_weights(e, seed=123)
+        on_tokens = swap_at_first_tokens(e, other)
         with count_compiles() as compiles:
             (sample,) = e.submit(greedy(PROMPTS[0], 24), on_tokens=on_tokens).result(120)
         versions = sample.policy_versions
@@ -317,14 +328,8 @@ def test_a_swap_with_recompute_continues_in_flight_samples_on_the_new_weights() 
     e = new_engine(page_size=16)
     e.recompute_on_swap = True
     try:
-        other = state_from_bytes(state_to_bytes(nnx.split(create_model(ModelConfig.named("tiny"), 7))[1]), e.state)
-        swapped = threading.Event()
-
-        def on_tokens(delta: TokenDelta) -> None:
-            if not swapped.is_set():
-                e.swap(other, 1)
-                swapped.set()
-
+        other = other_weights(e, seed=7)
+        on_tokens = swap_at_first_tokens(e, other)
         (sample,) = e.submit(greedy(PROMPTS[3], 24), on_tokens=on_tokens).result(120)
         versions = sample.policy_versions
         cut = versions.index(1)
