@@ -72,6 +72,8 @@ class Buckets:
     max_n: int = 1
     min_rows: int = MIN_ROWS
     """Fewest rows of a decode or sampling call (`row_floor`)."""
+    page_size: int = 1
+    """KV page size: a reused prefix ends on a page boundary."""
 
     @property
     def samples(self) -> int:
@@ -104,12 +106,22 @@ class Buckets:
         return min(self.max_prefill_rows, self.samples)
 
     def prefill_shape(self, length: int, start: int) -> tuple[int, int]:
-        """(start, token bucket) of a prompt of `length` whose first `start` tokens' KV is reused;
-        the reuse is given up (start 0) when the bucket would overrun the slot."""
+        """(start, token bucket) of a prompt of `length` whose first `start` tokens' KV is reused.
+        When the bucket would overrun the slot, less is reused: the prefill begins at the first page
+        boundary from which bucket t still covers the prompt (the prefix's last pages are prefilled
+        again), so it ends by `length`. A long episode's later turn (14,976 cached tokens, 2,324
+        new, a 4,096 bucket, an 18,824-token slot) used to give the reuse up and prefill the whole
+        prompt in one 18,824-token chunk, whose attention scores (11 GB a layer for the `small`
+        preset) took the engine out of memory. Only a prompt within a page of the slot's end
+        still falls back to a prefill from 0."""
         t = pow2(length - start, MIN_TOKEN_BUCKET)
-        if start + t > self.cache_len:
-            start, t = 0, min(pow2(length, MIN_TOKEN_BUCKET), self.cache_len)
-        return start, t
+        if start + t <= self.cache_len:
+            return start, t
+        page = self.page_size
+        back = max(-(-(length - t) // page) * page, 0)  # <= start: start is on a page and >= length - t
+        if 0 < back <= start and back + t <= self.cache_len:
+            return back, pow2(length - back, MIN_TOKEN_BUCKET)
+        return 0, min(pow2(length, MIN_TOKEN_BUCKET), self.cache_len)
 
 
 def program_set(b: Buckets, *, max_prompt: int, max_tokens: int, max_seq_len: int,
@@ -149,9 +161,16 @@ def _reused_prefix_shapes(b: Buckets, length: int) -> set[tuple[int, int]]:
             if first <= b.cache_len:
                 lo, hi = b.window(first), b.window(min(last, b.cache_len))
                 out.update((t, w) for w in b.windows if lo <= w <= hi)
-            if last > b.cache_len:  # reuse given up: the whole prompt from 0
-                fallback = min(pow2(length, MIN_TOKEN_BUCKET), b.cache_len)
-                out.add((fallback, b.window(fallback)))
+            if last > b.cache_len:  # starts whose bucket overruns the slot (prefill_shape)
+                first_over, last_over = max(length - high, b.cache_len - t + 1), length - low
+                back = max(-(-(length - t) // b.page_size) * b.page_size, 0)
+                fits = 0 < back and back + t <= b.cache_len
+                if fits and last_over >= back:  # less reused: from the page boundary `back`
+                    t2 = pow2(length - back, MIN_TOKEN_BUCKET)
+                    out.add((t2, b.window(back + t2)))
+                if not fits or first_over < back:  # reuse given up: the whole prompt from 0
+                    fallback = min(pow2(length, MIN_TOKEN_BUCKET), b.cache_len)
+                    out.add((fallback, b.window(fallback)))
         if t >= length - 1:
             break
         t *= 2

@@ -124,7 +124,7 @@ class Runner:
         self.cache_len = slot_len + decode_steps
         self.table_len = -(-self.cache_len // page_size)
         self.buckets = Buckets(num_slots=max_seqs, cache_len=self.cache_len, max_prefill_rows=max_prefill_rows,
-                               max_n=max_n, min_rows=min_rows)
+                               max_n=max_n, min_rows=min_rows, page_size=page_size)
         self.windows = self.buckets.windows
         self._model_cfg = model_cfg
         # Pages + the null page, rounded up so the pages split evenly over the data axes.

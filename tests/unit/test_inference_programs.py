@@ -84,3 +84,25 @@ def test_a_floor_of_one_decodes_one_sequence_in_one_row() -> None:
     for b in (floor1, floor16):
         keys = program_set(b, max_prompt=16, max_tokens=16, max_seq_len=128)
         assert {k[1] for k in keys if k[0] == "decode"} == {b.decode_rows(n) for n in range(1, 65)}
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_a_long_prompt_near_the_slot_end_keeps_its_prefix_and_the_set_holds_the_shape(page_size: int) -> None:
+    """Issue 36's 16k-token, 8-turn e2e run: at the 8th turn 14,976 of a 17,300-token prompt were
+    cached, the rest's bucket (4,096) overran the 18,824-token slot, and the reuse was given up: one
+    18,824-token prefill whose attention scores (11 GB a layer) took the engine out of memory. Less
+    of the prefix is reused instead, from a page boundary, and the bucket ends within the slot."""
+    b = Buckets(num_slots=2, cache_len=18_824, max_prefill_rows=2, max_n=2, page_size=64)
+    start, t = b.prefill_shape(17_300, 14_976)
+    assert 0 < start <= 14_976 and start % 64 == 0 and start + t <= 18_824 and t == 4096
+    assert start + t >= 17_300  # the bucket covers the prompt
+    # The program set is still exactly what the bucketing reaches, page-aligned starts included.
+    small = Buckets(num_slots=8, cache_len=132, max_prefill_rows=4, max_n=2, page_size=page_size)
+    keys = program_set(small, max_prompt=112, max_tokens=4, max_seq_len=128)
+    reachable = set()
+    for length in range(1, 113):
+        for start in range(0, length, page_size):
+            s, t = small.prefill_shape(length, start)
+            assert s <= start and s + t <= small.cache_len and s + t >= length
+            reachable.add((t, small.window(s + t)))
+    assert reachable <= {(k[2], k[3]) for k in keys if k[0] == "prefill"}
