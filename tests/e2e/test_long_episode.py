@@ -45,8 +45,8 @@ TARGET_TOKENS = PARTS * PART_CHARS * 16_384 // (PARTS * 2100)  # 16,384 at the d
 CONTEXT = (PARTS * PART_CHARS + 2048) // 64 * 64  # the episode and its headroom, whole KV pages: 18,816
 TURN_TOKENS = 16
 START_S = 420  # five services' start: the trainer's and the engine's compiles at 18k positions
-EPISODES_S = 1500  # two ~17k-token episodes' prefills (2k a turn) and 16 decodes a turn
-STEP_S = 1500  # the RL step over two ~17k-token rows, forward and backward
+EPISODES_S = 1800  # two ~17k-token episodes' prefills (2k a turn) and 16 decodes a turn
+STEP_S = 2700  # the RL step over two 18,816-token rows, forward and backward: ~14x a 4,096-token row's
 
 
 def run_config(path: Path, run_id: str, redis_url: str) -> Path:
