@@ -26,7 +26,7 @@ from arlo.config import RunConfig
 from arlo.coord import WeightPointer, connect
 from arlo.model import lora
 from arlo.model.export import ExportResult, export_hf
-from arlo.model.lora_export import ADAPTER_WEIGHTS, export_peft_adapter
+from arlo.model.lora_export import ADAPTER_WEIGHTS, NORMS_REFUSED, export_peft_adapter
 from arlo.model.quantize import dequantized, quantize_base
 from arlo.model.source import ModelSource, cast_state
 from arlo.model.weights import sha256_hex, state_from_bytes, state_to_bytes
@@ -48,6 +48,8 @@ def export_run(cfg: RunConfig, out: str | Path, *, token: str | None, version: i
     if adapter:
         if source.cfg.lora is None:
             raise ExportError("--adapter: this run trains no adapters (trainer.lora.rank is 0)")
+        if source.cfg.lora.train_norms:
+            raise ExportError(f"--adapter: {NORMS_REFUSED}")
         root = export_peft_adapter(published, source.cfg, out, base_model=cfg.model.path or cfg.model.name)
         files = tuple(sorted(p.name for p in root.iterdir()))
         return ExportResult(out=root, files=files, num_bytes=(root / ADAPTER_WEIGHTS).stat().st_size)

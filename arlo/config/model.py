@@ -74,7 +74,7 @@ class ModelSpec:
 
             shape = LoraShape(rank=lora.rank, alpha=lora.effective_alpha, targets=tuple(lora.targets),
                               rslora=lora.rslora, init=lora.init, quantize=lora.quantize,
-                              quant_block=lora.quant_block)
+                              quant_block=lora.quant_block, train_norms=lora.train_norms)
         return resolve_model(name=self.name, path=self.path, tokenizer=self.tokenizer, seed=self.seed,
                              dtype=self.dtype, param_dtype=self.param_dtype, max_seq_len=self.max_seq_len,
                              lora=shape)

@@ -192,6 +192,13 @@ class LoraConfig:
     quant_block: int = ranged(64, ge=2, le=65536)
     """Elements per quantisation block (one float32 scale each) along a weight's last axis; a
     last axis it does not divide is one block per row."""
+    train_norms: bool = False
+    """Also train every RMSNorm scale (each layer's norms and the final norm) in full, as PEFT's
+    `modules_to_save` does: model.dim floats per norm, optimised, published, checkpointed and
+    served with the adapters. Helps where the frozen base's norms cap how sharp the policy can
+    get (a randomly initialised base). The merged export writes the trained norms; a PEFT adapter
+    export (`arlo export --adapter`) is refused, and an engine serving several adapters at once
+    cannot hold per-run norms."""
 
     def validate(self, path: str) -> None:
         check_ranges(self, path)

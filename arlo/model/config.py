@@ -30,6 +30,9 @@ class LoraShape:
     quantize: str = "none"
     """QLoRA: the frozen base's projections stored "int8" or "nf4" (arlo/model/quantize.py); "none"."""
     quant_block: int = 64
+    train_norms: bool = False
+    """Every RMSNorm scale trained in full beside the adapters (held as `lora.TrainedNorm`, so it
+    travels with them: optimised, published, checkpointed); False: the norms stay frozen."""
     slots: int = 0
     """Adapters held at once, stacked, each batch row using its own (an engine serving several
     runs); 0: one adapter, unstacked (the trainer, and an engine serving one run)."""

@@ -43,12 +43,14 @@ class RMSNorm(nnx.Module):
     """`unit_offset` (Gemma): the scale is stored as an offset from 1 and applied as (1 + w), as HF
     Gemma stores it, so checkpoints load as-is and weight decay pulls towards the identity."""
 
-    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, unit_offset: bool = False):
+    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, unit_offset: bool = False, trained: bool = False):
         del rngs  # ones-initialised (Llama convention, so HF weights load as-is); zeros with the offset
         self.eps = eps
         self.unit_offset = unit_offset
         init = jnp.zeros if unit_offset else jnp.ones
-        self.scale = nnx.Param(init((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False)
+        # `trained` (trainer.lora.train_norms): held as a lora.TrainedNorm, so the scale travels with the adapters.
+        kind = lora.TrainedNorm if trained else nnx.Param
+        self.scale = kind(init((dim,), jnp.float32), out_sharding=("norm",), eager_sharding=False)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x = x_btd.astype(jnp.float32)
@@ -102,8 +104,10 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.o_bias_d = _param(zeros, rngs.params(), (d,), ("embed",))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+            self.q_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset,
+                                  trained=lora.trains_norms(cfg))
+            self.k_norm = RMSNorm(h, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset,
+                                  trained=lora.trains_norms(cfg))
         self.q_lora = lora.adapter(cfg, "q_proj", (d,), (n, h), ("embed",), ("heads", "kv"), rngs)
         self.k_lora = lora.adapter(cfg, "k_proj", (d,), (k, h), ("embed",), ("kv_heads", "kv"), rngs)
         self.v_lora = lora.adapter(cfg, "v_proj", (d,), (k, h), ("embed",), ("kv_heads", "kv"), rngs)

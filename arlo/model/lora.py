@@ -27,6 +27,18 @@ LORA_STREAM = "lora"
 """The nnx.Rngs stream adapters draw their A from (apart from `params`, the base's)."""
 
 
+class TrainedNorm(nnx.LoRAParam):
+    """An RMSNorm scale trained in full beside the adapters (`trainer.lora.train_norms`, PEFT's
+    `modules_to_save`). A kind of LoRAParam, so `split_adapters` puts it with the adapters: the
+    trainer optimises it, a publish and a checkpoint carry it, and the engine's frozen base never
+    holds it (the published one is served). The merged export writes it as the base's norm."""
+
+
+def trains_norms(cfg: ModelConfig) -> bool:
+    """Whether `cfg`'s RMSNorm scales are TrainedNorms (LoRA with train_norms)."""
+    return cfg.lora is not None and cfg.lora.train_norms
+
+
 class AdapterRows(nnx.Variable):
     """Which adapter slot each row of a batch uses ([rows] int32), in a model serving several
     adapters at once (`LoraShape.slots`); the engine sets it for each program call (`select_adapters`)."""
@@ -136,12 +148,16 @@ def merge_states(*states: nnx.State) -> nnx.State:
 
 
 def merged_weights(state: nnx.State, cfg: ModelConfig) -> nnx.State:
-    """The base with every adapter folded in (W + scale * A@B, float32) and no adapters: what
+    """The base with every adapter folded in (W + scale * A@B, float32), trained norms in place of
+    the base's, and no adapters: what
     `arlo export` writes as a plain Hugging Face model. Serving never uses this (see module doc)."""
     assert cfg.lora is not None
     flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
     out = []
     for path, var in flat.items():
+        if isinstance(var, TrainedNorm):  # the trained norm replaces the base's
+            out.append((path, nnx.Param(var.get_value())))
+            continue
         if isinstance(var, nnx.LoRAParam):
             continue
         value = var.get_value()
@@ -170,4 +186,8 @@ def adapter_count(cfg: ModelConfig) -> int:
     d, n, k, h, f, r = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.lora.rank
     sizes = {"q_proj": (d, n * h), "k_proj": (d, k * h), "v_proj": (d, k * h), "o_proj": (n * h, d),
              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-    return cfg.num_layers * sum(r * (i + o) for t, (i, o) in sizes.items() if t in cfg.lora.targets)
+    count = cfg.num_layers * sum(r * (i + o) for t, (i, o) in sizes.items() if t in cfg.lora.targets)
+    if cfg.lora.train_norms:  # attn/mlp (and Gemma's post) norms per layer, q/k norms, the final norm
+        per_layer = (4 if cfg.post_norms else 2) * d + (2 * h if cfg.qk_norm else 0)
+        count += cfg.num_layers * per_layer + d
+    return count

@@ -20,9 +20,13 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from arlo.model.config import ModelConfig
+from arlo.model.lora import TrainedNorm
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+NORMS_REFUSED = ("trainer.lora.train_norms: the run trained the RMSNorm scales too, which a PEFT LoRA adapter "
+                 "cannot carry cleanly (modules_to_save matches module names by suffix); export the merged "
+                 "model instead (without --adapter)")
 _MODULES = {"q_lora": "self_attn.q_proj", "k_lora": "self_attn.k_proj", "v_lora": "self_attn.v_proj",
             "o_lora": "self_attn.o_proj", "gate_lora": "mlp.gate_proj", "up_lora": "mlp.up_proj",
             "down_lora": "mlp.down_proj"}
@@ -32,6 +36,8 @@ def peft_tensors(adapters: nnx.State) -> dict[str, np.ndarray]:
     """arlo's adapters under PEFT's names and layouts (float32)."""
     pairs: dict[tuple[Any, ...], dict[str, np.ndarray]] = {}
     for path, var in nnx.to_flat_state(adapters):
+        if isinstance(var, TrainedNorm):
+            raise ValueError(NORMS_REFUSED)
         if not isinstance(var, nnx.LoRAParam):
             continue
         *owner, attr, which = (str(p) for p in path)
@@ -51,6 +57,8 @@ def export_peft_adapter(adapters: nnx.State, cfg: ModelConfig, out: str | Path, 
     """Writes the PEFT adapter directory `out` (created; must be empty if it exists)."""
     if cfg.lora is None:
         raise ValueError("this run trains no adapters (trainer.lora.rank is 0): export the whole model instead")
+    if cfg.lora.train_norms:
+        raise ValueError(NORMS_REFUSED)
     root = Path(out)
     if root.exists() and any(root.iterdir()):
         raise FileExistsError(f"{root}: exists and is not empty")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arlo.model import lora
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache
 from arlo.model.layers import MLP, Attention, Embedder, Part, RMSNorm, softcap
@@ -34,13 +35,17 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sliding: bool = False, moe: bool = False):
         self.sliding = sliding
         self.post_norms = cfg.post_norms
-        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+        self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset,
+                                 trained=lora.trains_norms(cfg))
         self.attn = Attention(cfg, rngs=rngs, sliding=sliding)
-        self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+        self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset,
+                                trained=lora.trains_norms(cfg))
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)  # routed experts: moe.py
         if cfg.post_norms:  # Gemma: parameters only when enabled, so presets keep their tree
-            self.post_attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
-            self.post_mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+            self.post_attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset,
+                                          trained=lora.trains_norms(cfg))
+            self.post_mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset,
+                                         trained=lora.trains_norms(cfg))
 
     def __call__(
         self,
@@ -92,7 +97,8 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([Block(cfg, rngs=rngs, sliding=cfg.is_sliding(i),
                                            moe=cfg.moe is not None and cfg.moe.routed(i))
                                      for i in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset)
+        self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, rngs=rngs, unit_offset=cfg.norm_unit_offset,
+                                  trained=lora.trains_norms(cfg))
         if not cfg.tie_embeddings:
             init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
             self.lm_head_dv = nnx.Param(init(rngs.params(), (cfg.dim, cfg.vocab_size), jnp.float32),

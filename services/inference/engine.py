@@ -87,6 +87,9 @@ class Engine:
         if adapters > 1:
             if base.lora is None:
                 raise ValueError(f"adapters={adapters}: the model has no LoRA adapters (trainer.lora.rank is 0)")
+            if base.lora.train_norms:
+                raise ValueError(f"adapters={adapters}: trainer.lora.train_norms trains the norms too, and an engine "
+                                 "serving several adapters holds one set of norms; serve one adapter per engine")
             base = dataclasses.replace(base, lora=dataclasses.replace(base.lora, slots=adapters))
         self.adapter_slots = max(adapters, 1)
         slot_len = min(base.max_seq_len, self.config.max_seq_len or base.max_seq_len)
