@@ -68,6 +68,9 @@ Why, from the figures (not guesses):
   busy: 10,537 tokens/s at batch 8, 21,120 at 32, 2.0x), but in the run the engine prefills more
   tokens than it samples (prefill / gen > 1: each turn's prompt, and every in-flight sequence
   again at each swap) and is idle half the window, so the decode gain of the batch is diluted.
+- paged_over_dense held in a second run right after (1.40; largest / mean batch 32 / 11.7 against
+  8 / 7.2), while the CI pytest took more than a core; its sync run starved there (0.27 steps/s,
+  at compute_nice 10 against the pytest's 0), so its async_partial_over_sync (4.06) is no figure.
 - Load moves these figures a lot: the same three runs while other sessions kept both cores busy
   (load average 9, --compute-nice 0) gave 0.62 / 1.19 / 0.86 steps/s, async_partial_over_sync 1.93
   (gen tokens/s 1.46) and paged_over_dense 0.97, with the trainer idle only 10-13% in the async
