@@ -168,10 +168,11 @@ class Scheduler:
         budget = self.prefill_tokens
         self._planned.clear()
         keep = self._growth(steps)
+        in_flight = self.running_seqs()
         while self.waiting:
             req = self.waiting[0]
             live = [s for s in req.seqs if not s.finished]
-            if self.running_seqs() + len(live) > self.max_seqs:
+            if in_flight + len(live) > self.max_seqs:
                 break
             plans = self._plans(req, live, versions[req.params.adapter])
             if plans is None:  # it would read pages this step's prefill has yet to write
@@ -183,6 +184,7 @@ class Scheduler:
             if not self._take_pages(plans, keep=keep + growth):
                 break
             keep += growth
+            in_flight += len(live)
             self.waiting.popleft()
             self.running[req.id] = req
             for plan in plans:
@@ -201,17 +203,18 @@ class Scheduler:
                 item = PrefillItem(tokens=same.item.tokens, start=same.item.start, adapter=adapter, seqs=live)
                 prefix = same.item.seqs[0].pages[: len(same.shared) + same.fresh_shared]
                 return [_Plan(item=item, shared=prefix, fresh_shared=0, private=same.private, rides=True)]
-            return self._plan(req.params.prompt, live, adapter, version, count=0)
+            plan = self._plan(req.params.prompt, live, adapter, version, count=0)
+            return None if plan is None else [plan]
         plans = []
         for seq in live:  # each resumed sample has tokens of its own: a row each
             plan = self._plan(seq.tokens, [seq], adapter, version, count=len(seq.token_ids))
             if plan is None:
                 return None
-            plans += plan
+            plans.append(plan)
         return plans
 
     def _plan(self, tokens: tuple[int, ...], seqs: list[Sequence], adapter: int, version: int,
-              *, count: int) -> list[_Plan] | None:
+              *, count: int) -> _Plan | None:
         size, length = self.page_size, len(tokens)
         # At least the last token is prefilled: its logits give the token sampled next.
         keys = page_keys(tokens, size, salt=salt_of(adapter, version), pages=(length - 1) // size)
@@ -222,8 +225,8 @@ class Scheduler:
         cached = cached[: start // size]
         full = length // size
         item = PrefillItem(tokens=tokens, start=len(cached) * size, adapter=adapter, seqs=seqs, count=count)
-        return [_Plan(item=item, shared=cached, fresh_shared=full - len(cached),
-                      private=self.pool.pages_for(length + 1) - full, looked=len(keys))]
+        return _Plan(item=item, shared=cached, fresh_shared=full - len(cached),
+                     private=self.pool.pages_for(length + 1) - full, looked=len(keys))
 
     def _growth(self, steps: int) -> int:
         """Pages the running sequences take for a decode chunk of `steps` (0: none)."""
