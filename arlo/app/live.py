@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -78,11 +79,19 @@ def eval_text(tag: str, e: dict[str, Any]) -> str:
         f"v{e.get('min_version', '?')}-v{e.get('max_version', '?')}"
     lines = [f"eval {tag} (ran on {ran_on}): {_figures(e)} over {e['num_tasks']} held-out tasks "
              f"({e.get('wall_s', 0.0):.1f}s)"]
+    if e.get("errors"):  # else "greedy 0.000" hid episodes that all failed (issue 33, item 3)
+        lines.append(f"[red]  {errors_text(e)}")
     envs = e.get("envs") or {}
     if len(envs) > 1:
         lines += [f"  {env}: {_figures({'k': e['k'], **f})}" + (f", {f['errors']} errors" if f.get("errors") else "")
                   for env, f in envs.items()]
     return "\n".join(lines)
+
+
+def errors_text(e: dict[str, Any]) -> str:
+    """An evaluation's failed episodes: how many, and the first one's error."""
+    first = f"; the first: {escape(e['first_error'])}" if e.get("first_error") else ""
+    return f"{e['errors']} episodes failed (scored 0){first}"
 
 
 def _figures(e: dict[str, Any]) -> str:

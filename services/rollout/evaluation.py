@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 SUCCESS = 0.5
 """A sample with reward above this counts as solved for pass@k (rewards are on a 0-1 scale)."""
 
+FIRST_ERROR_CHARS = 500
+"""An episode's error as kept in an evaluation's result (what the live view and the report show)."""
+
 RunEpisode = Callable[[EpisodeSpec, Generator], Awaitable[common_pb2.Trajectory]]
 
 
@@ -80,6 +83,8 @@ class _Outcome:
 
     greedy: Sequence[common_pb2.Trajectory | None]
     sampled: Sequence[common_pb2.Trajectory | None]
+    failures: Sequence[str] = ()
+    """Why episodes failed, as they failed ("ValueError: prompt_token_ids has 417 tokens; ...")."""
 
 
 class Evaluator:
@@ -107,23 +112,27 @@ class Evaluator:
         e = self.cfg.eval
         sem = asyncio.Semaphore(max(self.cfg.concurrent_groups * self.cfg.group_size, 1))
 
-        async def one(target: EvalTarget, seed: int, gen: Generator, sample: int = 0) -> common_pb2.Trajectory | None:
+        async def one(target: EvalTarget, seed: int, gen: Generator, failures: list[str],
+                      sample: int = 0) -> common_pb2.Trajectory | None:
             async with sem:
                 try:
                     return await self.run_episode(self._spec(target, seed, sample), gen)
                 except Exception as exc:  # counted, and scored as unsolved: an eval never hangs a run
                     log.warning("evaluation episode (%s, seed %d) failed: %s", target.key, seed, exc)
+                    failures.append(f"{type(exc).__name__}: {exc}")  # shown to the user (issue 33, item 3)
                     return None
 
         async def outcome(target: EvalTarget) -> _Outcome:
-            seeds = range(e.num_tasks)
-            greedy = asyncio.gather(*(one(target, s, self.greedy) for s in seeds))
-            sampled = asyncio.gather(*(one(target, s, self.sampled, k) for s in seeds for k in range(e.samples)))
+            seeds, failures = range(e.num_tasks), []
+            greedy = asyncio.gather(*(one(target, s, self.greedy, failures) for s in seeds))
+            sampled = asyncio.gather(*(one(target, s, self.sampled, failures, k)
+                                       for s in seeds for k in range(e.samples)))
             g, s = await asyncio.gather(greedy, sampled)
-            return _Outcome(greedy=g, sampled=s)
+            return _Outcome(greedy=g, sampled=s, failures=failures)
 
         outcomes = await asyncio.gather(*(outcome(t) for t in self.targets))
-        every = _Outcome(greedy=[t for o in outcomes for t in o.greedy], sampled=[t for o in outcomes for t in o.sampled])
+        every = _Outcome(greedy=[t for o in outcomes for t in o.greedy], sampled=[t for o in outcomes for t in o.sampled],
+                         failures=[f for o in outcomes for f in o.failures])
         return {**summarize(every, e.samples), "k": e.samples,
                 "envs": {t.key: summarize(o, e.samples) for t, o in zip(self.targets, outcomes, strict=True)},
                 "wall_s": time.monotonic() - started}
@@ -140,9 +149,18 @@ def summarize(outcome: _Outcome, k: int) -> dict[str, Any]:
         "sampled_reward": sum(map(sum, rewards)) / max(num_tasks * k, 1),
         "pass_at_k": pass_at_k(rewards), "num_tasks": num_tasks,
         "errors": len(outcome.greedy) + len(outcome.sampled) - len(done),
+        "first_error": _first_error(outcome),
         "min_version": min(versions, default=0), "max_version": max(versions, default=0),
         "tokens": sum(sum(t.loss_mask) for t in done),
     }
+
+
+def _first_error(outcome: _Outcome) -> str | None:
+    """The first episode's error: one that raised, else one that ended as an error trajectory."""
+    failed = [t.error for t in (*outcome.greedy, *outcome.sampled)
+              if t is not None and t.status == common_pb2.TRAJECTORY_STATUS_ERROR and t.error]
+    first = next(iter((*outcome.failures, *failed)), None)
+    return None if first is None else first[:FIRST_ERROR_CHARS]
 
 
 def _reward(traj: common_pb2.Trajectory | None) -> float:

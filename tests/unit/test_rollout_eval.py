@@ -154,6 +154,9 @@ def test_held_out_tasks_are_the_eval_split_and_failures_count_as_errors() -> Non
 
     assert seen and all(in_split(a, b, "eval") for a, b in seen)
     assert result["errors"] == 10 and result["sampled_reward"] == 0.0 and result["greedy_reward"] == 0.0
+    # The cause travels with the count (the live view showed "greedy 0.000" and nothing else: issue 33).
+    assert result["first_error"] == "RuntimeError: backend down"
+    assert all(env["first_error"] == "RuntimeError: backend down" for env in result["envs"].values())
 
 
 async def test_a_request_is_answered_once_through_redis(redis_url: str, run_id: str) -> None:
