@@ -24,8 +24,8 @@ from rich.table import Table
 
 from arlo.app import plan as memory_plan
 from arlo.app import stopping
-from arlo.app.driver import NotRunning, TrainReport, require_serving, run_training
-from arlo.app.live import LiveRun, eval_text
+from arlo.app.driver import TrainReport, run_training
+from arlo.app.live import LiveRun, errors_text, eval_text
 from arlo.app.local import (
     INFRA_SERVICES,
     LocalCluster,
@@ -37,6 +37,7 @@ from arlo.app.local import (
 )
 from arlo.app.resilient import DEFAULT_RETRY, RetryPolicy
 from arlo.app.run_record import RunRecorder
+from arlo.app.serving import NotRunning, require_serving
 from arlo.app.status import collect_status
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
@@ -105,8 +106,11 @@ def _train_with_progress(cluster_or_none: LocalCluster | None, cfg, token, steps
         recorder = RunRecorder(arlo_home() / "runs" / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}",
                                run_id=cfg.run_id)
     display = LiveRun(console, rl_steps=steps)
-    check = cluster_or_none.supervisor.check if cluster_or_none else (lambda: None)
     report, error = TrainReport(), None
+
+    def check() -> None:  # every second, whatever the drive waits on (supervisor.supervising)
+        for name in cluster_or_none.supervisor.check() if cluster_or_none else ():
+            _say(f"[yellow]{name} died and was restarted")
 
     def on_progress(row: dict) -> None:
         if row.get("phase") == "rl" and report.first_rl_step_s is None:
@@ -170,6 +174,9 @@ def _print_report(report: TrainReport, recorder: RunRecorder) -> None:
         if summary.get("reward_end_by_env"):
             _say("held-out reward (sampled) at the end, by environment: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in summary["reward_end_by_env"].items() if v is not None))
+        for tag, e in report.evals.items():
+            if e.get("errors"):
+                _say(f"[red]eval {tag}: {errors_text(e)}")
     elif report.rewards:
         _say(f"training reward: first step {report.rewards[0]:.3f}, last step {report.rewards[-1]:.3f}")
     _say(f"metrics: {recorder.metrics_path}, TensorBoard: {recorder.out_dir / 'tensorboard'}, "
@@ -218,7 +225,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     stopping.stop_on_sigterm()
     cfg = load_cli_config(args.config)
     token = resolve_token(cfg)
-    require_serving(cfg, INFRA_SERVICES)
+    require_serving(cfg, INFRA_SERVICES, outage_s=args.outage_s, on_wait=lambda down: _say(
+        f"[yellow]waiting up to {args.outage_s:.0f}s (--outage-s) for {', '.join(down)}: the rest of the run serves"))
     cluster = attach_cluster(cfg, token, config_path=args.config)
     return _drive_then_stop(cluster, args, steps=args.steps, retry=RetryPolicy(outage_s=args.outage_s),
                             start=("rollout",))

@@ -18,7 +18,7 @@ import grpc
 from arlo.app.holds import RunHolds
 from arlo.app.resilient import DEFAULT_RETRY, ResilientCalls, ResilientStub, RetryPolicy, retry
 from arlo.app.run_record import RunRecorder
-from arlo.app.supervisor import is_serving
+from arlo.app.supervisor import supervising
 from arlo.config import RunConfig
 from arlo.coord import WeightPointer, connect
 from arlo.coord.evals import EvalQueue
@@ -103,17 +103,6 @@ class Stalled(RuntimeError):
 
 class EpisodesRefused(RuntimeError):
     """A rollout worker refused an episode the run's limits cannot hold (a config error)."""
-
-
-class NotRunning(RuntimeError):
-    """A service the command needs does not answer health checks."""
-
-
-def require_serving(cfg: RunConfig, names: tuple[str, ...]) -> None:
-    down = [f"{n} ({getattr(cfg, n).server.address})" for n in names if not is_serving(getattr(cfg, n).server.address)]
-    if down:
-        raise NotRunning(f"not serving: {', '.join(down)}. Start the services with `arlo up` "
-                         f"(or point -c at the config they run with).")
 
 
 @dataclass
@@ -361,11 +350,12 @@ async def run_training(cfg: RunConfig, token: str | None, *, steps: int | None, 
                        eval_tags: tuple[str, ...] = ("start", "after_sft", "end"),
                        retry_policy: RetryPolicy = DEFAULT_RETRY, report: TrainReport | None = None) -> TrainReport:
     """Warm start (if configured), then `steps` RL steps (forever when None; at most `rl_seconds`
-    of RL when given), evaluating on the way. `report`: filled in as the drive goes (`RunDriver`)."""
+    of RL when given), evaluating on the way. `report`: filled in as the drive goes (`RunDriver`).
+    `check_children` also runs every second on its own (`supervising`), whatever the drive waits on."""
     driver = RunDriver(cfg, token, on_progress=on_progress, check_children=check_children, recorder=recorder,
                        evaluate=evaluate, rl_seconds=rl_seconds, on_phase=on_phase, eval_tags=eval_tags,
                        retry_policy=retry_policy, report=report)
-    return await driver.run(steps)
+    return await supervising(driver.run(steps), check_children)
 
 
 async def wait_fleet_on_pointer(cfg: RunConfig, token: str | None, timeout_s: float = 60.0,

@@ -7,6 +7,7 @@ because gRPC does not survive fork() without exec.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -16,9 +17,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from arlo.app.stopping import Stop, shielded
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ServiceFailed(RuntimeError):
@@ -214,3 +217,42 @@ def _signal(process: subprocess.Popen[bytes], signum: int) -> None:
         process.send_signal(signum)
     except OSError:
         pass
+
+
+SUPERVISE_EVERY_S = 1.0
+
+
+async def supervising(main: Awaitable[T], check: Callable[[], object], every_s: float = SUPERVISE_EVERY_S) -> T:
+    """`await main` while `check()` (a `Supervisor.check`) runs every `every_s` beside it, on its own
+    cadence: a service killed while `main` waits in a retry is restarted meanwhile. `arlo demo`
+    checked only between the driver's polls, so a killed trainer stayed dead while the driver
+    retried GetStatus for `--outage-s` and the run failed (issue 33, item 5). The checks run on
+    this event loop, in the main thread, so a restarted child still dies with this process
+    (`die_with_parent`). An error of `check()` (a service that keeps dying) ends `main` with it."""
+    task = asyncio.ensure_future(main)
+    failure: BaseException | None = None
+
+    async def watch() -> None:
+        nonlocal failure
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                check()
+            except Exception as e:  # noqa: BLE001 (handed to `main`'s awaiter below)
+                failure = e
+                task.cancel()
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if failure is not None and task.cancelled():
+            raise failure from None
+        raise
+    finally:
+        watcher.cancel()
+        if not task.done():  # we were cancelled from outside (Ctrl-C): so is `main`, and it unwinds
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
