@@ -22,6 +22,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,13 @@ MAX_RESULT_CHARS = 16384
 CLOSE_TIMEOUT_S = 5.0
 """Closing a session waits this long (the SDK gives a stdio server 2s after closing its stdin, then
 kills its process tree)."""
+STDERR_TAIL_CHARS = 1500
+"""How much of a stdio server's own error output (its end) travels with a failed connect: "Connection
+closed" alone hid "No module named 'mcp'" in the gateway's log (issue 33, item 3)."""
+
+
+class ServerFailed(ConnectionError):
+    """The server's session could not be opened; the message ends with what the server wrote to stderr."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,17 +110,21 @@ class McpServer:
 
     # -- the session -------------------------------------------------------------------------
 
-    def _client(self, http_client: Any) -> Any:
+    def _client(self, http_client: Any, errlog: Any) -> Any:
         from mcp import Client, StdioServerParameters  # imported late: the gateway runs without mcp
         if self.cfg.command:
+            from mcp.client.stdio import stdio_client
             params = StdioServerParameters(command=self.cfg.command[0], args=list(self.cfg.command[1:]),
                                            env=dict(self.cfg.env) or None, cwd=self.cfg.cwd or None)
-            return Client(params, mode="legacy")
+            return Client(stdio_client(params, errlog=errlog), mode="legacy")
         from mcp.client.streamable_http import streamable_http_client
         return Client(streamable_http_client(self.cfg.url, http_client=http_client), mode="legacy")
 
     async def _own(self, conn: _Connection) -> None:
-        """Holds the session open until `conn.stop`; its end (any reason) marks the session dead."""
+        """Holds the session open until `conn.stop`; its end (any reason) marks the session dead.
+        A stdio server's stderr goes to a file of the session's, whose end joins a failed connect's
+        error and is logged when the session ends."""
+        errlog = tempfile.TemporaryFile() if self.cfg.command else None  # noqa: SIM115 (closed below)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 http_client = None
@@ -119,19 +132,25 @@ class McpServer:
                     import httpx2  # the mcp SDK's HTTP client
                     http_client = await stack.enter_async_context(httpx2.AsyncClient(
                         headers=dict(self.cfg.headers), timeout=httpx2.Timeout(30.0, read=300.0)))
-                conn.client = await stack.enter_async_context(self._client(http_client))
+                conn.client = await stack.enter_async_context(self._client(http_client, errlog))
                 conn.tools = await self._list_tools(conn.client)
                 conn.ready.set_result(None)
                 await conn.stop.wait()
         except BaseException as e:  # the owner must end quietly: callers learn of it through `ready`
             if not conn.ready.done():
-                conn.ready.set_exception(e if isinstance(e, Exception) else ConnectionError("cancelled"))
+                failure = e if isinstance(e, Exception) else ConnectionError("cancelled")
+                if tail := _tail(errlog):
+                    failure = ServerFailed(f"{_describe(failure)}; the server's stderr ends: {tail}")
+                conn.ready.set_exception(failure)
             elif not conn.stop.is_set():
-                log.warning("%s: the session ended: %s", self.label, _describe(e))
+                log.warning("%s: the session ended: %s%s", self.label, _describe(e),
+                            f"; the server's stderr ends: {tail}" if (tail := _tail(errlog)) else "")
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
             conn.stop.set()
+            if errlog is not None:
+                errlog.close()
 
     @staticmethod
     async def _list_tools(client: Any) -> list[dict[str, Any]]:
@@ -298,8 +317,25 @@ class McpServer:
             await asyncio.gather(*pending, return_exceptions=True)
 
 
+def _tail(errlog: Any) -> str:
+    """The end of what a stdio server wrote to stderr (read without moving the file's offset, which
+    the process shares), on one line; "" without any."""
+    if errlog is None:
+        return ""
+    try:
+        size = os.fstat(errlog.fileno()).st_size
+        start = max(0, size - STDERR_TAIL_CHARS * 4)
+        text = os.pread(errlog.fileno(), size - start, start).decode(errors="replace")
+    except (OSError, ValueError):
+        return ""
+    text = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return text[-STDERR_TAIL_CHARS:]
+
+
 def _describe(error: BaseException) -> str:
     if isinstance(error, BaseExceptionGroup) and error.exceptions:
         return _describe(error.exceptions[0])
+    if isinstance(error, ServerFailed):
+        return str(error)
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__

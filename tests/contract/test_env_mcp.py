@@ -197,6 +197,18 @@ async def test_unreachable_server_is_listed_and_unavailable(monkeypatch: pytest.
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is required" in bad.value.details()
 
 
+async def test_a_server_that_dies_at_start_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `command: [python, ...]` on an interpreter without the mcp package: the user saw "Connection
+    # closed", the cause (its ModuleNotFoundError) only in env_gateway.log (issue 33, item 3).
+    servers = [{"name": "broken", "command": [sys.executable, "-c", "import an_mcp_package_not_installed"],
+                "connect_timeout_s": 20.0}]
+    async with gateway(monkeypatch, servers) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as down:
+            await reset(stub, "mcp:broken")
+    assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "No module named 'an_mcp_package_not_installed'" in down.value.details(), down.value.details()
+
+
 @pytest.mark.parametrize(("entry", "message"), [
     ({"name": "x"}, "set exactly one of command"),
     ({"name": "x", "command": ["a"], "url": "http://h/mcp"}, "set exactly one of command"),
