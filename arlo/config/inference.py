@@ -54,6 +54,14 @@ class InferenceConfig:
     openai_port: int = ranged(0, ge=0, le=65535, special={-1: "off"})
     """Port of the OpenAI-compatible HTTP endpoint (/v1/chat/completions, /v1/completions, /v1/models)
     on server.host: 0 picks a free one (its URL is in the heartbeat and GetModelInfo), -1 turns it off."""
+    openai_max_connections: int = ranged(1024, ge=1, le=1 << 20)
+    """Connections the OpenAI endpoint holds open at once (and at most half the process's open-file
+    limit): one more is closed as soon as it is accepted, so a flood of idle connections cannot take
+    the descriptors gRPC needs. Black-box agents hold about one each while their episode runs."""
+    openai_read_timeout_s: float = ranged(30.0, gt=0, le=3600)
+    """A connection to the OpenAI endpoint that has not sent a whole request head within this long
+    (of connecting, or of its first byte after a reply) is closed, and a request body that has not
+    arrived within this long is answered 408: slow or idle clients cannot hold connections for ever."""
     openai_max_episodes: int = ranged(4096, ge=1)
     """Episodes whose OpenAI calls are recorded at once (X-Arlo-Episode); the least recently used is dropped."""
     openai_max_calls: int = ranged(256, ge=1)
