@@ -34,6 +34,7 @@ from arlo.app.local import (
     load_cli_config,
     prepare_cluster,
     resolve_token,
+    resolved_config_path,
 )
 from arlo.app.resilient import DEFAULT_RETRY, RetryPolicy
 from arlo.app.run_record import RunRecorder
@@ -270,13 +271,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    home = arlo_home()
+    source = args.config or resolved_config_path(home)
+    if not args.config and not resolved_config_path(home).is_file():
+        # The built-in config's addresses would be another run's services, reported as this one's (issue 33).
+        _say(f"[red]arlo status: no run under ARLO_HOME {home} (`arlo up` records its run there, in config.yaml). "
+             f"Run it with the ARLO_HOME of `arlo up` (default ./.arlo, from where it was started), or give -c")
+        return 1
     cfg = load_cli_config(args.config)
-    status = asyncio.run(collect_status(cfg, resolve_token(cfg)))
+    status = {**asyncio.run(collect_status(cfg, resolve_token(cfg))), "arlo_home": str(home), "config": str(source)}
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
     staleness = "-" if status["staleness"] is None else f"{status['staleness']:.2f}"
-    table = Table(title=f"run '{status['run_id']}': trainer v{status['trainer_version']}, pointer "
+    table = Table(title=f"run '{status['run_id']}' ({source}): trainer v{status['trainer_version']}, pointer "
                         f"v{status['pointer_version']}, queue depth {status['queue_depth']}, staleness {staleness}")
     for col in ("service", "address", "healthy", "weight version", "instances", "throughput", "KV cache", "errors"):
         table.add_column(col)

@@ -5,6 +5,7 @@ was restarted three times first, ~200 log lines)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from arlo.app.redis_server import free_port
 from tests.e2e.test_cli import SERVICES, arlo, wait_until_up
 
 pytestmark = pytest.mark.e2e
@@ -69,3 +71,25 @@ def test_a_port_in_use_is_refused_before_any_service_starts(tmp_path: Path, redi
     assert f"inference.server.port {port} is in use on this host" in said
     assert time.monotonic() - started < 60
     assert not list((tmp_path / "home" / "logs").glob("*.log"))  # no service was started
+
+
+def test_status_without_a_run_of_its_own_claims_none(tmp_path: Path) -> None:
+    # With no state under its ARLO_HOME, `arlo status` read the built-in config and reported the
+    # services of another run (on the default ports) as its own, healthy (issue 33, item 4).
+    home = tmp_path / "elsewhere"
+    result = arlo("status", "--json", home=home, timeout=60)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 1, said
+    assert f"no run under ARLO_HOME {home}" in said and not result.stdout.strip()
+
+
+def test_status_says_whose_run_it_shows(tmp_path: Path, redis_url: str, run_id: str) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    # What `arlo up` records (its ports settled); nothing serves them.
+    config(home / "config.yaml", run_id, redis_url, **{n: {"port": free_port(), "metrics_port": -1} for n in SERVICES})
+    result = arlo("status", "--json", home=home, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    status = json.loads(result.stdout)
+    assert (status["run_id"], status["arlo_home"], status["config"]) == (run_id, str(home), str(home / "config.yaml"))
+    assert not any(s["healthy"] for s in status["services"])
