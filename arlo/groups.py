@@ -13,6 +13,11 @@ from arlo.proto.v1 import common_pb2
 
 REWARD_ATOL = 1e-6
 """Rewards closer than this count as equal (a group of them has all-zero GRPO advantages)."""
+MAX_ABS_REWARD = 1e6
+"""Largest |reward| anywhere (an environment's step reward, a trajectory's reward, a component):
+rewards are scores (0/1, a pass rate, a few shaped terms), and one of 1e30 swamps a group's
+advantages and every later statistic. No config clips rewards; the environment gateway refuses a
+remote environment's reward past it and the trainer dead-letters a trajectory carrying one."""
 
 
 def group_failed(group: Iterable[common_pb2.Trajectory]) -> bool:

@@ -68,7 +68,7 @@ class GroupBook:
         """Takes unseen entries in; groups complete and fresh at `version` join the ready list."""
         drops = self.assembler.drops
         before = dataclasses.replace(drops)
-        self.assembler.add((e.entry_id, e.trajectory) for e in fresh)
+        self.assembler.add(((e.entry_id, e.trajectory) for e in fresh), newest=version)
         self._arrived.update(g for g in {e.trajectory.group_id for e in fresh} if self.assembler.has_whole(g))
         ready, dropped = self.assembler.take_ready(version)
         decisions: list[Decision] = []

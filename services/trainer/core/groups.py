@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from arlo import groups
-from arlo.groups import REWARD_ATOL, group_failed
+from arlo.groups import MAX_ABS_REWARD, REWARD_ATOL, group_failed
 from arlo.proto.v1 import common_pb2
-from services.trainer.core.lineage import Lineage
+from services.trainer.core.lineage import MAX_VERSION, Lineage
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ class DropCounts:
     failed: int = 0
     malformed: int = 0
     poisoned: int = 0
-    """A non-finite reward or logprob, or a token id outside the vocabulary (dead-lettered)."""
+    """A non-finite or out-of-bounds reward, logprob, loss_mask or policy version, or a token id
+    outside the vocabulary (dead-lettered; poison_reason)."""
 
     @property
     def total(self) -> int:
@@ -64,30 +65,81 @@ def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0) -> 
     return None
 
 
+MAX_LOGPROB = 1e-3
+"""A model token's behaviour logprob above this is not a log-probability (0 is certainty; the
+margin is bf16 rounding of a near-certain token)."""
+MIN_LOGPROB = -1e4
+"""A sampled token's logprob below this cannot have been drawn (probability e^-10000); float32
+logits give log-softmax values of a few hundred at worst. A finite -1e30 overflows the
+importance ratio to inf (tests/unit/test_trainer_learner.py's huge_negative_logprob)."""
+
+
 def poison_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
     """Why a trajectory's values would corrupt the weights, or None.
 
     One NaN or inf reaches every parameter through the advantages (rewards) or the importance
     ratios (logprobs), and an id outside [0, vocab_size) indexes the embedding out of range
-    (JAX clamps or fills it silently), so every token counts, loss mask 0 included.
+    (JAX clamps or fills it silently), so every token counts, loss mask 0 included. Finite
+    extremes do the same harm: a reward past MAX_ABS_REWARD, a model token's logprob outside
+    [MIN_LOGPROB, MAX_LOGPROB], a loss_mask other than 0 or 1 (the mask is the loss's per-token
+    weight), a policy version outside the version range (it decides staleness).
     """
-    if not math.isfinite(traj.reward):
-        return f"non-finite reward {traj.reward}"
-    bad = next((k for k, v in traj.reward_components.items() if not math.isfinite(v)), None)
-    if bad is not None:
-        return f"non-finite reward component {bad[:64]!r}: {traj.reward_components[bad]}"
+    return _reward_reason(traj) or _token_reason(traj, vocab_size)
+
+
+def _out_of_bounds(value: float) -> str | None:
+    if not math.isfinite(value):
+        return "non-finite "
+    return f"out-of-bounds (past +-{MAX_ABS_REWARD:g}) " if abs(value) > MAX_ABS_REWARD else None
+
+
+def _reward_reason(traj: common_pb2.Trajectory) -> str | None:
+    what = _out_of_bounds(traj.reward)
+    if what:
+        return f"{what}reward {traj.reward}"
+    for name, value in traj.reward_components.items():
+        what = _out_of_bounds(value)
+        if what:
+            return f"{what}reward component {name[:64]!r}: {value}"
+    for turn in traj.turn_rewards:
+        what = _out_of_bounds(turn.reward)
+        if what:
+            return f"{what}turn reward {turn.reward} at token_end {turn.token_end}"
+    return None
+
+
+def _token_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
     tokens = np.asarray(traj.token_ids, np.int64)
     if tokens.size and (tokens.min() < 0 or (vocab_size > 0 and tokens.max() >= vocab_size)):
         return f"token id outside [0, {vocab_size}): {int(tokens.min())}..{int(tokens.max())}"
-    bad_turn = next((r for r in traj.turn_rewards if not math.isfinite(r.reward)), None)
-    if bad_turn is not None:
-        return f"non-finite turn reward {bad_turn.reward} at token_end {bad_turn.token_end}"
+    mask = np.asarray(traj.loss_mask, np.int64)
+    if mask.size and mask.max() > 1:
+        return f"loss_mask holds {int(mask.max())}; each token's mask is 0 (context) or 1 (model)"
     logprobs = np.asarray(traj.logprobs, np.float64)
     if np.isnan(logprobs).any():
         return "NaN logprob"
-    masked = np.asarray(traj.loss_mask, bool)
-    if not np.isfinite(logprobs[masked]).all():
+    model = logprobs[mask == 1]
+    if not np.isfinite(model).all():
         return "non-finite logprob on a loss-masked (model) token"
+    if model.size and not MIN_LOGPROB <= model.min() <= model.max() <= MAX_LOGPROB:
+        return (f"logprob on a model token outside [{MIN_LOGPROB:g}, {MAX_LOGPROB:g}]: "
+                f"{model.min():g}..{model.max():g}")
+    versions = np.asarray(traj.policy_versions, np.int64)
+    # Context tokens carry -1 (no policy sampled them); a model token's version is a published one.
+    if versions.size and ((versions < mask - 1).any() or versions.max() > MAX_VERSION):
+        return (f"policy version outside [0, {MAX_VERSION}] on a model token or [-1, {MAX_VERSION}] on a "
+                f"context token: {int(versions.min())}..{int(versions.max())}")
+    return None
+
+
+def future_reason(traj: common_pb2.Trajectory, newest: int) -> str | None:
+    """Why a trajectory sampled from a version this trainer never had is refused, or None. This
+    trainer numbers every version it publishes (a foreign pointer's included: it renumbers above
+    it), so a sample newer than its current version claims weights that never existed; admitted,
+    it would count as the freshest of samples (10^15 passed intake, issue 33 item 16)."""
+    versions = [v for v, m in zip(traj.policy_versions, traj.loss_mask, strict=True) if m]
+    if versions and max(versions) > newest:
+        return f"policy version {max(versions)} is newer than this trainer's newest version {newest}"
     return None
 
 
@@ -138,7 +190,9 @@ class GroupAssembler:
         if self.lineage is None:
             self.lineage = Lineage(max_staleness=self.max_staleness)
 
-    def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]], now: float | None = None) -> None:
+    def add(self, entries: Iterable[tuple[str, common_pb2.Trajectory]], now: float | None = None, *,
+            newest: int | None = None) -> None:
+        """`newest`: the newest version this trainer has (a sample of a later one is poisoned)."""
         now = time.monotonic() if now is None else now
         # Keyed by entry id: an entry re-delivered by XAUTOCLAIM must not fill its group twice.
         for entry_id, traj in entries:
@@ -147,7 +201,7 @@ class GroupAssembler:
             if reason is None and group_failed((traj,)):
                 reason = "failed"  # a masked group (its worker gave up on it): no need to wait for the rest
                 self._close(gid, reason)
-            elif reason is None and (why := self._invalid(traj)) is not None:
+            elif reason is None and (why := self._invalid(traj, newest)) is not None:
                 # The member itself is dead-lettered with its reason (inspectable); its group closes.
                 kind = "malformed" if validate_trajectory(traj, self.routing_bytes) else "poisoned"
                 log.warning("group %r dropped: member %r is %s (%s)", gid[:64], traj.id[:64], kind, why)
@@ -197,8 +251,9 @@ class GroupAssembler:
         dead, self._dead = self._dead, []
         return dead
 
-    def _invalid(self, traj: common_pb2.Trajectory) -> str | None:
-        return validate_trajectory(traj, self.routing_bytes) or poison_reason(traj, self.vocab_size)
+    def _invalid(self, traj: common_pb2.Trajectory, newest: int | None) -> str | None:
+        return validate_trajectory(traj, self.routing_bytes) or poison_reason(traj, self.vocab_size) \
+            or (None if newest is None else future_reason(traj, newest))
 
     def _close(self, gid: str, reason: str) -> None:
         """Drops the group's pending members now, and its later members on arrival."""
