@@ -24,6 +24,7 @@ from arlo.config import ConfigError, RemoteEnvConfig
 from arlo.proto.v1 import env_pb2, env_pb2_grpc
 from arlo.rpc import make_channel
 from services.env_gateway.breaker import HALF_OPEN, CircuitBreaker
+from services.env_gateway.remote_replies import info_problem, reset_problem, step_problem
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ _FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 MAX_REMOTE_SESSION_ID_BYTES = 120
 """Leaves room for the `r<i>:` prefix under the gateway's 128-byte session id bound."""
+MAX_ERROR_CHARS = 4096
+"""A remote step's error message is cut to this before it is passed on."""
+_CODES = frozenset(c.value[0] for c in grpc.StatusCode)
 LIST_TIMEOUT_S = 5.0
 """ListEnvironments is for discovery and dashboards: it never waits long on a slow backend."""
 RETRY_BACKOFF_S = 0.05
@@ -43,6 +47,14 @@ class RemoteError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def _bad_reply(backend: RemoteBackend, method: str, problem: str) -> RemoteError:
+    """A reply outside the contract (remote_replies.py): the backend's failure, not the agent's, so
+    UNAVAILABLE (as EnvUnavailableError) and never passed on. Not a breaker failure: it answers."""
+    log.warning("%s: %s reply refused: %s", backend.name, method, problem)
+    return RemoteError(grpc.StatusCode.UNAVAILABLE,
+                       f"{backend.name} answered {method} outside the Environment contract: {problem}")
 
 
 class RemoteBackend:
@@ -227,6 +239,10 @@ class RemoteEnvs:
         backend.answering = True
         wanted = set(backend.cfg.env_names)
         for info in reply.environments:
+            problem = info_problem(info)
+            if problem:
+                log.warning("%s: leaving out an environment it lists: %s", backend.name, problem)
+                continue
             if (not wanted or info.name in wanted) and self._claim(info.name, backend, configured=False):
                 self._infos[info.name] = info
 
@@ -240,30 +256,46 @@ class RemoteEnvs:
     async def reset(self, request: env_pb2.ResetRequest, deadline_s: float | None) -> env_pb2.ResetResponse:
         backend = self._routes[request.env_name]  # the caller checked `route` first
         reply: env_pb2.ResetResponse = await backend.call("Reset", request, deadline_s=deadline_s, idempotent=False)
-        if len(reply.session_id.encode()) > MAX_REMOTE_SESSION_ID_BYTES or not reply.session_id:
-            if reply.session_id:
+        size = len(reply.session_id.encode())
+        problem = None if 0 < size <= MAX_REMOTE_SESSION_ID_BYTES else \
+            f"session id is {size} bytes; proxied session ids must be 1 to {MAX_REMOTE_SESSION_ID_BYTES} bytes"
+        problem = problem or reset_problem(reply)
+        if problem:
+            if reply.session_id:  # the episode it started is orphaned: end it
                 self._background(self._close_quietly(backend, reply.session_id))
-            raise RemoteError(grpc.StatusCode.INTERNAL,
-                              f"{backend.name} returned a session id of {len(reply.session_id.encode())} bytes; "
-                              f"proxied session ids must be 1 to {MAX_REMOTE_SESSION_ID_BYTES} bytes")
+            raise _bad_reply(backend, "Reset", problem)
         reply.session_id = backend.prefix + reply.session_id
         return reply
 
     async def step(self, backend: RemoteBackend, request: env_pb2.StepRequest,
                    deadline_s: float | None) -> env_pb2.StepResponse:
-        return await backend.call("Step", request, deadline_s=deadline_s, idempotent=False)  # type: ignore[no-any-return]
+        reply: env_pb2.StepResponse = await backend.call("Step", request, deadline_s=deadline_s, idempotent=False)
+        problem = step_problem(reply)
+        if problem:
+            raise _bad_reply(backend, "Step", problem)
+        return reply
 
     async def step_batch(self, backend: RemoteBackend, steps: Sequence[env_pb2.StepRequest],
                          deadline_s: float | None) -> list[env_pb2.StepResult]:
-        """One remote StepBatch for all of this backend's steps (remote ids); a failed call fails each."""
+        """One remote StepBatch for all of this backend's steps (remote ids); a failed call fails
+        each, and each result outside the contract is that step's failure."""
         try:
             reply = await backend.call("StepBatch", env_pb2.StepBatchRequest(steps=steps), deadline_s=deadline_s,
                                        idempotent=False)
         except RemoteError as e:
             return [env_pb2.StepResult(code=e.code.value[0], message=str(e)) for _ in steps]
         if len(reply.results) != len(steps):
-            message = f"{backend.name} answered {len(reply.results)} results for {len(steps)} steps"
-            return [env_pb2.StepResult(code=grpc.StatusCode.INTERNAL.value[0], message=message) for _ in steps]
+            error = _bad_reply(backend, "StepBatch", f"{len(reply.results)} results for {len(steps)} steps")
+            return [env_pb2.StepResult(code=error.code.value[0], message=str(error)) for _ in steps]
+        for result in reply.results:
+            problem = step_problem(result.response) if result.code == 0 else \
+                (None if result.code in _CODES else f"a step's status code is {result.code}, not a gRPC code")
+            if problem:
+                error = _bad_reply(backend, "StepBatch", problem)
+                result.Clear()
+                result.code, result.message = error.code.value[0], str(error)
+            elif len(result.message) > MAX_ERROR_CHARS:
+                result.message = result.message[:MAX_ERROR_CHARS] + " [cut]"
         return list(reply.results)
 
     async def close_session(self, backend: RemoteBackend, remote_id: str, deadline_s: float | None) -> None:
