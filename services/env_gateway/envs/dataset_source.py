@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from arlo.config import DATASET_FORMATS
+from arlo.jsonfields import loads_bounded
+from arlo.regular_files import check_regular, open_regular
 
 FORMATS = DATASET_FORMATS
 MAX_JSONL_BYTES = 1 << 30
@@ -84,7 +86,7 @@ def read_jsonl(path: Path, f: BinaryIO) -> ListRows:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = loads_bounded(line)  # a row nested 50,000 deep is this row's error, not INTERNAL
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON: {e}") from None
         if not isinstance(item, dict):
@@ -143,7 +145,7 @@ def check_hf_dir(roots: DatasetRoots, path: Path, *, nested: bool = False) -> No
         for name in names:
             if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
                 raise ValueError(f"{path / 'state.json'}: data file {name!r} is not a file name in its directory")
-            inside(path / name)
+            _regular(inside(path / name))  # datasets memory-maps it: a pipe would hang the load
     if (path / "dataset_dict.json").exists() and not nested:  # a DatasetDict's splits are Datasets
         for split in _json_list(roots, path / "dataset_dict.json", "splits"):
             if not isinstance(split, str) or not SPLIT_NAME.fullmatch(split):
@@ -152,9 +154,21 @@ def check_hf_dir(roots: DatasetRoots, path: Path, *, nested: bool = False) -> No
             check_hf_dir(roots, path / split, nested=True)
 
 
+def _regular(path: Path) -> None:
+    try:
+        check_regular(path)
+    except OSError:
+        pass  # missing: datasets says so when it loads
+    except ValueError as e:
+        raise ValueError(f"save_to_disk directory member {e}") from None
+
+
 def _json_list(roots: DatasetRoots, path: Path, key: str) -> list[Any]:
     with roots.open(path) as f:
-        data = json.loads(f.read())
+        try:
+            data = loads_bounded(f.read())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get(key), list):
         raise ValueError(f"{path}: expected a JSON object with a list {key!r}")
     return data[key]
@@ -232,8 +246,9 @@ class DatasetRoots:
     def open(self, path: Path) -> BinaryIO:
         """`path`, as `resolve` gave it, opened for reading, and checked again once open: had a
         directory on the way been swapped for a symlink out of the roots since `resolve`, the
-        open file is not the one the path leads to now, and it is refused."""
-        f = path.open("rb")
+        open file is not the one the path leads to now, and it is refused. Anything but a regular
+        file (a named pipe, a device) is refused before it is opened (arlo.regular_files)."""
+        f = open_regular(path)
         try:
             opened, now = os.fstat(f.fileno()), self.resolve(path).stat()
             if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):
@@ -267,6 +282,8 @@ class DatasetStore:
     def __init__(self, roots: DatasetRoots) -> None:
         self._roots = roots
         self._lock = threading.Lock()
+        self._loading: dict[tuple[Any, ...], threading.Lock] = {}
+        """One lock per dataset being read: a slow read delays the Resets of that dataset only."""
         self._rows: OrderedDict[tuple[Any, ...], Rows] = OrderedDict()
         self._splits: OrderedDict[tuple[Any, ...], tuple[int, ...]] = OrderedDict()
         self._orders: OrderedDict[tuple[Any, ...], list[int]] = OrderedDict()
@@ -277,12 +294,28 @@ class DatasetStore:
             stat = p.stat()
         except OSError:
             raise ValueError(f"path {path!r} does not exist") from None
+        if not p.is_dir():
+            check_regular(p, stat)  # a pipe or a device: refused before it is opened
         key = (str(p), *_version(p, stat), fmt, hf_split)
-        with self._lock:  # one load per file even when many sessions start at once
-            if key not in self._rows:
-                self._put(self._rows, key, read_rows(self._roots, p, fmt, hf_split), _CACHED_DATASETS)
-            self._rows.move_to_end(key)
-            return key, self._rows[key]
+        with self._lock:
+            if key in self._rows:
+                self._rows.move_to_end(key)
+                return key, self._rows[key]
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:  # one load per file even when many sessions start at once; other files go on
+            with self._lock:
+                if key in self._rows:
+                    return key, self._rows[key]
+            try:
+                rows = read_rows(self._roots, p, fmt, hf_split)
+            except BaseException:
+                with self._lock:
+                    self._loading.pop(key, None)
+                raise
+            with self._lock:  # cached before the lock goes, so nobody reads it twice
+                self._put(self._rows, key, rows, _CACHED_DATASETS)
+                self._loading.pop(key, None)
+            return key, rows
 
     def split(self, key: tuple[Any, ...], rows: Rows, ids: Any, split: str, fraction: float,
               split_seed: int) -> tuple[int, ...]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arlo.jsonfields import loads_bounded
+from arlo.regular_files import read_regular_text
 from services.env_gateway.envs import corpus as builtin
 from services.env_gateway.envs.answers import normalize_text
 from services.env_gateway.envs.base import Message, ResetResult, check_range, describe_config, parse_config
@@ -102,21 +104,21 @@ def load_corpus(docs_dir: str = "") -> Corpus:
 
 
 def _read_doc(path: Path) -> Doc:
-    if path.stat().st_size > MAX_DOC_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_DOC_BYTES} bytes")
-    title, _, text = path.read_text(encoding="utf-8", errors="replace").strip().partition("\n")
+    # A regular file only (a pipe swapped in after the listing would hang the gateway's start).
+    content = read_regular_text(path, errors="replace", max_bytes=MAX_DOC_BYTES)
+    title, _, text = content.strip().partition("\n")
     return Doc(id=path.stem, title=title.lstrip("# ").strip(), text=" ".join(text.split()))
 
 
 def _read_questions(path: Path) -> tuple[Question, ...]:
-    if not path.is_file():
+    if not path.exists():  # a pipe or a device there is refused by read_regular_text, saying so
         raise ValueError(f"{path} is missing: write one {{\"question\": ..., \"answer\": ...}} object per line")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(read_regular_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = loads_bounded(line)
             out.append(Question(id=str(item.get("id", f"q{n}")), question=str(item["question"]),
                                 answer=str(item["answer"]), doc_id=str(item.get("doc", ""))))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
