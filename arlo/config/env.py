@@ -134,6 +134,10 @@ class EnvGatewayConfig:
     """An episode session untouched this long is closed and its state freed."""
     max_sessions: int = ranged(10000, ge=1)
     """Live sessions at most; new ones are refused past it."""
+    max_sessions_per_client: int = ranged(5000, ge=1, special={0: "off"})
+    """Live sessions one client (one gRPC connection, as the per-client RPC bound counts them) may
+    hold; its next Reset is refused RESOURCE_EXHAUSTED while other clients still get sessions.
+    A rollout holds about concurrent_groups x group_size sessions at once."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits for environments that run untrusted code."""
     remotes: tuple[RemoteEnvConfig, ...] = ()

@@ -21,7 +21,8 @@ def build_gateway(cfg: RunConfig, context: EnvContext | None = None) -> Gateway:
     """The in-process core with the built-in environments and the configured plugins; ConfigError
     for a bad retrieval docs dir or dataset root, or a broken plugin (naming it)."""
     gw = cfg.env_gateway
-    sessions = SessionStore(idle_timeout_s=gw.session_idle_timeout_s, max_sessions=gw.max_sessions)
+    sessions = SessionStore(idle_timeout_s=gw.session_idle_timeout_s, max_sessions=gw.max_sessions,
+                            max_per_client=gw.max_sessions_per_client)
     try:
         registry = default_registry(context if context is not None else EnvContext(gw, tool_format=cfg.model.tool_format))
     except ValueError as e:  # the message names the setting

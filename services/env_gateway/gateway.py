@@ -90,13 +90,15 @@ class Gateway:
             raise UnknownEnvError(f"unknown environment {env_name!r}; known: {known}")
         return spec
 
-    def reset(self, env_name: str, config_json: str, seed: int) -> Started:
+    def reset(self, env_name: str, config_json: str, seed: int, client: str = "") -> Started:
+        """`client`: who asks (the gRPC peer), for the sessions' per-client bound."""
         spec = self._spec(env_name)
         if spec.asynchronous:
             raise TypeError(f"environment {env_name!r} is asynchronous: use reset_async")
+        self.sessions.check_room(client)  # before building the environment it would not keep
         env = self.registry.create(spec)
         result = _reset_env(env, seed, parse_config_json(config_json))
-        session = self.sessions.create(env_name, env, blocking=spec.blocking)
+        session = self.sessions.create(env_name, env, blocking=spec.blocking, client=client)
         return Started(session_id=session.id, result=result)
 
     def step(self, session_id: str, action: str) -> StepResult:
@@ -110,9 +112,10 @@ class Gateway:
         return self.sessions.close(session_id)
 
     async def reset_async(self, env_name: str, config_json: str, seed: int,
-                          deadline_s: float | None = None) -> Started:
+                          deadline_s: float | None = None, client: str = "") -> Started:
         """`deadline_s`: what is left of the caller's deadline (asynchronous environments heed it)."""
         spec = self._spec(env_name)
+        self.sessions.check_room(client)
         if spec.asynchronous:
             config = parse_config_json(config_json)
             env: Any = self.registry.create(spec)
@@ -120,10 +123,10 @@ class Gateway:
                 result = await env.reset(seed, config, deadline_s)
             except ValueError as e:
                 raise InvalidConfigError(str(e)) from e
-            session = self.sessions.create(env_name, env, asynchronous=True)
+            session = self.sessions.create(env_name, env, asynchronous=True, client=client)
             return Started(session_id=session.id, result=result)
         if not spec.blocking:
-            return self.reset(env_name, config_json, seed)
+            return self.reset(env_name, config_json, seed, client)
         config = parse_config_json(config_json)
 
         def start() -> tuple[Environment, ResetResult]:
@@ -131,7 +134,7 @@ class Gateway:
             return env, _reset_env(env, seed, config)
 
         env, result = await asyncio.wrap_future(self._pool().submit(start))
-        session = self.sessions.create(env_name, env, blocking=True)
+        session = self.sessions.create(env_name, env, blocking=True, client=client)
         return Started(session_id=session.id, result=result)
 
     async def step_async(self, session_id: str, action: str, deadline_s: float | None = None) -> StepResult:
@@ -211,7 +214,7 @@ class Gateway:
         return sorted(infos, key=lambda i: i.name)
 
     async def reset_routed(self, env_name: str, config_json: str, seed: int,
-                           remaining: Remaining) -> Started | env_pb2.ResetResponse:
+                           remaining: Remaining, client: str = "") -> Started | env_pb2.ResetResponse:
         """A local session, or a remote backend's reply (its session id prefixed); RemoteError when
         the backend fails."""
         remotes = self.remotes
@@ -219,7 +222,7 @@ class Gateway:
         if remotes is not None and self.registry.get(env_name) is None and await remotes.route(env_name, remaining()):
             request = env_pb2.ResetRequest(env_name=env_name, config_json=config_json, seed=seed)
             return await remotes.reset(request, remaining())
-        return await self.reset_async(env_name, config_json, seed, remaining())
+        return await self.reset_async(env_name, config_json, seed, remaining(), client)
 
     async def step_routed(self, session_id: str, action: str,
                           deadline_s: float | None) -> StepResult | env_pb2.StepResponse:

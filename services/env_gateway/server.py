@@ -143,7 +143,7 @@ class EnvironmentServicer(env_pb2_grpc.EnvironmentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             started = await self._gateway.reset_routed(request.env_name, request.config_json, request.seed,
-                                                       context.time_remaining)
+                                                       context.time_remaining, client=context.peer())
         except Exception as e:
             await _abort(context, e)
         return _reset_response(started)
