@@ -31,7 +31,9 @@ from arlo.config.inference import InferenceConfig
 from arlo.config.model import ModelSpec
 from arlo.config.rollout import RolloutConfig
 from arlo.config.trainer import TrainerConfig
+from arlo.jsonfields import MAX_DEPTH
 from arlo.private_files import write_private
+from arlo.regular_files import read_regular_text
 
 
 @_frozen
@@ -301,14 +303,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = read_yaml(p.read_text()) or {}
+            data = read_yaml(read_regular_text(p)) or {}  # a pipe or a device: refused, not read
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from e
-        except ConfigError as e:
+        except (ConfigError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: {e}") from None
+        except ValueError as e:  # not a regular file (ConfigError, a ValueError, is caught above)
+            raise ConfigError(str(e)) from None
     if overrides:
         data = _merge(data, overrides)
     cfg = from_dict(RunConfig, data)
@@ -319,7 +323,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 def read_yaml(text: str) -> Any:
     """`yaml.safe_load`, but a key given twice in one mapping, at any depth, is a ConfigError
     naming it and both lines: PyYAML keeps the last silently (a second `trainer:` section
-    dropped the whole first one). A `<<` merge key's entries may still be overridden."""
+    dropped the whole first one). A `<<` merge key's entries may still be overridden. Nesting
+    past MAX_DEPTH is a ConfigError too, found before composing (which recurses per level)."""
+    _check_depth(text)
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -327,6 +333,22 @@ def read_yaml(text: str) -> Any:
             return None
         _refuse_duplicate_keys(node, "", set())
         return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_depth(text: str) -> None:
+    """ConfigError where `text` nests past MAX_DEPTH: PyYAML's parser walks events without
+    recursing, its composer and constructor recurse per level (RecursionError 100k deep)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        depth = 0
+        while (event := loader.get_event()) is not None:
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                _check(f"line {event.start_mark.line + 1}", depth <= MAX_DEPTH, f"nested deeper than {MAX_DEPTH} levels")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
     finally:
         loader.dispose()
 
