@@ -84,6 +84,8 @@ class TrajectoryStream:
         """Entries moved to the dead-letter stream by this instance."""
         self.duplicates = 0
         """Entries dropped by filter_unseen (already trained, or repeated in a batch)."""
+        self.groups_lost = 0
+        """Times the consumer group was found missing (NOGROUP) and recreated: entries were lost."""
 
     @property
     def keys(self) -> Keys:
@@ -299,7 +301,12 @@ class TrajectoryStream:
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
-            log.warning("consumer group %s of %s missing; recreating it", self._group, self._keys.traj)
+            self.groups_lost += 1
+            # Not silent: what the stream held (unread entries, and those delivered but not yet
+            # acknowledged) went with it and is never trained; the run goes on from what comes next.
+            log.error("consumer group %s of %s vanished (Redis restarted without persistence, or its keys "
+                      "were deleted): every entry the stream held is lost to this run; recreating the group "
+                      "(%d time(s) so far)", self._group, self._keys.traj, self.groups_lost)
             await self.ensure_group()
             return await call()
 

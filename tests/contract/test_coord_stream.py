@@ -199,10 +199,14 @@ async def test_duplicates_are_dropped_across_reads(r: Redis, run_id: str) -> Non
     assert 0 < ttl <= 7 * 24 * 3600
 
 
-async def test_group_is_recreated_when_it_vanished(r: Redis, run_id: str) -> None:
+async def test_group_is_recreated_when_it_vanished(r: Redis, run_id: str, caplog: pytest.LogCaptureFixture) -> None:
     s = await stream(r, run_id)
+    await s.add(traj("lost"))
     await r.delete(Keys(run_id).traj)  # e.g. Redis restarted without persistence
     assert await s.read(count=10, block_ms=0) == []
+    # Reported, not silent (issue 33 item 17b): the entry written before the wipe is gone.
+    assert s.groups_lost == 1 and any(rec.levelname == "ERROR" and "is lost to this run" in rec.getMessage()
+                                      for rec in caplog.records)
     await s.add(traj("t"))
     assert [e.trajectory.id for e in await s.read(count=10, block_ms=100)] == ["t"]
 
