@@ -205,6 +205,23 @@ def nonfinite_param(state: nnx.State, dtype: str | None = None) -> str | None:
     return floats[int(bad[0])][0] if bad.size else None
 
 
+def nonfinite_leaf(tree: Any) -> str | None:
+    """The path of the first floating leaf of any pytree (an optimizer state, a critic) holding a
+    NaN or inf, or None. Device arrays are reduced on the device (a collective with several
+    processes, as `nonfinite_param`); host arrays (a checkpoint's host copy) on the host, one
+    leaf at a time, so a host copy is never sent back to the device whole."""
+    leaves = [(jax.tree_util.keystr(path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    on_host = [(key, x) for key, x in leaves if isinstance(x, np.ndarray)]
+    on_device = [(key, x) for key, x in leaves if not isinstance(x, np.ndarray)]
+    bad = next((key for key, x in on_host if not np.isfinite(x).all()), None)
+    if bad is None and on_device:
+        finite = np.asarray(_all_finite([x for _, x in on_device], None))
+        flagged = np.flatnonzero(~finite)
+        bad = on_device[int(flagged[0])][0] if flagged.size else None
+    return bad
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _all_finite(arrays: list[jax.Array], dtype: str | None) -> jax.Array:
     return jnp.stack([jnp.all(jnp.isfinite(_cast(x, dtype))) for x in arrays])

@@ -199,6 +199,8 @@ def main() -> None:
         async def start() -> RunningServer:
             running, loop = await start_trainer(cfg, tasks, compiles, tracing)
             loops.append(loop)
+            stopping: list[asyncio.Task[None]] = []  # held: a task nobody references may be collected
+            tasks.on_fatal = lambda _: stopping.append(asyncio.get_running_loop().create_task(running.stop(0)))
             return running
 
         async def stop() -> None:
@@ -207,6 +209,8 @@ def main() -> None:
                 await loop.close()  # a checkpoint in flight completes rather than being left partial
 
         run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s)
+    if tasks.fatal is not None:  # non-zero, so the supervisor (or Kubernetes) restarts it
+        raise SystemExit(f"trainer stopped: {tasks.fatal}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ orbax's own start costs 70-110 ms however small the state (a new event loop, a d
 serialisation dispatch: 596k parameters, 7 MB), against 2 ms for the copy.
 A crash mid-write leaves only a `*.orbax-checkpoint-tmp` directory, which is never listed
 as a step; a listed step that does not restore, or whose params, optimizer state or record
-do not match the checksums recorded with them, is skipped (logged as an error, reported in
-`Restored.skipped`) and an older complete one is used.
+do not match the checksums recorded with them, or that holds a NaN or inf anywhere (a checksum
+proves the bytes are the ones saved, not that they are sound; a record stripped of its checksums
+looks like an old one), is skipped (logged as an error, reported in `Restored.skipped`) and an
+older complete one is used. A state holding NaN or inf is never saved (`NonFiniteState`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from arlo.model.weights import nonfinite_leaf
 from services.trainer.gather import host_state, state_digest
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,18 @@ KEEP = 3
 _TMP_MARK = ".orbax-checkpoint-tmp"
 MIN_ROOM_BYTES = 1 << 20
 """Below this much free space (or the newest checkpoint's size, if larger) a save cannot succeed."""
+
+
+class NonFiniteState(ValueError):
+    """The trainer's state holds NaN or inf: it is not saved, and such a checkpoint is not restored."""
+
+
+def check_finite_state(params: Any, opt_state: Any, critic: Any = None) -> None:
+    """Raises NonFiniteState naming the first damaged array (params, optimizer state, critic)."""
+    for what, tree in (("params", params), ("optimizer state", opt_state), ("critic", critic)):
+        bad = nonfinite_leaf(tree) if tree is not None else None
+        if bad is not None:
+            raise NonFiniteState(f"{what}: {bad} holds NaN or inf")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,7 +205,10 @@ class Checkpointer:
         Every piece restored is checksummed: params (the published sha), the optimizer state
         (a flipped byte there restores silently and NaNs the model a step later), the critic
         ({"params", "opt_state"}, when there is one) and the record.
-        With several processes every one calls it (the checksum of an empty params_sha256 is a collective)."""
+        With several processes every one calls it (the checksum of an empty params_sha256 is a collective).
+        A state holding NaN or inf raises NonFiniteState and nothing is written: it would become the
+        newest checkpoint and acknowledge the steps it covers."""
+        check_finite_state(params, opt_state, critic)
         if not meta.params_sha256:
             meta = dataclasses.replace(meta, params_sha256=params_sha256(params))
         record = dataclasses.asdict(dataclasses.replace(
@@ -283,6 +301,7 @@ class Checkpointer:
         critic = restored.critic if with_critic else None
         if critic is not None and tree_sha256(critic) != meta.critic_sha256:
             raise ValueError("critic does not match the recorded sha256")
+        check_finite_state(restored.params, restored.opt_state, critic)
         return Restored(params=restored.params, opt_state=restored.opt_state, meta=meta, uri=self.uri(version),
                         critic=critic)
 

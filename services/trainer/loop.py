@@ -26,6 +26,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from arlo.background import MustRestart
 from arlo.config.trainer import WeightPublishConfig
 from arlo.coord import TrajectoryStream, WeightPointer
 from arlo.model.tokenizer import ByteTokenizer
@@ -270,6 +271,7 @@ class TrainingLoop:
         """An intake during a step or a deferred tail failed: the loop restarts. Entries that lost
         their hold are in this consumer's pending list, and the restarted loop re-reads them first
         (`_reread_pending`); acknowledgements left undone go with the next publish or checkpoint."""
+        self._raise_if_damaged()
         intake, self._intake_error = self._intake_error, None
         tail = self._tails.take_error()
         if intake is not None or tail is not None:
@@ -499,6 +501,13 @@ class TrainingLoop:
         log.error("step refused (%s); its trajectories moved to %s, version stays %d", reason,
                   self.stream.keys.traj_dead, self.state.version,
                   extra={"skipped_steps": self.state.skipped_steps, "version": self.state.version})
+        self._raise_if_damaged()
+
+    def _raise_if_damaged(self) -> None:
+        """The core found the learner's state damaged: no step may follow in this process."""
+        if self.state.must_restart:
+            raise MustRestart(f"trainer state damaged: {self.state.must_restart}; the restart restores the "
+                              f"newest good checkpoint ({self.state.checkpoint_uri or 'none yet: the initial weights'})")
 
     def _publish_may_overlap(self, version: int) -> bool:
         """Whether `version`'s publish may run beside the next step: not when its tail may not

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from arlo.coord import WeightPointer
-from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored, SaveArrays
+from services.trainer.checkpoint import Checkpointer, CheckpointMeta, NonFiniteState, Restored, SaveArrays
 from services.trainer.core.records import Acknowledge, Checkpoint, Decision
 from services.trainer.core.trainer import TrainerCore
 from services.trainer.learner import Learner
@@ -84,8 +84,9 @@ class Saves:
                               trajectory_ids=tuple(t for s in checkpoint.covers for t in s.trajectory_ids))
         try:
             snapshot = await self.start(meta)
-        except BaseException:
+        except BaseException as e:
             self.core.holds.not_started(checkpoint)
+            self._damaged(version, e)
             raise
         self.job_version = version
         self.job = asyncio.create_task(self._finish(checkpoint, meta, snapshot),
@@ -99,6 +100,7 @@ class Saves:
             uri = await self.write(meta, snapshot)
         except BaseException as e:
             snapshot = None
+            self._damaged(version, e)
             error = await self.describe(e)
             # The steps it hands back are bounded in the same breath as the failure is counted;
             # a cancelled save (shutdown) is no storage failure.
@@ -128,6 +130,12 @@ class Saves:
                  sum(len(s.trajectory_ids) for s in checkpoint.covers), checkpoint.why,
                  extra={"checkpoint_version": version, "checkpoint_uri": uri})
         return version, uri
+
+    def _damaged(self, version: int, e: BaseException) -> None:
+        """A save refused because the state holds NaN or inf: no retry can succeed, the state is
+        damaged (the driver stops for a restart from the newest good checkpoint)."""
+        if isinstance(e, NonFiniteState):
+            self.core.state_damaged(f"checkpoint {version} not saved: {e}")
 
     async def settle(self) -> None:
         """Waits for the checkpoint in flight; its failure was logged and its steps held again."""

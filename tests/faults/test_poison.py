@@ -21,6 +21,7 @@ from arlo.proto.v1 import common_pb2
 from services.inference.__main__ import start_inference
 from services.inference.weights import WeightPullError, WeightSync
 from services.trainer.__main__ import start_trainer
+from services.trainer.core.trainer import REFUSED_IN_A_ROW
 
 TOKEN = "poison-token"
 PROMPT = [257, 260, 51, 43, 52, 61, 258, 261]
@@ -40,7 +41,7 @@ async def stack(redis_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch) ->
     inference, engine = await start_inference(cfg, tasks)
     redis = await connect(cfg.redis)
     try:
-        yield {"cfg": cfg, "loop": loop, "engine": engine, "redis": redis,
+        yield {"cfg": cfg, "loop": loop, "engine": engine, "redis": redis, "tasks": tasks,
                "stream": TrajectoryStream(redis, cfg.run_id, consumer="test-producer")}
     finally:
         await tasks.cancel_all()
@@ -107,10 +108,11 @@ async def test_poisoned_trajectories_are_dead_lettered_and_the_weights_stay_fini
 
 
 async def test_a_non_finite_step_is_skipped_dead_lettered_and_not_published(stack: dict) -> None:
-    """Finite inputs the intake passes, whose importance ratio overflows: the step is refused."""
+    """Finite inputs the intake passes (logprobs above its -1e4 floor), whose importance ratio
+    overflows: the step is refused."""
     loop, stream = stack["loop"], stack["stream"]
     before = state_to_bytes(loop.learner.state)
-    await stream.add_group([traj("boom", 1.0), traj("boom", 0.0, logprobs={8: -1e30, 9: -1e30})])
+    await stream.add_group([traj("boom", 1.0), traj("boom", 0.0, logprobs={8: -9e3, 9: -9e3})])
     await wait_for(lambda: loop.state.skipped_steps >= 1)
     assert loop.state.version == 0 and loop.learner.step_count == 0
     assert state_to_bytes(loop.learner.state) == before
@@ -154,6 +156,21 @@ async def test_nan_weights_are_never_published_nor_installed(stack: dict) -> Non
     assert engine.version == 0 and sync.stats.refused_nonfinite == 1
     assert state_to_bytes(engine.state) == before
     assert np.isfinite(np.asarray(jax.tree.leaves(engine.state)[0])).all()
+
+
+async def test_a_damaged_learner_state_stops_the_trainer_for_a_restart_not_a_stall(stack: dict) -> None:
+    """NaN weights (a restore the checks did not catch, an update that overflowed): every step is
+    refused. Before, each batch was dead-lettered while the trainer stayed up and green; now the
+    training loop stops with MustRestart after REFUSED_IN_A_ROW refusals (the process exits and its
+    restart restores the newest good checkpoint), and the in-place loop is not restarted."""
+    loop, stream, tasks = stack["loop"], stack["stream"], stack["tasks"]
+    loop.learner.state = _nan_state(loop.learner.state)
+    for i in range(REFUSED_IN_A_ROW + 1):
+        await stream.add_group([traj(f"d{i}", 1.0), traj(f"d{i}", 0.0)])
+    await wait_for(lambda: tasks.fatal is not None)
+    assert "steps refused in a row" in str(tasks.fatal) and "newest good checkpoint" in str(tasks.fatal)
+    assert loop.state.skipped_steps == REFUSED_IN_A_ROW and "training-loop" not in tasks.restarts
+    assert await WeightPointer(stack["redis"], stack["cfg"].run_id).get() is None  # nothing published
 
 
 async def test_a_dead_letter_count_is_never_seen_before_its_dead_letters(stack: dict) -> None:

@@ -14,7 +14,7 @@ import pytest
 from arlo.proto.v1 import common_pb2
 from services.trainer.core.book import STEP_ATTEMPTS
 from services.trainer.core.records import Ack, Acknowledge, CountStale, DeadLetter, StartCheckpoint, Wait
-from services.trainer.core.trainer import CoreConfig, TrainerCore
+from services.trainer.core.trainer import REFUSED_IN_A_ROW, CoreConfig, TrainerCore
 
 PROMPT = [5, 6, 7]
 _ids = itertools.count()
@@ -242,6 +242,41 @@ def test_a_refused_step_dead_letters_its_groups_and_takes_its_version_back() -> 
     c.done(dead)
     c.refused()
     assert c.state.skipped_steps == 1 and c.dropped()["nonfinite_step"] == 2
+    # Weights made non-finite by an applied update: the state is damaged, the process must restart.
+    assert "non-finite" in c.state.must_restart
+
+
+def refuse(c: TrainerCore, name: str) -> None:
+    """A step over one fresh group whose loss or gradient was non-finite (nothing applied)."""
+    admit(c, group(name))
+    for d in c.step_refused(c.book.next_batch(c.state.version, 0.0), "step skipped: loss nan"):
+        c.done(d)
+    c.refused()
+
+
+def test_refusals_in_a_row_mean_a_damaged_state_and_an_applied_step_clears_the_count() -> None:
+    """One refused batch is the batch's; REFUSED_IN_A_ROW in a row are the state's (NaN weights or
+    optimizer state): the driver must stop for a restart from the newest good checkpoint."""
+    c = core()
+    for name in ("a", "b"):
+        refuse(c, name)
+    assert c.state.must_restart == "" and c.state.refused_in_a_row == REFUSED_IN_A_ROW - 1
+    admit(c, group("ok"))
+    step(c)
+    assert c.state.refused_in_a_row == 0
+    for i in range(REFUSED_IN_A_ROW - 1):
+        refuse(c, f"x{i}")
+    assert c.state.must_restart == ""
+    refuse(c, "last")
+    assert f"{REFUSED_IN_A_ROW} steps refused in a row" in c.state.must_restart
+    c.state_damaged("checkpoint 3 not saved: optimizer state: [0] holds NaN or inf")
+    assert "steps refused in a row" in c.state.must_restart  # the first cause is kept
+
+
+def test_a_save_refused_for_a_non_finite_state_marks_the_state_damaged() -> None:
+    c = core(checkpoints=True, checkpoint_every=1)
+    c.state_damaged("checkpoint 1 not saved: optimizer state: [0].mu holds NaN or inf")
+    assert c.state.must_restart.startswith("checkpoint 1 not saved")
 
 
 def test_a_pause_comes_at_the_step_count_asked_for() -> None:

@@ -50,5 +50,10 @@ class TrainerState:
     io_s: float = 0.0
     """Wall time in the platform around RL steps: stream reads that returned data, intake
     (decode, de-duplication), acknowledgements and publishing (serialise, store, pointer)."""
+    must_restart: str = ""
+    """Why the learner's state can no longer be trusted ("" while it can): the driver stops the
+    process, and its restart recovers from the newest good checkpoint (core/trainer.py)."""
+    refused_in_a_row: int = 0
+    """Steps refused one after another since the last applied one."""
     waiting_on: str = ""
     """Why no step is being taken now ("" while steps come): the bound or counter that holds the run."""

@@ -40,6 +40,13 @@ class CoreConfig:
     0: a model without routed experts (the field is not checked)."""
 
 
+REFUSED_IN_A_ROW = 3
+"""Refused steps in a row after which the learner's state itself is taken for damaged. One
+refused step is a batch the intake could not judge (an overflow of finite values); after the
+intake's checks, every batch refusing means the weights or the optimizer state hold NaN or inf
+(a restored optimizer state with a matching checksum did: issue 33, item 13)."""
+
+
 def hold_bound(max_backlog: int) -> int:
     """Held entries allowed before a checkpoint is taken early (or, saves failing, steps let go):
     half the backlog, so a step's worth of new data always fits beside them."""
@@ -100,6 +107,7 @@ class TrainerCore:
         self.book.trained()
         self.state.version += 1
         self.state.waiting_on = ""
+        self.state.refused_in_a_row = 0
         return self.state.version
 
     def finished(self, groups: Sequence[ReadyGroup], metrics: Any, *, num_tokens: int) -> TrainedStep:
@@ -128,10 +136,24 @@ class TrainerCore:
 
     def step_refused(self, groups: Sequence[ReadyGroup], reason: str, *, unpublished: bool = False) -> list[Decision]:
         """A step whose loss/gradient (or, `unpublished`, whose new weights) are non-finite: its
-        groups are dead-lettered; the version stays (an unpublishable one is taken back)."""
+        groups are dead-lettered; the version stays (an unpublishable one is taken back).
+
+        Weights that went non-finite in an applied update, or REFUSED_IN_A_ROW refusals, mean the
+        learner's state is damaged: `must_restart` says so, and the driver stops for a restart
+        from the newest good checkpoint (rolling back; what was trained since is re-delivered,
+        never acknowledged: acks wait for a checkpoint, and a damaged state is never saved)."""
+        self.state.refused_in_a_row += 1
         if unpublished:
             self.state.version -= 1
+            self.state.must_restart = f"an applied update made the weights non-finite ({reason})"
+        elif self.state.refused_in_a_row >= REFUSED_IN_A_ROW:
+            self.state.must_restart = (f"{self.state.refused_in_a_row} steps refused in a row, the last: {reason}; "
+                                       "the weights or optimizer state hold NaN or inf")
         return [self.book.refuse(groups, reason)]
+
+    def state_damaged(self, why: str) -> None:
+        """The learner's state was found non-finite outside a step (a checkpoint save's check)."""
+        self.state.must_restart = self.state.must_restart or why
 
     def refused(self) -> None:
         """The refused step's dead letters are durable: it counts as skipped now."""
