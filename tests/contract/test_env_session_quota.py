@@ -51,6 +51,22 @@ async def test_a_flooding_client_is_refused_while_another_still_gets_sessions() 
         await running.stop(None)
 
 
+@pytest.mark.usefixtures("token")
+async def test_without_the_bound_a_flood_refuses_everyone_else() -> None:
+    """The fault itself, with the bound off (0): what every gateway did before it existed."""
+    running = await start_env_gateway(config(max_sessions=8, max_sessions_per_client=0))
+    try:
+        address = f"127.0.0.1:{running.port}"
+        async with make_channel(address, token=TOKEN) as flood_channel, make_channel(address, token=TOKEN) as other:
+            flood, polite = env_pb2_grpc.EnvironmentStub(flood_channel), env_pb2_grpc.EnvironmentStub(other)
+            replies = await asyncio.gather(*(_reset(flood, seed) for seed in range(40)))
+            assert sum(isinstance(r, env_pb2.ResetResponse) for r in replies) == 8
+            refused = await _reset(polite, 0)
+            assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == EXHAUSTED
+    finally:
+        await running.stop(None)
+
+
 def test_a_clients_count_is_freed_by_close_and_by_either_expiry() -> None:
     now = [0.0]
     store = SessionStore(idle_timeout_s=10.0, max_sessions=5, max_per_client=2, clock=lambda: now[0])
