@@ -47,6 +47,10 @@ class RunHolds:
         refused = next((s.refused for s in rollouts.values() if s.refused), "")
         if refused:
             holds.append(f"the rollout refuses episodes: {refused}")
+        failing = [s for s in rollouts.values() if s.last_failure]
+        if failing:  # the cause, not only "N trajectories queued" (issue 33, item 3)
+            failed = sum(s.failed_groups for s in rollouts.values())
+            holds.append(f"the rollout's episodes fail ({failed} groups so far), the last: {failing[0].last_failure}")
         backlog = await TrajectoryStream(self.redis, run, consumer="driver").backlog()
         room = headroom(running=running, accepted=counters.accepted, trainer_version=version,
                         max_staleness=trainer.max_staleness, batch_size=batch, dropped_stale=counters.dropped_stale,

@@ -161,6 +161,9 @@ class RolloutStatus(ServiceStatus):
     refused: str = ""
     """Why the run's limits cannot hold an episode ("" when none was refused): a config error
     that `arlo train`/`demo` stop on, with this message."""
+    last_failure: str = ""
+    """The error of the latest failed (masked) group ("" when none failed): what a run that makes no
+    step says (an environment that cannot be reached, an MCP server that dies at start)."""
 
 
 async def read_service_statuses(redis: Redis, run_id: str, kind: type[S]) -> dict[str, S]:

@@ -91,7 +91,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     tasks.spawn("heartbeat", lambda: heartbeat.run(2.0, lambda: RolloutStatus(
         groups=worker.stats.groups, episodes=worker.stats.episodes, retries=worker.stats.retries,
         failed_groups=worker.stats.failed_groups, running=gate.running, admission_waits=gate.waits,
-        refused=worker.stats.refused).fields()))
+        refused=worker.stats.refused, last_failure=worker.stats.last_failure).fields()))
     return running, env
 
 

@@ -56,6 +56,8 @@ class WorkerStats:
     refused: str = ""
     """Why the run's limits cannot hold an episode (the latest `EpisodeDoesNotFit`), for the
     heartbeat: every episode like it trains nothing, so `arlo train` stops on it."""
+    last_failure: str = ""
+    """The latest failed group's error, for the heartbeat (`arlo train` names it when no step comes)."""
 
     def snapshot(self) -> dict[str, object]:
         """The counters for /metrics (read from the scrape thread: a copy, never the live dict)."""
@@ -263,6 +265,7 @@ class RolloutWorker:
         if not errors:
             return list(results)
         self.stats.failed_groups += 1
+        self.stats.last_failure = str(errors[0])[:500]
         log.warning("group %s masked: %s", spec.group_id, errors[0])
         return [common_pb2.Trajectory(
             id=uuid.uuid4().hex, run_id=spec.run_id, group_id=spec.group_id, group_size=spec.group_size,

@@ -61,3 +61,19 @@ async def test_a_refusal_counts_only_from_a_worker_beating_after_the_drive_began
     finally:
         await delete_run(redis, run_id)
         await redis.aclose()
+
+
+async def test_the_message_names_why_the_rollout_s_groups_fail(redis_url: str, run_id: str) -> None:
+    # Every group failing (an MCP server that dies at start) stalled the run with "0 trajectories
+    # queued, 8 needed": the cause was only in the rollout's and the gateway's logs (issue 33).
+    cfg = run_config(redis_url, run_id)
+    redis = await connect(RedisConfig(url=redis_url))
+    try:
+        why = "env: UNAVAILABLE: MCP server 'tools' is unavailable: ...; the server's stderr ends: No module named 'mcp'"
+        await Heartbeat(redis, run_id, service="rollout", instance="w1").beat(
+            **RolloutStatus(failed_groups=3, last_failure=why).fields())
+        said = await RunHolds(redis, cfg).explain(trainer_pb2.GetStatusResponse())
+        assert f"the rollout's episodes fail (3 groups so far), the last: {why}" in said
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()

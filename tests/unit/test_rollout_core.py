@@ -126,6 +126,7 @@ async def test_a_terminal_error_masks_the_whole_group(redis_url: str, run_id: st
     assert worker.stats.retries == 0 and worker.stats.failed_groups == 1
     assert [t.status for t in trajs] == [common_pb2.TRAJECTORY_STATUS_ERROR] * 2
     assert "NOT_FOUND" in trajs[0].error and worker.usable(trajs) == 0
+    assert "no such session" in worker.stats.last_failure  # the heartbeat's: `arlo train` names it (holds.py)
 
 
 def test_the_rollout_counts_what_the_trainer_trains_on() -> None:
