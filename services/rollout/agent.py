@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from arlo.jsonfields import loads_bounded, parse_json_object
 from arlo.model.tokenizer import Tokenizer
 from arlo.proto.v1 import common_pb2
 from services.rollout.types import BackendError, EpisodeDoesNotFit, ResetResult, ScoreResult, StepResult
@@ -115,12 +116,20 @@ def parse_tools(tools_json: str) -> list[dict[str, Any]] | None:
     if not tools_json.strip():
         return None
     try:
-        tools = json.loads(tools_json)
+        tools = loads_bounded(tools_json)  # a remote environment's: 100k deep is its error, not a RecursionError
     except json.JSONDecodeError as e:
         raise BackendError("env_gateway", "INVALID_ARGUMENT", f"tools_json is not JSON: {e}") from e
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BackendError("env_gateway", "INVALID_ARGUMENT", "tools_json must be a JSON list of function schemas")
     return tools or None
+
+
+def parse_metadata(metadata_json: str) -> dict[str, Any]:
+    """The environment's task metadata (a JSON object, "" for none), bounded like tools_json."""
+    try:
+        return parse_json_object(metadata_json, "metadata_json")
+    except ValueError as e:
+        raise BackendError("env_gateway", "INVALID_ARGUMENT", str(e)) from e
 
 
 @dataclass(kw_only=True)

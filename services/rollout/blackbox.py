@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import json
 import logging
 import time
 import uuid
@@ -35,7 +34,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from arlo.proto.v1 import common_pb2
-from services.rollout.agent import EnvClient, EpisodeSpec, Scorer, Turn, _Builder, _trajectory
+from services.rollout.agent import (
+    EnvClient,
+    EpisodeSpec,
+    Scorer,
+    Turn,
+    _Builder,
+    _trajectory,
+    parse_metadata,
+    parse_tools,
+)
 from services.rollout.types import ScoreResult
 
 log = logging.getLogger(__name__)
@@ -145,8 +153,7 @@ class BlackBoxRunner:
         timings = common_pb2.Timings()
         task = AgentTask(id=reset.task_id, env_name=spec.env_name, seed=spec.seed, episode_id=episode_id,
                          messages=[_message(m) for m in reset.observation],
-                         tools=json.loads(reset.tools_json) if reset.tools_json else [],
-                         metadata=json.loads(reset.metadata_json) if reset.metadata_json else {})
+                         tools=parse_tools(reset.tools_json) or [], metadata=parse_metadata(reset.metadata_json))
         finish, result, failure = "done", None, ""
         client = openai.AsyncOpenAI(base_url=await self.recordings.endpoint(episode_id), api_key=self.token or "none",
                                     default_headers={EPISODE_HEADER: episode_id}, max_retries=2,
