@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from arlo.jsonfields import loads_bounded
 from arlo.model.tokenizer import Tokenizer
 from arlo.tool_calls import ToolCall, parse_tool_calls
 from services.inference.episodes import Branch
@@ -48,7 +49,7 @@ def _calls(message: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
     for c in message.get("tool_calls") or ():
         fn = c["function"]
         try:
-            args = json.loads(fn.get("arguments") or "{}")
+            args = loads_bounded(fn.get("arguments") or "{}")  # a client's string: 100k deep stays a string
         except json.JSONDecodeError:
             args = fn.get("arguments")
         out.append((str(c.get("id", "")), fn["name"], args))

@@ -15,7 +15,6 @@ checks the mask against transformers' renderings). A batch holds what the SFT st
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -29,7 +28,9 @@ import numpy as np
 from arlo.choices import SftTooLong
 from arlo.config import ConfigError
 from arlo.data import resource
+from arlo.jsonfields import loads_bounded
 from arlo.model.tokenizer import Tokenizer, message_dict
+from arlo.regular_files import read_regular_text
 from services.trainer.batching import bucket_length
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,16 @@ class Example:
 
 def load_demonstrations(source: str) -> list[Demonstration]:
     path: Traversable = resource(BUILTIN[source]) if source in BUILTIN else Path(source)
-    if not path.is_file():
+    if not (path.is_file() if source in BUILTIN else Path(source).exists()):
         raise ValueError(f"SFT data not found: {source!r} (a JSONL path or one of {sorted(BUILTIN)})")
+    # A user's path: a regular file only (a named pipe would block the trainer's start).
+    text = path.read_text() if source in BUILTIN else read_regular_text(source)
     demos = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            demos.append(_demonstration(json.loads(line)))
+            demos.append(_demonstration(loads_bounded(line)))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{lineno}: expected {{\"messages\": [{{role, content}}, ...], "
                              f"\"tools\": [...] (optional)}}: {e}") from e

@@ -155,3 +155,15 @@ async def test_json_nested_100k_deep_is_a_400_not_a_retryable_503(openai_served:
             reply = await http.post(f"{openai_served.openai_url}/{route}", content=body)
             assert reply.status_code == 400, reply.text[:300]
             assert "nesting deeper than" in reply.json()["error"]["message"]
+
+
+async def test_tool_call_arguments_nested_100k_deep_are_not_a_5xx(openai_served: Served) -> None:
+    """The arguments of an assistant message's tool call are a JSON string inside the JSON body:
+    parsed with the same bound, a deep one stays a string (here too long for the context: 400)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "[" * 100_000}}
+    body = {"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]}
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
+        reply = await http.post(f"{openai_served.openai_url}/chat/completions", json=body)
+    assert reply.status_code in (200, 400), reply.text[:300]

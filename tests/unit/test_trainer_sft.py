@@ -131,6 +131,19 @@ def test_bad_demonstration_lines_name_the_line(tmp_path) -> None:
         tokenize_demonstration(_tool_demo()["messages"], TOK)
 
 
+def test_a_deep_line_or_a_pipe_for_sft_data_is_refused_naming_it(tmp_path) -> None:
+    """Issue 33: a line nested 100k deep was a RecursionError; a named pipe would block the start."""
+    import os
+
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"messages": ' + "[" * 100_000 + "\n")
+    with pytest.raises(ValueError, match="deep.jsonl:1:.*nesting deeper than"):
+        load_demonstrations(str(deep))
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(ValueError, match="pipe.jsonl' is a named pipe"):
+        load_demonstrations(str(tmp_path / "pipe.jsonl"))
+
+
 def _qwen_tool_demos(tmp_path, long: int, short: int = 0):
     """`long` tool demonstrations in the Qwen2.5 template (713 tokens: the tool schema in the system
     prompt, the first assistant token at 573) and `short` plain ones of ~40 tokens."""
