@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # for types only: the in-process users of the core never load
     from services.env_gateway.remote import RemoteBackend, RemoteEnvs
 
 DEFAULT_BLOCKING_WORKERS = 8
+MAX_NAMED = 32
+"""Environment names an unknown-environment error lists (each at most 128 bytes)."""
 
 Remaining = Callable[[], "float | None"]
 """What is left of the caller's deadline, asked afresh before each call that waits on it."""
@@ -87,7 +89,10 @@ class Gateway:
         spec = self.registry.get(env_name)
         if spec is None:
             known = sorted([*self.registry.names(), *(self.remotes.names() if self.remotes else [])])
-            raise UnknownEnvError(f"unknown environment {env_name!r}; known: {known}")
+            # A status message travels in a header (8 KiB at most): a backend listing a thousand
+            # environments made this one RESOURCE_EXHAUSTED on the client.
+            more = f" and {len(known) - MAX_NAMED} more (ListEnvironments lists them)" if len(known) > MAX_NAMED else ""
+            raise UnknownEnvError(f"unknown environment {env_name[:128]!r}; known: {known[:MAX_NAMED]}{more}")
         return spec
 
     def reset(self, env_name: str, config_json: str, seed: int, client: str = "") -> Started:

@@ -36,6 +36,8 @@ MAX_REMOTE_SESSION_ID_BYTES = 120
 MAX_ERROR_CHARS = 4096
 """A remote step's error message is cut to this before it is passed on."""
 _CODES = frozenset(c.value[0] for c in grpc.StatusCode)
+MAX_LISTED_ENVIRONMENTS = 1024
+"""Environments taken from one backend's ListEnvironments (each becomes a route and a listing)."""
 LIST_TIMEOUT_S = 5.0
 """ListEnvironments is for discovery and dashboards: it never waits long on a slow backend."""
 RETRY_BACKOFF_S = 0.05
@@ -238,7 +240,10 @@ class RemoteEnvs:
             return
         backend.answering = True
         wanted = set(backend.cfg.env_names)
-        for info in reply.environments:
+        if len(reply.environments) > MAX_LISTED_ENVIRONMENTS:
+            log.warning("%s lists %d environments; taking the first %d", backend.name, len(reply.environments),
+                        MAX_LISTED_ENVIRONMENTS)
+        for info in reply.environments[:MAX_LISTED_ENVIRONMENTS]:
             problem = info_problem(info)
             if problem:
                 log.warning("%s: leaving out an environment it lists: %s", backend.name, problem)

@@ -13,12 +13,18 @@ import grpc
 import pytest
 
 from arlo.proto.v1 import common_pb2, env_pb2, env_pb2_grpc
+from services.env_gateway.registry import default_registry
+from services.env_gateway.remote import MAX_LISTED_ENVIRONMENTS
 from services.env_gateway.remote_replies import MAX_CONTENT_BYTES, MAX_TEXT_BYTES
 from tests.contract.test_remote_env import config, fails, reset, scripted_remote, serve, tokens  # noqa: F401
 from tests.support.scripted_server import scripted_server
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 Poison = Callable[[env_pb2.ResetResponse | env_pb2.StepResponse], None]
+
+
+def builtin_names() -> list[str]:
+    return default_registry().names()
 
 
 def good_step() -> env_pb2.StepResponse:
@@ -33,6 +39,7 @@ class PoisonBackend(env_pb2_grpc.EnvironmentServicer):
     def __init__(self) -> None:
         self.reset_poison: Poison | None = None
         self.step_poison: Poison | None = None
+        self.listed_extra = 0
         self.closed: list[str] = []
         self.sent: list[str] = []
         self.resets = 0
@@ -40,7 +47,8 @@ class PoisonBackend(env_pb2_grpc.EnvironmentServicer):
     async def ListEnvironments(self, request, context):  # noqa: N802
         return env_pb2.ListEnvironmentsResponse(environments=[
             env_pb2.EnvironmentInfo(name="scripted", tools_json="[]"),
-            env_pb2.EnvironmentInfo(name="deep_tools", tools_json="[" * 10_000 + "]" * 10_000)])
+            env_pb2.EnvironmentInfo(name="deep_tools", tools_json="[" * 10_000 + "]" * 10_000),
+            *(env_pb2.EnvironmentInfo(name=f"many{i}") for i in range(self.listed_extra))])
 
     async def Reset(self, request, context):  # noqa: N802
         self.resets += 1
@@ -155,7 +163,9 @@ async def test_a_step_reply_outside_the_contract_is_refused_in_step_and_step_bat
 
 async def test_a_listed_environment_outside_the_contract_is_left_out(
         gateway: tuple[PoisonBackend, env_pb2_grpc.EnvironmentStub]) -> None:
-    _, stub = gateway
+    backend, stub = gateway
+    backend.listed_extra = 100_000
     listed = [i.name for i in (await stub.ListEnvironments(env_pb2.ListEnvironmentsRequest(), timeout=10)).environments]
     assert "scripted" in listed and "deep_tools" not in listed
+    assert len(listed) == MAX_LISTED_ENVIRONMENTS - 1 + len(builtin_names())  # of 100,002 listed
     await fails(reset(stub, "deep_tools"), grpc.StatusCode.NOT_FOUND, "unknown environment")
