@@ -56,6 +56,8 @@ def _set(t: common_pb2.Trajectory, change: str, value: float) -> None:
         t.turn_rewards.add(token_end=5, reward=value)
     elif change == "model_logprob":
         t.logprobs[-1] = value
+    elif change == "context_logprob":
+        t.logprobs[1] = value
     elif change == "loss_mask":
         t.loss_mask[-1] = int(value)
     elif change == "model_version":
@@ -75,6 +77,8 @@ EXTREMES = [
     ("model_version", 1, "newer than this trainer's newest version 0"),
     ("model_version", MAX_VERSION + 1, "policy version"), ("model_version", -5, "policy version"),
     ("model_version", -1, "policy version"), ("context_version", -5, "policy version"),
+    # (logprob - behaviour) x mask: -inf x 0 is NaN, so a context token's logprob counts too (not the first).
+    ("context_logprob", float("-inf"), "non-finite logprob on a context token"),
 ]
 
 

@@ -121,6 +121,9 @@ def _token_reason(traj: common_pb2.Trajectory, vocab_size: int) -> str | None:
     model = logprobs[mask == 1]
     if not np.isfinite(model).all():
         return "non-finite logprob on a loss-masked (model) token"
+    if not np.isfinite(logprobs[1:]).all():
+        # The loss reads every token's logprob after the first, times its mask: -inf x 0 is NaN.
+        return "non-finite logprob on a context token (only the first token's is never read)"
     if model.size and not MIN_LOGPROB <= model.min() <= model.max() <= MAX_LOGPROB:
         return (f"logprob on a model token outside [{MIN_LOGPROB:g}, {MAX_LOGPROB:g}]: "
                 f"{model.min():g}..{model.max():g}")
