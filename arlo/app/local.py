@@ -25,7 +25,7 @@ from arlo.app.accelerator_layout import (
     visible_gpus,
 )
 from arlo.app.cpu_layout import Shares, cpu_shares
-from arlo.app.ports import check_ports, settled_ports
+from arlo.app.ports import check_ports, recorded_ports, settled_ports, zero_ports
 from arlo.app.redis_server import free_port, local_redis_url, redis_answers, redis_spec
 from arlo.app.supervisor import ProcessSpec, Supervisor, service_spec
 from arlo.compile_cache import ENV as COMPILE_CACHE_ENV
@@ -45,10 +45,15 @@ def resolved_config_path(home: Path | None = None) -> Path:
 
 
 def load_cli_config(path: str | None) -> RunConfig:
-    """-c when given; else the config a running `arlo up` wrote; else the built-in one."""
-    if path:
-        return load_config(path)
+    """-c when given (its ports 0 as `arlo up -c` settled them); else the config a running `arlo up`
+    wrote; else the built-in one."""
     resolved = resolved_config_path()
+    if path:
+        cfg = load_config(path)
+        if not zero_ports(cfg, SERVICE_SECTIONS):
+            return cfg
+        recorded = load_config(resolved) if resolved.is_file() else None
+        return recorded_ports(cfg, recorded, SERVICE_SECTIONS, source=path, home=str(arlo_home()))
     return load_config(resolved if resolved.is_file() else None)
 
 
@@ -246,7 +251,13 @@ def prepare_cluster(cfg: RunConfig, *, home: Path, free_ports: bool, fresh_run: 
 def attach_cluster(cfg: RunConfig, token: str | None, *, config_path: str | None) -> LocalCluster:
     """A cluster handle for services that are already running (`arlo train` adds rollout workers)."""
     home = arlo_home()
-    if config_path:
+    if config_path and zero_ports(load_config(config_path), SERVICE_SECTIONS, ("port",)):
+        # Its ports 0 were read back from the run `arlo up` recorded (`load_cli_config`): the rollout
+        # worker gets them in a config of its own.
+        path = home / "train-config.yaml"
+        private_dir(home)
+        dump_config(cfg, path)
+    elif config_path:
         path = Path(config_path).resolve()
     else:
         path = resolved_config_path(home)

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Iterable
 
 from arlo.app.redis_server import free_port
-from arlo.config import ConfigError, RunConfig
+from arlo.config import ConfigError, RunConfig, replace_config
 
 
 def settled_ports(cfg: RunConfig, sections: Iterable[str]) -> dict[str, dict]:
@@ -27,6 +27,32 @@ def settled_ports(cfg: RunConfig, sections: Iterable[str]) -> dict[str, dict]:
         if chosen:
             overrides[name] = {"server": chosen}
     return overrides
+
+
+def zero_ports(cfg: RunConfig, sections: Iterable[str], keys: tuple[str, ...] = ("port", "metrics_port")
+               ) -> dict[str, list[str]]:
+    """Section -> its server port settings of `keys` that are 0 (a free port, chosen by `arlo up`)."""
+    zero = {name: [key for key in keys if getattr(getattr(cfg, name).server, key) == 0] for name in sections}
+    return {name: found for name, found in zero.items() if found}
+
+
+def recorded_ports(cfg: RunConfig, recorded: RunConfig | None, sections: Iterable[str], *, source: str,
+                   home: str) -> RunConfig:
+    """`cfg` (a -c config of `arlo train`/`status`/`export`) with each port 0 of `sections` read back
+    from `recorded`, the run `arlo up -c` recorded under $ARLO_HOME: its 0 was settled there, and
+    127.0.0.1:0 reaches nothing (`arlo train -c X` said "not serving" for X's port-0 services).
+    Raises ConfigError, naming the settings, when no run of `cfg`'s run_id is recorded and a gRPC
+    port is 0 (a metrics port 0 is left: a process started with it picks its own)."""
+    zero = zero_ports(cfg, sections)
+    if recorded is None or recorded.run_id != cfg.run_id:
+        if not (grpc_zero := zero_ports(cfg, sections, ("port",))):
+            return cfg
+        names = ", ".join(f"{name}.server.port" for name in grpc_zero)
+        raise ConfigError(f"{source}: {names} 0 (a free port that `arlo up` chooses and records), but no run "
+                          f"{cfg.run_id!r} is recorded under ARLO_HOME {home} (config.yaml): use the ARLO_HOME of "
+                          f"its `arlo up`, or set the ports")
+    return replace_config(cfg, {name: {"server": {key: getattr(getattr(recorded, name).server, key) for key in keys}}
+                                for name, keys in zero.items()})
 
 
 def check_ports(cfg: RunConfig, sections: Iterable[str]) -> None:

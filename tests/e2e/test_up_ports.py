@@ -47,6 +47,12 @@ def test_port_0_is_chosen_recorded_and_health_checked(tmp_path: Path, redis_url:
         recorded = yaml.safe_load((home / "config.yaml").read_text())
         assert all(recorded[name]["server"]["port"] > 0 and recorded[name]["server"]["metrics_port"] > 0
                    for name in SERVICES)
+        # -c with the port-0 config reads the recorded ports back (it health-checked 127.0.0.1:0).
+        result = arlo("status", "-c", str(tmp_path / "run.yaml"), "--json", home=home, timeout=60)
+        assert result.returncode == 0, result.stderr[-3000:]
+        by_name = {s["name"]: s for s in json.loads(result.stdout)["services"]}
+        assert all(by_name[name]["healthy"] and by_name[name]["address"].endswith(f":{recorded[name]['server']['port']}")
+                   for name in SERVICES if name != "rollout"), by_name
     finally:
         up.send_signal(signal.SIGINT)
         try:
