@@ -7,7 +7,7 @@ ever, and each refused accept logged a line. Here:
 - at most `max_connections` connections are open at once; one over it is aborted as soon as it
   is accepted (its descriptor freed at once), counted, and not logged one by one;
 - a connection that has not sent a complete request head within `read_timeout_s` of connecting,
-  or of its first byte after a reply, is closed;
+  or of its first byte after a reply, is closed, and so is one whose TLS handshake takes longer;
 - the servers' loggers (uvicorn's, asyncio's) pass at most `LOG_LINES` lines per `LOG_WINDOW_S`;
   what was dropped, and the connections refused, are summed up in one line per window.
 """
@@ -15,13 +15,17 @@ ever, and each refused accept logged a line. Here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
+import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,35 @@ class RateLimit(logging.Filter):
     def take_dropped(self) -> int:
         dropped, self._dropped = self._dropped, 0
         return dropped
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server inside the service: no signal handlers of its own, and a TLS handshake
+    not done within `handshake_timeout_s` dropped (uvicorn leaves asyncio's 60 s)."""
+
+    def __init__(self, config: uvicorn.Config, *, handshake_timeout_s: float = 60.0) -> None:
+        super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the service owns SIGTERM/SIGINT, not uvicorn
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, but serving `sockets` with `ssl_handshake_timeout`, which it does not pass."""
+        if not sockets or self.config.ssl is None:
+            return await super().startup(sockets)
+        await super().startup([])  # everything but the listeners
+
+        def protocol() -> asyncio.Protocol:
+            return self.config.http_protocol_class(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
+                                                   app_state=self.lifespan.state)
+
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            self.servers.append(await loop.create_server(protocol, sock=sock, ssl=self.config.ssl,
+                                                         backlog=self.config.backlog,
+                                                         ssl_handshake_timeout=self.handshake_timeout_s))
 
 
 def guarded_protocol(*, max_connections: int, read_timeout_s: float, stats: DoorStats) -> type[H11Protocol]:

@@ -23,7 +23,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelt
 from services.inference.episodes import Branch, EpisodeRecorder, RecordedCall, RecordedChoice
 from services.inference.http_guard import (
     DoorStats,
+    GuardedServer,
     connection_cap,
     guarded_protocol,
     install_log_limits,
@@ -338,12 +339,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # the service owns SIGTERM/SIGINT, not uvicorn
-        yield
-
-
 async def serve_openai(endpoint: OpenAIEndpoint, sock: socket.socket, *, cert_file: str = "",
                        key_file: str = "", grace_s: float = 5.0, max_connections: int = 1024,
                        read_timeout_s: float = 30.0, stats: DoorStats | None = None) -> None:
@@ -360,7 +355,7 @@ async def serve_openai(endpoint: OpenAIEndpoint, sock: socket.socket, *, cert_fi
                             ssl_certfile=cert_file or None, ssl_keyfile=key_file or None, http=protocol,
                             timeout_graceful_shutdown=max(int(grace_s), 1))
     limits = install_log_limits()  # after Config, whose logging setup would replace nothing of ours
-    server = _Server(config)
+    server = GuardedServer(config, handshake_timeout_s=read_timeout_s)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="openai-http")
     reporter = asyncio.create_task(report(stats, limits), name="openai-http-report")
     try:

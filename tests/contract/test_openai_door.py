@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -167,3 +168,36 @@ async def test_tool_call_arguments_nested_100k_deep_are_not_a_5xx(openai_served:
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         reply = await http.post(f"{openai_served.openai_url}/chat/completions", json=body)
     assert reply.status_code in (200, 400), reply.text[:300]
+
+
+async def test_a_tls_handshake_that_never_comes_is_dropped_and_real_tls_clients_are_served(
+        openai_served: Served, tmp_path) -> None:
+    from tests.support.certs import CertAuthority
+
+    ca = CertAuthority(tmp_path)
+    leaf = ca.issue("server")
+    endpoint = OpenAIEndpoint(openai_served.engine, EpisodeRecorder(max_episodes=8, max_calls=8, ttl_s=60),
+                              token=TOKEN, read_timeout_s=READ_TIMEOUT_S)
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    task = asyncio.create_task(serve_openai(endpoint, sock, cert_file=str(leaf.cert), key_file=str(leaf.key),
+                                            grace_s=0.1, read_timeout_s=READ_TIMEOUT_S))
+    await asyncio.sleep(0.2)
+
+    def silent() -> float:  # connects, never starts the handshake
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            with contextlib.suppress(OSError):
+                s.recv(1)
+        return time.monotonic() - started
+
+    try:
+        held = await asyncio.to_thread(silent)
+        assert held < READ_TIMEOUT_S + 1.5, held  # asyncio's default would hold it 60 s
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, verify=ssl.create_default_context(cafile=str(ca.ca)),
+                                     timeout=10) as h:
+            assert (await h.get(f"https://127.0.0.1:{port}/v1/models")).status_code == 200
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
