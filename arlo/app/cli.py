@@ -25,7 +25,7 @@ from rich.table import Table
 from arlo.app import plan as memory_plan
 from arlo.app import stopping
 from arlo.app.driver import TrainReport, run_training
-from arlo.app.live import LiveRun, errors_text, eval_text
+from arlo.app.live import LiveRun, errors_text
 from arlo.app.local import (
     INFRA_SERVICES,
     LocalCluster,
@@ -40,6 +40,7 @@ from arlo.app.resilient import DEFAULT_RETRY, RetryPolicy
 from arlo.app.run_record import RunRecorder
 from arlo.app.serving import NotRunning, require_serving
 from arlo.app.status import collect_status
+from arlo.app.status_view import print_status
 from arlo.app.supervisor import ServiceFailed
 from arlo.config import ConfigError, load_config, replace_config
 from arlo.data import resource_path
@@ -221,9 +222,23 @@ def _drive_then_stop(cluster: LocalCluster, args: argparse.Namespace, *, steps: 
     return 130 if report.interrupted else 0 if args.json_written else 1
 
 
+def _no_run_here(args: argparse.Namespace) -> bool:
+    """No -c and no run recorded under ARLO_HOME: the built-in config's addresses would be another
+    run's services (on the default ports), reported or driven as this one's (issue 33). Says so."""
+    home = arlo_home()
+    if args.config or resolved_config_path(home).is_file():
+        return False
+    _say(f"[red]arlo {args.command}: no run under ARLO_HOME {home} (`arlo up` records its run there, in config.yaml). "
+         f"Run it with the ARLO_HOME of `arlo up` (default ./.arlo, from where it was started), or give -c")
+    return True
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     # SIGTERM stops like Ctrl-C: the trainer is paused and the rollout worker stopped.
     stopping.stop_on_sigterm()
+    if _no_run_here(args):
+        _report_no_run(args, failed="no run under ARLO_HOME")
+        return 1
     cfg = load_cli_config(args.config)
     token = resolve_token(cfg)
     require_serving(cfg, INFRA_SERVICES, outage_s=args.outage_s, on_wait=lambda down: _say(
@@ -273,59 +288,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     home = arlo_home()
     source = args.config or resolved_config_path(home)
-    if not args.config and not resolved_config_path(home).is_file():
-        # The built-in config's addresses would be another run's services, reported as this one's (issue 33).
-        _say(f"[red]arlo status: no run under ARLO_HOME {home} (`arlo up` records its run there, in config.yaml). "
-             f"Run it with the ARLO_HOME of `arlo up` (default ./.arlo, from where it was started), or give -c")
+    if _no_run_here(args):
         return 1
     cfg = load_cli_config(args.config)
     status = {**asyncio.run(collect_status(cfg, resolve_token(cfg))), "arlo_home": str(home), "config": str(source)}
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    staleness = "-" if status["staleness"] is None else f"{status['staleness']:.2f}"
-    table = Table(title=f"run '{status['run_id']}' ({source}): trainer v{status['trainer_version']}, pointer "
-                        f"v{status['pointer_version']}, queue depth {status['queue_depth']}, staleness {staleness}")
-    for col in ("service", "address", "healthy", "weight version", "instances", "throughput", "KV cache", "errors"):
-        table.add_column(col)
-    for s in status["services"]:
-        rates = ", ".join(f"{v:.1f} {unit}" for unit, v in s.get("throughput", {}).items()) or "-"
-        errors = ", ".join(f"{k} {v}" for k, v in {**s.get("errors", {}),
-                                                   "late_compiles": s.get("compiles", {}).get("late_compiles")}.items()
-                           if v) or "-"
-        table.add_row(s["name"], s["address"], "yes" if s["healthy"] else "[red]no",
-                      "-" if s["weight_version"] is None else str(s["weight_version"]),
-                      str(s.get("instances", "-")), rates, _kv_text(s.get("kv", {})), errors)
-    Console().print(table)
-    if status.get("trainer_diagnostics"):
-        Console().print(_diagnostics_line(status["trainer_diagnostics"]))
-    if status.get("latest_eval"):
-        Console().print(eval_text(f"{status['latest_eval']['tag']!r} (latest)", status["latest_eval"]))
+    print_status(status, source)
     return 0
-
-
-def _kv_text(kv: dict) -> str:
-    """Inference's paged KV cache: pages in use, the prefix cache's hit rate, preemptions."""
-    if not kv.get("kv_pages"):
-        return "-"
-    hit = f", prefix hits {kv['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in kv else ""
-    preempted = f", {kv['preemptions']} preempted" if kv.get("preemptions") else ""
-    return f"{kv.get('kv_pages_used', 0)}/{kv['kv_pages']} pages{hit}{preempted}"
-
-
-DIAGNOSTICS_SHOWN = ("loss", "reward_mean", "kl_ref", "approx_kl", "clip_fraction", "entropy", "grad_norm",
-                     "logprob_mismatch", "logprob_outside", "is_weight", "staleness_mean", "staleness_max", "response_length_mean")
-
-
-def _diagnostics_line(d: dict) -> str:
-    """The trainer's last step record, as one line (`arlo status --json` has all of it)."""
-    shown = ", ".join(f"{k} {d[k]:.4g}" for k in DIAGNOSTICS_SHOWN if isinstance(d.get(k), int | float))
-    components = ", ".join(f"{k} {v:.3f}" for k, v in d.get("reward_components", {}).items())
-    by_env = d.get("reward_by_env", {})
-    envs = ", ".join(f"{k} {v:.3f} ({d.get('trajectories_by_env', {}).get(k, '?')})" for k, v in by_env.items())
-    line = f"trainer step {d['step']} ({d['phase']}, v{d['version']}): {shown}"
-    line += f"; reward components: {components}" if components else ""
-    return line + (f"; reward by environment (trajectories): {envs}" if len(by_env) > 1 else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start Redis (if needed) and every service; Ctrl-C stops them")
     up.add_argument("-c", "--config", help="run config YAML (default: built-in)")
     train = sub.add_parser("train", help="run training against running services")
-    train.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
+    train.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` recorded under $ARLO_HOME)")
     train.add_argument("--steps", type=int, help="stop after N RL steps, after any SFT warm start (default: until Ctrl-C)")
     train.add_argument("--json", help="write the run's figures to this file")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluations")
@@ -360,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a LoRA run (trainer.lora): write the adapters alone as a PEFT adapter directory for "
                              "the base at model.path (default: the base with the adapters merged in)")
     status = sub.add_parser("status", help="versions, queue depth and health of a run")
-    status.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
+    status.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` recorded under $ARLO_HOME)")
     status.add_argument("--json", action="store_true", help="print JSON")
     memory_plan.add_parser(sub)
     return parser

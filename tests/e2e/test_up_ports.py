@@ -79,14 +79,17 @@ def test_a_port_in_use_is_refused_before_any_service_starts(tmp_path: Path, redi
     assert not list((tmp_path / "home" / "logs").glob("*.log"))  # no service was started
 
 
-def test_status_without_a_run_of_its_own_claims_none(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [("status", "--json"), ("train", "--steps", "1")])
+def test_a_command_without_a_run_of_its_own_claims_none(tmp_path: Path, command: tuple[str, ...]) -> None:
     # With no state under its ARLO_HOME, `arlo status` read the built-in config and reported the
-    # services of another run (on the default ports) as its own, healthy (issue 33, item 4).
+    # services of another run (on the default ports) as its own, healthy; `arlo train` would have
+    # driven them (issue 33, item 4).
     home = tmp_path / "elsewhere"
-    result = arlo("status", "--json", home=home, timeout=60)
+    result = arlo(*command, home=home, timeout=60)
     said = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 1, said
-    assert f"no run under ARLO_HOME {home}" in said and not result.stdout.strip()
+    assert f"arlo {command[0]}: no run under ARLO_HOME {home}" in said and not result.stdout.strip()
+    assert not (home / "config.yaml").exists()
 
 
 def test_status_says_whose_run_it_shows(tmp_path: Path, redis_url: str, run_id: str) -> None:

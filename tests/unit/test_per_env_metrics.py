@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from arlo.app.cli import _diagnostics_line
 from arlo.app.live import eval_text
 from arlo.app.run_record import eval_scalars
+from arlo.app.status_view import diagnostics_line as _diagnostics_line
 from arlo.config import ConfigError, load_config
 from arlo.proto.v1 import common_pb2
 from services.trainer.diagnostics import UNNAMED_ENV, step_record

@@ -36,7 +36,7 @@ def test_rates_sum_over_instances_and_errors_are_by_kind() -> None:
 
 
 def test_the_kv_column_shows_pages_hits_and_preemptions() -> None:
-    from arlo.app.cli import _kv_text
+    from arlo.app.status_view import kv_text as _kv_text
 
     kv = {"kv_pages": 200, "kv_pages_used": 50, "prefix_hit_rate": 0.5, "preemptions": 2}
     assert _kv_text(kv) == "50/200 pages, prefix hits 50%, 2 preempted"
