@@ -4,8 +4,10 @@ An unauthenticated flood of idle connections once took every file descriptor of 
 process (its gRPC API stopped answering), dripping request heads (slowloris) were held open for
 ever, and each refused accept logged a line. Here:
 
-- at most `max_connections` connections are open at once; one over it is aborted as soon as it
-  is accepted (its descriptor freed at once), counted, and not logged one by one;
+- at most `max_connections` connections are open at once, counted on the accepted sockets
+  themselves (`Listener`), so connections accepted but not yet handed to the protocol and TLS
+  handshakes in progress count too; one over it is closed inside accept(), before asyncio makes
+  a transport for it, counted, and not logged one by one;
 - a connection that has not sent a complete request head within `read_timeout_s` of connecting,
   or of its first byte after a reply, is closed, and so is one whose TLS handshake takes longer;
 - the servers' loggers (uvicorn's, asyncio's) pass at most `LOG_LINES` lines per `LOG_WINDOW_S`;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import socket
 import time
@@ -106,30 +109,74 @@ class GuardedServer(uvicorn.Server):
                                                          ssl_handshake_timeout=self.handshake_timeout_s))
 
 
-def guarded_protocol(*, max_connections: int, read_timeout_s: float, stats: DoorStats) -> type[H11Protocol]:
-    """uvicorn's h11 protocol (Config(http=...)) with the connection cap and the head deadline."""
+REFUSE_BATCH = 256
+"""Connections over the cap closed per accept() call at most, so a flood cannot hold the loop."""
+
+
+class Listener(socket.socket):
+    """The endpoint's listening socket. Once `cap` is set, accept() closes each waiting connection
+    while `limit` accepted sockets are open (a socket counts until it is closed: `_Conn`)."""
+
+    def __init__(self, family: int, kind: int = socket.SOCK_STREAM) -> None:
+        super().__init__(family, kind)
+        self.limit: int | None = None
+        self.stats = DoorStats()
+        self.open = 0
+
+    def cap(self, limit: int, stats: DoorStats) -> None:
+        self.limit, self.stats = limit, stats
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        for _ in range(REFUSE_BATCH):
+            fd, addr = self._accept()  # type: ignore[attr-defined]  # BlockingIOError: none waiting
+            if self.limit is None or self.open < self.limit:
+                self.open += 1
+                return _Conn(self, fd), addr
+            os.close(fd)  # over the cap: no transport, no protocol, no log line
+            self.stats.refused += 1
+        raise BlockingIOError  # asyncio stops accepting for this turn of the loop, and comes back
+
+
+class _Conn(socket.socket):
+    """An accepted connection, counted against its Listener's cap until closed (or collected)."""
+
+    def __init__(self, listener: Listener, fd: int) -> None:
+        super().__init__(listener.family, listener.type, listener.proto, fileno=fd)
+        self._listener: Listener | None = listener
+
+    def _release(self) -> None:
+        if self._listener is not None:
+            self._listener.open -= 1
+            self._listener = None
+
+    def close(self) -> None:
+        self._release()
+        super().close()
+
+    def detach(self) -> int:
+        self._release()
+        return super().detach()
+
+    def __del__(self) -> None:  # never closed (a bug elsewhere): the count must not leak
+        self._release()
+        super().__del__()
+
+
+def guarded_protocol(*, read_timeout_s: float, stats: DoorStats) -> type[H11Protocol]:
+    """uvicorn's h11 protocol (Config(http=...)) with the request-head deadline."""
 
     class Guarded(H11Protocol):
-        _refused = False
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            if len(self.connections) >= max_connections:
-                self._refused, self.transport = True, transport
-                stats.refused += 1
-                transport.abort()  # no response, no log line: the descriptor is freed now
-                return
             super().connection_made(transport)
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            if not self._refused:
-                super().connection_lost(exc)
+            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
             if self._waiting_for_head():
                 self._arm()  # the first byte of a head (after a reply) starts its clock; later ones do not
             super().data_received(data)

@@ -41,6 +41,7 @@ from services.inference.episodes import Branch, EpisodeRecorder, RecordedCall, R
 from services.inference.http_guard import (
     DoorStats,
     GuardedServer,
+    Listener,
     connection_cap,
     guarded_protocol,
     install_log_limits,
@@ -325,9 +326,9 @@ async def _read_json(request: Request) -> Any:
 
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> Listener:
     """The endpoint's listening socket, bound now: port 0 is known and a busy port fails at start-up."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = Listener(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -339,7 +340,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_openai(endpoint: OpenAIEndpoint, sock: socket.socket, *, cert_file: str = "",
+async def serve_openai(endpoint: OpenAIEndpoint, sock: Listener, *, cert_file: str = "",
                        key_file: str = "", grace_s: float = 5.0, max_connections: int = 1024,
                        read_timeout_s: float = 30.0, stats: DoorStats | None = None) -> None:
     """Serves on `sock` until cancelled; then stops accepting and lets open requests finish.
@@ -350,7 +351,8 @@ async def serve_openai(endpoint: OpenAIEndpoint, sock: socket.socket, *, cert_fi
     if cap < max_connections:
         log.warning("OpenAI endpoint: at most %d connections (half the process's open-file limit), not %d",
                     cap, max_connections)
-    protocol = guarded_protocol(max_connections=cap, read_timeout_s=read_timeout_s, stats=stats)
+    sock.cap(cap, stats)
+    protocol = guarded_protocol(read_timeout_s=read_timeout_s, stats=stats)
     config = uvicorn.Config(endpoint.app, log_level="warning", access_log=False, lifespan="off", backlog=2048,
                             ssl_certfile=cert_file or None, ssl_keyfile=key_file or None, http=protocol,
                             timeout_graceful_shutdown=max(int(grace_s), 1))

@@ -21,7 +21,7 @@ import pytest_asyncio
 
 from arlo.proto.v1 import inference_pb2
 from services.inference.episodes import EpisodeRecorder
-from services.inference.http_guard import LOG_LINES, DoorStats
+from services.inference.http_guard import LOG_LINES, DoorStats, Listener
 from services.inference.openai_http import OpenAIEndpoint, bind, serve_openai
 from tests.support.openai_server import TOKEN, Served
 
@@ -36,6 +36,7 @@ class Door:
     port: int
     stats: DoorStats
     served: Served
+    listener: Listener
 
     @property
     def url(self) -> str:
@@ -52,7 +53,7 @@ async def door(openai_served: Served) -> AsyncIterator[Door]:
                                             read_timeout_s=READ_TIMEOUT_S, stats=stats))
     await asyncio.sleep(0.2)
     try:
-        yield Door(port=sock.getsockname()[1], stats=stats, served=openai_served)
+        yield Door(port=sock.getsockname()[1], stats=stats, served=openai_served, listener=sock)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -115,6 +116,8 @@ async def test_a_flood_of_connections_is_capped_logged_in_bounds_and_grpc_still_
             logging.getLogger(name).removeHandler(counted)
         for s in (*idle, *junk):
             s.close()
+    await asyncio.sleep(0.5)
+    assert door.listener.open == 0  # every accepted socket was counted back: the cap does not leak
 
 
 async def test_a_dripping_request_head_is_closed_within_the_read_timeout(door: Door) -> None:
