@@ -8,6 +8,7 @@ Results are JSON on a second stream, keyed by the request id; nothing here is tr
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from redis.exceptions import ResponseError
 
 from arlo.coord.client import cancel_safe
 from arlo.coord.keys import Keys
+
+log = logging.getLogger(__name__)
 
 GROUP = "rollout"
 MAX_RESULTS = 10_000
@@ -39,6 +42,8 @@ class EvalQueue:
         self._redis = redis
         self._keys = Keys(run_id)
         self._consumer = consumer
+        self.groups_lost = 0
+        """Times the request group was found missing (NOGROUP) and recreated: requests were lost."""
 
     @cancel_safe
     async def ensure_group(self) -> None:
@@ -79,7 +84,22 @@ class EvalQueue:
 
     @cancel_safe
     async def take(self, block_ms: int, claim_idle_ms: int) -> EvalRequest | None:
-        """The next request for this consumer: an abandoned one first, else a new one."""
+        """The next request for this consumer: an abandoned one first, else a new one. None when
+        there is none, or when the group had vanished (a Redis wiped without persistence): it is
+        recreated and the loss reported, instead of NOGROUP ending the worker's evaluation loop."""
+        try:
+            return await self._take(block_ms, claim_idle_ms)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+        self.groups_lost += 1
+        log.error("consumer group %s of %s vanished (Redis restarted without persistence, or its keys were "
+                  "deleted): evaluation requests not yet answered are lost; recreating the group", GROUP,
+                  self._keys.eval_requests)
+        await self.ensure_group()
+        return None
+
+    async def _take(self, block_ms: int, claim_idle_ms: int) -> EvalRequest | None:
         claimed = await self._redis.xautoclaim(self._keys.eval_requests, GROUP, self._consumer,
                                                min_idle_time=claim_idle_ms, start_id="0-0", count=1)
         entries = claimed[1] if claimed and len(claimed) > 1 else []
