@@ -9,11 +9,12 @@ from collections.abc import Awaitable, Callable
 log = logging.getLogger(__name__)
 
 
-class MustRestart(Exception):
+class MustRestart(BaseException):
     """The process's in-memory state can no longer be trusted (the trainer's weights went
-    non-finite): restarting the loop in place would carry the damage on. The process stops and
-    its restart (the supervisor's, Kubernetes') recovers from durable state: the newest good
-    checkpoint and the stream's unacknowledged entries."""
+    non-finite, or another trainer took its run): restarting the loop in place would carry the
+    damage on. The process stops and its restart (the supervisor's, Kubernetes') recovers from
+    durable state: the newest good checkpoint and the stream's unacknowledged entries.
+    A BaseException, like CancelledError: no `except Exception` retry on the way may swallow it."""
 
 
 async def keep_running(name: str, body: Callable[[], Awaitable[None]], *, max_backoff_s: float = 10.0,

@@ -293,6 +293,11 @@ class TrainerConfig:
     empty disables checkpoints. Not a URI: `gs://` and the like are refused."""
     checkpoint_every: int = ranged(0, ge=0)
     """Write a checkpoint every k versions; 0 disables."""
+    lease_ttl_s: float = ranged(10.0, ge=1.0, le=600.0)
+    """The run's one-trainer lease (arlo/coord/lease.py) expires this long after its last renewal
+    (renewed every third of it). A second trainer of the run is refused within about a third of
+    it; a trainer restarted on another host (a rescheduled pod) waits at most this long for a dead
+    one's lease (on the same host a dead holder is taken over at once)."""
     read_block_ms: int = ranged(1000, ge=round(MIN_POLL_S * 1000), le=round(MAX_WAIT_S * 1000))
     """How long one read of the trajectory stream blocks waiting for data: at least 10 (a shorter
     wait only polls Redis in a loop) and below redis.socket_timeout_s by min(1 s, half of it)."""

@@ -115,6 +115,11 @@ class Keys:
         return self.prefix + "statuses"
 
     @property
+    def trainer_lease(self) -> str:
+        """Hash {token, owner, renewals, since}, expiring: the one trainer of the run (arlo/coord/lease.py)."""
+        return self.prefix + "trainer:lease"
+
+    @property
     def pattern(self) -> str:
         """Every key of the run (SCAN pattern)."""
         return self.prefix + "*"

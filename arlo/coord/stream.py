@@ -20,6 +20,7 @@ from arlo.config.base import longest_block_ms
 from arlo.coord import codec
 from arlo.coord.client import cancel_safe, decodes_responses, socket_timeout_s, text
 from arlo.coord.keys import Keys
+from arlo.coord.lease import FENCE_LUA, UNFENCED_TOKEN, Fence, fenced_result
 from arlo.coord.records import count_dropped_stale, settle_in_flight
 from arlo.proto.v1 import common_pb2
 
@@ -31,11 +32,12 @@ DEAD_MAXLEN = 10_000
 
 # XACK and the count of acknowledged-but-not-trimmed entries move together, so the backlog
 # fallback (XLEN - acked) stays exact.
-_ACK_LUA = """
-local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
-if n > 0 then redis.call('INCRBY', KEYS[2], n) end
+_ACK_LUA = FENCE_LUA + """
+local n = redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, 3))
+if n > 0 then redis.call('INCRBY', KEYS[3], n) end
 return n
 """
+"""Behind the trainer lease's fence (arlo/coord/lease.py): KEYS[1]/ARGV[1] are the fence's."""
 
 _TRIM_LUA = """
 local n = redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1])
@@ -66,7 +68,9 @@ class TrajectoryStream:
     """One consumer (or producer) of a run's trajectory stream."""
 
     def __init__(self, redis: Redis, run_id: str, *, consumer: str, group: str = "trainer",
-                 max_backlog: int = 4096) -> None:
+                 max_backlog: int = 4096, fence: Fence | None = None) -> None:
+        """`fence`: the trainer's lease; its acknowledgements are refused (LeaseLost) while another
+        trainer holds the run."""
         if decodes_responses(redis):
             raise ValueError("TrajectoryStream needs a client with decode_responses=False (payloads are bytes)")
         if not consumer or not group:
@@ -75,6 +79,7 @@ class TrajectoryStream:
             raise ValueError(f"max_backlog: must be >= 1, got {max_backlog}")
         self._redis = redis
         self._keys = Keys(run_id)
+        self._fence = fence or Fence(self._keys.trainer_lease, UNFENCED_TOKEN)
         self._consumer = consumer
         self._group = group
         self._max_backlog = max_backlog
@@ -222,8 +227,9 @@ class TrajectoryStream:
         """Acknowledges entries after the step that used them; acked entries are then trimmed."""
         if not entry_ids:
             return 0
-        n = int(await self._ack_script(keys=[self._keys.traj, self._keys.traj_acked],
-                                       args=[self._group, *entry_ids]))
+        acked = await self._ack_script(keys=self._fence.keys(self._keys.traj, self._keys.traj_acked),
+                                       args=self._fence.args(self._group, *entry_ids))
+        n = int(fenced_result(acked, f"acknowledging {len(entry_ids)} entries", self._fence))  # type: ignore[call-overload]
         await self.trim_acked()
         return n
 
@@ -340,9 +346,10 @@ class TrajectoryStream:
             log.warning("trajectory entry %s refused (%s); moved to %s", eid, reason, self._keys.traj_dead)
             dead = codec.dead_fields(fields, reason=reason, entry_id=eid, consumer=self._consumer)
             pipe.xadd(self._keys.traj_dead, dead, maxlen=DEAD_MAXLEN, approximate=True)
-        await self._ack_script(keys=[self._keys.traj, self._keys.traj_acked],
-                               args=[self._group, *(eid for eid, _, _ in bad)], client=pipe)
-        await pipe.execute()
+        await self._ack_script(keys=self._fence.keys(self._keys.traj, self._keys.traj_acked),
+                               args=self._fence.args(self._group, *(eid for eid, _, _ in bad)), client=pipe)
+        results = await pipe.execute()
+        fenced_result(results[-1], f"dead-lettering {len(bad)} entries", self._fence)
 
     async def _groups(self) -> list[dict[str, Any]]:
         try:

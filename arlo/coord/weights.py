@@ -21,26 +21,28 @@ from redis.exceptions import RedisError
 
 from arlo.coord.client import cancel_safe, text
 from arlo.coord.keys import Keys
+from arlo.coord.lease import FENCE_LUA, UNFENCED_TOKEN, Fence, fenced_result
 from arlo.model.weight_delta import PayloadKind
 from arlo.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 # Versions are compared as Lua numbers (doubles): exact up to 2^53, far beyond any run.
-_PUBLISH_LUA = """
-local cur = redis.call('HGET', KEYS[1], 'version')
-if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'source', ARGV[2], 'sha256', ARGV[3], 'time', ARGV[4],
-           'payload', ARGV[6], 'base_version', ARGV[7], 'full_version', ARGV[8], 'storage', ARGV[9],
-           'scope', ARGV[10])
-redis.call('PUBLISH', ARGV[5], ARGV[1])
+# Both run behind the trainer lease's fence (arlo/coord/lease.py): KEYS[1]/ARGV[1] are the fence's.
+_PUBLISH_LUA = FENCE_LUA + """
+local cur = redis.call('HGET', KEYS[2], 'version')
+if cur and tonumber(cur) >= tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[2], 'version', ARGV[2], 'source', ARGV[3], 'sha256', ARGV[4], 'time', ARGV[5],
+           'payload', ARGV[7], 'base_version', ARGV[8], 'full_version', ARGV[9], 'storage', ARGV[10],
+           'scope', ARGV[11])
+redis.call('PUBLISH', ARGV[6], ARGV[2])
 return 1
 """
 
-_CHECKPOINT_LUA = """
-local cur = redis.call('HGET', KEYS[1], 'checkpoint_version')
-if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'checkpoint_version', ARGV[1], 'checkpoint_uri', ARGV[2])
+_CHECKPOINT_LUA = FENCE_LUA + """
+local cur = redis.call('HGET', KEYS[2], 'checkpoint_version')
+if cur and tonumber(cur) >= tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[2], 'checkpoint_version', ARGV[2], 'checkpoint_uri', ARGV[3])
 return 1
 """
 
@@ -117,9 +119,12 @@ _PAYLOAD_KIND[common_pb2.WEIGHT_PAYLOAD_UNSPECIFIED] = "full"  # unset: a versio
 
 
 class WeightPointer:
-    def __init__(self, redis: Redis, run_id: str) -> None:
+    def __init__(self, redis: Redis, run_id: str, *, fence: Fence | None = None) -> None:
+        """`fence`: the trainer's lease; its publishes and checkpoint records are refused
+        (LeaseLost) while another trainer holds the run."""
         self._redis = redis
         self._keys = Keys(run_id)
+        self._fence = fence or Fence(self._keys.trainer_lease, UNFENCED_TOKEN)
         # register_script re-sends the script after NOSCRIPT (a restarted or flushed Redis).
         self._publish = redis.register_script(_PUBLISH_LUA)
         self._checkpoint = redis.register_script(_CHECKPOINT_LUA)
@@ -140,10 +145,10 @@ class WeightPointer:
             raise ValueError(f"a delta needs 0 < full_version <= base_version < version, got {full_version}, "
                              f"{base_version}, {version}")
         moved = await self._publish(
-            keys=[self._keys.weights],
-            args=[str(version), source, sha256, repr(time.time()), self._keys.weights_events, payload,
-                  str(base_version), str(full_version), storage, scope])
-        return bool(moved)
+            keys=self._fence.keys(self._keys.weights),
+            args=self._fence.args(str(version), source, sha256, repr(time.time()), self._keys.weights_events, payload,
+                                  str(base_version), str(full_version), storage, scope))
+        return bool(fenced_result(moved, f"publishing version {version}", self._fence) == 1)
 
     @cancel_safe
     async def announce_served(self, version: int) -> None:
@@ -155,7 +160,8 @@ class WeightPointer:
         """Records a complete checkpoint if it is newer than the recorded one."""
         if version < 1:
             raise ValueError(f"version: must be >= 1, got {version}")
-        return bool(await self._checkpoint(keys=[self._keys.weights], args=[str(version), uri]))
+        done = await self._checkpoint(keys=self._fence.keys(self._keys.weights), args=self._fence.args(str(version), uri))
+        return bool(fenced_result(done, f"recording checkpoint {version}", self._fence) == 1)
 
     @cancel_safe
     async def get(self) -> WeightPointerState | None:

@@ -21,6 +21,7 @@ from arlo.config import RunConfig
 from arlo.config.trainer import lora_rate_warning
 from arlo.coord import Heartbeat, TrajectoryStream, WeightPointer, connect
 from arlo.coord.heartbeat import instance_id
+from arlo.coord.lease import LeaseHeld, TrainerLease
 from arlo.coord.metrics import MetricsStream
 from arlo.distributed import initialize_from_env, make_mesh
 from arlo.gc_pauses import freeze_startup
@@ -59,9 +60,12 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     compiles = compiles or CompileWatch().install()
     redis = await connect(cfg.redis)
     instance = instance_id()
+    lease = TrainerLease(redis, cfg.run_id, ttl_s=tc.lease_ttl_s)
+    await lease.acquire()  # LeaseHeld: another trainer trains this run (before minutes of model loading)
+    tasks.spawn("trainer-lease", lease.keep_renewed)
     # A stable consumer name per host lets a restarted trainer pick up its own pending entries.
     stream = TrajectoryStream(redis, cfg.run_id, consumer=f"trainer-{socket.gethostname()}",
-                              max_backlog=cfg.redis.max_backlog)
+                              max_backlog=cfg.redis.max_backlog, fence=lease.fence)
     mesh = make_mesh(tc.mesh, path="trainer.mesh") if jax.device_count() > 1 else None
     source = cfg.model_source()
     learner = Learner(source, cfg=tc, mesh=mesh, sampling=cfg.rollout.sampling)
@@ -78,12 +82,13 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
                       sft_steps=warm_start.steps if warm_start else 0, start_paused=tc.start_paused,
                       routing_bytes=routing_bytes(learner.model_cfg))
     loop = TrainingLoop(
-        learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id), store=VersionStore(),
+        learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id, fence=lease.fence),
+        store=VersionStore(),
         source="", core=core, read_block_ms=tc.read_block_ms, checkpoint_dir=tc.checkpoint_dir,
         pad_id=tok.pad_id, overlong=((tc.algorithm.overlong_max_tokens, tc.algorithm.overlong_buffer_tokens)
                                      if tc.algorithm.overlong_max_tokens else None),
         channel=channel_for_this_process(), warm_start=warm_start, longest_episode=cfg.rollout.max_episode_tokens,
-        weights=tc.weights,
+        weights=tc.weights, lease=lease,
     )
     loop.before_run = functools.partial(warm_up, cfg, loop, compiles)
     name = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
@@ -208,7 +213,11 @@ def main() -> None:
             for loop in loops:
                 await loop.close()  # a checkpoint in flight completes rather than being left partial
 
-        run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s)
+        try:
+            run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s)
+        except LeaseHeld as e:  # a second trainer of the run: one line, not a traceback
+            log.error("not starting: %s", e)
+            raise SystemExit(f"error: {e}") from None
     if tasks.fatal is not None:  # non-zero, so the supervisor (or Kubernetes) restarts it
         raise SystemExit(f"trainer stopped: {tasks.fatal}")
 

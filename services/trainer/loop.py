@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from arlo.background import MustRestart
 from arlo.config.trainer import WeightPublishConfig
 from arlo.coord import TrajectoryStream, WeightPointer
+from arlo.coord.lease import TrainerLease
 from arlo.model.tokenizer import ByteTokenizer
 from arlo.model.weights import NonFiniteWeights, ServingCopy
 from arlo.routing_replay import routing_shape
@@ -74,16 +75,18 @@ class TrainingLoop:
         pad_id: int = ByteTokenizer.pad_id, overlong: tuple[int, int] | None = None, channel: Channel = SINGLE,
         warm_start: WarmStart | None = None, on_step: Sequence[OnStep] = (),
         before_run: Callable[[], Awaitable[None]] | None = None, longest_episode: int = 0,
-        weights: WeightPublishConfig | None = None,
+        weights: WeightPublishConfig | None = None, lease: TrainerLease | None = None,
     ) -> None:
         """`before_run`: awaited once when `run` starts, before any step (the start-up warm-up).
         `longest_episode`: rollout.max_episode_tokens, the longest batch length a step needs.
-        `weights`: how versions go out (trainer.weights: deltas, shared storage)."""
+        `weights`: how versions go out (trainer.weights: deltas, shared storage).
+        `lease`: the run's one-trainer lease (arlo/coord/lease.py), held (taken before the model
+        is built) and given back by `close`; the stream and pointer carry its fence."""
         if core.checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs checkpoint_dir")
         self.core = TrainerCore(dataclasses.replace(core, checkpoints=bool(checkpoint_dir)))
         self.state = self.core.state  # read-only here: the core writes it
-        self.learner, self.stream, self.pointer, self.store = learner, stream, pointer, store
+        self.learner, self.stream, self.pointer, self.store, self.lease = learner, stream, pointer, store, lease
         self.warm_start, self.on_step, self.before_run = warm_start, list(on_step), before_run
         self.longest_episode, self.overlong, self.pad_id = longest_episode, overlong, pad_id
         self.checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
@@ -152,6 +155,11 @@ class TrainingLoop:
                 log.warning("a checkpoint save is still running after %.0f s; leaving its manager open", timeout_s)
                 return
             await asyncio.to_thread(self.checkpointer.close)
+        if self.lease is not None:  # last: nothing of this trainer writes after it (the next one starts at once)
+            try:
+                await self.lease.release()
+            except Exception:  # Redis down: the lease expires on its own
+                log.warning("could not give the trainer lease back; it expires in %.0f s", self.lease.ttl_s)
 
     @property
     def source(self) -> str:
