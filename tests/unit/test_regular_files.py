@@ -63,6 +63,12 @@ def test_a_save_to_disk_member_that_is_a_pipe_is_refused(tmp_path: Path) -> None
     os.mkfifo(ds / "data-00000.arrow")
     with pytest.raises(ValueError, match="data-00000.arrow' is a named pipe"):
         DatasetEnv(DatasetStore(DatasetRoots([tmp_path]))).reset(0, {"path": str(ds), "format": "hf"})
+    (ds / "data-00000.arrow").unlink()
+    (ds / "data-00000.arrow").write_bytes(b"")
+    (ds / "dataset_info.json").unlink()
+    os.mkfifo(ds / "dataset_info.json")  # read by datasets itself, not by the checks before it
+    with pytest.raises(ValueError, match="dataset_info.json' is a named pipe"):
+        DatasetEnv(DatasetStore(DatasetRoots([tmp_path]))).reset(0, {"path": str(ds), "format": "hf"})
 
 
 def test_a_retrieval_docs_dir_with_a_pipe_for_questions_is_refused(tmp_path: Path) -> None:

@@ -138,7 +138,7 @@ def check_hf_dir(roots: DatasetRoots, path: Path, *, nested: bool = False) -> No
 
     for name in HF_JSON_FILES:
         if (path / name).exists():
-            inside(path / name)
+            _regular(inside(path / name))  # datasets opens dataset_info.json itself
     if (path / "state.json").exists():
         entries = _json_list(roots, path / "state.json", "_data_files")
         names = [e.get("filename") if isinstance(e, dict) else None for e in entries]
