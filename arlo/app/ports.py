@@ -72,8 +72,8 @@ def check_ports(cfg: RunConfig, sections: Iterable[str]) -> None:
             if port in seen:
                 problems.append(f"{where} {port} is also {seen[port]}")
             elif not _bindable(_bind_host(server.host), port):
-                problems.append(f"{where} {port} is in use on this host (another run's services? `arlo status` "
-                                f"lists them)")
+                problems.append(f"{where} {port} is in use on this host (another run's services? `arlo status` with its "
+                                f"ARLO_HOME lists them)")
             seen.setdefault(port, where)
     if problems:
         raise ConfigError("; ".join(problems) + ". Pick other ports, or 0 for free ones (recorded in "
