@@ -169,8 +169,10 @@ class WeightPointer:
         return WeightPointerState.from_hash(raw) if raw else None
 
     @cancel_safe
-    async def wait_for_newer(self, version: int, timeout_s: float, poll_s: float = 2.0) -> WeightPointerState | None:
-        """The pointer once its version exceeds `version`; None after `timeout_s`.
+    async def wait_for_newer(self, version: int, timeout_s: float, poll_s: float = 2.0, *,
+                             or_older: bool = False) -> WeightPointerState | None:
+        """The pointer once its version exceeds `version` (`or_older`: or falls below it, which
+        only an out-of-band write does: an operator's repair, a wiped Redis); None after `timeout_s`.
 
         Wakes on the pub/sub event and re-reads the hash at least every `poll_s` (events
         are lost while disconnected). Redis errors are logged and waited out until the
@@ -186,7 +188,7 @@ class WeightPointer:
             subscribed = await self._subscribe(pubsub)
             while True:
                 state = await self._get_logged()
-                if state is not None and state.version > version:
+                if state is not None and (state.version > version or or_older and state.version < version):
                     return state
                 remaining = deadline - loop.time()
                 if remaining <= 0:

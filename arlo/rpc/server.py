@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from arlo.background import TaskGroup
 from arlo.config import AuthConfig, ConfigError, ServerConfig
 from arlo.gc_pauses import GcPauses, freeze_startup
 from arlo.rpc.auth import AuthInterceptor, load_token
@@ -172,14 +173,18 @@ async def start_server(service: str, server_cfg: ServerConfig, auth: AuthConfig,
 
 
 def run_until_signal(start: Callable[[], Awaitable[RunningServer]], *,
-                     on_stop: Callable[[], Awaitable[None]] | None = None, grace_s: float = 5.0) -> None:
+                     on_stop: Callable[[], Awaitable[None]] | None = None, grace_s: float = 5.0,
+                     tasks: TaskGroup | None = None) -> None:
     """Runs a service until SIGTERM/SIGINT (or its server ends), then shuts down gracefully.
 
     Health turns NOT_SERVING first, in-flight calls get `grace_s`, then `on_stop` runs. A
     startup ConfigError or busy port exits with a one-line message instead of a traceback.
+    `tasks`: the service's background tasks; one that stops with MustRestart (arlo/background.py)
+    stops the service the same way, then the process exits 1 saying why, so that its supervisor
+    restarts it from durable state.
     """
     try:
-        asyncio.run(_serve(start, on_stop, grace_s))
+        asyncio.run(_serve(start, on_stop, grace_s, tasks))
     except ConfigError as e:
         log.error("bad config: %s", e)
         print(f"error: {e}", file=sys.stderr)
@@ -188,10 +193,13 @@ def run_until_signal(start: Callable[[], Awaitable[RunningServer]], *,
         log.error("cannot start: %s", e, exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from e
+    if tasks is not None and tasks.fatal is not None:
+        print(f"error: {tasks.fatal}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 async def _serve(start: Callable[[], Awaitable[RunningServer]],
-                 on_stop: Callable[[], Awaitable[None]] | None, grace_s: float) -> None:
+                 on_stop: Callable[[], Awaitable[None]] | None, grace_s: float, tasks: TaskGroup | None) -> None:
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -200,6 +208,10 @@ async def _serve(start: Callable[[], Awaitable[RunningServer]],
     pauses = None
     try:
         running = await start()
+        if tasks is not None:
+            tasks.on_fatal = lambda _: stop_requested.set()
+            if tasks.fatal is not None:  # while starting
+                stop_requested.set()
         # Start-up's objects (imports, the model, the warm-up) out of the collector's way (arlo/gc_pauses.py).
         frozen = freeze_startup()
         pauses = GcPauses(running.registry)
@@ -209,7 +221,9 @@ async def _serve(start: Callable[[], Awaitable[RunningServer]],
         for task in waiters:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        log.info("%s: %s", running.service, "signal received" if stop_requested.is_set() else "server ended")
+        fatal = tasks.fatal if tasks is not None else None
+        log.info("%s: %s", running.service, f"stopping to be restarted: {fatal}" if fatal else
+                 "signal received" if stop_requested.is_set() else "server ended")
         await running.stop(grace_s)
     finally:
         for sig in signals:

@@ -131,7 +131,7 @@ def main() -> None:
             running, _ = await start_inference(cfg, tasks, compiles, tracing)
             return running
 
-        run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.inference.server.grace_s)
+        run_until_signal(start, on_stop=tasks.cancel_all, grace_s=cfg.inference.server.grace_s, tasks=tasks)
 
 
 if __name__ == "__main__":

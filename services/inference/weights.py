@@ -19,6 +19,7 @@ import grpc
 from flax import nnx
 from redis.exceptions import RedisError
 
+from arlo.background import MustRestart
 from arlo.config import TlsConfig
 from arlo.coord import WeightPointer, WeightPointerState
 from arlo.model.weight_delta import PayloadKind
@@ -153,6 +154,17 @@ Restore = Callable[[bytearray, Any], tuple[Any, "str | None"]]
 """A verified payload -> (the state to swap in, shaped like the one served; its first non-finite parameter)."""
 
 
+def pointer_went_back(served: int, pointer: int) -> MustRestart:
+    """The pointer only moves forward (a compare-and-set), so one below the served version was
+    written out of band: an operator repairing a hostile or corrupted pointer, or a wiped Redis
+    and a trainer numbering afresh. A replica never swaps backwards in place (its prefix cache is
+    keyed by version, and the number may now name other weights): it restarts, and a replica
+    starting up follows whatever the pointer says (issue 33, item 10: a repaired pointer left
+    inference pinned to the hostile version for ~25 minutes)."""
+    return MustRestart(f"the weight pointer went back from version {served} (served) to {pointer}; restarting "
+                       "to follow it")
+
+
 class WeightSync:
     """Keeps `engine` on the newest published version."""
 
@@ -197,9 +209,12 @@ class WeightSync:
     async def _follow(self) -> None:
         backoff = 0.5
         while True:
-            newer = await self.pointer.wait_for_newer(self.engine.version, timeout_s=30.0, poll_s=self.poll_s)
+            newer = await self.pointer.wait_for_newer(self.engine.version, timeout_s=30.0, poll_s=self.poll_s,
+                                                      or_older=True)
             if newer is None:
                 continue
+            if newer.version < self.engine.version:
+                raise pointer_went_back(self.engine.version, newer.version)
             try:
                 await self.sync_to(newer, notified_at=time.time())
                 backoff = 0.5

@@ -204,8 +204,6 @@ def main() -> None:
         async def start() -> RunningServer:
             running, loop = await start_trainer(cfg, tasks, compiles, tracing)
             loops.append(loop)
-            stopping: list[asyncio.Task[None]] = []  # held: a task nobody references may be collected
-            tasks.on_fatal = lambda _: stopping.append(asyncio.get_running_loop().create_task(running.stop(0)))
             return running
 
         async def stop() -> None:
@@ -214,12 +212,10 @@ def main() -> None:
                 await loop.close()  # a checkpoint in flight completes rather than being left partial
 
         try:
-            run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s)
+            run_until_signal(start, on_stop=stop, grace_s=cfg.trainer.server.grace_s, tasks=tasks)
         except LeaseHeld as e:  # a second trainer of the run: one line, not a traceback
             log.error("not starting: %s", e)
             raise SystemExit(f"error: {e}") from None
-    if tasks.fatal is not None:  # non-zero, so the supervisor (or Kubernetes) restarts it
-        raise SystemExit(f"trainer stopped: {tasks.fatal}")
 
 
 if __name__ == "__main__":

@@ -173,6 +173,21 @@ async def test_a_damaged_learner_state_stops_the_trainer_for_a_restart_not_a_sta
     assert await WeightPointer(stack["redis"], stack["cfg"].run_id).get() is None  # nothing published
 
 
+async def test_a_replica_restarts_to_follow_a_pointer_an_operator_moved_back(stack: dict) -> None:
+    """Issue 33, item 10: after a hostile pointer was repaired downwards, inference stayed pinned
+    to the hostile version (~25 min: it never swaps backwards). It now stops its weight sync with
+    MustRestart (the process exits and restarts following the pointer), never swapping back in place."""
+    loop, engine, stream, tasks, redis = stack["loop"], stack["engine"], stack["stream"], stack["tasks"], stack["redis"]
+    for i in range(2):
+        await stream.add_group([traj(f"v{i}", 1.0), traj(f"v{i}", 0.0)])
+    await wait_for(lambda: loop.state.version >= 2 and engine.version >= 2)
+    served = engine.version
+    await redis.hset(stream.keys.weights, "version", 1)  # the operator's repair, out of band
+    await wait_for(lambda: tasks.fatal is not None)
+    assert f"went back from version {served} (served) to 1" in str(tasks.fatal)
+    assert engine.version == served and "weight-sync" not in tasks.restarts
+
+
 async def test_a_dead_letter_count_is_never_seen_before_its_dead_letters(stack: dict) -> None:
     """Counters a reader polls (dropped(), the heartbeat) move only once `traj:dead` holds what they count."""
     loop, stream = stack["loop"], stack["stream"]
