@@ -129,7 +129,7 @@ def plot_run(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Pat
             top.plot(*zip(*points, strict=True), "^:", alpha=0.7, markersize=4, label=f"held-out sampled: {env}")
     top.set_ylabel("reward")
     top.set_ylim(-0.05, 1.05)
-    top.legend(loc="lower right", fontsize=8)
+    top.legend(loc="best", fontsize=8)  # "lower right" sat on the after-SFT evaluation's point
     top.grid(alpha=0.3)
     x, tokens = _series(steps, "tokens_per_s")
     bottom.plot(x, tokens, color="tab:blue", label="trained tokens/s")
@@ -142,12 +142,52 @@ def plot_run(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Pat
     handles, labels = bottom.get_legend_handles_labels()
     more_handles, more_labels = twin.get_legend_handles_labels()
     bottom.legend(handles + more_handles, labels + more_labels, loc="upper left", fontsize=8)
-    bottom.set_xlabel("trainer step (SFT and RL)")
+    compressed = _compress_warm_start(steps, bottom)
+    bottom.set_xlabel("trainer step (SFT and RL)" + (f"; the SFT span drawn {compressed:.0f}x narrower" if compressed
+                                                     else ""))
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+
+SFT_WIDTH = 0.25
+"""At most this share of the x axis goes to the SFT warm start: 600 SFT steps before 80 RL steps
+squeezed RL into 12% of the plot (issue 33, item 7)."""
+
+
+def _compress_warm_start(steps: list[dict[str, Any]], ax: Any) -> float:
+    """Draws the warm start's steps narrower when they would take more than SFT_WIDTH of the axis
+    (a piecewise-linear scale, shared by both panels); returns the factor (0: not compressed)."""
+    sft_end = max((s["step"] for s in steps if s.get("phase") == "sft"), default=0)
+    last = max((s["step"] for s in steps), default=0)
+    rl_span = last - sft_end
+    if sft_end <= 0 or rl_span <= 0 or sft_end <= rl_span * SFT_WIDTH / (1 - SFT_WIDTH):
+        return 0.0
+    scale = rl_span * SFT_WIDTH / (1 - SFT_WIDTH) / sft_end
+    edge = sft_end * scale
+
+    def forward(x: Any) -> Any:
+        import numpy as np
+
+        x = np.asarray(x, dtype=float)
+        return np.where(x <= sft_end, x * scale, edge + (x - sft_end))
+
+    def inverse(y: Any) -> Any:
+        import numpy as np
+
+        y = np.asarray(y, dtype=float)
+        return np.where(y <= edge, y / scale, sft_end + (y - edge))
+
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xscale("function", functions=(forward, inverse))
+    # Ticks placed in data space would crowd the narrow SFT span and leave RL's unlabelled.
+    rl_ticks = [t for t in MaxNLocator(6, integer=True).tick_values(sft_end, last) if sft_end < t <= last]
+    ax.set_xticks([0, sft_end, *rl_ticks])
+    ax.set_xlim(0, last + 1)
+    return 1 / scale
 
 
 def _mark_phases(steps: list[dict[str, Any]], axes: tuple[Any, ...]) -> None:

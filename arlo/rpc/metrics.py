@@ -147,6 +147,12 @@ class TrainerMetrics:
                               registry=registry)
         self._tokens_seen = 0
 
+    def started(self, *, version: int, step: int) -> None:
+        """Where a (re)started trainer stands before its first step: a restart restored from a
+        checkpoint read version 0 and step 0 until the next step (issue 33, item 7)."""
+        self.gauges["version"].set(version)
+        self.gauges["step"].set(step)
+
     def observe(self, record: Mapping[str, Any]) -> None:
         for name, gauge in self.gauges.items():
             value = record.get(RECORD_FIELDS.get(name, name))

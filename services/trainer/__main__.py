@@ -107,6 +107,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     if tracing is not None:  # each RL step as a trace of its phases (services/trainer/step_spans.py)
         loop.on_step.append(StepSpans(tracing.tracer("services.trainer")).add)
     await loop.start()
+    prometheus.started(version=loop.state.version, step=learner.step_count)
     heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
     tasks.spawn("training-loop", loop.run)
     address = f"{advertise_host(tc.server.host)}:{running.port}"

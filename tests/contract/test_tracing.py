@@ -242,3 +242,15 @@ def test_spans_go_to_an_otlp_collector(
     assert (resource["service.name"], resource["service.namespace"]) == ("trainer", "r7")
     (sent,) = [s for ss in resource_spans.scope_spans for s in ss.spans]
     assert sent.name == "trainer.step" and sent.attributes[0].value.int_value == 3
+
+
+def test_probes_and_status_polls_are_not_traced() -> None:
+    from types import SimpleNamespace
+
+    from arlo.tracing.setup import _traced_rpcs
+
+    traced = _traced_rpcs()
+    assert traced(SimpleNamespace(method="/arlo.v1.Reward/Score", invocation_metadata=()))
+    for method in ("/arlo.v1.Trainer/GetStatus", "/grpc.health.v1.Health/Check",
+                   "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"):
+        assert not traced(SimpleNamespace(method=method, invocation_metadata=())), method

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from arlo.config import load_config
-from arlo.coord import TrajectoryStream
+from arlo.coord import TrajectoryStream, WeightPointer, connect
 from arlo.coord.metrics import MetricsStream
 from arlo.proto.v1 import common_pb2
 from tests.support.trainer import trainer_service
@@ -93,3 +93,19 @@ async def test_each_step_writes_one_record_and_the_gauges(redis_url: str, run_id
         assert metrics["arlo_trainer_logprob_outside"] == second["logprob_outside"] == 0.0  # nothing filters
         for name in ("approx_kl", "clip_fraction", "grad_norm", "is_weight", "queue_depth", "response_length"):
             assert f"arlo_trainer_{name}" in metrics, name
+
+
+async def test_a_restarted_trainers_gauges_say_where_it_stands_before_its_first_step(
+        redis_url: str, run_id: str) -> None:
+    """A restart read arlo_trainer_version 0 and step 0 until its next step (issue 33, item 7)."""
+    cfg = load_config(overrides={
+        "run_id": run_id, "redis": {"url": redis_url}, "auth": {"disabled": True},
+        "trainer": {"server": {"port": 0, "metrics_port": 0, "grace_s": 0.2}, "start_paused": True}})
+    redis = await connect(cfg.redis)
+    try:  # the run the restarted trainer finds: version 7 published by its previous process
+        await WeightPointer(redis, run_id).publish(7, source="grpc://gone:1", sha256="0" * 64)
+    finally:
+        await redis.aclose()
+    async with trainer_service(cfg) as (running, loop, _):
+        metrics = await asyncio.to_thread(scrape, running.metrics_port)
+        assert loop.state.version == 8 and metrics["arlo_trainer_version"] == 8 and metrics["arlo_trainer_step"] == 0

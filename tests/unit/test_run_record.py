@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from arlo.app.run_record import RunRecorder, eval_scalars, plot_run, tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +94,19 @@ def test_reward_plot_has_a_legend_per_line_gaps_phases_and_the_run_id(tmp_path: 
     assert list(start.get_xdata()) == [3, 3]
     sampled = next(line for line in top.get_lines() if line.get_label() == "held-out sampled reward")
     assert list(sampled.get_xdata()) == [3, 8]  # the failed evaluation is no point
+
+
+def test_a_long_warm_start_takes_at_most_a_quarter_of_the_x_axis(tmp_path: Path) -> None:
+    """600 SFT steps before 80 RL steps squeezed RL into 12% of the plot (issue 33, item 7)."""
+    steps = [row(s, "sft") for s in range(1, 601)] + [row(s, "rl") for s in range(601, 681)]
+    fig = plot_run(steps, [{"tag": "after_sft", "step": 600, "sampled_reward": 0.1}], tmp_path / "p.png")
+    top, bottom, _ = fig.axes
+    lo, hi = top.transData.transform([(0, 0), (680, 0)])[:, 0]
+    rl_start = top.transData.transform([(600, 0)])[0, 0]
+    assert (hi - rl_start) / (hi - lo) == pytest.approx(0.75, abs=0.01)
+    assert "narrower" in bottom.get_xlabel()
+    short = plot_run([row(s, "sft") for s in (1, 2)] + [row(s, "rl") for s in range(3, 20)], [], tmp_path / "q.png")
+    assert "narrower" not in short.axes[1].get_xlabel()  # a short warm start keeps the linear axis
 
 
 def test_a_mixture_plots_each_environment_held_out(tmp_path: Path) -> None:
