@@ -1,4 +1,5 @@
-"""`arlo demo` supervises its services while the drive waits (issue 33, item 5).
+"""`arlo demo` supervises its services while the drive waits (issue 33, item 5), and `arlo train`
+started while `arlo up` restarts the trainer rides the restart out (item 17).
 
 A kill -9 of the trainer mid-run: the demo's supervisor checked its children only between the
 driver's polls, and the driver sat in a retrying GetStatus for `--outage-s` (180 s) with the
@@ -12,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli import demo_process, rl_rows, write_config
+from tests.e2e.test_cli import arlo, demo_process, rl_rows, wait_until_up, write_config
 from tests.support.procs import children_of, gone, processes
 
 pytestmark = pytest.mark.e2e
@@ -62,3 +65,38 @@ def test_demo_restarts_a_killed_trainer_and_finishes_every_step(tmp_path: Path, 
     assert report["rl_steps"] >= RL_STEPS, report  # steps redone after the restart's checkpoint count again
     print(f"trainer restarted {restart_s:.1f}s after its kill -9; demo {report['wall_s']:.0f}s, "
           f"{report['rl_steps']} RL steps seen")
+
+
+@pytest.mark.slow  # `arlo up`, a trainer restart, 2 RL steps: minutes on a loaded 2-core host
+@pytest.mark.timeout(1200)  # the waits inside: 300 s for health, 600 s for the training, 90 s for the stop
+def test_train_started_while_up_restarts_the_trainer_rides_it_out(tmp_path: Path, redis_url: str,
+                                                                   run_id: str) -> None:
+    """It exited at once, "not serving: trainer", though the run's own calls ride out a restart."""
+    config = write_config(tmp_path / "run.yaml", run_id, redis_url, fixed_ports=True)
+    home, out = tmp_path / "home", tmp_path / "up.out"
+    env = {**os.environ, "ARLO_HOME": str(home), "JAX_PLATFORMS": "cpu"}
+    env.pop("ARLO_TOKEN", None)
+    up = subprocess.Popen([sys.executable, "-m", "arlo.app.cli", "up", "-c", str(config)], env=env,
+                          stdout=open(out, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    try:
+        wait_until_up(up, home, out)
+        trainer = service_pid(up.pid, "trainer")
+        assert trainer is not None, children_of(up.pid)
+        os.kill(trainer, signal.SIGKILL)
+        started = time.monotonic()
+        train = arlo("train", "--steps", "2", "--no-eval", "--json", str(tmp_path / "train.json"), home=home,
+                     timeout=600)
+        said = " ".join(train.stderr.split())
+        assert train.returncode == 0, train.stderr[-4000:]
+        assert "waiting up to 180s (--outage-s) for trainer" in said, said[-4000:]
+        report = json.loads((tmp_path / "train.json").read_text())
+        assert report["rl_steps"] >= 2 and report["failed"] is None
+        print(f"arlo train after the trainer's kill -9: rc 0 in {time.monotonic() - started:.0f}s")
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            code = up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert code == 0
