@@ -80,7 +80,7 @@ def eval_text(tag: str, e: dict[str, Any]) -> str:
     lines = [f"eval {tag} (ran on {ran_on}): {_figures(e)} over {e['num_tasks']} held-out tasks "
              f"({e.get('wall_s', 0.0):.1f}s)"]
     if e.get("errors"):  # else "greedy 0.000" hid episodes that all failed (issue 33, item 3)
-        lines.append(f"[red]  {errors_text(e)}")
+        lines.append(f"[red]  {errors_text(e)}[/red]")
     envs = e.get("envs") or {}
     if len(envs) > 1:
         lines += [f"  {env}: {_figures({'k': e['k'], **f})}" + (f", {f['errors']} errors" if f.get("errors") else "")
