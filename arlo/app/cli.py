@@ -273,6 +273,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.version is not None and args.version < 0:
         console.print(f"arlo export: --version must be >= 0 (0: the initial weights), got {args.version}")
         return 2
+    if not args.checkpoint and _no_run_here(args):  # its trainer would be another run's
+        return 1
     cfg = load_cli_config(args.config)
     token = None if args.checkpoint else resolve_token(cfg)
     try:
@@ -323,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--export", metavar="DIR", help="after the last step, write the policy to DIR (Hugging Face format)")
     export = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
     export.add_argument("--out", required=True, help="directory to create (must be empty if it exists)")
-    export.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` wrote, else built-in)")
+    export.add_argument("-c", "--config", help="run config YAML (default: the one `arlo up` recorded under $ARLO_HOME)")
     export.add_argument("--version", type=int, help="a version the running trainer still holds, or its checkpoint; "
                         "0: the initial weights (model.path or the preset); default: the newest")
     export.add_argument("--checkpoint", help="an Orbax checkpoint directory (<trainer.checkpoint_dir>/<version>)")

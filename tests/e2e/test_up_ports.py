@@ -79,7 +79,7 @@ def test_a_port_in_use_is_refused_before_any_service_starts(tmp_path: Path, redi
     assert not list((tmp_path / "home" / "logs").glob("*.log"))  # no service was started
 
 
-@pytest.mark.parametrize("command", [("status", "--json"), ("train", "--steps", "1")])
+@pytest.mark.parametrize("command", [("status", "--json"), ("train", "--steps", "1"), ("export", "--out", "x")])
 def test_a_command_without_a_run_of_its_own_claims_none(tmp_path: Path, command: tuple[str, ...]) -> None:
     # With no state under its ARLO_HOME, `arlo status` read the built-in config and reported the
     # services of another run (on the default ports) as its own, healthy; `arlo train` would have
