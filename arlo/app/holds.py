@@ -42,6 +42,10 @@ class RunHolds:
         rollouts = await read_service_statuses(self.redis, run, RolloutStatus)
         running = sum(s.running for s in rollouts.values())
         holds: list[str] = []
+        trainers = await read_statuses(self.redis, run, "trainer")
+        waiting = next((t["waiting_on"] for t in trainers if t.get("waiting_on")), "")
+        if waiting:  # the core's own account of what it waits for (core/trainer.py `waiting`)
+            holds.append(f"the trainer waits: {waiting}")
         if not rollouts:
             holds.append("no rollout worker is beating (none started, or all died: their logs say why)")
         refused = next((s.refused for s in rollouts.values() if s.refused), "")

@@ -77,6 +77,7 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
             "trainer_version": trainer_version if trainer_version is not None else (pointer.version if pointer else 0),
             "pointer_version": pointer.version if pointer else 0, "queue_depth": queue_depth,
             "staleness": float(trainer["staleness"]) if "staleness" in trainer else None,
+            "trainer_waiting_on": trainer.get("waiting_on") or "",
             "trainer_diagnostics": diagnostics, "latest_eval": evaluation}
 
 

@@ -77,3 +77,18 @@ async def test_the_message_names_why_the_rollout_s_groups_fail(redis_url: str, r
     finally:
         await delete_run(redis, run_id)
         await redis.aclose()
+
+
+async def test_the_message_starts_with_what_the_trainer_says_it_waits_for(redis_url: str, run_id: str) -> None:
+    """The core names the bound that holds it (`waiting_on` in the trainer's heartbeat): `arlo
+    train`'s no-step message and `arlo status` say it (issue 33, item 2: "the logs say why")."""
+    cfg = run_config(redis_url, run_id)
+    redis = await connect(RedisConfig(url=redis_url))
+    try:
+        why = "2 of 2 ready groups wait for a checkpoint (held 8 of 8)"
+        await Heartbeat(redis, run_id, service="trainer", instance="t1").beat(waiting_on=why, version=3)
+        said = await RunHolds(redis, cfg).explain(trainer_pb2.GetStatusResponse())
+        assert said.startswith(f"the trainer waits: {why}")
+    finally:
+        await delete_run(redis, run_id)
+        await redis.aclose()
