@@ -132,7 +132,7 @@ def critical_path(record: Mapping[str, Any], syncs: Mapping[int, Mapping[str, fl
     work = {"batch": t["batch_s"], "train": t["train_s"], "publish": t["publish_s"]}
     if t.get("wait_s", 0.0) < WAITED_S:
         # Trainer-bound: the previous step's tail, then the loop's own intake (what it read while
-        # that step trained is not on the path: services/trainer/reader.py), then the batch.
+        # that step trained is not on the path: services/trainer/stream_side.py), then the batch.
         intake = t.get("intake_s", 0.0)
         other = max(a["batch_at"] - start - t["tail_s"] - intake, 0.0)
         return {"trainer tail": t["tail_s"], "intake": intake, "trainer other": other, **work}

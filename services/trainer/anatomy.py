@@ -57,7 +57,7 @@ class StepClock:
     intake_s: float = 0.0
     """Stream reads that returned data and their intake, since the previous step."""
     overlapped_intake_s: float = 0.0
-    """Intake while this step trained (off the critical path: services/trainer/reader.py)."""
+    """Intake while this step trained (off the critical path: services/trainer/stream_side.py)."""
     overlapped_tail_s: float = 0.0
     """The previous step's tail, run while this step trained (services/trainer/tail.py)."""
 

@@ -1,7 +1,8 @@
-"""The trainer's driver: the one module that talks to the trajectory stream, and the only place
-the trainer's overlap lives. What to do is the core's (services/trainer/core/); this performs it.
+"""The trainer's driver: the only place the trainer's overlap lives. What to do is the core's
+(services/trainer/core/); this performs it, through stream_side.py (the one module that calls
+the trajectory stream), the replica (lockstep.py), the publisher and the saves.
 
-One trajectory goes one way: read (reader.py) -> the core (screen, admit: core/book.py) -> a
+One trajectory goes one way: read (stream_side.py) -> the core (screen, admit: core/book.py) -> a
 batch -> the jitted step (lockstep.py `Replica`) -> publish (publisher.py) -> held until durable
 (core/holds.py) -> acknowledged. Overlap, and its backpressure, in three places:
 - while the jitted step runs on a worker thread, the next batch's entries are read and admitted
@@ -24,8 +25,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from arlo.background import MustRestart
 from arlo.config.trainer import WeightPublishConfig
 from arlo.coord import TrajectoryStream, WeightPointer
@@ -37,24 +36,15 @@ from services.trainer.anatomy import StepClock, StepMarks, step_anatomy, step_ti
 from services.trainer.batching import Batch, build_batch
 from services.trainer.checkpoint import Checkpointer
 from services.trainer.core.groups import ReadyGroup
-from services.trainer.core.records import (
-    Ack,
-    Acknowledge,
-    CountStale,
-    DeadLetter,
-    Decision,
-    StartCheckpoint,
-    TrainedStep,
-    Wait,
-)
+from services.trainer.core.records import TrainedStep, Wait
 from services.trainer.core.trainer import CoreConfig, TrainerCore
 from services.trainer.diagnostics import step_record
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.lockstep import SINGLE, Channel, Replica
 from services.trainer.publish import VersionStore
 from services.trainer.publisher import Publisher
-from services.trainer.reader import READ_COUNT, StreamReader
 from services.trainer.saves import Saves
+from services.trainer.stream_side import StreamSide
 from services.trainer.tail import StepTails
 from services.trainer.warmstart import WarmStart
 
@@ -95,14 +85,15 @@ class TrainingLoop:
         self.clock = StepClock()  # where each RL step's time goes (services/trainer/anatomy.py)
         self._jax_lock = asyncio.Lock()
         self._step_lock = asyncio.Lock()  # held from batch to publish and ack: one whole step
-        self._reader = StreamReader(stream, block_ms=read_block_ms)
+        self.intake = StreamSide(stream, self.core, block_ms=read_block_ms,
+                                 start_checkpoint=lambda why: self._checkpoints().try_start(why))
         self._tails = StepTails()
         self._intake_error: Exception | None = None  # an intake during a step failed: the loop restarts
         self.saves = Saves(replica=self.replica, checkpointer=self.checkpointer, jax_lock=self._jax_lock,
                            core=self.core, learner=learner, store=store, pointer=pointer,
-                           perform=self._perform) if self.checkpointer else None
+                           perform=self.intake.perform) if self.checkpointer else None
         self.publisher = Publisher(store=store, pointer=pointer, replica=self.replica, jax_lock=self._jax_lock,
-                                   source=source, core=self.core, tails=self._tails, perform=self._perform,
+                                   source=source, core=self.core, tails=self._tails, perform=self.intake.perform,
                                    weights=weights)
 
     # -- start and stop -----------------------------------------------------------------------
@@ -110,7 +101,7 @@ class TrainingLoop:
     async def start(self) -> None:
         """Resumes from the newest complete checkpoint and numbers versions above the pointer,
         so a restarted trainer never repeats one (even though its checkpoint is older)."""
-        await self.stream.ensure_group()
+        await self.intake.ensure_group()
         restored = await self._restore()
         current = await self.pointer.get()
         version = self.core.started(restored=restored, pointer=current.version if current else 0,
@@ -137,7 +128,7 @@ class TrainingLoop:
         self.core.holds.checkpointed(meta.version, restored.uri)
         # The process may have died between the checkpoint completing and these two writes.
         await self.pointer.set_checkpoint(meta.version, restored.uri)
-        await self.stream.mark_trained(meta.trajectory_ids)
+        await self.intake.restored(meta.trajectory_ids)
         log.info("resumed from checkpoint %s: step %d, version %d", restored.uri, meta.step, meta.version,
                  extra={"step": meta.step, "version": meta.version, "checkpoint_uri": restored.uri})
         return meta.version
@@ -216,7 +207,7 @@ class TrainingLoop:
 
     def dropped(self) -> dict[str, int]:
         """Trajectories not trained on, by reason."""
-        return self.core.dropped(stream_malformed=self.stream.malformed, stream_duplicates=self.stream.duplicates)
+        return self.core.dropped(**self.intake.decode_drops())
 
     def fault_counters(self) -> dict[str, int | str]:
         """Faults survived, for the heartbeat (`arlo status`)."""
@@ -242,7 +233,7 @@ class TrainingLoop:
         try:
             await self._run_rl()
         finally:
-            await self._reader.close()  # what it was delivered, the next run re-reads first
+            await self.intake.reader.close()  # what it was delivered, the next run re-reads first
             await self._tails.settle(CLOSE_WAIT_S)  # one chain of tails at a time, across restarts
 
     async def _run_rl(self) -> None:
@@ -255,16 +246,16 @@ class TrainingLoop:
             # data is idle time (only its intake afterwards counts). A read started during the
             # previous step counts from when it returned or from now, the later.
             started = time.perf_counter()
-            read = await self._reader.read(block=False)
+            read = await self.intake.reader.read(block=False)
             if read.background:
                 started = max(started, read.returned_at)
             if not read.entries:
-                read = await self._reader.read(block=True)
+                read = await self.intake.reader.read(block=True)
                 started = read.returned_at
             entries = list(read.entries)
             read_at = time.time()
             if time.monotonic() - last_claim > CLAIM_EVERY_S:
-                entries += await self.stream.claim_stale(CLAIM_MIN_IDLE_MS)
+                entries += await self.intake.claim_stale(CLAIM_MIN_IDLE_MS)
                 last_claim = time.monotonic()
             if entries:
                 await self._admit(entries, read_at=read_at)
@@ -290,7 +281,7 @@ class TrainingLoop:
         after: str | None = "0-0"
         total = 0
         while after is not None:
-            entries, after = await self.stream.read_own_pending(READ_COUNT, after)
+            entries, after = await self.intake.own_pending(after)
             total += len(entries)
             await self._admit(entries)
             await self._train_ready()
@@ -298,61 +289,15 @@ class TrainingLoop:
             log.info("re-read %d unacknowledged trajectory entries", total, extra={"pending_entries": total})
 
     async def _admit(self, entries: Sequence[Any], *, read_at: float = 0.0) -> None:
-        """Read entries -> the core: repeats acknowledged, the rest checked against `seen:`, admitted."""
-        screened = self.core.book.screen(entries)
-        if screened.repeats is not None:
-            await self._perform([screened.repeats])
-        fresh = await self.stream.filter_unseen(screened.candidates)
-        await self._perform(self.core.book.admit(fresh, version=self.state.version, read_at=read_at, now=time.time()))
-
-    async def _perform(self, decisions: Sequence[Decision]) -> None:
-        """Carries out the core's decisions in order; each is reported done once durable."""
-        for d in decisions:
-            if isinstance(d, Ack):
-                if d.entry_ids:
-                    await self.stream.ack(list(d.entry_ids))
-            elif isinstance(d, DeadLetter):
-                if d.items:
-                    await self.stream.dead_letter(list(d.items))
-            elif isinstance(d, CountStale):
-                await self.stream.count_stale(d.n)
-            elif isinstance(d, Acknowledge):
-                await self._acknowledge(d)
-            elif isinstance(d, StartCheckpoint):
-                await self._checkpoints().try_start(d.why)
-            self.core.done(d)
-
-    async def _acknowledge(self, d: Acknowledge) -> None:
-        try:
-            await self.stream.mark_trained([t for s in d.steps for t in s.trajectory_ids])
-            await self.stream.ack([e for s in d.steps for e in s.entry_ids])
-        except BaseException:
-            self.core.holds.put_back(d.steps)  # still unacknowledged: the next decision tries again
-            raise
-        if d.undurable:
-            log.error("checkpoint saves keep failing (%s); %d trajectories acknowledged WITHOUT a checkpoint so "
-                      "producers are not stalled by the held backlog (bound %d entries); a crash now loses them",
-                      self.state.checkpoint_error, sum(len(s.trajectory_ids) for s in d.steps),
-                      self.core.holds.policy.hold_bound, extra={"acked_undurable": self.state.acked_undurable})
-
-    async def _settle_in_flight(self, floor: int) -> set[str] | None:
-        """Tells the in-flight set which groups arrived whole here and how old a batch may take
-        (arlo/coord/records.py `settle_in_flight`); the ids still in flight on `floor`, None if Redis failed."""
-        arrived = self.core.book.take_arrived()
-        try:
-            return await self.stream.settle_in_flight(arrived=arrived, floor=floor)
-        except (RedisError, OSError) as e:  # not knowing costs at most the groups it would wait for
-            self.core.book.untold(arrived)
-            log.warning("groups in flight unknown (%s)", e)
-            return None
+        await self.intake.admit(entries, version=self.state.version, read_at=read_at)
 
     async def _next_batch(self) -> list[ReadyGroup] | Wait:
-        await self._perform(self.core.book.drop_stale(self.state.version))
+        await self.intake.perform(self.core.book.drop_stale(self.state.version))
         book = self.core.book
         choice = book.next_batch(self.state.version, time.monotonic())
         if isinstance(choice, Wait) and choice.in_flight_floor is not None:
             timeouts, floor = book.expiring.timeouts, choice.in_flight_floor
-            in_flight = await self._settle_in_flight(floor)
+            in_flight = await self.intake.settle_in_flight(floor)
             choice = book.next_batch(self.state.version, time.monotonic(), in_flight if in_flight is not None else set())
             if book.expiring.timeouts > timeouts:
                 log.warning("group(s) of version %d still in flight after %.1f s (trainer.expiring_wait_s): the "
@@ -444,12 +389,12 @@ class TrainingLoop:
     async def _intake_during(self, step: asyncio.Task[Any]) -> None:
         """Reads and admits new entries while `step` trains, until the next batch is ready."""
         while not step.done() and not self.core.book.batch_full() and not self.state.paused:
-            read = self._reader.background()
+            read = self.intake.reader.background()
             await asyncio.wait({step, read}, return_when=asyncio.FIRST_COMPLETED)
             if not read.done():
                 return  # the step finished first: the loop's next read takes this one's reply
             try:
-                entries = self._reader.take().entries
+                entries = self.intake.reader.take().entries
                 if entries:
                     started = time.perf_counter()
                     await self._admit(entries, read_at=time.time())
@@ -474,7 +419,7 @@ class TrainingLoop:
             decisions = self.core.step_failed(e)
             log.error("step failed (%s: %s); its groups are put back, or dead-lettered after their last try",
                       type(e).__name__, e, extra={"failed_steps": self.state.failed_steps})
-            await self._perform(decisions)
+            await self.intake.perform(decisions)
             raise
         if metrics.skipped:
             self.core.book.trained()
@@ -504,10 +449,10 @@ class TrainingLoop:
 
     async def _refuse(self, groups: Sequence[ReadyGroup], reason: str, *, unpublished: bool = False) -> None:
         """A step that would corrupt the weights: nothing published, its groups dead-lettered."""
-        await self._perform(self.core.step_refused(groups, reason, unpublished=unpublished))
+        await self.intake.perform(self.core.step_refused(groups, reason, unpublished=unpublished))
         self.core.refused()  # with its dead letters durable: a reader sees both or neither
         log.error("step refused (%s); its trajectories moved to %s, version stays %d", reason,
-                  self.stream.keys.traj_dead, self.state.version,
+                  self.intake.dead_letters, self.state.version,
                   extra={"skipped_steps": self.state.skipped_steps, "version": self.state.version})
         self._raise_if_damaged()
 
@@ -556,16 +501,16 @@ class TrainingLoop:
         if cut is not None:
             published = await self.publisher.publish_cut(cut, step.version, record)
             del cut  # the device copy goes now, not when the tail ends
-        counters = {**counters, "queue_depth": await self.stream.backlog(), **self.publisher.figures(step.version)}
+        counters = {**counters, "queue_depth": await self.intake.backlog(), **self.publisher.figures(step.version)}
         await self._report(step_record(**record, counters=counters))
         # The ids make each version's data lineage auditable (and let tests prove exactly-once).
         metrics = record["metrics"]
         log.info("step %d -> version %d: loss %.4f reward %.3f tokens %d", record["step"], step.version,
                  metrics.loss, metrics.reward_mean, metrics.num_tokens,
                  extra={"step": record["step"], "version": step.version, "trajectory_ids": list(step.trajectory_ids)})
-        await self._perform(self.core.holds.stepped(step.version, published=published, now=time.monotonic()))
+        await self.intake.perform(self.core.holds.stepped(step.version, published=published, now=time.monotonic()))
         # Off the step's path: keeps the in-flight set to the groups a batch may still take.
-        await self._settle_in_flight(self.core.lineage.floor(step.version))
+        await self.intake.settle_in_flight(self.core.lineage.floor(step.version))
 
     # -- records --------------------------------------------------------------------------------
 
@@ -578,7 +523,7 @@ class TrainingLoop:
                 "expiring_waits": book.expiring.waits, "expiring_timeouts": book.expiring.timeouts}
 
     async def _counters(self) -> dict[str, Any]:
-        return {**self._counters_now(), "queue_depth": await self.stream.backlog()}
+        return {**self._counters_now(), "queue_depth": await self.intake.backlog()}
 
     async def _report(self, record: dict[str, Any]) -> None:
         """Hands the record on; a failing consumer (Redis down) costs the record, never the step."""

@@ -1,7 +1,7 @@
 """Faults inside a running trainer (real gRPC server, real Redis, real Orbax on a real filesystem):
 a step that raises, a weight pointer the trainer did not write, a checkpoint disk that fills up
 (a size-limited tmpfs) and then frees, damaged checkpoint pieces at restore, and the intake that
-runs while a step trains (services/trainer/reader.py): a producer's retry of the step's own
+runs while a step trains (services/trainer/stream_side.py): a producer's retry of the step's own
 trajectories, and an intake failure mid-step."""
 
 from __future__ import annotations

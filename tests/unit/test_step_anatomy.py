@@ -115,7 +115,7 @@ def test_the_overhead_is_also_given_over_trainer_bound_and_data_bound_steps_apar
 
 
 def test_a_batch_read_while_the_previous_step_trained_puts_no_intake_on_the_path() -> None:
-    # The loop read and grouped this batch during the previous step's update (services/trainer/reader.py):
+    # The loop read and grouped this batch during the previous step's update (services/trainer/stream_side.py):
     # its read and ready marks fall before the interval, and the loop's own intake was nil.
     r = record(wait_s=0.0, started=T0 - 1.0)
     r["anatomy"].update(read_at=T0 - 0.05, ready_at=T0 - 0.04)
