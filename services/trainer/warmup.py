@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from arlo.model.weights import nonfinite_param, serving_copy
+from arlo.routing_replay import expert_dtype, routing_shape
 from services.trainer.batching import Batch, bucket_length
 from services.trainer.learner import Learner
 
@@ -48,11 +49,17 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
     started = time.perf_counter()
     rows = groups * group_size
     mini = min(learner.cfg.mini_batches, rows)
+    # With routing replay every batch carries the sampler's experts (batching.py `_routing_arrays`):
+    # a warm-up without them compiled a program no step uses, and each length compiled mid-run.
+    routing = routing_shape(learner.model_cfg) if learner.cfg.algorithm.routing_replay else None
     for length in lengths:
         zeros = np.zeros((rows, length), np.float32)
+        experts = (np.zeros((rows, length, routing[0], routing[1]), expert_dtype(routing[2]))
+                   if routing is not None else None)
         batch = Batch(tokens_bt=np.zeros((rows, length), np.int32), behaviour_logprobs_bt=zeros, mask_bt=zeros,
                       rewards_gk=np.zeros((groups, group_size), np.float32), token_rewards_bt=zeros,
-                      trajectory_ids=(), num_tokens=0)
+                      trajectory_ids=(), num_tokens=0, experts_btlk=experts,
+                      replay_bt=zeros if routing is not None else None)
         # The same conversions Learner.step makes (each compiles a small program per shape).
         rewards_gk, device_rows = learner.device_inputs(batch, mini_batches=mini)
         key = learner._replicated(jax.random.key_data(jax.random.key(learner.step_count)))

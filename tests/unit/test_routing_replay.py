@@ -201,3 +201,28 @@ def test_config_refuses_a_dense_model_and_pack(moe_dir: Path) -> None:
         from_dict(RunConfig, {"model": {"path": str(moe_dir)},
                               "trainer": {"pack": True, "algorithm": {"routing_replay": True}}}).validate()
     from_dict(RunConfig, {"model": {"path": str(moe_dir)}, "trainer": {"algorithm": {"routing_replay": True}}}).validate()
+
+
+@pytest.mark.timeout(600)
+def test_the_warm_up_compiles_the_step_that_replays(moe_dir: Path) -> None:
+    """With routing replay every batch carries the sampler's experts: a warm-up without them left
+    each batch length to compile mid-run (18 late compiles of ~1 min in the through-services run)."""
+    from arlo.compile_watch import CompileWatch
+    from services.trainer.batching import build_batch
+    from services.trainer.learner import Learner
+    from services.trainer.warmup import warm_up_learner
+
+    source = resolve_model(name="tiny", path=str(moe_dir), tokenizer="", seed=0, max_seq_len=64)
+    shape = routing_shape(source.cfg)
+    groups = _trajectories(_generate(moe_dir, "bfloat16", 1.0), shape[2])
+    batch = build_batch(groups, 64, 0, routing=shape)
+    learner = Learner(source, cfg=TrainerConfig(groups_per_step=len(groups),
+                                                algorithm=AlgorithmConfig(routing_replay=True)))
+    watch = CompileWatch().install()
+    try:
+        warm_up_learner(learner, lengths=[batch.tokens_bt.shape[1]], groups=len(groups), group_size=len(groups[0]))
+        watch.mark_warm()
+        assert not learner.step(batch).skipped
+        assert watch.late == 0, list(watch.late_names)
+    finally:
+        watch.close()
