@@ -135,8 +135,8 @@ class Attention(nnx.Module):
         else:
             assert start_b is not None, "a KV cache write needs start_b"
             new_kv = write_rows(kv[0], kv[1], k_btkh, v_btkh, start_b)
-            out_bktgh = _attend_parts(q_btnh, [(new_kv[0].astype(dt), new_kv[1].astype(dt), mask_bts)],
-                                      self.score_scale, self.softcap)
+            out_bktgh = _attend_parts_blocked(q_btnh, [(new_kv[0].astype(dt), new_kv[1].astype(dt), mask_bts)],
+                                              self.score_scale, self.softcap)
             return self._project_out_grouped(out_bktgh), new_kv
         return self._project_out(out_btnh), new_kv
 
@@ -278,6 +278,37 @@ def _attend_parts(q_btnh: jax.Array, parts: Sequence[Part], scale: float, cap: f
         start += width
     assert out_bkmh is not None
     return out_bkmh.reshape(b, k, t, g, h)
+
+
+PREFILL_QUERY_CHUNK = 1024
+"""Query rows per block of a prefill longer than this (`_attend_parts_blocked`)."""
+
+
+def _attend_parts_blocked(q_btnh: jax.Array, parts: Sequence[Part], scale: float,
+                          cap: float | None = None) -> jax.Array:
+    """`_attend_parts` for a prefill chunk, PREFILL_QUERY_CHUNK query rows at a time.
+
+    A long prefill against a long window formed every score at once: a 4,096-token chunk of a
+    32k episode against its 18.8k-slot window is [4,096 x group, 18.8k] floats per kv head and
+    layer. A scan over query blocks keeps one block's scores; each query row's softmax is the
+    unblocked one's (nothing is differentiated here, so nothing is rematerialised)."""
+    b, t, n, h = q_btnh.shape
+    if t <= PREFILL_QUERY_CHUNK:
+        return _attend_parts(q_btnh, parts, scale, cap)
+    chunk = PREFILL_QUERY_CHUNK
+    blocks = -(-t // chunk)
+    pad = blocks * chunk - t
+    q_cbqnh = jnp.moveaxis(jnp.pad(q_btnh, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, blocks, chunk, n, h), 1, 0)
+    masks = [jnp.moveaxis(jnp.pad(m, ((0, 0), (0, pad), (0, 0))).reshape(m.shape[0], blocks, chunk, m.shape[-1]), 1, 0)
+             for _, _, m in parts]  # padded query rows see nothing; they are cut off below
+
+    def block(args: tuple[jax.Array, list[jax.Array]]) -> jax.Array:
+        q, block_masks = args
+        return _attend_parts(q, [(k, v, m) for (k, v, _), m in zip(parts, block_masks, strict=True)], scale, cap)
+
+    out_cbktgh = jax.lax.map(block, (q_cbqnh, masks))
+    k, g = out_cbktgh.shape[2], out_cbktgh.shape[4]
+    return jnp.moveaxis(out_cbktgh, 0, 2).reshape(b, k, blocks * chunk, g, h)[:, :, :t]
 
 
 # HF's gelu_pytorch_tanh is the tanh approximation of GELU.
