@@ -55,21 +55,23 @@ def plain_demonstrations(path: Path) -> Path:
 
 
 def own_model_config(path: Path, run_id: str, redis_url: str, model_dir: Path, *, tools: bool = True,
-                     **model) -> Path:
+                     algorithm: dict | None = None, context: int = 512, **model) -> Path:
     demos = tool_demonstrations if tools else plain_demonstrations
     env_config = {"op": "+", "max_operand": 9, "tool": tools, "max_turns": 2 if tools else 1}
     cfg = {
         "run_id": run_id, "redis": {"url": redis_url},
-        "model": {"path": str(model_dir), "max_seq_len": 512, **model},
-        "inference": {"max_n": 4, "max_tokens": 8, "max_prompt_tokens": 496, "max_batch": 16, "decode_steps": 4},
+        "model": {"path": str(model_dir), "max_seq_len": context, **model},
+        "inference": {"max_n": 4, "max_tokens": 8, "max_prompt_tokens": context - 16, "max_batch": 16,
+                      "decode_steps": 4},
         # The entropy bonus moves the weights even when every reward of a group is equal (a random
         # model rarely adds right), so the export is provably the trained policy.
         "trainer": {"groups_per_step": 2, "learning_rate": 0.001, "algorithm": {"entropy_coef": 0.01,
-                                                                               "reference": "after_sft"},
+                                                                               "reference": "after_sft",
+                                                                               **(algorithm or {})},
                     "sft": {"data": str(demos(path.parent / "demos.jsonl")), "steps": 2,
                             "batch_size": 4, "warmup_steps": 0}},
         "rollout": {"env_name": "arith", "env_config_json": json.dumps(env_config),
-                    "group_size": 4, "max_turns": env_config["max_turns"], "max_episode_tokens": 500, "concurrent_groups": 2,
+                    "group_size": 4, "max_turns": env_config["max_turns"], "max_episode_tokens": context - 12, "concurrent_groups": 2,
                     "sampling": {"temperature": 1.0, "max_tokens": 8}, "rpc_timeout_s": 120.0},
     }
     path.write_text(yaml.safe_dump(cfg))
@@ -107,6 +109,27 @@ def test_a_gemma3_checkpoint_trains_through_every_service_and_exports(tmp_path: 
     model_dir = write_checkpoint(tmp_path / "gemma3", "gemma3")
     config = own_model_config(tmp_path / "run.yaml", run_id, redis_url, model_dir, tools=False)
     _demo_exports_trained_policy(tmp_path, config, model_dir, "float32")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 120)
+def test_a_qwen3_moe_checkpoint_trains_with_routing_replay_through_every_service_and_exports(
+        tmp_path: Path, redis_url: str, run_id: str) -> None:
+    """Qwen3-MoE (8 experts, top 2) served in bf16, with routing replay: the engine records each
+    sampled token's experts, the trajectory carries them, the trainer's forward uses them, so no
+    recorded token is routed otherwise in the trainer (`routing_mismatch` 0 in every RL step
+    record); SFT, RL steps and export as for the dense families. In the slow tier (CI runs it).
+    tests/unit/test_routing_replay.py measures the same in process, with and without replay."""
+    model_dir = write_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
+    # Plain turns and a 192-token context: XLA:CPU compiles each MoE program in ~45 s under load
+    # (JAX's ragged_dot fallback), and a 512-token tools run needs 134 of them.
+    config = own_model_config(tmp_path / "run.yaml", run_id, redis_url, model_dir, param_dtype="bfloat16",
+                              algorithm={"routing_replay": True}, tools=False, context=192)
+    _demo_exports_trained_policy(tmp_path, config, model_dir, "bfloat16")
+    rl = [r for path in (tmp_path / "home").rglob("metrics.jsonl") for r in map(json.loads, path.read_text().splitlines())
+          if r.get("phase") == "rl" and "routing_mismatch" in r]
+    assert len(rl) >= 2 and all(r["routing_mismatch"] == 0.0 for r in rl), rl
 
 
 def _demo_exports_trained_policy(tmp_path: Path, config: Path, model_dir: Path, dtype: str) -> None:
