@@ -99,6 +99,9 @@ def test_demo_config_learns_through_every_service(tmp_path: Path, redis_url: str
     rl = [r for r in steps if r["phase"] == "rl"]
     # The documented bound, exactly: no trained token more than max_staleness versions behind.
     assert all(0 <= r["staleness_max"] <= demo["trainer"]["max_staleness"] for r in rl)
+    # The warm start is a boundary (issue 32): the first RL step trains on nothing sampled before
+    # it, so on-policy tokens only, and its sampler and trainer agree (was staleness 1.0, mismatch 9.4).
+    assert rl[0]["staleness_mean"] == 0 and rl[0]["logprob_mismatch"] < 1, rl[0]
     assert all(r["generated_tokens"] > 0 and "reward_components" in r and "grad_norm" in r for r in rl)
     assert [r["generated_tokens"] for r in rl] == sorted(r["generated_tokens"] for r in rl)
     assert all(r["step"] <= steps[-1]["step"] for r in rows if r["kind"] == "eval")
