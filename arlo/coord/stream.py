@@ -39,6 +39,13 @@ return n
 """
 """Behind the trainer lease's fence (arlo/coord/lease.py): KEYS[1]/ARGV[1] are the fence's."""
 
+_MARK_TRAINED_LUA = FENCE_LUA + """
+for i = 2, #KEYS do redis.call('SET', KEYS[i], 1, 'EX', ARGV[2]) end
+return #KEYS - 1
+"""
+"""`seen:` markers behind the trainer lease's fence: a trainer that lost the run must not mark as
+trained what its successor has not trained (the successor's intake would drop them as repeats)."""
+
 _TRIM_LUA = """
 local n = redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1])
 if n > 0 then
@@ -85,6 +92,7 @@ class TrajectoryStream:
         self._max_backlog = max_backlog
         self._ack_script = redis.register_script(_ACK_LUA)
         self._trim_script = redis.register_script(_TRIM_LUA)
+        self._mark_script = redis.register_script(_MARK_TRAINED_LUA)
         self.malformed = 0
         """Entries moved to the dead-letter stream by this instance."""
         self.duplicates = 0
@@ -286,10 +294,9 @@ class TrajectoryStream:
         """Records trajectories as trained. Call before ack: a crash in between then costs nothing."""
         if not traj_ids:
             return
-        pipe = self._redis.pipeline(transaction=False)
-        for traj_id in traj_ids:
-            pipe.set(self._keys.seen(traj_id), 1, ex=ttl_s)
-        await pipe.execute()
+        marked = await self._mark_script(keys=self._fence.keys(*(self._keys.seen(t) for t in traj_ids)),
+                                         args=self._fence.args(str(ttl_s)))
+        fenced_result(marked, f"marking {len(traj_ids)} trajectories trained", self._fence)
 
     # -- internals --------------------------------------------------------------------------
 

@@ -93,6 +93,9 @@ async def test_a_trainer_that_lost_the_run_while_paused_can_write_nothing(redis,
                                                           policy_versions=[-1, 0], reward=1.0)])
     assert len(await stream.read(10, 100)) == 1
     with pytest.raises(LeaseLost, match="another trainer holds"):
+        await stream.mark_trained([t.trajectory.id for t in await stream.read(10, 0)] or ["t-of-the-run"])
+    assert not await redis.keys(f"arlo:{run_id}:seen:*")  # the successor still trains them
+    with pytest.raises(LeaseLost, match="another trainer holds"):
         await stream.ack(ids)
     with pytest.raises(LeaseLost):
         await WeightPointer(redis, run_id, fence=paused.fence).publish(5, source="grpc://a", sha256="x")
