@@ -28,8 +28,9 @@ async def keep_running(name: str, body: Callable[[], Awaitable[None]], *, max_ba
     is back. What the body held when it raised is its own to put back (the trainer's step does).
     A `MustRestart` is not restarted: it is logged and handed to `on_fatal` (which stops the process).
     """
-    backoff = 0.5
+    backoff = FIRST_BACKOFF_S
     while True:
+        started = asyncio.get_running_loop().time()
         try:
             await body()
             return
@@ -42,12 +43,26 @@ async def keep_running(name: str, body: Callable[[], Awaitable[None]], *, max_ba
                 on_fatal(e)
             return
         except Exception:
+            backoff = restart_delay(backoff, asyncio.get_running_loop().time() - started, max_backoff_s)
             if restarts is not None:
                 restarts[name] = restarts.get(name, 0) + 1
             log.exception("%s failed; restarting in %.1fs", name, backoff,
                           extra={"loop": name, "loop_restarts": restarts.get(name, 0) if restarts else 0})
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, max_backoff_s)
+            backoff *= 2
+
+
+FIRST_BACKOFF_S = 0.5
+
+
+def restart_delay(backoff: float, ran_s: float, max_backoff_s: float) -> float:
+    """The wait before restarting a body that failed after running `ran_s`: doubling (`backoff`
+    is the doubled previous wait) up to `max_backoff_s`, and back to the first after a run longer
+    than 2 x `max_backoff_s` (an isolated failure, not a run of them: it doubled for the life of
+    the process, and a lease's renewal loop let the lease lapse that way)."""
+    if ran_s > 2 * max_backoff_s:
+        backoff = FIRST_BACKOFF_S
+    return min(backoff, max_backoff_s)
 
 
 class TaskGroup:

@@ -102,14 +102,23 @@ class _Child:
     spec: ProcessSpec
     process: subprocess.Popen[bytes]
     restarts: int = 0
+    recent: list[float] = field(default_factory=list)
+    """When it was restarted within the last RESTART_WINDOW_S (monotonic seconds)."""
+
+
+RESTART_WINDOW_S = 600.0
+"""`max_restarts` counts within this window: a service that restarts now and then over a week-long
+run (a trainer stopping for a restart from its newest good checkpoint) is not given up on."""
 
 
 class Supervisor:
-    """Starts services in order, restarts a crashed one (up to `max_restarts`), stops all in reverse."""
+    """Starts services in order, restarts a crashed one (up to `max_restarts` within
+    `window_s`), stops all in reverse."""
 
-    def __init__(self, specs: Sequence[ProcessSpec], *, max_restarts: int = 3) -> None:
+    def __init__(self, specs: Sequence[ProcessSpec], *, max_restarts: int = 3,
+                 window_s: float = RESTART_WINDOW_S) -> None:
         self.specs = list(specs)
-        self.max_restarts = max_restarts
+        self.max_restarts, self.window_s = max_restarts, window_s
         self.children: dict[str, _Child] = {}
 
     def _spawn(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
@@ -157,12 +166,15 @@ class Supervisor:
             code = child.process.poll()
             if code is None:
                 continue
-            if child.restarts >= self.max_restarts:
-                raise ServiceFailed(f"{name} exited with {code} after {child.restarts} restarts; "
-                                    f"log {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
+            now = time.monotonic()
+            child.recent = [t for t in child.recent if now - t < self.window_s]
+            if len(child.recent) >= self.max_restarts:
+                raise ServiceFailed(f"{name} exited with {code} after {len(child.recent)} restarts in "
+                                    f"{self.window_s:.0f}s; log {child.spec.log_path}:\n{log_tail(child.spec.log_path)}")
             log.warning("%s exited with %s; restarting", name, code)
             child.process = self._spawn(child.spec)
             child.restarts += 1
+            child.recent.append(now)
             restarted.append(name)
         return restarted
 

@@ -120,6 +120,11 @@ class Keys:
         return self.prefix + "trainer:lease"
 
     @property
+    def trainer_holder(self) -> str:
+        """The token of the trainer that last acquired the lease; never expires (the fence's key)."""
+        return self.prefix + "trainer:holder"
+
+    @property
     def pattern(self) -> str:
         """Every key of the run (SCAN pattern)."""
         return self.prefix + "*"

@@ -10,12 +10,14 @@ restores anything:
   a holder that renews is alive, and the starter is refused (`LeaseHeld`, within about a third
   of the ttl); a lease that expires is taken. A holder on this host whose pid is gone (kill -9,
   then the supervisor's restart) is taken over at once, not after the ttl.
-- The fence: the pointer's publish and checkpoint record and the stream's acknowledgement run
-  in Lua that refuses the write (`LeaseLost`) while another token holds the lease. A trainer that
-  was paused past its ttl (SIGSTOP, a long GC, a partition) and woke to find a successor can
-  therefore move nothing the successor owns; its renewal finds the loss too, and it stops.
-A lease that expired with no successor (a Redis outage longer than the ttl) is taken back by
-its holder's next renewal; writes meanwhile are allowed: no one else holds the run.
+- The fence: every acquisition also writes its token to `arlo:{run}:trainer:holder`, which
+  never expires. The pointer's publish and checkpoint record, the stream's acknowledgement and
+  its `seen:` markers run in Lua that refuses the write (`LeaseLost`) unless that key holds the
+  writer's token. A trainer paused past its ttl (SIGSTOP, a long GC, a partition) that wakes after
+  a successor took the run, even one that has stopped since, can therefore move nothing; its
+  renewal finds the loss too, and it stops.
+A lease that expired with no successor (a Redis outage longer than the ttl) is taken back by its
+holder's next renewal, since the holder key still names it; its writes meanwhile are allowed.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from arlo.background import MustRestart
 from arlo.coord.client import cancel_safe, text
@@ -37,35 +41,41 @@ from arlo.coord.keys import Keys
 log = logging.getLogger(__name__)
 
 FENCE_LUA = """
-local holder = redis.call('HGET', KEYS[1], 'token')
+local holder = redis.call('GET', KEYS[1])
 if ARGV[1] ~= '' and holder and holder ~= ARGV[1] then return -1 end
 """
-"""Prepended to a fenced script: KEYS[1] is the lease, ARGV[1] the writer's token ('' = unfenced);
-the script's own keys and arguments start at index 2. Returns -1 when another token holds the lease."""
+"""Prepended to a fenced script: KEYS[1] is the holder key, ARGV[1] the writer's token ('' =
+unfenced); the script's own keys and arguments start at index 2. Returns -1 when the run was
+acquired by another token since (a key nobody has acquired lets every write through)."""
 
 _ACQUIRE_LUA = """
 local holder = redis.call('HGET', KEYS[1], 'token')
 if holder and holder ~= ARGV[1] and holder ~= ARGV[4] then
-  return {0, redis.call('HGET', KEYS[1], 'owner') or '', redis.call('HGET', KEYS[1], 'renewals') or '0'}
+  return {0, redis.call('HGET', KEYS[1], 'owner') or '', redis.call('HGET', KEYS[1], 'renewals') or '0',
+          redis.call('HGET', KEYS[1], 'ns') or ''}
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'owner', ARGV[2], 'renewals', 0, 'since', ARGV[5])
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'owner', ARGV[2], 'renewals', 0, 'since', ARGV[5], 'ns', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {1, ARGV[2], '0'}
+redis.call('SET', KEYS[2], ARGV[1])
+return {1, ARGV[2], '0', ARGV[6]}
 """
-"""Takes the lease when free, already ours, or held by ARGV[4] (a dead holder's token being taken over)."""
+"""Takes the lease when free, already ours, or held by ARGV[4] (a dead holder's token being taken
+over); the holder key (KEYS[2]) then names the new token, for good."""
 
 _RENEW_LUA = """
 local holder = redis.call('HGET', KEYS[1], 'token')
 if holder and holder ~= ARGV[1] then return 0 end
 if not holder then
-  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'owner', ARGV[2], 'renewals', 0, 'since', ARGV[4])
+  if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'owner', ARGV[2], 'renewals', 0, 'since', ARGV[4], 'ns', ARGV[5])
 else
   redis.call('HINCRBY', KEYS[1], 'renewals', 1)
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+"""Extends our lease; one that expired is ours again only if nobody acquired the run since."""
 
 _RELEASE_LUA = """
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -111,11 +121,13 @@ class TrainerLease:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
         self._redis = redis
-        self.key = Keys(run_id).trainer_lease
+        keys = Keys(run_id)
+        self.key, self.holder_key = keys.trainer_lease, keys.trainer_holder
         self.ttl_s = ttl_s
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.namespace = process_namespace()
         self.token = uuid.uuid4().hex
-        self.fence = Fence(self.key, self.token)
+        self.fence = Fence(self.holder_key, self.token)
         self._acquire = redis.register_script(_ACQUIRE_LUA)
         self._renew = redis.register_script(_RENEW_LUA)
         self._release = redis.register_script(_RELEASE_LUA)
@@ -129,18 +141,20 @@ class TrainerLease:
         """Takes the lease, waiting at most one ttl (and a renewal) to see whether its holder lives."""
         deadline = time.monotonic() + self.ttl_s + self.renew_every_s
         first_seen: tuple[str, str] | None = None
-        dead_token = ""
+        dead_token, dead_owner = "", ""
         while True:
-            taken, owner, renewals = await self._acquire(
-                keys=[self.key], args=[self.token, self.owner, str(round(self.ttl_s * 1000)), dead_token,
-                                       repr(time.time())])
-            owner, renewals = text(owner), text(renewals)
+            taken, owner, renewals, namespace = await self._acquire(
+                keys=[self.key, self.holder_key],
+                args=[self.token, self.owner, str(round(self.ttl_s * 1000)), dead_token, repr(time.time()),
+                      self.namespace])
+            owner, renewals, namespace = text(owner), text(renewals), text(namespace)
             if int(taken):
                 if dead_token:
-                    log.warning("took over the trainer lease of %s (a process on this host that is gone)", owner)
+                    log.warning("took over the trainer lease of %s (a process of this host and pid namespace "
+                                "that is gone)", dead_owner)
                 return
-            if _gone_from_this_host(owner):
-                dead_token = text(await self._redis.hget(self.key, "token") or b"")
+            if self.namespace and namespace == self.namespace and _gone_from_this_host(owner):
+                dead_token, dead_owner = text(await self._redis.hget(self.key, "token") or b""), owner
                 continue
             if first_seen is not None and (owner != first_seen[0] or renewals != first_seen[1]):
                 raise LeaseHeld(self._held_message(owner, "it renews its lease"))
@@ -156,27 +170,45 @@ class TrainerLease:
     @cancel_safe
     async def renew(self) -> None:
         """Raises LeaseLost when another trainer holds the lease now."""
-        ok = await self._renew(keys=[self.key], args=[self.token, self.owner, str(round(self.ttl_s * 1000)),
-                                                      repr(time.time())])
+        ok = await self._renew(keys=[self.key, self.holder_key],
+                               args=[self.token, self.owner, str(round(self.ttl_s * 1000)), repr(time.time()),
+                                     self.namespace])
         if not int(ok):
             holder = text(await self._redis.hget(self.key, "owner") or b"?")
             raise LeaseLost(f"the trainer lease {self.key} is held by {holder} now (this trainer could not "
                             f"renew it within {self.ttl_s:.0f}s); stopping so that one lineage trains the run")
 
     async def keep_renewed(self) -> None:
-        """The renewal loop (a background task; a Redis error restarts it, LeaseLost stops the process)."""
+        """The renewal loop (a background task; LeaseLost stops the process). A Redis error is
+        retried at a tenth of the ttl, not with a growing backoff: a few errors over a long run
+        must not leave the lease to lapse."""
         while True:
-            await self.renew()
+            try:
+                await self.renew()
+            except (RedisError, OSError) as e:
+                log.warning("could not renew the trainer lease (%s); retrying", e)
+                await asyncio.sleep(self.ttl_s / 10)
+                continue
             await asyncio.sleep(self.renew_every_s)
 
     @cancel_safe
     async def release(self) -> None:
         """Gives the lease back (a clean stop), so the next trainer starts at once."""
-        await self._release(keys=[self.key], args=[self.token])
+        await self._release(keys=[self.key], args=[self.token])  # the holder key keeps naming us: fenced as before
+
+
+def process_namespace() -> str:
+    """This boot and pid namespace ('' where unknown): pids compare only within one. Two containers
+    with one hostname (host networking, a fixed --hostname) have pids the other cannot see."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
 
 
 def _gone_from_this_host(owner: str) -> bool:
-    """Whether `owner` ("host:pid") names a process of this host that no longer exists."""
+    """Whether `owner` ("host:pid", of this boot and pid namespace) names a process that no longer exists."""
     host, _, pid = owner.rpartition(":")
     if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
         return False

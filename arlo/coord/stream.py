@@ -86,7 +86,7 @@ class TrajectoryStream:
             raise ValueError(f"max_backlog: must be >= 1, got {max_backlog}")
         self._redis = redis
         self._keys = Keys(run_id)
-        self._fence = fence or Fence(self._keys.trainer_lease, UNFENCED_TOKEN)
+        self._fence = fence or Fence(self._keys.trainer_holder, UNFENCED_TOKEN)
         self._consumer = consumer
         self._group = group
         self._max_backlog = max_backlog

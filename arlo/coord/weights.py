@@ -124,7 +124,7 @@ class WeightPointer:
         (LeaseLost) while another trainer holds the run."""
         self._redis = redis
         self._keys = Keys(run_id)
-        self._fence = fence or Fence(self._keys.trainer_lease, UNFENCED_TOKEN)
+        self._fence = fence or Fence(self._keys.trainer_holder, UNFENCED_TOKEN)
         # register_script re-sends the script after NOSCRIPT (a restarted or flushed Redis).
         self._publish = redis.register_script(_PUBLISH_LUA)
         self._checkpoint = redis.register_script(_CHECKPOINT_LUA)

@@ -18,7 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from arlo.background import TaskGroup
+from arlo.background import MustRestart, TaskGroup
 from arlo.config import AuthConfig, ConfigError, ServerConfig
 from arlo.gc_pauses import GcPauses, freeze_startup
 from arlo.rpc.auth import AuthInterceptor, load_token
@@ -193,6 +193,10 @@ def run_until_signal(start: Callable[[], Awaitable[RunningServer]], *,
         log.error("cannot start: %s", e, exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from e
+    except MustRestart as e:  # while starting (a fenced write refused: the run was taken over)
+        log.critical("stopping to be restarted: %s", e)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     if tasks is not None and tasks.fatal is not None:
         print(f"error: {tasks.fatal}", file=sys.stderr)
         raise SystemExit(1)

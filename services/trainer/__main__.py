@@ -106,7 +106,11 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
     loop.on_step += [MetricsStream(redis, cfg.run_id).add, observe]
     if tracing is not None:  # each RL step as a trace of its phases (services/trainer/step_spans.py)
         loop.on_step.append(StepSpans(tracing.tracer("services.trainer")).add)
-    await loop.start()
+    try:
+        await loop.start()
+    except BaseException:  # a restore refused, a fenced publish refused: no server left behind
+        await running.stop(0)
+        raise
     prometheus.started(version=loop.state.version, step=learner.step_count)
     heartbeat = Heartbeat(redis, cfg.run_id, service="trainer", instance=instance)
     tasks.spawn("training-loop", loop.run)

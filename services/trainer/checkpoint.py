@@ -37,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from arlo.config import ConfigError
 from arlo.model.weights import nonfinite_leaf
 from services.trainer.gather import host_state, state_digest
 
@@ -258,7 +259,8 @@ class Checkpointer:
 
     def restore_newest(self, params_like: nnx.State, opt_state_like: Any, critic_like: Any = None) -> Restored | None:
         """The newest complete, intact checkpoint; None when there is none. `critic_like`: the
-        live critic's {"params", "opt_state"}, to restore the critic too (None: not read)."""
+        live critic's {"params", "opt_state"}, to restore the critic too (None: not read).
+        Raises ConfigError when checkpoints exist but none restores."""
         self._manager.reload()
         skipped: list[str] = []
         for version in sorted(self._manager.all_steps(), reverse=True):
@@ -269,6 +271,12 @@ class Checkpointer:
                 log.error("checkpoint %s is corrupt or unreadable (%s: %s); falling back to an older one",
                           self.uri(version), type(e).__name__, e)
                 skipped.append(f"{self.uri(version)}: {type(e).__name__}: {e}"[:500])
+        if skipped:
+            # Starting over from the initial weights would publish them as the run's newest version
+            # and train the stream's unacknowledged rest onto them, silently: an operator decides.
+            raise ConfigError(f"trainer.checkpoint_dir: none of the {len(skipped)} checkpoints under {self.directory} "
+                              f"restores ({'; '.join(skipped)[:1500]}); move them aside, or point "
+                              "trainer.checkpoint_dir elsewhere, to start this run from the initial weights")
         return None
 
     def close(self) -> None:

@@ -273,6 +273,8 @@ class TrainingLoop:
         self._raise_if_damaged()
         intake, self._intake_error = self._intake_error, None
         tail = self._tails.take_error()
+        if isinstance(tail, MustRestart):  # before an intake error, which would only restart the loop in place
+            raise tail
         if intake is not None or tail is not None:
             raise intake or tail  # type: ignore[misc]
 
@@ -457,10 +459,10 @@ class TrainingLoop:
         self._raise_if_damaged()
 
     def _raise_if_damaged(self) -> None:
-        """The core found the learner's state damaged: no step may follow in this process."""
+        """The core found that this process may not train on (a damaged state, the run taken over)."""
         if self.state.must_restart:
-            raise MustRestart(f"trainer state damaged: {self.state.must_restart}; the restart restores the "
-                              f"newest good checkpoint ({self.state.checkpoint_uri or 'none yet: the initial weights'})")
+            raise MustRestart(f"{self.state.must_restart}; the restart restores the newest good checkpoint "
+                              f"({self.state.checkpoint_uri or 'none yet: the initial weights'})")
 
     def _publish_may_overlap(self, version: int) -> bool:
         """Whether `version`'s publish may run beside the next step: not when its tail may not

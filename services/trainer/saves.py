@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from arlo.background import MustRestart
 from arlo.coord import WeightPointer
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, NonFiniteState, Restored, SaveArrays
 from services.trainer.core.records import Acknowledge, Checkpoint, Decision
@@ -120,7 +121,8 @@ class Saves:
         try:
             await self.pointer.set_checkpoint(version, uri)
             await self.perform([acknowledge])  # durable now; a failed ack is retried by the next checkpoint
-        except BaseException:
+        except BaseException as e:
+            self._damaged(version, e)
             self.core.holds.checkpointed(version, uri)  # complete on disk all the same
             log.exception("checkpoint %d is complete but acknowledging its steps failed; the next one does", version)
             raise
@@ -132,10 +134,14 @@ class Saves:
         return version, uri
 
     def _damaged(self, version: int, e: BaseException) -> None:
-        """A save refused because the state holds NaN or inf: no retry can succeed, the state is
-        damaged (the driver stops for a restart from the newest good checkpoint)."""
+        """A save refused because the state holds NaN or inf (no retry can succeed: the state is
+        damaged), or a fenced record refused (the run was taken over): the driver stops for a
+        restart from the newest good checkpoint. Said to the core, since this job's own error is
+        only logged."""
         if isinstance(e, NonFiniteState):
-            self.core.state_damaged(f"checkpoint {version} not saved: {e}")
+            self.core.state_damaged(f"trainer state damaged: checkpoint {version} not saved: {e}")
+        elif isinstance(e, MustRestart):
+            self.core.state_damaged(str(e))
 
     async def settle(self) -> None:
         """Waits for the checkpoint in flight; its failure was logged and its steps held again."""

@@ -26,14 +26,17 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from arlo.background import MustRestart
+
 log = logging.getLogger(__name__)
 
 
 class StepTails:
     def __init__(self) -> None:
         self._last: asyncio.Task[None] | None = None
-        self.error: Exception | None = None
-        """The first deferred tail's failure not yet raised by the loop."""
+        self.error: Exception | MustRestart | None = None
+        """The first deferred tail's failure not yet raised by the loop (a MustRestart wins: the
+        run was taken over, a fenced publish or acknowledgement refused)."""
 
     def defer(self, tail: Coroutine[Any, Any, None], *, on_done: Callable[[float], None]) -> None:
         """Runs `tail` after the tails deferred before it; `on_done(seconds)` with its own time."""
@@ -54,6 +57,8 @@ class StepTails:
             log.exception("a step's tail (record, acknowledgements) failed; the loop restarts after the step in flight")
             if self.error is None:
                 self.error = e
+        except MustRestart as e:  # a BaseException: never left in a task nobody reads
+            self.error = e
         finally:
             on_done(time.perf_counter() - started)
 
@@ -62,6 +67,6 @@ class StepTails:
         if self._last is not None:
             await asyncio.wait([self._last], timeout=timeout_s)
 
-    def take_error(self) -> Exception | None:
+    def take_error(self) -> Exception | MustRestart | None:
         error, self.error = self.error, None
         return error

@@ -107,6 +107,37 @@ async def test_a_trainer_that_lost_the_run_while_paused_can_write_nothing(redis,
     assert await WeightPointer(redis, run_id, fence=successor.fence).publish(1, source="grpc://b", sha256="y")
 
 
+async def test_a_trainer_that_wakes_after_its_successor_stopped_is_still_fenced(redis, run_id: str) -> None:
+    """The successor came and went (released, or died and expired): the lease key is gone, but the
+    run was acquired by another token since, so the sleeper may neither write nor take it back."""
+    sleeper = lease(redis, run_id, owner="pod-a:1")
+    await sleeper.acquire()
+    successor = lease(redis, run_id, owner="pod-b:1")
+    await successor.acquire()  # after the sleeper's ttl
+    assert await WeightPointer(redis, run_id, fence=successor.fence).publish(10, source="grpc://b", sha256="b")
+    await successor.release()
+    with pytest.raises(LeaseLost):
+        await WeightPointer(redis, run_id, fence=sleeper.fence).publish(11, source="grpc://a", sha256="a")
+    with pytest.raises(LeaseLost):
+        await sleeper.renew()
+    assert (await WeightPointer(redis, run_id).get()).sha256 == "b"
+    await lease(redis, run_id, owner="pod-c:1").acquire()  # a new trainer starts at once
+
+
+async def test_a_holder_in_another_pid_namespace_is_not_taken_for_dead(redis, run_id: str) -> None:
+    """Same hostname, pid not visible here (host networking, a fixed --hostname): not 'gone'."""
+    other = lease(redis, run_id, owner=f"{socket.gethostname()}:999999")
+    other.namespace = "another-boot/pid:[1]"
+    await other.acquire()
+    renewing = asyncio.create_task(other.keep_renewed())
+    try:
+        with pytest.raises(LeaseHeld, match="renews its lease"):
+            await lease(redis, run_id).acquire()
+    finally:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+
+
 @pytest.mark.timeout(300)
 async def test_a_second_trainer_process_exits_naming_the_first_which_trains_on(
         redis_url: str, run_id: str, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from arlo.background import MustRestart, TaskGroup, keep_running
+from arlo.background import FIRST_BACKOFF_S, MustRestart, TaskGroup, keep_running, restart_delay
 
 SERVICE = textwrap.dedent("""
     import asyncio
@@ -41,6 +41,16 @@ def test_a_service_whose_task_must_restart_stops_and_exits_1_saying_why() -> Non
     assert "not reached" not in done.stdout
 
 
+def test_a_service_that_must_restart_while_starting_exits_1_in_one_line() -> None:
+    script = SERVICE.replace("    tasks.spawn(\"training-loop\", damaged)\n    return running",
+                             "    raise MustRestart(\"publishing version 4 refused: another trainer holds the run\")")
+    assert script != SERVICE
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "error: publishing version 4 refused: another trainer holds the run" in done.stderr.splitlines()
+    assert "MustRestart" not in done.stderr  # one line, not its traceback
+
+
 async def test_keep_running_restarts_errors_but_hands_must_restart_on() -> None:
     calls: list[str] = []
     fatal: list[MustRestart] = []
@@ -59,3 +69,13 @@ async def test_keep_running_restarts_errors_but_hands_must_restart_on() -> None:
     await asyncio.sleep(0.1)
     assert group.fatal is not None and str(group.fatal) == "lease lost"
     await group.cancel_all()
+
+
+def test_a_failure_after_a_long_good_run_restarts_quickly_again() -> None:
+    """The backoff doubled for the life of the process: after a few isolated failures over a long
+    run, every later one waited max_backoff_s (a renewal loop let its lease lapse that way)."""
+    waits, backoff = [], FIRST_BACKOFF_S
+    for ran_s in (0.1, 0.1, 0.1, 0.1, 0.1, 3600.0, 0.1):
+        waits.append(restart_delay(backoff, ran_s, 10.0))
+        backoff = waits[-1] * 2
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 0.5, 1.0]

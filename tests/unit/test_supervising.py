@@ -75,11 +75,38 @@ def test_a_service_that_keeps_dying_ends_the_drive_with_its_error(tmp_path: Path
     try:
         sup.start(spec)
         started = time.monotonic()
-        with pytest.raises(ServiceFailed, match="crashy exited with 3 after 1 restarts"):
+        with pytest.raises(ServiceFailed, match="crashy exited with 3 after 1 restarts in"):
             asyncio.run(supervising(asyncio.sleep(30), sup.check, every_s=0.2))
         assert time.monotonic() - started < 20  # not the 30 s the drive would have waited
     finally:
         sup.stop_all(grace_s=5)
+
+
+@pytest.mark.timeout(60)
+def test_restarts_count_within_a_window_not_over_the_whole_run(tmp_path: Path) -> None:
+    """A week-long run's fourth legitimate restart (a trainer stopping to restore its newest good
+    checkpoint) must not end every service: only restarts within `window_s` count."""
+    spec = ProcessSpec(name="rare", argv=(sys.executable, "-c", "raise SystemExit(1)"), address="-",
+                       log_path=tmp_path / "rare.log", ready=lambda address, timeout_s: True)
+    sup = Supervisor([spec], max_restarts=1, window_s=0.5)
+    try:
+        sup.children["rare"] = _spawned(sup, spec)
+        for _ in range(3):  # each death comes after the previous restart left the window
+            sup.children["rare"].process.wait(10)
+            time.sleep(0.6)
+            assert sup.check() == ["rare"]
+        assert sup.children["rare"].restarts == 3  # over max_restarts 1, each alone in its window
+        sup.children["rare"].process.wait(10)
+        with pytest.raises(ServiceFailed, match="rare exited with 1 after 1 restarts in 0s"):
+            sup.check()  # twice within the window
+    finally:
+        sup.stop_all(grace_s=5)
+
+
+def _spawned(sup: Supervisor, spec: ProcessSpec):
+    from arlo.app.supervisor import _Child
+
+    return _Child(spec=spec, process=sup._spawn(spec))
 
 
 def test_a_stop_from_outside_cancels_the_drive_and_the_checks() -> None:

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import services.trainer.checkpoint as checkpoint
+from arlo.config import ConfigError
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, NonFiniteState
 
 
@@ -82,3 +83,22 @@ def test_a_state_holding_nan_is_never_saved(tmp_path: Path) -> None:
         assert restore(ckpt).meta.version == 1
     finally:
         ckpt.close()
+
+
+def test_a_directory_where_no_checkpoint_restores_is_refused_not_started_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every checkpoint damaged: the trainer used to start from the initial weights and publish them
+    as the run's newest version (one error line per checkpoint, nothing counted)."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    try:
+        for version in (1, 2):
+            save_unchecked(ckpt, version, monkeypatch, mu=float("nan"))
+        with pytest.raises(ConfigError, match=r"trainer\.checkpoint_dir: none of the 2 checkpoints .* restores"):
+            restore(ckpt)
+    finally:
+        ckpt.close()
+    empty = Checkpointer(str(tmp_path / "empty"))
+    try:
+        assert restore(empty) is None  # nothing saved yet: a fresh start
+    finally:
+        empty.close()

@@ -145,14 +145,15 @@ class TrainerCore:
         self.state.refused_in_a_row += 1
         if unpublished:
             self.state.version -= 1
-            self.state.must_restart = f"an applied update made the weights non-finite ({reason})"
+            self.state.must_restart = f"trainer state damaged: an applied update made the weights non-finite ({reason})"
         elif self.state.refused_in_a_row >= REFUSED_IN_A_ROW:
-            self.state.must_restart = (f"{self.state.refused_in_a_row} steps refused in a row, the last: {reason}; "
-                                       "the weights or optimizer state hold NaN or inf")
+            self.state.must_restart = (f"trainer state damaged: {self.state.refused_in_a_row} steps refused in a "
+                                       f"row, the last: {reason}; the weights or optimizer state hold NaN or inf")
         return [self.book.refuse(groups, reason)]
 
     def state_damaged(self, why: str) -> None:
-        """The learner's state was found non-finite outside a step (a checkpoint save's check)."""
+        """This process may not train on: its state was found non-finite outside a step (a
+        checkpoint save's check), or the run was taken over (a fenced write refused in a job)."""
         self.state.must_restart = self.state.must_restart or why
 
     def refused(self) -> None:
