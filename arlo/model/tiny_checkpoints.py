@@ -84,10 +84,11 @@ def train_tokenizer(specials: list[str], added: list[str], vocab_size: int = 400
 def write_checkpoint(path: Path, family: str, *, layers: int = 2, hidden: int = 32, seed: int = 0,
                      max_shard_size: str | None = None, dtype: str = "float32", intermediate: int = 0,
                      heads: int = 4, kv_heads: int = 2, max_positions: int = 512, init_range: float = 0.2,
-                     vocab_size: int = 400, corpus: Iterable[str] | None = None) -> Path:
+                     vocab_size: int = 400, corpus: Iterable[str] | None = None,
+                     config: dict[str, Any] | None = None) -> Path:
     """A `family` (a FAMILIES key) checkpoint at `path`, written by transformers: random weights
     (normal with std `init_range`), `intermediate` MLP width (0: 2 x hidden), the tokenizer of
-    `write_tokenizer`. Needs torch and transformers (the hf extra)."""
+    `write_tokenizer`; `config` overrides the family's config fields (rope_theta, ...). Needs torch and transformers (the hf extra)."""
     import torch
     import transformers
 
@@ -100,7 +101,7 @@ def write_checkpoint(path: Path, family: str, *, layers: int = 2, hidden: int = 
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 2, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
         rms_norm_eps=1e-6, initializer_range=init_range, bos_token_id=ids.get(spec["bos"]) if spec["bos"] else None,
-        eos_token_id=eos_ids[0], pad_token_id=ids[spec["pad"]], **spec["config"])
+        eos_token_id=eos_ids[0], pad_token_id=ids[spec["pad"]], **{**spec["config"], **(config or {})})
     model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = eos_ids
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
