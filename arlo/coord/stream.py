@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, WatchError
 
 from arlo.config.base import longest_block_ms
 from arlo.coord import codec
@@ -347,16 +347,29 @@ class TrajectoryStream:
             await self._dead_letter([(eid, codec.encode(traj), reason[:512]) for eid, traj, reason in items])
 
     async def _dead_letter(self, bad: Sequence[tuple[str, Any, str]]) -> None:
-        # One transaction: an entry is either still pending or both copied and acked.
-        pipe = self._redis.pipeline(transaction=True)
-        for eid, fields, reason in bad:
-            log.warning("trajectory entry %s refused (%s); moved to %s", eid, reason, self._keys.traj_dead)
-            dead = codec.dead_fields(fields, reason=reason, entry_id=eid, consumer=self._consumer)
-            pipe.xadd(self._keys.traj_dead, dead, maxlen=DEAD_MAXLEN, approximate=True)
-        await self._ack_script(keys=self._fence.keys(self._keys.traj, self._keys.traj_acked),
-                               args=self._fence.args(self._group, *(eid for eid, _, _ in bad)), client=pipe)
-        results = await pipe.execute()
-        fenced_result(results[-1], f"dead-lettering {len(bad)} entries", self._fence)
+        # One transaction: an entry is either still pending or both copied and acked. Behind the
+        # fence as a whole: the holder key is WATCHed, so a trainer that lost the run adds no copy
+        # either (the ack's own fence check comes after the XADDs inside the MULTI).
+        what = f"dead-lettering {len(bad)} entries"
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if self._fence.token:
+                await pipe.watch(self._fence.key)
+                holder = await pipe.get(self._fence.key)
+                if holder is not None and text(holder) != self._fence.token:
+                    fenced_result(-1, what, self._fence)
+                pipe.multi()
+            for eid, fields, reason in bad:
+                log.warning("trajectory entry %s refused (%s); moved to %s", eid, reason, self._keys.traj_dead)
+                dead = codec.dead_fields(fields, reason=reason, entry_id=eid, consumer=self._consumer)
+                pipe.xadd(self._keys.traj_dead, dead, maxlen=DEAD_MAXLEN, approximate=True)
+            await self._ack_script(keys=self._fence.keys(self._keys.traj, self._keys.traj_acked),
+                                   args=self._fence.args(self._group, *(eid for eid, _, _ in bad)), client=pipe)
+            try:
+                results = await pipe.execute()
+            except WatchError:  # the run was acquired by another trainer between the check and EXEC
+                fenced_result(-1, what, self._fence)
+                raise
+        fenced_result(results[-1], what, self._fence)
 
     async def _groups(self) -> list[dict[str, Any]]:
         try:

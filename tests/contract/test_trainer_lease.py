@@ -95,6 +95,10 @@ async def test_a_trainer_that_lost_the_run_while_paused_can_write_nothing(redis,
     with pytest.raises(LeaseLost, match="another trainer holds"):
         await stream.mark_trained([t.trajectory.id for t in await stream.read(10, 0)] or ["t-of-the-run"])
     assert not await redis.keys(f"arlo:{run_id}:seen:*")  # the successor still trains them
+    entries = await stream.read_own_pending(10)
+    with pytest.raises(LeaseLost, match="dead-lettering 1 entries"):
+        await stream.dead_letter([(e.entry_id, e.trajectory, "refused") for e in entries[0]])
+    assert await redis.xlen(stream.keys.traj_dead) == 0  # no copy either
     with pytest.raises(LeaseLost, match="another trainer holds"):
         await stream.ack(ids)
     with pytest.raises(LeaseLost):
