@@ -15,6 +15,7 @@ from arlo.app.supervisor import is_serving
 from arlo.config import RunConfig, TlsConfig
 from arlo.coord import TrajectoryStream, WeightPointer, connect, read_statuses
 from arlo.coord.evals import EvalQueue
+from arlo.coord.lease import lease_holder
 from arlo.coord.metrics import MetricsStream
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
@@ -47,6 +48,7 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
         queue_depth = await stream.backlog()
         diagnostics = await MetricsStream(redis, cfg.run_id).latest()
         evaluation = await EvalQueue(redis, cfg.run_id).latest_result()
+        holder = await lease_holder(redis, cfg.run_id)
         first = await read_statuses(redis, cfg.run_id)
         await asyncio.sleep(interval_s if first else 0)
         second = await read_statuses(redis, cfg.run_id)
@@ -77,7 +79,7 @@ async def collect_status(cfg: RunConfig, token: str | None, *, interval_s: float
             "trainer_version": trainer_version if trainer_version is not None else (pointer.version if pointer else 0),
             "pointer_version": pointer.version if pointer else 0, "queue_depth": queue_depth,
             "staleness": float(trainer["staleness"]) if "staleness" in trainer else None,
-            "trainer_waiting_on": trainer.get("waiting_on") or "",
+            "trainer_waiting_on": trainer.get("waiting_on") or "", "trainer_lease": holder,
             "trainer_diagnostics": diagnostics, "latest_eval": evaluation}
 
 

@@ -28,6 +28,8 @@ def print_status(status: dict[str, Any], source: str | Path) -> None:
                       "-" if s["weight_version"] is None else str(s["weight_version"]),
                       str(s.get("instances", "-")), rates, kv_text(s.get("kv", {})), errors)
     Console().print(table)
+    if status.get("trainer_lease"):  # the one trainer of the run (arlo/coord/lease.py)
+        Console().print(f"trainer lease held by {status['trainer_lease']}")
     if status.get("trainer_waiting_on"):  # why no step is taken now, in the core's words
         Console().print(f"trainer waiting: {status['trainer_waiting_on']}")
     if status.get("trainer_diagnostics"):

@@ -197,6 +197,11 @@ class TrainerLease:
         await self._release(keys=[self.key], args=[self.token])  # the holder key keeps naming us: fenced as before
 
 
+async def lease_holder(redis: Redis, run_id: str) -> str:
+    """Who holds the run's trainer lease ("host:pid", "" when nobody does): `arlo status` shows it."""
+    return text(await redis.hget(Keys(run_id).trainer_lease, "owner") or b"")
+
+
 def process_namespace() -> str:
     """This boot and pid namespace ('' where unknown): pids compare only within one. Two containers
     with one hostname (host networking, a fixed --hostname) have pids the other cannot see."""

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from arlo.coord import TrajectoryStream, WeightPointer, connect, delete_run
-from arlo.coord.lease import LeaseHeld, LeaseLost, TrainerLease
+from arlo.coord.lease import LeaseHeld, LeaseLost, TrainerLease, lease_holder
 from arlo.proto.v1 import common_pb2
 from tests.support.trainer import trainer_config, trainer_service
 
@@ -53,6 +53,7 @@ async def test_a_second_trainer_is_refused_while_the_first_renews(redis, run_id:
             await lease(redis, run_id, owner="pod-b:1").acquire()
         assert time.monotonic() - started < TTL_S  # seen renewing, long before the lease could expire
         await first.renew()  # the first trains on
+        assert await lease_holder(redis, run_id) == "pod-a:1"  # what arlo status shows
     finally:
         renewing.cancel()
         await asyncio.gather(renewing, return_exceptions=True)
