@@ -46,6 +46,21 @@ in-process is 0.14 and 0.19, and async over sync 1.19 and 1.43. A step of this m
 baseline 18-27 ms on the GPU, and arlo's fixed per-step cost (RPCs, Redis, the weight chain;
 bench/step_anatomy.py: 50% of an async step, 65% of a sync one there) decides. Inference and the
 trainer shared the one GPU, each with 45% of its memory (local.accelerator_memory).
+
+Issue 34 (trainer as a pure core plus one driver), 2026-12-06, the 2-core dev machine shared with
+other agents' tests and demos (load average 4-14, mostly 6-8): `--workloads 596k --no-inprocess
+--steps 20`, before (33301d4, b1a364d^) and after (59f88a1) interleaved, ten pairs, steps/s sync /
+async. Before's run 1, and run 2's async side, failed at start (inference not healthy in 180 s:
+a cold compile cache at load 10-14). Means: sync 1.19 -> 1.62 (x1.36), async 1.55 -> 1.42 (x0.92); one tree spans
+0.4-2.4, so no change shows through this noise.
+
+| pair | before | after | pair | before | after |
+|---|---|---|---|---|---|
+| 1 | failed | 1.90 / 2.31 | 6 | 1.94 / 1.42 | 1.93 / 1.59 |
+| 2 | 0.59 / failed | 1.99 / 0.87 | 7 | 1.71 / 1.07 | 1.08 / 0.61 |
+| 3 | 0.40 / 1.93 | 1.88 / 2.44 | 8 | 0.59 / 1.11 | 1.20 / 0.96 |
+| 4 | 1.88 / 1.33 | 1.48 / 1.37 | 9 | 0.92 / 1.97 | 1.55 / 0.90 |
+| 5 | 1.39 / 1.65 | 1.98 / 1.78 | 10 | 1.33 / 1.86 | 1.23 / 1.43 |
 """
 
 from __future__ import annotations
