@@ -51,7 +51,7 @@ async def test_a_second_trainer_is_refused_while_the_first_renews(redis, run_id:
         started = time.monotonic()
         with pytest.raises(LeaseHeld, match="pod-a:1.*renews its lease.*same run_id is refused"):
             await lease(redis, run_id, owner="pod-b:1").acquire()
-        assert time.monotonic() - started < TTL_S  # seen renewing, long before the lease could expire
+        assert time.monotonic() - started < 2 * TTL_S  # seen renewing (every TTL_S / 3), not waiting the lease out
         await first.renew()  # the first trains on
         assert await lease_holder(redis, run_id) == "pod-a:1"  # what arlo status shows
     finally:
@@ -68,7 +68,7 @@ async def test_a_lease_nobody_renews_is_taken_after_its_ttl_and_a_released_one_a
     await second.release()
     started = time.monotonic()
     await lease(redis, run_id, owner="pod-c:1").acquire()
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < TTL_S * 2 / 3  # at once: no wait for the ttl
 
 
 async def test_a_dead_holder_on_this_host_is_taken_over_at_once(redis, run_id: str) -> None:
@@ -77,7 +77,7 @@ async def test_a_dead_holder_on_this_host_is_taken_over_at_once(redis, run_id: s
     await lease(redis, run_id, owner=f"{socket.gethostname()}:{gone.pid}").acquire()
     started = time.monotonic()
     await lease(redis, run_id).acquire()
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < TTL_S * 2 / 3  # at once: no wait for the ttl
 
 
 async def test_a_trainer_that_lost_the_run_while_paused_can_write_nothing(redis, run_id: str) -> None:
