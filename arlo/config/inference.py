@@ -51,6 +51,12 @@ class InferenceConfig:
     """Prompts prefilled together in one call (at least one request is admitted per step)."""
     max_seq_len: int = ranged(0, ge=0)
     """Prompt + completion tokens one sequence may reach (its page table's length); 0 = the model's max_seq_len."""
+    max_top_logprobs: int = ranged(0, ge=0, le=20)
+    """Most alternatives per generated token a request may ask for (the OpenAI endpoint's chat
+    `top_logprobs`, its completions' `logprobs`): every prefill and decode program then also
+    returns, per sampled token, the K most likely tokens of the distribution it was drawn from
+    (K is compiled into the programs, so any request's K up to it reuses them). 0: off, the
+    programs as without it; a request that asks for alternatives is refused."""
     openai_port: int = ranged(0, ge=0, le=65535, special={-1: "off"})
     """Port of the OpenAI-compatible HTTP endpoint (/v1/chat/completions, /v1/completions, /v1/models)
     on server.host: 0 picks a free one (its URL is in the heartbeat and GetModelInfo), -1 turns it off."""

@@ -16,7 +16,8 @@ confidence, since the point mass's logprob (always 0) carries no information. An
 temperature below GREEDY_BELOW (1e-5) is greedy too: dividing logits by 1e-12..1e-30
 overflows float32 and gave +-inf or NaN logprobs, and such a distribution is a point mass
 anyway. A returned logprob is always finite, in [LOGPROB_FLOOR, 0]: a non-finite one would
-poison the trainer's importance ratios.
+poison the trainer's importance ratios. `sample_with_top` also returns each row's K most likely
+tokens under that same distribution (the OpenAI endpoint's top_logprobs).
 
 Filtering sorts the vocabulary (one full sort per row and step, only in batches where some
 row filters); on a large vocabulary a static `lax.top_k` cap would be cheaper, at the
@@ -55,7 +56,52 @@ def sample(
     top_p: ArrayLike,
     min_p: ArrayLike,
 ) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row; returns (tokens_b int32, logprobs_b float32).
+    """Draw one token per row; returns (tokens_b int32, logprobs_b float32). See `_sample`."""
+    tokens_b, logprobs_b, _ = _sample(logits_bv, key, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    return tokens_b, logprobs_b
+
+
+def sample_with_top(
+    logits_bv: jax.Array,
+    key: jax.Array,
+    *,
+    top: int,
+    temperature: ArrayLike,
+    top_k: ArrayLike,
+    top_p: ArrayLike,
+    min_p: ArrayLike,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`sample` (the same tokens and logprobs) plus, per row, the `top` most likely tokens of the
+    distribution the token was drawn from: (tokens_b, logprobs_b, top_ids_bk, top_logprobs_bk).
+
+    `top` is static (part of the program): a serving engine compiles one K for every request.
+    The alternatives come from the very [b, v] matrix the sampled logprob is read from, so a
+    sampled token among them carries exactly its own logprob (OpenAI's top_logprobs)."""
+    tokens_b, logprobs_b, logprobs_bv = _sample(logits_bv, key, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                min_p=min_p)
+    return tokens_b, logprobs_b, *top_logprobs(logprobs_bv, top)
+
+
+def top_logprobs(logprobs_bv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The `k` (static) largest entries of each row, most likely first and the lowest id first on
+    ties (`lax.top_k`, no full sort): (ids_bk int32, logprobs_bk float32). The logprobs are made
+    finite as the sampled ones are, so a filtered-out token (-inf) that fills a place reads
+    LOGPROB_FLOOR: JSON has no -inf."""
+    values_bk, ids_bk = jax.lax.top_k(logprobs_bv, k)
+    return ids_bk.astype(jnp.int32), finite_logprobs(values_bk)
+
+
+def _sample(
+    logits_bv: jax.Array,
+    key: jax.Array,
+    *,
+    temperature: ArrayLike,
+    top_k: ArrayLike,
+    top_p: ArrayLike,
+    min_p: ArrayLike,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draw one token per row; returns (tokens_b int32, logprobs_b float32, the sampling
+    distribution's logprobs_bv float32: -inf where filtered out, untempered at temperature 0).
 
     `key` is one PRNG key (row r then uses fold_in(key, r), so a row's draw does not depend
     on how many rows share the call) or a batch of keys [b], one stream per row. Raw
@@ -89,7 +135,7 @@ def sample(
     # Greedy: argmax of the logits (lowest id on ties); its logprob is the untempered one.
     tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), _inverse_cdf_draw(logprobs_bv, uniform_b))
     logprobs_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
-    return tokens_b.astype(jnp.int32), finite_logprobs(logprobs_b)
+    return tokens_b.astype(jnp.int32), finite_logprobs(logprobs_b), logprobs_bv
 
 
 def _inverse_cdf_draw(logprobs_bv: jax.Array, uniform_b: jax.Array) -> jax.Array:

@@ -112,7 +112,7 @@ class Engine:
         self.runner = Runner(self.graphdef, self.model_cfg, pages=self.kv.pages, page_size=self.kv.page_size,
                              max_seqs=self.max_seqs, slot_len=slot_len, decode_steps=self.config.decode_steps,
                              max_prefill_rows=self.config.max_prefill_rows, max_n=self.config.max_n, min_rows=min_rows,
-                             mesh=mesh)
+                             mesh=mesh, top_logprobs=self.config.max_top_logprobs)
         self.scheduler = Scheduler(max_seqs=self.max_seqs, prefill_tokens=self.config.prefill_tokens,
                                    pool=PagePool(self.runner.pages, self.kv.page_size),
                                    prefill_start=self.runner.prefill_start)
@@ -391,6 +391,11 @@ class Engine:
         if routing:
             assert em.experts is not None and len(em.experts) == len(em.token_ids), "the programs record experts"
             seq.experts.extend(em.experts)
+        k = req.params.top_logprobs
+        if k:  # the programs return the engine's K alternatives per token: the request's first k of them
+            assert em.top_ids is not None and em.top_logprobs is not None, "the programs return top_logprobs"
+            seq.top_ids.extend(em.top_ids[:, :k])
+            seq.top_logprobs.extend(em.top_logprobs[:, :k])
         reason = None
         if seq.token_ids[-1] in req.stop_ids:
             reason = "stop"
@@ -399,6 +404,7 @@ class Engine:
         cut = stop_string_cut(self.tokenizer.decode, seq.token_ids, req.params.stop_strings, checked=before)
         if cut is not None:
             del seq.token_ids[cut:], seq.logprobs[cut:], seq.versions[cut:], seq.experts[cut:]
+            del seq.top_ids[cut:], seq.top_logprobs[cut:]
             reason = "stop"
         self.stats.generated_tokens += len(seq.token_ids) - before
         if reason is not None:
@@ -409,7 +415,8 @@ class Engine:
         handle._tokens(TokenDelta(sample=seq.index, token_ids=tuple(seq.token_ids[before:]),
                                   logprobs=tuple(seq.logprobs[before:]),
                                   policy_versions=tuple(seq.versions[before:]), finish_reason=reason,
-                                  routed_experts=_stacked(seq.experts[before:], self._routing) if routing else None))
+                                  routed_experts=_stacked(seq.experts[before:], self._routing) if routing else None,
+                                  **_top(seq, k, before)))
         if req.done:
             self._complete(req)
 
@@ -450,7 +457,18 @@ def _sample(seq: Seq, queue_s: float, engine_s: float, routing: tuple[int, int, 
     """`routing`: (routed layers, top_k, num_experts) when the request asked for its routing."""
     return Sample(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs), policy_versions=list(seq.versions),
                   finish_reason=seq.finish_reason or "abort", queue_s=queue_s, engine_s=engine_s,
-                  routed_experts=None if routing is None else _stacked(seq.experts, routing))
+                  routed_experts=None if routing is None else _stacked(seq.experts, routing),
+                  **_top(seq, seq.request.params.top_logprobs))
+
+
+def _top(seq: Seq, k: int, start: int = 0) -> dict[str, np.ndarray | None]:
+    """Sample's / TokenDelta's top_ids and top_logprobs from token `start` on: [tokens, k] each,
+    None when the request asked for none (k = 0)."""
+    if not k:
+        return {"top_ids": None, "top_logprobs": None}
+    ids, lps = seq.top_ids[start:], seq.top_logprobs[start:]
+    return {"top_ids": np.stack(ids).astype(np.int32) if ids else np.zeros((0, k), np.int32),
+            "top_logprobs": np.stack(lps).astype(np.float32) if lps else np.zeros((0, k), np.float32)}
 
 
 def _stacked(experts: list, routing: tuple[int, int, int] | None) -> np.ndarray:

@@ -67,7 +67,7 @@ def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[s
     b = buckets.decode_rows(kv.max_seqs)
     w = buckets.window(min(ic.max_prompt_tokens + ic.max_tokens, slot_len))
     decode = compiled_figures(_decode_jit.lower(graphdef, ic.decode_steps, w, sharding, state, cache,
-                                                _decode_batch([], b, kv.table_len)).compile())
+                                                _decode_batch([], b, kv.table_len), top=ic.max_top_logprobs).compile())
     # The longest prefill row: a prompt, or where samples can be preempted (partial rollouts, or
     # fewer pages than every sequence at full length: Engine.preemptible) a resumed sample's
     # prompt and tokens, up to max_prompt_tokens + max_tokens - 1.
@@ -78,7 +78,8 @@ def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[s
     m = buckets.prefill_rows(buckets.prefill_rows_cap(), t)
     span = -(-t // kv.page_size)
     prefill = compiled_figures(_prefill_jit.lower(graphdef, buckets.window(t), span, sharding, state, cache,
-                                                  _prefill_batch([], m, t, buckets.samples, kv.table_len)).compile())
+                                                  _prefill_batch([], m, t, buckets.samples, kv.table_len),
+                                                  top=ic.max_top_logprobs).compile())
     worst = max(("decode", decode), ("prefill", prefill), key=lambda kv: kv[1]["peak_bytes"])
     return {"devices": devices, "mesh": dict(mesh.shape) if mesh is not None else {}, "num_slots": kv.max_seqs,
             "kv_pages": kv.pages, "page_size": kv.page_size,

@@ -23,10 +23,11 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -175,9 +176,14 @@ class OpenAIEndpoint:
         if room < 1:
             raise BadRequest(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.max_seq_len}",
                              "messages")
+        most = self.engine.config.max_top_logprobs
+        if s.top_logprobs > most:  # the engine's programs return `most` alternatives per token
+            raise BadRequest(f"{s.top_logprobs_param} asks for {s.top_logprobs} alternatives per token; this server "
+                             f"returns at most {most} (raise inference.max_top_logprobs)", s.top_logprobs_param)
         max_tokens = s.max_tokens if s.max_tokens is not None else min(self.engine.config.max_tokens, room)
         return SamplingRequest(prompt=tuple(prompt), n=s.n, max_tokens=max_tokens, temperature=s.temperature,
                                top_p=s.top_p, seed=s.seed, stop_token_ids=tuple(self.tok.stop_token_ids),
+                               top_logprobs=s.top_logprobs,
                                stop_strings=s.stop, adapter=(slot := self.runs.get(s.model, 0)),
                                # KV parked for one run's adapter must never serve another run's turn.
                                session_id=(f"{slot}:{episode}" if slot else episode) if s.n == 1 else "")
@@ -211,13 +217,20 @@ class OpenAIEndpoint:
         """(the choice's JSON, the assistant message a later call may send back) for one sample."""
         text = render.reply_text(self.tok, s.token_ids, call.sampling.stop, s.finish_reason)
         finish = _FINISH[s.finish_reason]
+        lps = self._logprobs(call, s.token_ids, s.logprobs, s.top_ids, s.top_logprobs)
         if call.chat is None:
-            lps = render.completion_logprobs(self.tok, s.token_ids, s.logprobs) if call.sampling.logprobs else None
             return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}, None
         message, has_calls = render.chat_message(text, call.chat.tools, call.chat.parse_tools, self.tool_format)
-        lps = render.chat_logprobs(self.tok, s.token_ids, s.logprobs) if call.sampling.logprobs else None
         return {"index": index, "message": message, "logprobs": lps,
                 "finish_reason": "tool_calls" if has_calls else finish}, message
+
+    def _logprobs(self, call: _Call, ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray | None,
+                  top_logprobs: np.ndarray | None) -> dict[str, Any] | None:
+        """The choice's (or a streamed chunk's) `logprobs` object; None when the call asked for none."""
+        if not call.sampling.logprobs:
+            return None
+        shape = render.chat_logprobs if call.chat is not None else render.completion_logprobs
+        return shape(self.tok, ids, logprobs, top_ids, top_logprobs)
 
     def _record(self, call: _Call, samples: list[Sample], messages: list[dict[str, Any] | None]) -> None:
         if not call.episode:
@@ -263,10 +276,7 @@ class OpenAIEndpoint:
                 i = item.sample
                 tokens[i] += item.token_ids
                 logprobs[i] += item.logprobs
-                lps = None
-                if call.sampling.logprobs:
-                    lps = (render.chat_logprobs if call.chat else render.completion_logprobs)(
-                        self.tok, item.token_ids, item.logprobs)
+                lps = self._logprobs(call, item.token_ids, item.logprobs, item.top_ids, item.top_logprobs)
                 if item.finish_reason is None:
                     if buffer_all:
                         continue

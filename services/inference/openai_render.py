@@ -25,6 +25,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from arlo.jsonfields import loads_bounded
 from arlo.model.tokenizer import Tokenizer
 from arlo.tool_calls import ToolCall, parse_tool_calls
@@ -181,18 +183,40 @@ def call_id(tool_format: str) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def chat_logprobs(tok: Tokenizer, ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
+def chat_logprobs(tok: Tokenizer, ids: Sequence[int], logprobs: Sequence[float],
+                  top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> dict[str, Any]:
+    """Chat's `logprobs`: per token its text, logprob and bytes, and `top_logprobs`, the request's K
+    most likely tokens at that position, most likely first ([] without: K = 0)."""
     entries = []
-    for i, lp in zip(ids, logprobs, strict=True):
-        piece = tok.decode([i])
-        entries.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+    for i, (token, lp) in enumerate(zip(ids, logprobs, strict=True)):
+        top = [] if top_ids is None or top_logprobs is None else [
+            _token(tok, int(t), float(v)) for t, v in zip(top_ids[i], top_logprobs[i], strict=True)]
+        entries.append({**_token(tok, token, lp), "top_logprobs": top})
     return {"content": entries}
 
 
-def completion_logprobs(tok: Tokenizer, ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
+def _token(tok: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
+    piece = tok.decode([token])
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+
+def completion_logprobs(tok: Tokenizer, ids: Sequence[int], logprobs: Sequence[float],
+                        top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> dict[str, Any]:
+    """Legacy completions' `logprobs`. `top_logprobs` is OpenAI's legacy shape: per position a
+    {token text: logprob} of the K most likely tokens plus the sampled one (so up to K + 1 keys);
+    None without (K = 0). Two ids that decode to the same text keep the likelier's logprob."""
     pieces = [tok.decode([i]) for i in ids]
     offsets, at = [], 0
     for p in pieces:
         offsets.append(at)
         at += len(p)
-    return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    top = None
+    if top_ids is not None and top_logprobs is not None:
+        top = []
+        for i, (piece, lp) in enumerate(zip(pieces, logprobs, strict=True)):
+            alternatives: dict[str, float] = {}
+            for t, v in zip(top_ids[i], top_logprobs[i], strict=True):
+                alternatives.setdefault(tok.decode([int(t)]), float(v))
+            alternatives.setdefault(piece, lp)
+            top.append(alternatives)
+    return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}

@@ -1,8 +1,8 @@
 """OpenAI request bodies -> checked records, with errors that name the field. Pure.
 
-Only what the engine can honour is accepted: a field it cannot (top_logprobs > 0, a
-penalty, `echo`, `tool_choice` naming a function) is a 400 naming it, never silently
-ignored, so an agent learns at once that the server differs from OpenAI. Unknown fields
+Only what the engine can honour is accepted: a field it cannot (a penalty, `echo`,
+`tool_choice` naming a function; more top logprobs than inference.max_top_logprobs, checked by
+the endpoint, which knows the setting) is a 400 naming it, never silently ignored, so an agent learns at once that the server differs from OpenAI. Unknown fields
 are ignored, as OpenAI-compatible servers do (SDKs add new ones all the time).
 """
 
@@ -19,6 +19,9 @@ MAX_MESSAGES = 512
 MAX_TOOLS = 128
 MAX_ID_BYTES = 128
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHAT_TOP_LOGPROBS = 20
+"""OpenAI's bounds: chat `top_logprobs` in [0, 20], legacy completions `logprobs` in [0, 5]."""
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class BadRequest(ValueError):
@@ -39,6 +42,10 @@ class Sampling:
     stop: tuple[str, ...]
     seed: int | None
     logprobs: bool
+    top_logprobs: int
+    """Alternatives per token (chat `top_logprobs`, completions `logprobs`); 0: the sampled token's alone."""
+    top_logprobs_param: str
+    """The field that asked for them, for an error that names it."""
     stream: bool
     include_usage: bool
     episode: str
@@ -84,14 +91,17 @@ def parse_chat(body: Any) -> ChatRequest:
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none", None):
         raise BadRequest('tool_choice: only "auto" and "none" are supported', "tool_choice")
-    if body.get("top_logprobs"):
-        raise BadRequest("top_logprobs is not supported (each sampled token's logprob is)", "top_logprobs")
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise BadRequest("logprobs must be a boolean", "logprobs")
+    top = body.get("top_logprobs")
+    top = 0 if top is None else _int(top, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+    if top and not logprobs:  # as OpenAI: alternatives come with the sampled token's logprob
+        raise BadRequest("top_logprobs needs logprobs: true", "logprobs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return ChatRequest(messages=tuple(messages), tools=tuple(tools), parse_tools=bool(tools) and choice != "none",
-                       sampling=_sampling(body, max_tokens=max_tokens, logprobs=logprobs))
+                       sampling=_sampling(body, max_tokens=max_tokens, logprobs=logprobs, top=top,
+                                          top_param="top_logprobs"))
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -109,11 +119,12 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise BadRequest("echo is not supported", "echo")
     if body.get("suffix"):
         raise BadRequest("suffix is not supported", "suffix")
+    # Legacy `logprobs: K`: the sampled token's logprob and, for K > 0, the K most likely alternatives.
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
-        raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)", "logprobs")
+    top = 0 if logprobs is None else _int(logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     return CompletionRequest(prompt=prompt, sampling=_sampling(body, max_tokens=body.get("max_tokens", 16),
-                                                               logprobs=logprobs is not None))
+                                                               logprobs=logprobs is not None, top=top,
+                                                               top_param="logprobs"))
 
 
 def _object(body: Any) -> Mapping[str, Any]:
@@ -161,7 +172,7 @@ def _int(value: Any, key: str, low: int, high: int) -> int:
     return value
 
 
-def _sampling(body: Mapping[str, Any], *, max_tokens: Any, logprobs: bool) -> Sampling:
+def _sampling(body: Mapping[str, Any], *, max_tokens: Any, logprobs: bool, top: int, top_param: str) -> Sampling:
     for key in ("presence_penalty", "frequency_penalty"):
         if body.get(key):
             raise BadRequest(f"{key} is not supported (send 0 or leave it out)", key)
@@ -190,5 +201,5 @@ def _sampling(body: Mapping[str, Any], *, max_tokens: Any, logprobs: bool) -> Sa
         max_tokens=None if max_tokens is None else _int(max_tokens, "max_tokens", 1, 1 << 30),
         temperature=_number(body, "temperature", 1.0, 0.0, 10.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         stop=tuple(stop), seed=None if seed is None else _int(seed, "seed", 0, 2**64 - 1), logprobs=logprobs,
-        stream=stream, include_usage=bool(options.get("include_usage")), episode=user, model=model,
+        top_logprobs=top, top_logprobs_param=top_param, stream=stream, include_usage=bool(options.get("include_usage")), episode=user, model=model,
     )

@@ -42,6 +42,9 @@ class SamplingRequest:
     return_routing: bool = False
     """Routing replay: return, per generated token, the experts every routed layer chose at the
     position that sampled it (`Sample.routed_experts`); refused for a model without routed experts."""
+    top_logprobs: int = 0
+    """Per generated token, also return the K most likely tokens of the distribution it was drawn
+    from (`Sample.top_ids` / `Sample.top_logprobs`); at most inference.max_top_logprobs. 0: none."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,6 +60,10 @@ class Sample:
     routed_experts: np.ndarray | None = None
     """With return_routing: int [tokens, routed layers, top_k], token i's record as
     arlo/routing_replay.py describes it; None without."""
+    top_ids: np.ndarray | None = None
+    """With top_logprobs K > 0: int32 [tokens, K], token i's K most likely tokens, most likely first."""
+    top_logprobs: np.ndarray | None = None
+    """With top_logprobs K > 0: float32 [tokens, K], their logprobs (token i's own where it is among them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +78,10 @@ class TokenDelta:
     """Set on the sample's last delta only."""
     routed_experts: np.ndarray | None = None
     """With return_routing: int [len(token_ids), routed layers, top_k] (see Sample)."""
+    top_ids: np.ndarray | None = None
+    """With top_logprobs K > 0: int32 [len(token_ids), K] (see Sample)."""
+    top_logprobs: np.ndarray | None = None
+    """With top_logprobs K > 0: float32 [len(token_ids), K] (see Sample)."""
 
 
 OnTokens = Callable[[TokenDelta], None]
@@ -95,6 +106,9 @@ def validate_request(req: SamplingRequest, limits: InferenceConfig, *, vocab_siz
         (0 <= req.top_k <= vocab_size, f"sampling.top_k must be in [0, {vocab_size}], got {req.top_k}"),
         (0.0 <= req.min_p <= 1.0, f"sampling.min_p must be in [0, 1], got {req.min_p}"),
         (req.seed is None or 0 <= req.seed < 2**64, "sampling.seed must be in [0, 2**64)"),
+        (0 <= req.top_logprobs <= limits.max_top_logprobs,
+         f"top_logprobs must be in [0, {limits.max_top_logprobs}] (raise inference.max_top_logprobs to return "
+         f"more), got {req.top_logprobs}"),
         (len(req.stop_token_ids) <= MAX_STOP_IDS, f"at most {MAX_STOP_IDS} stop_token_ids"),
         (all(0 <= t < vocab_size for t in req.stop_token_ids), f"stop_token_ids must be in [0, {vocab_size})"),
         (len(req.stop_strings) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),

@@ -21,6 +21,11 @@ programs take page tables.
   tokens are applied on the device with per-row parameters, so a round trip costs one host sync
   per chunk, not per token.
 
+With `top_logprobs` K > 0 (inference.max_top_logprobs) both programs also return, per sampled
+token, the K most likely tokens of the distribution it was drawn from; K is static, one value for
+the engine, so a request's K (up to it) never compiles anything, and K = 0 leaves the programs
+as they are without it.
+
 Every dimension is bucketed (services/inference/programs.py), so the programs are a small
 known set: `warm_up` compiles all of them before the service takes traffic, and a shape
 outside it is logged as a late compile. Weights are a traced argument: a swap never
@@ -45,7 +50,7 @@ from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache, init_cache
 from arlo.model.lora import select_adapters
 from arlo.model.paged_kv import gather_pages, init_pool, pool_shardings, write_positions, write_prefill
-from arlo.model.sampling import sample
+from arlo.model.sampling import sample, sample_with_top
 from arlo.model.sharding import BATCH_AXES
 from arlo.routing_replay import routing_shape
 from services.inference.pages import NULL_PAGE
@@ -101,6 +106,11 @@ class Emitted:
     experts: np.ndarray | None = None
     """int [tokens, routed layers, top_k]: the experts each token's predicting position went to
     (a model with routed experts; None without), for routing replay."""
+    top_ids: np.ndarray | None = None
+    """int32 [tokens, K]: each token's K most likely tokens, most likely first (K = the runner's
+    top_logprobs > 0; None with 0)."""
+    top_logprobs: np.ndarray | None = None
+    """float32 [tokens, K]: their logprobs, under the distribution each token was drawn from."""
 
 
 def abstract(tree):  # noqa: ANN001, ANN201 (any pytree of arrays)
@@ -112,10 +122,12 @@ def abstract(tree):  # noqa: ANN001, ANN201 (any pytree of arrays)
 class Runner:
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, pages: int, page_size: int, max_seqs: int,
                  slot_len: int, decode_steps: int, max_prefill_rows: int, max_n: int = 1, min_rows: int = MIN_ROWS,
-                 mesh: Mesh | None = None) -> None:
+                 mesh: Mesh | None = None, top_logprobs: int = 0) -> None:
         """`pages` of `page_size` positions hold every sequence's KV; `max_seqs` sequences decode
-        together at most; `slot_len` positions (prompt + completion) one sequence reaches at most."""
+        together at most; `slot_len` positions (prompt + completion) one sequence reaches at most;
+        `top_logprobs`: K alternatives returned per sampled token (0: none)."""
         self.graphdef = graphdef
+        self.top_logprobs = top_logprobs
         self.mesh = mesh
         self.decode_steps = decode_steps
         self.max_prefill_rows = max_prefill_rows
@@ -188,11 +200,11 @@ class Runner:
         if kind == "decode":
             b, w = dims
             _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, cache,
-                              _decode_batch([], int(b), self.table_len)).compile()
+                              _decode_batch([], int(b), self.table_len), top=self.top_logprobs).compile()
         else:
             m, t, w, j = (int(d) for d in dims)
             _prefill_jit.lower(self.graphdef, w, self._span(t), self.cache_sharding, state, cache,
-                               _prefill_batch([], m, t, j, self.table_len)).compile()
+                               _prefill_batch([], m, t, j, self.table_len), top=self.top_logprobs).compile()
 
     def _span(self, t: int) -> int:
         """Pages a prefill chunk of t tokens from a page boundary covers."""
@@ -234,10 +246,14 @@ class Runner:
         w = self.window(int(batch.pos.max()))  # the chunk's own tokens live in a buffer beside it
         self._note(("decode", b, w))
         self.cache, out = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding, state, self.cache,
-                                      batch)
-        tok_kb, lp_kb, emit_kb, *experts = jax.device_get(out)  # experts [steps, b, layers, k]: MoE only
-        return [Emitted(seq=seq, token_ids=tok_kb[emit_kb[:, r], r].tolist(), logprobs=lp_kb[emit_kb[:, r], r].tolist(),
-                        experts=experts[0][emit_kb[:, r], r] if experts else None) for r, seq in enumerate(seqs)]
+                                      batch, top=self.top_logprobs)
+        tok_kb, lp_kb, emit_kb, extra = jax.device_get(out)  # extra: [steps, b, ...] each
+        rows = []
+        for r, seq in enumerate(seqs):
+            emitted = emit_kb[:, r]
+            rows.append(Emitted(seq=seq, token_ids=tok_kb[emitted, r].tolist(), logprobs=lp_kb[emitted, r].tolist(),
+                                **{name: value[emitted, r] for name, value in extra.items()}))
+        return rows
 
     def _prefill_call(self, state: nnx.State, members: list[list[tuple[PrefillItem, int]]], t: int,
                       w: int) -> list[Emitted]:
@@ -248,11 +264,12 @@ class Runner:
         j = self.buckets.samples
         self._note(("prefill", m, t, w, j))
         batch = _prefill_batch(members, m, t, j, self.table_len)
-        self.cache, out = _prefill_jit(self.graphdef, w, self._span(t), self.cache_sharding, state, self.cache, batch)
-        tok_j, lp_j, *experts = jax.device_get(out)  # experts [j, layers, k]: MoE only
+        self.cache, out = _prefill_jit(self.graphdef, w, self._span(t), self.cache_sharding, state, self.cache, batch,
+                                       top=self.top_logprobs)
+        tok_j, lp_j, extra = jax.device_get(out)  # extra: [j, ...] each
         seqs = [seq for same in members for item, _ in same for seq in item.seqs]
         return [Emitted(seq=seq, token_ids=[int(tok_j[i])], logprobs=[float(lp_j[i])],
-                        experts=experts[0][i : i + 1] if experts else None)
+                        **{name: value[i : i + 1] for name, value in extra.items()})
                 for i, seq in enumerate(seqs)]
 
 
@@ -327,13 +344,18 @@ def _row_keys(params: SampleParams) -> jax.Array:
     return jax.vmap(one)(params.seed, params.sample)
 
 
-def _draw(logits_rv: jax.Array, row_keys: jax.Array, count_r: jax.Array,
-          params: SampleParams) -> tuple[jax.Array, jax.Array]:
+def _draw(logits_rv: jax.Array, row_keys: jax.Array, count_r: jax.Array, params: SampleParams,
+          top: int) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """-> (token_r, logprob_r, extra): extra holds top_ids [r, top] and top_logprobs [r, top] when
+    `top` (static) > 0, else nothing (the program is then `sample` alone)."""
     # The step key depends only on the token's index in its sample: chunking and batching
     # never change which random numbers a sample sees.
     keys = jax.vmap(jax.random.fold_in)(row_keys, count_r.astype(jnp.uint32))
-    return sample(logits_rv, keys, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                  min_p=params.min_p)
+    knobs = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p}
+    if not top:
+        return *sample(logits_rv, keys, **knobs), {}
+    token, logprob, top_ids, top_logprobs = sample_with_top(logits_rv, keys, top=top, **knobs)
+    return token, logprob, {"top_ids": top_ids, "top_logprobs": top_logprobs}
 
 
 def _keep_layout(cache: KVCache, sharding: KVCache | None) -> KVCache:
@@ -349,9 +371,10 @@ def _records_experts(model) -> bool:  # noqa: ANN001 (the merged Transformer)
 
 
 def _prefill(graphdef: nnx.GraphDef, window: int, span: int, sharding: KVCache | None, state: nnx.State,
-             cache: KVCache, batch: PrefillBatch) -> tuple[KVCache, tuple[jax.Array, ...]]:
-    """-> (cache, (token_j, logprob_j[, experts_jlk])): experts for a model with routed experts,
-    chosen at each row's last real token (the position the sample's token is drawn from)."""
+             cache: KVCache, batch: PrefillBatch, top: int = 0) -> tuple[KVCache, tuple]:
+    """-> (cache, (token_j, logprob_j, extra)): extra, named as `Emitted`'s fields, holds experts_jlk
+    for a model with routed experts, chosen at each row's last real token (the position the
+    sample's token is drawn from), and top_ids_jk / top_logprobs_jk when `top` > 0."""
     model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
     win = gather_pages(cache, batch.src_table, window)
     if _records_experts(model):
@@ -361,16 +384,17 @@ def _prefill(graphdef: nnx.GraphDef, window: int, span: int, sharding: KVCache |
         (logits_mv, win), experts_mlk = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts), None
     first_page = batch.starts // cache.length
     cache = write_prefill(cache, win, batch.src_table, batch.dst_table, batch.src_row, first_page, span)
-    first = _draw(logits_mv[batch.src_row], _row_keys(batch.params), batch.count, batch.params)
+    token, logprob, extra = _draw(logits_mv[batch.src_row], _row_keys(batch.params), batch.count, batch.params, top)
     if experts_mlk is not None:
-        first = (*first, experts_mlk[batch.src_row])
-    return _keep_layout(cache, sharding), first
+        extra["experts"] = experts_mlk[batch.src_row]
+    return _keep_layout(cache, sharding), (token, logprob, extra)
 
 
 def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache | None, state: nnx.State,
-            cache: KVCache, batch: DecodeBatch) -> tuple[KVCache, tuple[jax.Array, ...]]:
-    """-> (cache, (token_kb, logprob_kb, emitted_kb[, experts_kblk])): per step; experts for a model
-    with routed experts, chosen at the fed token (the position the step's token is drawn from)."""
+            cache: KVCache, batch: DecodeBatch, top: int = 0) -> tuple[KVCache, tuple]:
+    """-> (cache, (token_kb, logprob_kb, emitted_kb, extra)): per step; extra, named as `Emitted`'s
+    fields, holds experts_kblk for a model with routed experts, chosen at the fed token (the
+    position the step's token is drawn from), and top_ids_kbn / top_logprobs_kbn when `top` > 0."""
     model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
     row_keys = _row_keys(batch.params)
     win = gather_pages(cache, batch.table, window)  # read-only in the loop: valid below batch.pos
@@ -384,11 +408,12 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache |
             logits, buf, experts = model.decode_step_buffered(token, pos, batch.pos, win, buf, i, with_experts=True)
         else:
             logits, buf = model.decode_step_buffered(token, pos, batch.pos, win, buf, i)
-        new, logprob = _draw(logits, row_keys, count, batch.params)
+        new, logprob, extra = _draw(logits, row_keys, count, batch.params, top)
+        if records:
+            extra["experts"] = experts
         hit = jnp.any(new[:, None] == batch.stop_ids, axis=1)
         token = jnp.where(active, new, token)
-        out = (new, logprob, active, experts) if records else (new, logprob, active)
-        return (buf, token, pos + active, count + active, stopped | (active & hit)), out
+        return (buf, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active, extra)
 
     buf = init_cache(model.cfg, batch=batch.table.shape[0], length=steps)
     start = (buf, batch.token, batch.pos, batch.count, jnp.zeros_like(batch.live))
@@ -397,5 +422,6 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache |
 
 
 # Module-level so every engine over the same graphdef shares the compiled programs.
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-_decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+# `top` is a static keyword: callers that leave it out (memory_plan's K = 0) lower the plain programs.
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1, 2, 3), static_argnames=("top",), donate_argnums=(5,))
+_decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3), static_argnames=("top",), donate_argnums=(5,))

@@ -41,6 +41,11 @@ class Sequence:
     experts: list = field(default_factory=list)
     """With SamplingRequest.return_routing: per token, the experts its predicting position went
     to (numpy int [routed layers, top_k]; routing replay), cut with the tokens."""
+    top_ids: list = field(default_factory=list)
+    """With SamplingRequest.top_logprobs K > 0: per token, its K most likely tokens (numpy int32
+    [K]), cut with the tokens."""
+    top_logprobs: list = field(default_factory=list)
+    """Their logprobs, per token (numpy float32 [K]), cut with the tokens."""
     kv_versions: set[int] = field(default_factory=set)
     """Policy versions that wrote its KV (its pages are cached for reuse only when it is one)."""
     finish_reason: str | None = None

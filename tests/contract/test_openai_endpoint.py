@@ -124,6 +124,50 @@ async def test_completions_take_text_or_token_ids_and_return_logprobs(served: Se
     assert sorted(ch.index for ch in several.choices) == [0, 1, 2]
 
 
+def _one_id(text: str) -> bool:
+    """Text only one byte-tokenizer id decodes to (special tokens decode to "", lone high bytes to U+FFFD)."""
+    return len(text) == 1 and text.isascii() and text.isprintable()
+
+
+async def test_top_logprobs_come_with_each_token_most_likely_first(served: Served) -> None:
+    """The served engine returns up to inference.max_top_logprobs (5 here) alternatives per token,
+    under the distribution the token was drawn from: the sampled token, when among them, has its
+    own logprob. More than that is a 400 naming the field, in chat and in legacy completions."""
+    c = client(served)
+    messages = [{"role": "user", "content": "hi"}]
+    reply = await c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, seed=4, logprobs=True,
+                                            top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens > 0
+    for e in entries:
+        alternatives = e.top_logprobs
+        assert len(alternatives) == 3
+        assert [a.logprob for a in alternatives] == sorted((a.logprob for a in alternatives), reverse=True)
+        assert all(a.bytes == list(a.token.encode()) for a in alternatives)
+        same = [a for a in alternatives if a.token == e.token]
+        if same and _one_id(e.token):
+            assert same[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+    greedy = await c.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                             logprobs=True, top_logprobs=2)
+    for e in greedy.choices[0].logprobs.content:  # greedy: the token is the likeliest
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+    streamed = [ch async for ch in await c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, seed=4, logprobs=True, top_logprobs=3, stream=True)]
+    alternatives = [[a.logprob for a in e.top_logprobs] for ch in streamed if ch.choices and ch.choices[0].logprobs
+                    for e in ch.choices[0].logprobs.content]
+    assert alternatives == [[a.logprob for a in e.top_logprobs] for e in entries]
+    legacy = await c.completions.create(model="tiny", prompt="abc", max_tokens=5, logprobs=2, seed=2)
+    lps = legacy.choices[0].logprobs
+    for token, lp, top in zip(lps.tokens, lps.token_logprobs, lps.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and (token not in top or not _one_id(token) or top[token] == pytest.approx(lp, abs=1e-6))
+    with pytest.raises(openai.BadRequestError) as bad:
+        await c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, logprobs=True, top_logprobs=20)
+    assert bad.value.body["param"] == "top_logprobs" and "inference.max_top_logprobs" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        await c.completions.create(model="tiny", prompt="abc", max_tokens=2, logprobs=6)
+    assert bad.value.body["param"] == "logprobs"
+
+
 async def test_the_bearer_token_is_required(served: Served) -> None:
     with pytest.raises(openai.AuthenticationError) as bad:
         await client(served, api_key="wrong").models.list()
@@ -140,7 +184,9 @@ async def test_the_bearer_token_is_required(served: Served) -> None:
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, None, "max_tokens must be in"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 99}, None, "n must be in [1, 4]"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages", "the context holds"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6}, "top_logprobs",
+     "raise inference.max_top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "logprobs", "needs logprobs: true"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]", "function"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(served: Served, body: dict, param: str | None, says: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,3 +108,59 @@ def test_sampled_logprobs_match_teacher_forcing(engine: Engine) -> None:
         logits_btv = nnx.merge(engine.graphdef, engine.state)(seq)
         lp_t = token_logprobs(logits_btv[:, :-1], seq[:, 1:])[0, len(PROMPT) - 1:]
         np.testing.assert_allclose(s.logprobs, lp_t, atol=1e-4)
+
+
+def test_top_logprobs_are_the_sampling_distributions_best(engine: Engine) -> None:
+    """inference.max_top_logprobs = 4: each token comes with the request's K most likely tokens of
+    the distribution it was drawn from (here temperature 1, unfiltered: the model's log-softmax),
+    most likely first; the sampled token, when among them, carries its own logprob; a request
+    without alternatives samples what an engine without them samples."""
+    limits = {"max_n": 2, "max_tokens": 12, "max_prompt_tokens": 32}
+    with_top = Engine(preset_source("tiny"), config=InferenceConfig(**limits, max_top_logprobs=4))
+    req = SamplingRequest(prompt=PROMPT, n=2, max_tokens=12, temperature=1.0, seed=7)
+    samples = with_top.generate(dataclasses.replace(req, top_logprobs=3))
+    for s in samples:
+        assert s.top_ids is not None and s.top_logprobs is not None
+        assert s.top_ids.shape == s.top_logprobs.shape == (len(s.token_ids), 3)
+        assert (np.diff(s.top_logprobs, axis=-1) <= 0).all()
+        seq = jnp.asarray([[*PROMPT, *s.token_ids]], jnp.int32)
+        logits_tv = nnx.merge(with_top.graphdef, with_top.state)(seq)[0, len(PROMPT) - 1 : -1]
+        ref_tv = np.asarray(jax.nn.log_softmax(logits_tv.astype(jnp.float32)))
+        np.testing.assert_allclose(s.top_logprobs, -np.sort(-ref_tv, axis=-1)[:, :3], atol=1e-4)
+        np.testing.assert_allclose(np.take_along_axis(ref_tv, s.top_ids, -1), s.top_logprobs, atol=1e-4)
+        for token, lp, ids, lps in zip(s.token_ids, s.logprobs, s.top_ids, s.top_logprobs, strict=True):
+            if token in ids:
+                assert lps[list(ids).index(token)] == pytest.approx(lp, abs=1e-6)
+    # Filtered to the 3 likeliest at temperature 0.8: every token is among its 3 alternatives, which
+    # are the renormalised tempered top 3; greedy: the token is the first, with its own logprob.
+    for knobs in ({"temperature": 0.8, "top_k": 3}, {"temperature": 0.0}):
+        s = with_top.generate(dataclasses.replace(req, n=1, top_logprobs=3, **knobs))[0]
+        assert s.top_ids is not None and s.top_logprobs is not None
+        seq = jnp.asarray([[*PROMPT, *s.token_ids]], jnp.int32)
+        logits_tv = nnx.merge(with_top.graphdef, with_top.state)(seq)[0, len(PROMPT) - 1 : -1].astype(jnp.float32)
+        best_tk = -np.sort(-np.asarray(logits_tv / (knobs["temperature"] or 1.0)), axis=-1)[:, :3]
+        if knobs["temperature"]:
+            want = best_tk - np.log(np.exp(best_tk).sum(-1, keepdims=True))
+        else:
+            want = best_tk - np.log(np.exp(np.asarray(logits_tv, np.float64)).sum(-1, keepdims=True))
+            assert [int(ids[0]) for ids in s.top_ids] == s.token_ids
+        np.testing.assert_allclose(s.top_logprobs, want, atol=1e-4)
+        for token, lp, ids, lps in zip(s.token_ids, s.logprobs, s.top_ids, s.top_logprobs, strict=True):
+            assert token in ids and lps[list(ids).index(token)] == pytest.approx(lp, abs=1e-6)
+    # K = 0 on this engine: the same tokens and logprobs as the engine compiled without alternatives.
+    plain, other = with_top.generate(req), engine.generate(req)
+    for a, b in zip(plain, other, strict=True):
+        assert a.top_ids is None and a.top_logprobs is None
+        assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+    with pytest.raises(ValueError, match="max_top_logprobs"):
+        with_top.generate(dataclasses.replace(req, top_logprobs=5))
+    with pytest.raises(ValueError, match="max_top_logprobs"):
+        engine.generate(dataclasses.replace(req, top_logprobs=1))
+    # Cut with the tokens on a stop string.
+    first = samples[0]
+    text = with_top.tokenizer.decode(first.token_ids)
+    if text:
+        cut = with_top.generate(dataclasses.replace(req, top_logprobs=3, stop_strings=(text[0],)))[0]
+        assert cut.top_ids is not None and len(cut.top_ids) == len(cut.token_ids) < len(first.token_ids) + 1
+        np.testing.assert_array_equal(cut.top_ids, first.top_ids[: len(cut.token_ids)])
+    with_top.close()

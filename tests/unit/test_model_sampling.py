@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from arlo.model import sample, sampling_logprobs, token_logprobs
+from arlo.model.sampling import LOGPROB_FLOOR, sample_with_top
 
 LOGITS_BV = jax.random.normal(jax.random.key(0), (4, 32)) * 2.0
 
@@ -125,3 +126,42 @@ def test_filtered_tokens_are_never_drawn_on_a_wide_vocabulary() -> None:
     top3 = np.argsort(-np.asarray(logits_bv), axis=-1)[:, :3]
     assert all(t in row for t, row in zip(np.asarray(tokens), top3, strict=True))
     assert np.isfinite(np.asarray(logprobs)).all()
+
+
+def _numpy_sampling_logprobs(logits_bv: np.ndarray, t: float, k: int) -> np.ndarray:
+    """The reference: temperature (none when greedy), then a top-k filter (none when greedy),
+    renormalised; float64 numpy."""
+    x = np.asarray(logits_bv, np.float64) / (t if t > 0 else 1.0)
+    if k > 0 and t > 0:
+        kth = np.sort(x, axis=-1)[:, -k][:, None]
+        x = np.where(x >= kth, x, -np.inf)
+    return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize(("t", "k"), [(1.0, 0), (0.7, 0), (1.3, 3), (0.0, 0), (0.0, 3)])
+def test_top_logprobs_are_the_sampling_distributions_best(t: float, k: int) -> None:
+    logits_bv = np.asarray(jax.random.normal(jax.random.key(11), (6, 40)) * 3)
+    top = 5
+    fn = jax.jit(lambda x, key: sample_with_top(x, key, top=top, temperature=t, top_k=k, top_p=1.0, min_p=0.0))
+    tokens, logprobs, ids, lps = (np.asarray(a) for a in fn(jnp.asarray(logits_bv), jax.random.key(3)))
+    want = _numpy_sampling_logprobs(logits_bv, t, k)
+    order = np.argsort(-want, axis=-1, kind="stable")[:, :top]
+    assert ids.shape == lps.shape == (6, top) and ids.dtype == np.int32 and lps.dtype == np.float32
+    np.testing.assert_array_equal(ids, order)
+    np.testing.assert_allclose(lps, np.maximum(np.take_along_axis(want, order, -1), LOGPROB_FLOOR), rtol=1e-5,
+                               atol=1e-5)
+    assert (np.diff(lps, axis=-1) <= 0).all()  # most likely first
+    # `sample` draws the same tokens, and a sampled token among the top carries its own logprob.
+    plain_tokens, plain_logprobs = (np.asarray(a) for a in _sample(jnp.asarray(logits_bv), jax.random.key(3),
+                                                                   *_knobs(t=t, k=k)))
+    np.testing.assert_array_equal(tokens, plain_tokens)
+    np.testing.assert_array_equal(logprobs, plain_logprobs)
+    for row in range(6):
+        if tokens[row] in ids[row]:
+            assert lps[row][list(ids[row]).index(tokens[row])] == logprobs[row]
+    if t == 0.0:  # greedy: the token is the best, with the untempered log-softmax's logprob
+        np.testing.assert_array_equal(ids[:, 0], tokens)
+        np.testing.assert_allclose(lps, np.take_along_axis(np.asarray(jax.nn.log_softmax(logits_bv)), order, -1),
+                                   rtol=1e-5)
+    if k and t:  # filtered-out tokens fill the places past k, at the finite floor
+        np.testing.assert_array_equal(lps[:, k:], LOGPROB_FLOOR)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from arlo.model.tokenizer import ASSISTANT, EOS, TOOL, USER, ByteTokenizer
@@ -77,6 +78,33 @@ def test_request_parsing_names_the_field() -> None:
     assert parse_completion({"prompt": [1, 2, 3]}).prompt == (1, 2, 3)
     with pytest.raises(BadRequest, match="echo"):
         parse_completion({"prompt": "a", "echo": True})
+
+
+def test_top_logprobs_parse_in_openai_bounds_and_render_in_openai_shapes() -> None:
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    assert parse_chat({**chat, "logprobs": True, "top_logprobs": 20}).sampling.top_logprobs == 20
+    assert parse_chat({**chat, "logprobs": True}).sampling.top_logprobs == 0
+    for body, param in [({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({**chat, "top_logprobs": 2}, "logprobs"),  # as OpenAI: needs logprobs: true
+                        ({"prompt": "a", "logprobs": 6}, "logprobs"), ({"prompt": "a", "logprobs": True}, "logprobs")]:
+        with pytest.raises(BadRequest) as e:
+            (parse_chat if "messages" in body else parse_completion)(body)
+        assert e.value.param == param
+    legacy = parse_completion({"prompt": "a", "logprobs": 5}).sampling
+    assert legacy.logprobs and legacy.top_logprobs == 5 and legacy.top_logprobs_param == "logprobs"
+
+    ids, lps = TOK.encode("ab"), [-0.5, -1.5]
+    top_ids = np.array([[ids[0], ids[1]], [ids[0], TOK.encode("c")[0]]], np.int32)  # "b" is not in the second's
+    top_lps = np.array([[-0.5, -2.0], [-0.25, -1.0]], np.float32)
+    content = render.chat_logprobs(TOK, ids, lps, top_ids, top_lps)["content"]
+    assert content[0]["top_logprobs"] == [{"token": "a", "logprob": -0.5, "bytes": [97]},
+                                          {"token": "b", "logprob": -2.0, "bytes": [98]}]
+    assert [e["token"] for e in content[1]["top_logprobs"]] == ["a", "c"]
+    assert render.chat_logprobs(TOK, ids, lps)["content"][0]["top_logprobs"] == []
+    legacy_lps = render.completion_logprobs(TOK, ids, lps, top_ids, top_lps)
+    # OpenAI's legacy shape: {text: logprob} of the K best, plus the sampled token when it is not among them.
+    assert legacy_lps["top_logprobs"] == [{"a": -0.5, "b": -2.0}, {"a": -0.25, "c": -1.0, "b": -1.5}]
+    assert render.completion_logprobs(TOK, ids, lps)["top_logprobs"] is None
 
 
 def call(prompt: list[int]) -> RecordedCall:
