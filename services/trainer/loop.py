@@ -377,6 +377,10 @@ class TrainingLoop:
                 await self.publisher.publish()
                 log.info("warm start done: %d SFT steps -> version %d, loss %.4f; groups sampled before it are "
                          "not trained", self.learner.step_count, version, metrics.loss)
+                if self.saves is not None:
+                    # The warm start is the run's costliest unit of work and no RL step's cadence
+                    # covers it: a crash before the first RL checkpoint would redo every SFT step.
+                    await self.saves.try_start("warm start")
             self.core.pause_if_due(self.learner.step_count)
             return metrics
 

@@ -290,3 +290,51 @@ async def test_kill9_mid_step_just_published_and_mid_save_never_go_back(
     assert set(counts) == set(fed) and [t for t, n in counts.items() if n != 1] == []
     assert final.version == lineage[-1]["version"] == final.checkpoint_version
     print({k["point"]: (k["pointer_before"], k["pointer"].version, k["checkpoint"], len(k["acked"])) for k in kills})
+
+
+async def test_kill9_after_the_warm_start_resumes_past_it_and_does_not_redo_it(
+        tmp_path: Path, redis_url: str, run_id: str) -> None:
+    """The SFT warm start is checkpointed when it ends: a trainer killed before its first RL
+    checkpoint used to restart with nothing on disk and redo every SFT step (the built-in demo's
+    600, minutes on 2 cores). Now the restart resumes from the warm start's checkpoint, in RL."""
+    ckpt = tmp_path / "ckpt"
+    config = tmp_path / "run.yaml"
+    sft_steps = 6
+    config.write_text(json.dumps({"run_id": run_id, "redis": {"url": redis_url}, "trainer": {
+        "server": {"port": free_port(), "metrics_port": -1, "grace_s": 0.2}, "groups_per_step": 1,
+        "read_block_ms": 50, "checkpoint_dir": str(ckpt), "checkpoint_every": 1000,
+        "sft": {"data": "builtin:arith_tool", "steps": sft_steps, "batch_size": 8}}}))
+    redis = await connect(load_config(overrides={"redis": {"url": redis_url}}).redis)
+    pointer = WeightPointer(redis, run_id)
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    first = start(config, first_log)
+    second = None
+    try:
+        async def warm_start_checkpointed() -> bool:
+            state = await pointer.get()
+            return state is not None and state.checkpoint_version >= 1
+
+        await wait_until(warm_start_checkpointed, first, first_log, timeout_s=240)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        second = start(config, second_log)
+
+        async def resumed() -> bool:
+            return any(r.get("msg", "").startswith("resumed from checkpoint") for r in records(second_log))
+
+        await wait_until(resumed, second, second_log, timeout_s=240)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0, second_log.read_text()[-3000:]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await delete_run(redis, run_id)
+        await redis.aclose()
+    warm = [r for r in records(first_log) if r.get("msg", "").startswith("warm start done")]
+    assert len(warm) == 1 and warm[0]["msg"].startswith(f"warm start done: {sft_steps} SFT steps -> version 1")
+    back = next(r for r in records(second_log) if r.get("msg", "").startswith("resumed from checkpoint"))
+    assert back["step"] == sft_steps and back["version"] == 1, back
+    assert not [r for r in records(second_log) if r.get("msg", "").startswith("warm start done")]
+    assert not [r for r in records(second_log) if r.get("phase") == "sft"]
