@@ -115,3 +115,17 @@ def test_without_tool_no_tools_are_advertised_and_calls_are_answers() -> None:
     assert env.reset(5, {**TOOL, "tool": False}).tools_json == "[]"
     step = env.step('{"name": "calc", "parameters": {"expression": "1+1"}}')
     assert step.observation == [Message(role="user", content="answer with a number")]
+
+
+def test_the_calc_schema_shows_no_expression_a_copy_could_take_for_the_question() -> None:
+    """The schema is in every tools prompt (Qwen's system prompt lists it), and the tool call must
+    copy the question's operands. With `e.g. "12*7"` in it, a 0.36M-parameter Qwen2 in the Qwen2.5
+    tools format (examples/own_format) never learned the copy: its SFT plateaued at 0.82 of the
+    target tokens, 0 held-out rows exact after 600 steps, calls with operands taken from the
+    example; without it, 0.8 of the held-out rows exact by step 300."""
+    import re
+
+    from services.env_gateway.envs.arith import TOOLS
+    from services.env_gateway.tool_schema import tools_json
+
+    assert not re.search(r"\d\s*[-+*/%]+\s*\d", tools_json(TOOLS))

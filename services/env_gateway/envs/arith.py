@@ -37,7 +37,7 @@ WRONG = "no"
 NOT_A_NUMBER = "answer with a number"
 TOOL_PREFIX = "calc"
 TOOLS = (function_tool(TOOL_PREFIX, "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
-                       {"expression": {"type": "string", "maxLength": 200, "description": "e.g. \"12*7\""}}),)
+                       {"expression": {"type": "string", "maxLength": 200, "description": "the expression, as the question writes it"}}),)
 SPLITS = ("all", "train", "eval")
 EVAL_SHARE = 8
 """One operand pair in EVAL_SHARE belongs to the "eval" split."""
