@@ -79,12 +79,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--intermediate", type=int, default=256)
     # Qwen2.5's 1e6 leaves a 24-wide head few rotations that tell nearby positions apart, and the
-    # tool call must copy the operands from the question ~20 tokens back (neither has learned that
-    # copy in 400 warm-start steps yet: README.md).
+    # tool call must copy the operands from the question ~20 tokens back (README.md).
     parser.add_argument("--rope-theta", type=float, default=10000.0)
     parser.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary size (at most)")
     parser.add_argument("--demos", type=int, default=2000, help="SFT demonstrations to write")
-    parser.add_argument("--tool-prob", type=float, default=0.7,
+    parser.add_argument("--tool-prob", type=float, default=0.85,
                         help="share of demonstrations that call the calculator (the rest answer an estimate)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

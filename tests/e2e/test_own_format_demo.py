@@ -30,15 +30,16 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_format"
 FULL = os.environ.get("ARLO_OWN_FORMAT_FULL") == "1"
-"""The whole learning run (~28 min on a loaded 2-core host, the bar not yet met): on request only.
-CI runs the same pipeline short (a few SFT and RL steps, no evaluation): the format end to end."""
+"""The whole learning run (400 SFT + 80 RL steps, 5 evaluations: ~8.5 minutes at load ~2): on request,
+as CI's 90 minutes are spent elsewhere. CI runs the same pipeline short (a few SFT and RL steps, no
+evaluation): the format end to end."""
 RL_STEPS = 80 if FULL else 2  # the demo's RL budget (arlo demo's default --steps)
 SFT_STEPS_SHORT = 8
 BAR = 0.8
 WALL_BAR_S = 600
 DEMO_TIMEOUT_S = 1500
-MEASURED = ("measured 0.062 sampled by version 60, 0.027 after SFT, 1666 s at load ~7 "
-            "(examples/own_format/README.md: the warm start does not learn to copy the operands)")
+IDLE_LOAD = 2.5
+"""Below this 1-minute load average (2 cores) the 10-minute wall bar is asserted too."""
 
 
 def parameters(model: Path) -> int:
@@ -48,7 +49,7 @@ def parameters(model: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-@pytest.mark.slow  # short: ~4 min; ARLO_OWN_FORMAT_FULL=1: 400 SFT + 80 RL steps and 5 evaluations (README)
+@pytest.mark.slow  # short: ~4 min; ARLO_OWN_FORMAT_FULL=1: the learning run (README)
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 300)  # above the checkpoint's and the demo's own limits
 def test_own_format_demo_learns_the_tool_in_qwen25_format(tmp_path: Path, redis_url: str, run_id: str) -> None:
     model = tmp_path / "model"
@@ -90,8 +91,9 @@ def test_own_format_demo_learns_the_tool_in_qwen25_format(tmp_path: Path, redis_
     assert report["reward_start"] <= 0.05, curve  # from random init: nothing right at the start
 
     # The bar: SFT in the model's own format, then RL, to held-out sampled reward >= 0.8 within
-    # 10 minutes. Measured below it so far (see MEASURED), so a miss is an expected failure that
-    # carries the curve, and a run that meets it passes.
-    if report["reward_end"] < BAR or report["wall_s"] > WALL_BAR_S:
-        pytest.xfail(f"issue 32's bar: held-out sampled reward {report['reward_end']:.3f} (>= {BAR}) in "
-                     f"{report['wall_s']:.0f} s (<= {WALL_BAR_S}); {MEASURED} (sampled, greedy per evaluation: {curve})")
+    # 10 minutes on 2 cores. The wall time is held to it only on an idle machine: under others'
+    # load the same steps take longer, and the learning (counted in steps) is what is tested.
+    assert report["reward_end"] >= BAR, f"held-out sampled reward {report['reward_end']:.3f} (>= {BAR}): {curve}"
+    load = os.getloadavg()[0]
+    if load < IDLE_LOAD:
+        assert report["wall_s"] <= WALL_BAR_S, (report["wall_s"], load)
