@@ -81,6 +81,16 @@ def complete_versions(ckpt: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit())
 
 
+async def stop(redis: Any, run_id: str, *procs: subprocess.Popen | None) -> None:
+    """Kills what still runs and deletes the run's keys: no process or key outlives a test."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    await delete_run(redis, run_id)
+    await redis.aclose()
+
+
 # Slow tier: the default tier kills -9 the trainer at three points of a run (mid-step, just published,
 # mid-save) and checks the same resume and exactly-once training, below
 # (test_kill9_mid_step_just_published_and_mid_save_never_go_back).
@@ -143,12 +153,7 @@ async def test_kill9_resumes_from_the_last_complete_checkpoint_and_trains_each_t
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=60) == 0, second_log.read_text()[-3000:]
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        await delete_run(redis, run_id)
-        await redis.aclose()
+        await stop(redis, run_id, first, second)
 
     later = records(second_log)
     resumed = next(r for r in later if r["msg"].startswith("resumed from checkpoint"))
@@ -326,12 +331,7 @@ async def test_kill9_after_the_warm_start_resumes_past_it_and_does_not_redo_it(
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=60) == 0, second_log.read_text()[-3000:]
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        await delete_run(redis, run_id)
-        await redis.aclose()
+        await stop(redis, run_id, first, second)
     warm = [r for r in records(first_log) if r.get("msg", "").startswith("warm start done")]
     assert len(warm) == 1 and warm[0]["msg"].startswith(f"warm start done: {sft_steps} SFT steps -> version 1")
     back = next(r for r in records(second_log) if r.get("msg", "").startswith("resumed from checkpoint"))
