@@ -4,7 +4,9 @@ A service compiles its programs while it comes up (its warm-up); a compile after
 stall on the critical path (seconds on a small CPU host), and a run should have none. JAX
 announces each backend compile (a persistent-cache hit included) through `jax.monitoring`;
 `CompileWatch` listens, counts, and from `mark_warm()` on logs each compile with its name and
-turns on `jax_log_compiles`, so the service's log says which shapes came in late.
+turns on `jax_log_compiles`, so the service's log says which shapes came in late. After a
+compile of a second or more it also trims the C heap (arlo/heap_trim.py): what the compile freed
+would otherwise stay in the process and add to the next step's peak.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from arlo.heap_trim import trim_heap
+
 log = logging.getLogger(__name__)
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+TRIM_AFTER_S = 1.0
+"""Compiles at least this long are followed by a heap trim (short ones free little)."""
 RECENT = 16
 """Late compiles remembered by name (the newest), for the heartbeat and tests."""
 
@@ -54,6 +60,7 @@ class CompileWatch:
         self.late_names: deque[str] = deque(maxlen=RECENT)
         self.ahead = 0
         """Compiles after `mark_warm()` made ahead of use (`ahead_of_use`): not stalls."""
+        self.heap_trims = 0
         self._lock = threading.Lock()  # compiles happen on any thread (the engine's, to_thread's)
         self._installed = False
         self._log_compiles: bool | None = None  # jax_log_compiles before mark_warm, restored by close
@@ -110,6 +117,9 @@ class CompileWatch:
                 self.late += 1
                 self.late_s += duration
                 self.late_names.append(name)
+        if duration >= TRIM_AFTER_S and trim_heap():  # on the compiling thread, before the program runs
+            with self._lock:
+                self.heap_trims += 1
         if late:
             log.warning("compiled %s after warm-up (%.2fs): a shape the warm-up did not cover", name, duration,
                         extra={"late_compiles": self.late, "program": name, "compile_s": round(duration, 3)})

@@ -138,9 +138,11 @@ def trainer_step(args: argparse.Namespace, rank: int, quantize: str) -> dict[str
     """The trainer side of one GRPO step (run in a subprocess of its own): load, step, publish bytes."""
     import numpy as np
 
+    from arlo.compile_watch import CompileWatch
     from arlo.model import state_to_bytes
     from services.trainer.learner import Learner
 
+    CompileWatch().install()  # as the trainer service runs: its heap trims after compiles count here
     import_rss = memory()["VmRSS"]
     run = run_config(args, rank=rank, param_dtype="bfloat16", seq=args.prompt + args.step_tokens, quantize=quantize)
     source = run.model_source()
