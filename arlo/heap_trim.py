@@ -10,15 +10,15 @@ it costs under 0.1 s. Elsewhere (musl, macOS) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
+    # The process's own symbols (libc's among them): no `ctypes.util.find_library`, which runs
+    # ldconfig in a subprocess, from a compiling thread.
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if hasattr(libc, "malloc_trim") else None
