@@ -2,8 +2,9 @@
 
 Only what the engine can honour is accepted: a field it cannot (a penalty, `echo`,
 `tool_choice` naming a function; more top logprobs than inference.max_top_logprobs, checked by
-the endpoint, which knows the setting) is a 400 naming it, never silently ignored, so an agent learns at once that the server differs from OpenAI. Unknown fields
-are ignored, as OpenAI-compatible servers do (SDKs add new ones all the time).
+the endpoint, which knows the setting) is a 400 naming it, never silently ignored, so an agent
+learns at once that the server differs from OpenAI. Unknown fields are ignored, as
+OpenAI-compatible servers do (SDKs add new ones all the time).
 """
 
 from __future__ import annotations
@@ -201,5 +202,6 @@ def _sampling(body: Mapping[str, Any], *, max_tokens: Any, logprobs: bool, top: 
         max_tokens=None if max_tokens is None else _int(max_tokens, "max_tokens", 1, 1 << 30),
         temperature=_number(body, "temperature", 1.0, 0.0, 10.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         stop=tuple(stop), seed=None if seed is None else _int(seed, "seed", 0, 2**64 - 1), logprobs=logprobs,
-        top_logprobs=top, top_logprobs_param=top_param, stream=stream, include_usage=bool(options.get("include_usage")), episode=user, model=model,
+        top_logprobs=top, top_logprobs_param=top_param, stream=stream,
+        include_usage=bool(options.get("include_usage")), episode=user, model=model,
     )
