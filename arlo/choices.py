@@ -30,3 +30,6 @@ Isolation = Literal["auto", "bwrap", "unshare", "none"]
 """Sandbox isolation; "auto" picks the best of the others that works here."""
 ToolFormat = Literal["auto", "hermes", "llama3", "qwen3_coder", "mistral", "gemma"]
 """How a model writes tool calls (arlo/tool_calls.py); "auto" reads any of them by their markers."""
+AttentionKernel = Literal["xla", "pallas"]
+"""How decode reads the paged KV: "xla" gathers each row's window and attends it; "pallas" attends
+the pages in place with the paged-attention kernels JAX ships (arlo/model/paged_attention.py)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
+from arlo.choices import AttentionKernel
 from arlo.config.base import (
     MAX_POLL_S,
     MAX_WAIT_S,
@@ -43,6 +44,12 @@ class InferenceConfig:
     common prefix (a group's prompt, a shared system prompt, an episode's earlier turns) are shared
     across requests of the same weight version. 0: one page of max_seq_len per sequence (the dense
     cache: every sequence reserves the longest length, and no prefix is shared)."""
+    attention_kernel: AttentionKernel = "xla"
+    """How a decode step reads the KV pages. "xla": each chunk gathers its rows' windows (a copy)
+    and attends them, on every platform and mesh. "pallas": each step writes its token into the
+    page and attends the rows' pages in place with the paged-attention kernels JAX ships (Triton
+    on a GPU, Mosaic on a TPU; on a CPU the GPU kernel in interpret mode, for tests, slow); one
+    device (no inference.mesh), no sliding-window layers (Gemma 2/3), otherwise refused at start."""
     decode_steps: int = ranged(8, ge=1, le=1024)
     """Tokens decoded per host round trip: more amortises the sync, fewer admits new requests sooner."""
     prefill_tokens: int = ranged(2048, ge=1)

@@ -12,9 +12,17 @@ Writes go back page by page (`write_prefill`: the pages a prefill chunk covers, 
 of every sample that reads the row) or position by position (`write_positions`: a decode
 chunk's band). A shared page is only ever written with the same values by every sample that
 holds it (they share one prompt row), so duplicate indices in one scatter are harmless.
+
+`KernelPool` is the same pool in the layout JAX's Pallas paged-attention kernels read (keys and
+values both [kv_heads, pages, page_size, head_dim], `inference.attention_kernel: pallas`): every
+function here takes either, and `gather_pages` returns the dense window layout from both, so
+prefill is one code path. Its decode writes each token as it goes (`write_token`) and attends
+the pages in place (arlo/model/paged_attention.py).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +32,39 @@ from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache, cache_shapes, cache_shardings, init_cache
 
 
+class KernelPool(NamedTuple):
+    """The pool as the Pallas kernels read it: per layer, keys and values [kv, pages, page, h]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def length(self) -> int:
+        """Positions per page (a KVCache pool's `length` is its page size too)."""
+        return self.k[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
+
+
+Pool = KVCache | KernelPool
+
+
 def pool_shapes(cfg: ModelConfig, *, pages: int, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(one layer's key pages shape, one layer's value pages shape)."""
     return cache_shapes(cfg, batch=pages, length=page_size)
 
 
-def init_pool(cfg: ModelConfig, *, pages: int, page_size: int, dtype: jnp.dtype | None = None) -> KVCache:
-    """Zeros: `pages` rows of `page_size` positions (a KVCache whose batch axis is the page)."""
-    return init_cache(cfg, batch=pages, length=page_size, dtype=dtype)
+def init_pool(cfg: ModelConfig, *, pages: int, page_size: int, dtype: jnp.dtype | None = None,
+              kernel_layout: bool = False) -> Pool:
+    """Zeros: `pages` rows of `page_size` positions (a KVCache whose batch axis is the page), or
+    with `kernel_layout` a KernelPool of the same pages."""
+    if not kernel_layout:
+        return init_cache(cfg, batch=pages, length=page_size, dtype=dtype)
+    shape = (cfg.num_kv_heads, pages, page_size, cfg.head_dim)
+    dt = cfg.compute_dtype if dtype is None else dtype
+    return KernelPool(k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)),
+                      v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)))
 
 
 def pool_shardings(cfg: ModelConfig, mesh: Mesh, *, pages: int, page_size: int) -> KVCache:
@@ -44,8 +77,15 @@ def table_pages(window: int, page_size: int) -> int:
     return -(-window // page_size)
 
 
-def _gather_full(pool: KVCache, tables_rp: jax.Array) -> KVCache:
+def _gather_full(pool: Pool, tables_rp: jax.Array) -> KVCache:
     """Rows' whole pages in table order: [r, kv, h, P * page] keys, [r, kv, P * page, h] values."""
+    if isinstance(pool, KernelPool):  # x[:, tables] is [kv, r, p, page, h]
+        (r, p), (kv, _, page, h) = tables_rp.shape, pool.k[0].shape
+        return KVCache(k=tuple(jnp.transpose(x[:, tables_rp], (1, 0, 4, 2, 3)).reshape(r, kv, h, p * page)
+                               for x in pool.k),
+                       v=tuple(jnp.transpose(x[:, tables_rp], (1, 0, 2, 3, 4)).reshape(r, kv, p * page, h)
+                               for x in pool.v))
+
     def keys(x: jax.Array) -> jax.Array:
         g = x[tables_rp]  # r p k h s
         r, p, k, h, s = g.shape
@@ -59,15 +99,15 @@ def _gather_full(pool: KVCache, tables_rp: jax.Array) -> KVCache:
     return KVCache(k=tuple(keys(x) for x in pool.k), v=tuple(values(x) for x in pool.v))
 
 
-def gather_pages(pool: KVCache, tables_rp: jax.Array, window: int) -> KVCache:
+def gather_pages(pool: Pool, tables_rp: jax.Array, window: int) -> KVCache:
     """The dense window [0, window) of each row, read through its page table (a copy)."""
     page = pool.length
     full = _gather_full(pool, tables_rp[:, : table_pages(window, page)])
     return KVCache(k=tuple(x[..., :window] for x in full.k), v=tuple(x[:, :, :window] for x in full.v))
 
 
-def write_prefill(pool: KVCache, win: KVCache, src_tables_rp: jax.Array, dst_tables_jp: jax.Array,
-                  src_row_j: jax.Array, first_page_r: jax.Array, span: int) -> KVCache:
+def write_prefill(pool: Pool, win: KVCache, src_tables_rp: jax.Array, dst_tables_jp: jax.Array,
+                  src_row_j: jax.Array, first_page_r: jax.Array, span: int) -> Pool:
     """Writes pages first_page_r[r] .. + span of each window row r (a prefill's chunk, `win` as
     the model left it) into the pages of every sample j that reads row src_row_j[j].
 
@@ -94,11 +134,29 @@ def write_prefill(pool: KVCache, win: KVCache, src_tables_rp: jax.Array, dst_tab
         return jax.vmap(lambda rows, f: jax.lax.dynamic_slice_in_dim(rows, f, span, 0))(paged[src_row_j], first_j)
 
     ids = dst_jn.reshape(-1)
-    k = tuple(p.at[ids].set(pages_of(x, t).reshape(-1, *p.shape[1:]).astype(p.dtype))
+    kernel = isinstance(pool, KernelPool)
+
+    def put(p: jax.Array, pages_n: jax.Array, order: tuple[int, ...]) -> jax.Array:
+        pages_n = pages_n.astype(p.dtype)  # [n, kv, h, page] keys, [n, kv, page, h] values
+        return p.at[:, ids].set(jnp.transpose(pages_n, order)) if kernel else p.at[ids].set(pages_n)
+
+    k = tuple(put(p, pages_of(x, t).reshape(-1, *x.shape[1:3], page), (1, 0, 3, 2))
               for p, x, t in zip(pool.k, win.k, tail.k, strict=True))
-    v = tuple(p.at[ids].set(value_pages_of(x, t).reshape(-1, *p.shape[1:]).astype(p.dtype))
+    v = tuple(put(p, value_pages_of(x, t).reshape(-1, x.shape[1], page, x.shape[3]), (1, 0, 2, 3))
               for p, x, t in zip(pool.v, win.v, tail.v, strict=True))
-    return KVCache(k=k, v=v)
+    return type(pool)(k=k, v=v)
+
+
+def write_token(k_pages: jax.Array, v_pages: jax.Array, k_bkh: jax.Array, v_bkh: jax.Array, tables_bp: jax.Array,
+                pos_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One KernelPool layer with row b's key/value written at position pos_b[b] of its pages
+    (a decode step's own token; callers keep pos_b within the table's reach)."""
+    page = k_pages.shape[2]
+    ids = jnp.take_along_axis(tables_bp, (pos_b // page)[:, None], axis=1)[:, 0]
+    offs = pos_b % page
+    # Advanced indices (ids, offs) side by side: their dim replaces them in place -> [kv, b, h].
+    return (k_pages.at[:, ids, offs].set(jnp.transpose(k_bkh, (1, 0, 2)).astype(k_pages.dtype)),
+            v_pages.at[:, ids, offs].set(jnp.transpose(v_bkh, (1, 0, 2)).astype(v_pages.dtype)))
 
 
 def write_positions(pool: KVCache, buf: KVCache, tables_rp: jax.Array, start_r: jax.Array) -> KVCache:

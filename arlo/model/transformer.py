@@ -26,6 +26,7 @@ from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache
 from arlo.model.layers import MLP, Attention, Embedder, Part, RMSNorm, softcap
 from arlo.model.moe import MoE, Routing
+from arlo.model.paged_kv import KernelPool
 
 Masks = tuple[jax.Array, jax.Array]
 """(full-attention mask_bts, sliding-window mask_bts): each layer takes the one of its kind."""
@@ -67,6 +68,13 @@ class Block(nnx.Module):
         h_btd, new_buf = self.attn.decode_buffered(self.attn_norm(x_btd), positions_bt, cache, buf, step)
         x_btd = x_btd + self._post(h_btd, "post_attn_norm")
         return x_btd + self._post(self._mlp(self.mlp_norm(x_btd), experts), "post_mlp_norm"), new_buf
+
+    def decode_paged(self, x_btd: jax.Array, positions_bt: jax.Array, pages: tuple[jax.Array, jax.Array],
+                     tables_bp: jax.Array, kernel: str, experts: list[jax.Array] | None = None,
+                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        h_btd, pages = self.attn.decode_paged(self.attn_norm(x_btd), positions_bt, pages, tables_bp, kernel)
+        x_btd = x_btd + self._post(h_btd, "post_attn_norm")
+        return x_btd + self._post(self._mlp(self.mlp_norm(x_btd), experts), "post_mlp_norm"), pages
 
     def _mlp(self, x_btd: jax.Array, experts: list[jax.Array] | None) -> jax.Array:
         if experts is None or not isinstance(self.mlp, MoE):
@@ -218,10 +226,28 @@ class Transformer(nnx.Module):
             x_btd, (k, v) = layer.decode_buffered(x_btd, positions_bt, cache_part, buf_part, step, experts)
             new_k.append(k)
             new_v.append(v)
-        logits_bv, buf = self._logits(self.final_norm(x_btd))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v))
-        if experts is None:
-            return logits_bv, buf
-        return logits_bv, buf, _stack_experts(experts, jnp.zeros(tokens_b.shape[:1], jnp.int32))
+        return _decoded(self._logits(self.final_norm(x_btd))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v)), experts)
+
+    def decode_step_paged(
+        self, tokens_b: jax.Array, positions_b: jax.Array, pool: KernelPool, tables_bp: jax.Array, *, kernel: str,
+        with_experts: bool = False,
+    ) -> tuple[jax.Array, KernelPool] | tuple[jax.Array, KernelPool, jax.Array]:
+        """`decode_step` on the paged pool in the kernels' layout: each layer writes the fed token's
+        key/value into its row's page at positions_b and attends the row's pages in place
+        (arlo/model/paged_attention.py `kernel`). Returns (logits_bv float32, pool), plus the
+        experts as `decode_step_buffered` with `with_experts`. Every layer must be full attention."""
+        assert not any(layer.sliding for layer in self.layers), "paged decode has no sliding window"
+        positions_bt = jnp.asarray(positions_b, jnp.int32)[:, None]
+        x_btd = self._embed(tokens_b[:, None])
+        new_k, new_v = [], []
+        experts: list[jax.Array] | None = [] if with_experts else None
+        for layer, k_pages, v_pages in zip(self.layers, pool.k, pool.v, strict=True):
+            x_btd, (k_pages, v_pages) = layer.decode_paged(x_btd, positions_bt, (k_pages, v_pages), tables_bp,
+                                                           kernel, experts)
+            new_k.append(k_pages)
+            new_v.append(v_pages)
+        return _decoded(self._logits(self.final_norm(x_btd))[:, 0], KernelPool(k=tuple(new_k), v=tuple(new_v)),
+                        experts)
 
     def _forward_cached(
         self, tokens_bt: jax.Array, start_b: jax.Array, cache: KVCache, experts: list[jax.Array] | None = None,
@@ -276,6 +302,14 @@ class Transformer(nnx.Module):
             head_dv = self.lm_head_dv[...].astype(x_btd.dtype)
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
         return softcap(logits_btv, self.cfg.final_logit_softcap)
+
+
+def _decoded(logits_bv: jax.Array, cache: KVCache | KernelPool, experts: list[jax.Array] | None,
+             ) -> tuple[jax.Array, KVCache | KernelPool] | tuple[jax.Array, KVCache | KernelPool, jax.Array]:
+    """A one-token decode's (logits, cache), plus the experts each routed layer chose when recorded."""
+    if experts is None:
+        return logits_bv, cache
+    return logits_bv, cache, _stack_experts(experts, jnp.zeros(logits_bv.shape[:1], jnp.int32))
 
 
 def _stack_experts(experts: list[jax.Array], index_b: jax.Array) -> jax.Array:

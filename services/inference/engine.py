@@ -112,7 +112,8 @@ class Engine:
         self.runner = Runner(self.graphdef, self.model_cfg, pages=self.kv.pages, page_size=self.kv.page_size,
                              max_seqs=self.max_seqs, slot_len=slot_len, decode_steps=self.config.decode_steps,
                              max_prefill_rows=self.config.max_prefill_rows, max_n=self.config.max_n, min_rows=min_rows,
-                             mesh=mesh, top_logprobs=self.config.max_top_logprobs)
+                             mesh=mesh, top_logprobs=self.config.max_top_logprobs,
+                             attention_kernel=self.config.attention_kernel)
         self.scheduler = Scheduler(max_seqs=self.max_seqs, prefill_tokens=self.config.prefill_tokens,
                                    pool=PagePool(self.runner.pages, self.kv.page_size),
                                    prefill_start=self.runner.prefill_start)

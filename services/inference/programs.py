@@ -74,6 +74,8 @@ class Buckets:
     """Fewest rows of a decode or sampling call (`row_floor`)."""
     page_size: int = 1
     """KV page size: a reused prefix ends on a page boundary."""
+    in_place_decode: bool = False
+    """Decode attends the pages in place (inference.attention_kernel: pallas): no window to bucket."""
 
     @property
     def samples(self) -> int:
@@ -91,6 +93,10 @@ class Buckets:
 
     def window(self, length: int) -> int:
         return next(w for w in self.windows if w >= length)
+
+    def decode_window(self, length: int) -> int:
+        """The window a decode chunk whose furthest row is at `length` gathers (0: none, in place)."""
+        return 0 if self.in_place_decode else self.window(length)
 
     def decode_rows(self, n: int) -> int:
         """Rows of a decode chunk over n running sequences (never above the slots)."""
@@ -135,7 +141,7 @@ def program_set(b: Buckets, *, max_prompt: int, max_tokens: int, max_seq_len: in
     longest_row = max(max_prompt, min(max_prompt + max_tokens - 1, max_seq_len - 1)) if recompute else max_prompt
     # A chunk feeds from the prompt's length up to prompt + max_tokens - 2.
     furthest = max(min(max_prompt + max_tokens - 2, max_seq_len - 2, b.cache_len), 1)
-    decode_windows = {b.window(p) for p in range(1, furthest + 1)}
+    decode_windows = {b.decode_window(p) for p in range(1, furthest + 1)}
     rows = {b.decode_rows(n) for n in range(1, b.num_slots + 1)}
     keys |= {("decode", r, w) for r in rows for w in decode_windows}
     shapes: set[tuple[int, int]] = set()  # (t, w) over every (length, start)

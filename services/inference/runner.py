@@ -17,9 +17,14 @@ programs take page tables.
 - decode chunk(rows b, window w): gathers each row's window, where w covers the furthest row's
   cached length, so attention reads only the valid region rounded up to a bucket; runs `steps`
   tokens as one lax.scan over that read-only window plus a [b, steps] buffer of the chunk's own
-  keys/values, then writes the buffer into each row's pages once. Sampling, stop ids and max
-  tokens are applied on the device with per-row parameters, so a round trip costs one host sync
-  per chunk, not per token.
+  keys/values, then writes the buffer into each row's pages once. With
+  `inference.attention_kernel: pallas` the pool is in the kernels' layout and the chunk has no
+  window (w = 0): each step writes its token into its page and attends the pages in place.
+  Sampling, stop ids and max tokens are applied on the device with per-row parameters, so a
+  round trip costs one host sync per chunk, not per token.
+
+The programs themselves are in services/inference/device_programs.py; this module builds their
+batches from the scheduler's sequences and keeps the pool.
 
 With `top_logprobs` K > 0 (inference.max_top_logprobs) both programs also return, per sampled
 token, the K most likely tokens of the distribution it was drawn from; K is static, one value for
@@ -38,21 +43,26 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from arlo.model.config import ModelConfig
-from arlo.model.kv_cache import KVCache, init_cache
-from arlo.model.lora import select_adapters
-from arlo.model.paged_kv import gather_pages, init_pool, pool_shardings, write_positions, write_prefill
-from arlo.model.sampling import sample, sample_with_top
+from arlo.model.kv_cache import KVCache
+from arlo.model.paged_kv import init_pool, pool_shardings
 from arlo.model.sharding import BATCH_AXES
-from arlo.routing_replay import routing_shape
+from services.inference.device_programs import (
+    DecodeBatch,
+    PrefillBatch,
+    SampleParams,
+    decode_jit,
+    decode_kernel,
+    decode_paged_jit,
+    prefill_jit,
+)
 from services.inference.pages import NULL_PAGE
 from services.inference.programs import MIN_ROWS, Buckets, Key, pack_calls, program_set
 from services.inference.requests import MAX_STOP_IDS
@@ -60,42 +70,6 @@ from services.inference.scheduler import PrefillItem
 from services.inference.scheduler import Sequence as Seq
 
 log = logging.getLogger(__name__)
-
-class SampleParams(NamedTuple):
-    """Per-row sampling knobs; rows may all differ, one program serves them."""
-
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    seed: np.ndarray
-    """[r, 2] uint32: the request's 64-bit seed."""
-    sample: np.ndarray
-    """[r] uint32: the sample's index within its request (its own stream)."""
-
-
-class PrefillBatch(NamedTuple):
-    src_table: np.ndarray  # [m, P] page table each prompt row reads
-    tokens: np.ndarray  # [m, t]
-    lengths: np.ndarray  # [m] tokens of this chunk that are real
-    starts: np.ndarray  # [m] position of the chunk's first token (a page boundary)
-    dst_table: np.ndarray  # [j, P] page table of each sample
-    src_row: np.ndarray  # [j] prompt row each sample reads
-    count: np.ndarray  # [j] index of the token sampled in its sample (> 0 when resumed)
-    params: SampleParams  # [j]
-    adapter: np.ndarray  # [m] LoRA adapter slot of each prompt row (0 without several)
-
-
-class DecodeBatch(NamedTuple):
-    table: np.ndarray  # [b, P]
-    token: np.ndarray  # [b] newest token, not yet fed
-    pos: np.ndarray  # [b] where it is fed
-    count: np.ndarray  # [b] tokens generated so far
-    max_tokens: np.ndarray  # [b]
-    stop_ids: np.ndarray  # [b, MAX_STOP_IDS], -1 padded
-    live: np.ndarray  # [b] False on padding rows
-    params: SampleParams  # [b]
-    adapter: np.ndarray  # [b] LoRA adapter slot of each row (0 without several)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,10 +96,13 @@ def abstract(tree):  # noqa: ANN001, ANN201 (any pytree of arrays)
 class Runner:
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, *, pages: int, page_size: int, max_seqs: int,
                  slot_len: int, decode_steps: int, max_prefill_rows: int, max_n: int = 1, min_rows: int = MIN_ROWS,
-                 mesh: Mesh | None = None, top_logprobs: int = 0) -> None:
+                 mesh: Mesh | None = None, top_logprobs: int = 0, attention_kernel: str = "xla") -> None:
         """`pages` of `page_size` positions hold every sequence's KV; `max_seqs` sequences decode
         together at most; `slot_len` positions (prompt + completion) one sequence reaches at most;
-        `top_logprobs`: K alternatives returned per sampled token (0: none)."""
+        `top_logprobs`: K alternatives returned per sampled token (0: none); `attention_kernel`:
+        "pallas" decodes against the pages in place (arlo/model/paged_attention.py)."""
+        self.kernel = decode_kernel(attention_kernel, model_cfg, mesh)
+        """None: decode gathers a window; else the paged-attention kernel decode runs."""
         self.graphdef = graphdef
         self.top_logprobs = top_logprobs
         self.mesh = mesh
@@ -136,7 +113,8 @@ class Runner:
         self.cache_len = slot_len + decode_steps
         self.table_len = -(-self.cache_len // page_size)
         self.buckets = Buckets(num_slots=max_seqs, cache_len=self.cache_len, max_prefill_rows=max_prefill_rows,
-                               max_n=max_n, min_rows=min_rows, page_size=page_size)
+                               max_n=max_n, min_rows=min_rows, page_size=page_size,
+                               in_place_decode=self.kernel is not None)
         self.windows = self.buckets.windows
         self._model_cfg = model_cfg
         # Pages + the null page, rounded up so the pages split evenly over the data axes.
@@ -166,7 +144,8 @@ class Runner:
     def _new_cache(self) -> KVCache:
         # Committed like the programs' outputs, so the first call and every later one (which
         # gets the donated output back) share one compiled program.
-        cache = init_pool(self._model_cfg, pages=self.pool_pages, page_size=self.page_size)
+        cache = init_pool(self._model_cfg, pages=self.pool_pages, page_size=self.page_size,
+                          kernel_layout=self.kernel is not None)
         return jax.device_put(cache, self.cache_sharding or jax.devices()[0])
 
     def cache_bytes(self) -> int:
@@ -199,12 +178,20 @@ class Runner:
         kind, *dims = key
         if kind == "decode":
             b, w = dims
-            _decode_jit.lower(self.graphdef, self.decode_steps, w, self.cache_sharding, state, cache,
-                              _decode_batch([], int(b), self.table_len), top=self.top_logprobs).compile()
+            program, static = self._decode_program(int(w))
+            program.lower(*static, state, cache, _decode_batch([], int(b), self.table_len),
+                          top=self.top_logprobs).compile()
         else:
             m, t, w, j = (int(d) for d in dims)
-            _prefill_jit.lower(self.graphdef, w, self._span(t), self.cache_sharding, state, cache,
+            prefill_jit.lower(self.graphdef, w, self._span(t), self.cache_sharding, state, cache,
                                _prefill_batch([], m, t, j, self.table_len), top=self.top_logprobs).compile()
+
+    def _decode_program(self, w: int) -> tuple[Any, tuple]:
+        """(the decode chunk's jitted program over window w, its static leading arguments): call it,
+        or `.lower` it, with those, then (state, cache, batch, top=...). The kernel decode has no window."""
+        if self.kernel is not None:
+            return decode_paged_jit, (self.graphdef, self.decode_steps, self.kernel)
+        return decode_jit, (self.graphdef, self.decode_steps, w, self.cache_sharding)
 
     def _span(self, t: int) -> int:
         """Pages a prefill chunk of t tokens from a page boundary covers."""
@@ -243,10 +230,10 @@ class Runner:
         """One chunk of `decode_steps` tokens for every running sequence."""
         b = self.buckets.decode_rows(len(seqs))
         batch = _decode_batch(seqs, b, self.table_len)
-        w = self.window(int(batch.pos.max()))  # the chunk's own tokens live in a buffer beside it
+        w = self.buckets.decode_window(int(batch.pos.max()))  # the chunk's own tokens live in a buffer beside it
         self._note(("decode", b, w))
-        self.cache, out = _decode_jit(self.graphdef, self.decode_steps, w, self.cache_sharding, state, self.cache,
-                                      batch, top=self.top_logprobs)
+        program, static = self._decode_program(w)
+        self.cache, out = program(*static, state, self.cache, batch, top=self.top_logprobs)
         tok_kb, lp_kb, emit_kb, extra = jax.device_get(out)  # extra: [steps, b, ...] each
         rows = []
         for r, seq in enumerate(seqs):
@@ -264,7 +251,7 @@ class Runner:
         j = self.buckets.samples
         self._note(("prefill", m, t, w, j))
         batch = _prefill_batch(members, m, t, j, self.table_len)
-        self.cache, out = _prefill_jit(self.graphdef, w, self._span(t), self.cache_sharding, state, self.cache, batch,
+        self.cache, out = prefill_jit(self.graphdef, w, self._span(t), self.cache_sharding, state, self.cache, batch,
                                        top=self.top_logprobs)
         tok_j, lp_j, extra = jax.device_get(out)  # extra: [j, ...] each
         seqs = [seq for same in members for item, _ in same for seq in item.seqs]
@@ -333,95 +320,3 @@ def _decode_batch(seqs: Sequence[Seq], rows: int, width: int) -> DecodeBatch:
         stop_ids[r, : len(req.stop_ids)] = req.stop_ids
     return DecodeBatch(table=table, token=token, pos=pos, count=count, max_tokens=max_tokens, stop_ids=stop_ids,
                        live=live, params=_sample_params(seqs, rows), adapter=adapter)
-
-
-def _row_keys(params: SampleParams) -> jax.Array:
-    """One stream per sample: fold_in(fold_in(key(seed_lo), seed_hi), sample index)."""
-    def one(seed_2: jax.Array, index: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed_2[0]), seed_2[1])
-        return jax.random.fold_in(key, index)
-
-    return jax.vmap(one)(params.seed, params.sample)
-
-
-def _draw(logits_rv: jax.Array, row_keys: jax.Array, count_r: jax.Array, params: SampleParams,
-          top: int) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """-> (token_r, logprob_r, extra): extra holds top_ids [r, top] and top_logprobs [r, top] when
-    `top` (static) > 0, else nothing (the program is then `sample` alone)."""
-    # The step key depends only on the token's index in its sample: chunking and batching
-    # never change which random numbers a sample sees.
-    keys = jax.vmap(jax.random.fold_in)(row_keys, count_r.astype(jnp.uint32))
-    knobs = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p}
-    if not top:
-        return *sample(logits_rv, keys, **knobs), {}
-    token, logprob, top_ids, top_logprobs = sample_with_top(logits_rv, keys, top=top, **knobs)
-    return token, logprob, {"top_ids": top_ids, "top_logprobs": top_logprobs}
-
-
-def _keep_layout(cache: KVCache, sharding: KVCache | None) -> KVCache:
-    # On a mesh the cache leaves every program sharded as it came in: the next call then
-    # finds the layout it was compiled for, and the donated buffers are reused.
-    return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
-
-
-def _records_experts(model) -> bool:  # noqa: ANN001 (the merged Transformer)
-    """Static: the programs of a model with routed experts also return the experts chosen at each
-    sampled token's predicting position (routing replay); a dense model's programs are unchanged."""
-    return routing_shape(model.cfg) is not None
-
-
-def _prefill(graphdef: nnx.GraphDef, window: int, span: int, sharding: KVCache | None, state: nnx.State,
-             cache: KVCache, batch: PrefillBatch, top: int = 0) -> tuple[KVCache, tuple]:
-    """-> (cache, (token_j, logprob_j, extra)): extra, named as `Emitted`'s fields, holds experts_jlk
-    for a model with routed experts, chosen at each row's last real token (the position the
-    sample's token is drawn from), and top_ids_jk / top_logprobs_jk when `top` > 0."""
-    model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
-    win = gather_pages(cache, batch.src_table, window)
-    if _records_experts(model):
-        logits_mv, win, experts_mlk = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts,
-                                                    with_experts=True)
-    else:
-        (logits_mv, win), experts_mlk = model.prefill(batch.tokens, batch.lengths, win, start_b=batch.starts), None
-    first_page = batch.starts // cache.length
-    cache = write_prefill(cache, win, batch.src_table, batch.dst_table, batch.src_row, first_page, span)
-    token, logprob, extra = _draw(logits_mv[batch.src_row], _row_keys(batch.params), batch.count, batch.params, top)
-    if experts_mlk is not None:
-        extra["experts"] = experts_mlk[batch.src_row]
-    return _keep_layout(cache, sharding), (token, logprob, extra)
-
-
-def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache | None, state: nnx.State,
-            cache: KVCache, batch: DecodeBatch, top: int = 0) -> tuple[KVCache, tuple]:
-    """-> (cache, (token_kb, logprob_kb, emitted_kb, extra)): per step; extra, named as `Emitted`'s
-    fields, holds experts_kblk for a model with routed experts, chosen at the fed token (the
-    position the step's token is drawn from), and top_ids_kbn / top_logprobs_kbn when `top` > 0."""
-    model = select_adapters(nnx.merge(graphdef, state), batch.adapter)
-    row_keys = _row_keys(batch.params)
-    win = gather_pages(cache, batch.table, window)  # read-only in the loop: valid below batch.pos
-    records = _records_experts(model)
-
-    def step(carry: tuple, i: jax.Array) -> tuple[tuple, tuple[jax.Array, ...]]:
-        buf, token, pos, count, stopped = carry
-        active = batch.live & ~stopped & (count < batch.max_tokens)
-        # Finished rows still run (the batch is static); what they write lands past their end.
-        if records:
-            logits, buf, experts = model.decode_step_buffered(token, pos, batch.pos, win, buf, i, with_experts=True)
-        else:
-            logits, buf = model.decode_step_buffered(token, pos, batch.pos, win, buf, i)
-        new, logprob, extra = _draw(logits, row_keys, count, batch.params, top)
-        if records:
-            extra["experts"] = experts
-        hit = jnp.any(new[:, None] == batch.stop_ids, axis=1)
-        token = jnp.where(active, new, token)
-        return (buf, token, pos + active, count + active, stopped | (active & hit)), (new, logprob, active, extra)
-
-    buf = init_cache(model.cfg, batch=batch.table.shape[0], length=steps)
-    start = (buf, batch.token, batch.pos, batch.count, jnp.zeros_like(batch.live))
-    (buf, *_), out = jax.lax.scan(step, start, jnp.arange(steps, dtype=jnp.int32))
-    return _keep_layout(write_positions(cache, buf, batch.table, batch.pos), sharding), out
-
-
-# Module-level so every engine over the same graphdef shares the compiled programs.
-# `top` is a static keyword: callers that leave it out (memory_plan's K = 0) lower the plain programs.
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1, 2, 3), static_argnames=("top",), donate_argnums=(5,))
-_decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3), static_argnames=("top",), donate_argnums=(5,))

@@ -63,9 +63,10 @@ def measured_peaks(config: Path | None, devices: int, timeout: float = 280) -> d
                                           learner._replicated(rewards_gk), key, 1, **learner.step_kwargs).compile()
         engine = Engine(cfg.model_source(), config=cfg.inference, mesh=None)
         eplan = engine_plan(cfg, "", 1)
-        from services.inference.runner import _decode_batch, _decode_jit
+        from services.inference.device_programs import decode_jit
+        from services.inference.runner import _decode_batch
         r = engine.runner
-        decode = _decode_jit.lower(r.graphdef, r.decode_steps, eplan["decode"]["window"], r.cache_sharding,
+        decode = decode_jit.lower(r.graphdef, r.decode_steps, eplan["decode"]["window"], r.cache_sharding,
                                    engine.state, r.cache, _decode_batch([], eplan["decode"]["rows"], r.table_len)).compile()
         print(json.dumps({{"trainer_measured": compiled_figures(compiled)["peak_bytes"],
                           "trainer_planned": plan["step_peak_bytes"],

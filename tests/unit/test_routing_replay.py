@@ -38,14 +38,15 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("qwen3_moe_r3"), "qwen3_moe")
 
 
-def _generate(moe_dir: Path, dtype: str, temperature: float, stop: tuple[str, ...] = ()) -> list:
+def _generate(moe_dir: Path, dtype: str, temperature: float, stop: tuple[str, ...] = (), kernel: str = "xla") -> list:
     from arlo.config import InferenceConfig
     from services.inference.engine import Engine, SamplingRequest
 
     source = resolve_model(name="tiny", path=str(moe_dir), tokenizer="", seed=0, max_seq_len=64, dtype=dtype,
                            param_dtype=dtype)
     engine = Engine(source, config=InferenceConfig(max_n=2, max_tokens=MAX_TOKENS, max_prompt_tokens=32, max_batch=8,
-                                                   max_seq_len=64, decode_steps=4))
+                                                   max_seq_len=64, decode_steps=4, page_size=16,
+                                                   attention_kernel=kernel))
     try:
         handles = engine.submit_many([SamplingRequest(prompt=p, n=2, max_tokens=MAX_TOKENS, temperature=temperature,
                                                       ignore_eos=True, seed=i, return_routing=True, stop_strings=stop)
@@ -93,6 +94,16 @@ def test_engine_records_the_routers_choice_and_the_bytes_round_trip(moe_dir: Pat
     assert cut.finish_reason == "stop" and len(cut.token_ids) <= 4
     assert cut.routed_experts.shape[0] == len(cut.token_ids)
     np.testing.assert_array_equal(cut.routed_experts, first.routed_experts[: len(cut.token_ids)])
+
+
+def test_the_in_place_kernel_decode_records_what_the_gather_decode_records(moe_dir: Path) -> None:
+    """inference.attention_kernel: pallas (JAX's paged-attention kernel, interpret mode here) on the
+    MoE model: the same greedy tokens and the same experts at every token as the gather path."""
+    for a_samples, b_samples in zip(_generate(moe_dir, "float32", 0.0, kernel="pallas"),
+                                    _generate(moe_dir, "float32", 0.0), strict=True):
+        for a, b in zip(a_samples, b_samples, strict=True):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_array_equal(np.sort(a.routed_experts, -1), np.sort(b.routed_experts, -1))
 
 
 def test_the_wire_format() -> None:
