@@ -1,6 +1,6 @@
 """The prepared accelerator run: decode against HBM bandwidth and transformers, one GRPO step through the services.
 
-    python -m bench.accelerator [--json PATH] [--peak-bw BYTES_PER_S] [--budget-s 480] [--smoke]
+    python -m bench.accelerator [--json PATH] [--peak-bw BYTES_PER_S] [--budget-s 480] [--smoke] [--no-pallas]
 
 At Qwen2.5-1.5B's shape (random weights, bfloat16 parameters and compute), on the default JAX
 device, in one command of at most --budget-s seconds (each part is skipped, said so, when too
@@ -12,7 +12,9 @@ little of it is left):
   chunks' span (bench/decode.py's timeline figures), and the share of HBM bandwidth used:
   bytes a step must read (the weights it multiplies, as stored, + each row's cached keys and
   values) / step time / the device's peak (`PEAK_BYTES_PER_S` by device kind, --peak-bw to
-  override; on a CPU, the copy bandwidth bench/roofline.py measures);
+  override; on a CPU, the copy bandwidth bench/roofline.py measures); then the same again with
+  `inference.attention_kernel: pallas` (JAX's paged-attention kernel read in place; issue 36's
+  tokens/s and HBM fraction at batch 64; --no-pallas skips it; on a CPU it runs in interpret mode);
 - transformers `generate` (greedy) on the same device in the same run, the same lengths:
   eager (dynamic cache) at every batch, and static cache at --hf-static-batches (on CUDA
   transformers compiles its forward with torch.compile for a static cache; on a CPU it runs
@@ -91,7 +93,7 @@ def step_bytes(cfg: Any, chunk: Any, param_bytes: int) -> float:
                for i in range(chunk.steps))
 
 
-def decode_part(args: argparse.Namespace) -> dict[str, Any]:
+def decode_part(args: argparse.Namespace, kernel: str = "xla") -> dict[str, Any]:
     import jax
 
     from arlo.config import InferenceConfig
@@ -105,7 +107,8 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
     top = max(args.batches)
     engine = Engine(ModelSource.from_config(cfg, param_dtype="bfloat16"), config=InferenceConfig(
         max_n=1, max_batch=top, max_tokens=args.new_tokens, max_prompt_tokens=args.prompt, max_seq_len=seq,
-        decode_steps=args.decode_steps, prefill_tokens=max(2048, top * args.prompt), max_prefill_rows=min(top, 64)))
+        decode_steps=args.decode_steps, prefill_tokens=max(2048, top * args.prompt), max_prefill_rows=min(top, 64),
+        attention_kernel=kernel))
     kind = str(jax.devices()[0].device_kind)
     peak, peak_from = peak_bandwidth(kind, args.peak_bw)
     out: dict[str, Any] = {}
@@ -122,7 +125,7 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.close()
     return {"device": kind, "num_params": cfg.num_params(), "peak_bytes_per_s": peak, "peak_from": peak_from,
-            "per_batch": out}
+            "attention_kernel": kernel, "per_batch": out}
 
 
 # ----- part "hf": transformers generate (torch), same device kind -----
@@ -174,7 +177,8 @@ def step_part(args: argparse.Namespace) -> dict[str, Any]:
         "publish_to_serving_s", "pointer_to_serving_s")}, "services_fixed_share": fixed / last["step_s"]}
 
 
-PARTS = {"decode": decode_part, "hf": hf_part, "step": step_part}
+PARTS = {"decode": decode_part, "decode_pallas": lambda args: decode_part(args, "pallas"), "hf": hf_part,
+         "step": step_part}
 
 
 def run_part(name: str, argv: list[str], timeout_s: float) -> dict[str, Any]:
@@ -201,6 +205,12 @@ def summary(fig: dict[str, Any]) -> dict[str, Any]:
         best_hf = max(hf.get(k, {}).get("64", 0.0) for k in ("eager_tokens_per_s", "static_tokens_per_s"))
         if best_hf:
             out["arlo_over_hf_b64"] = decode["64"]["e2e_tokens_per_s"] / best_hf
+    pallas = fig.get("decode_pallas", {}).get("per_batch", {})
+    if "64" in pallas:
+        out["hbm_fraction_b64_pallas"] = pallas["64"]["hbm_fraction"]
+        out["decode_tokens_per_s_b64_pallas"] = pallas["64"]["decode_tokens_per_s"]
+        if "64" in decode:
+            out["pallas_over_xla_b64"] = pallas["64"]["decode_tokens_per_s"] / decode["64"]["decode_tokens_per_s"]
     if "services_fixed_share" in fig["step"]:
         out["services_fixed_share"] = fig["step"]["services_fixed_share"]
         out["publish_to_serving_s"] = fig["step"]["split"]["publish_to_serving_s"]
@@ -208,20 +218,22 @@ def summary(fig: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_figures(fig: dict[str, Any], args: argparse.Namespace) -> None:
-    decode, hf = fig["decode"], fig["hf"]
+    decode, hf, pallas = fig["decode"], fig["hf"], fig["decode_pallas"].get("per_batch", {})
     rows = []
     for b in args.batches:
-        d = decode.get("per_batch", {}).get(str(b), {})
+        d, p = decode.get("per_batch", {}).get(str(b), {}), pallas.get(str(b), {})
         rows.append([b, d.get("decode_tokens_per_s", ""), d.get("e2e_tokens_per_s", ""), d.get("step_ms", ""),
-                     d.get("hbm_fraction", ""), hf.get("eager_tokens_per_s", {}).get(str(b), ""),
+                     d.get("hbm_fraction", ""), p.get("decode_tokens_per_s", ""), p.get("hbm_fraction", ""),
+                     hf.get("eager_tokens_per_s", {}).get(str(b), ""),
                      hf.get("static_tokens_per_s", {}).get(str(b), "")])
     static = "static cache, torch.compile" if hf.get("static_compiled") else "static cache (eager: no CUDA)"
     print_table(f"decode at {'the smoke' if args.smoke else 'Qwen2.5-1.5B'} shape, bf16, prompt {args.prompt} + "
                 f"{args.new_tokens} new, on {decode.get('device', '?')} (peak {decode.get('peak_bytes_per_s', 0) / 1e9:.0f}"
                 f" GB/s, {decode.get('peak_from', '?')})",
-                ["batch", "arlo decode tok/s", "arlo e2e tok/s", "step ms", "HBM fraction", "transformers eager tok/s",
+                ["batch", "arlo decode tok/s", "arlo e2e tok/s", "step ms", "HBM fraction", "pallas decode tok/s",
+                 "pallas HBM fraction", "transformers eager tok/s",
                  f"transformers {static} tok/s"], rows)
-    for part in ("decode", "hf", "step"):
+    for part in ("decode", "decode_pallas", "hf", "step"):
         if "skipped" in fig[part]:
             print(f"{part}: skipped: {fig[part]['skipped']}")
     if "split" in fig["step"]:
@@ -240,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int_at_least(1), help="prompt tokens (default 128; smoke 16)")
     parser.add_argument("--new-tokens", type=int_at_least(2), help="new tokens per request (default 128; smoke 16)")
     parser.add_argument("--decode-steps", type=int_at_least(1), default=16, help="inference.decode_steps")
+    parser.add_argument("--no-pallas", dest="pallas", action="store_false",
+                        help="skip the second decode run with inference.attention_kernel: pallas")
     parser.add_argument("--hf-static-batches", type=int_list(1, allow_empty=True),
                         help="batches of transformers' static-cache run (each compiles; default 1,64; smoke 1)")
     parser.add_argument("--peak-bw", type=float_above(0), default=0.0,
@@ -278,13 +292,14 @@ def main(argv: list[str] | None = None) -> None:
     child = [a for i, a in enumerate(child) if a != "--json" and (i == 0 or child[i - 1] != "--json")]
     left = lambda: args.budget_s - (time.monotonic() - started)  # noqa: E731
     fig: dict[str, Any] = {"decode": run_part("decode", child, left())}
+    fig["decode_pallas"] = run_part("decode_pallas", child, left()) if args.pallas else {"skipped": "--no-pallas"}
     skip = "--smoke" if args.smoke else "--skip-step" if args.skip_step else ""
     # The step before transformers: it is the part the issue cares most about, and the longest.
     fig["step"] = {"skipped": skip} if skip else run_part("step", child, left())
     fig["hf"] = run_part("hf", child, left())
     fig["summary"] = summary(fig)
     fig["wall_s"] = time.monotonic() - started
-    fig["workload"] = {k: getattr(args, k) for k in ("smoke", "batches", "prompt", "new_tokens", "decode_steps",
+    fig["workload"] = {k: getattr(args, k) for k in ("smoke", "batches", "prompt", "new_tokens", "decode_steps", "pallas",
                                                      "hf_static_batches", "groups", "group_size", "step_tokens",
                                                      "micro_batch", "logprob_chunk", "rl_steps", "budget_s")}
     print_figures(fig, args)

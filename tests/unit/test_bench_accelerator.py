@@ -24,12 +24,13 @@ def test_smoke_run_reports_decode_and_transformers_figures(tmp_path: Path) -> No
                          cwd=ROOT, capture_output=True, text=True, timeout=280, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr[-3000:]
     fig = json.loads((tmp_path / "a.json").read_text())
-    for part in ("decode", "hf"):
+    for part in ("decode", "decode_pallas", "hf"):
         assert "skipped" not in fig[part], fig[part]
-    decode = fig["decode"]["per_batch"]
-    assert set(decode) == {"1", "4"}
-    for row in decode.values():
-        assert row["decode_tokens_per_s"] > 0 and 0 < row["hbm_fraction"] and row["bytes_per_step"] > 0
+    assert fig["decode_pallas"]["attention_kernel"] == "pallas"
+    for decode in (fig["decode"]["per_batch"], fig["decode_pallas"]["per_batch"]):
+        assert set(decode) == {"1", "4"}
+        for row in decode.values():
+            assert row["decode_tokens_per_s"] > 0 and 0 < row["hbm_fraction"] and row["bytes_per_step"] > 0
     assert fig["decode"]["peak_from"].startswith("measured")  # a CPU is in no datasheet table
     assert set(fig["hf"]["eager_tokens_per_s"]) == {"1", "4"} and fig["hf"]["static_compiled"] is False
     assert all(v > 0 for v in [*fig["hf"]["eager_tokens_per_s"].values(), *fig["hf"]["static_tokens_per_s"].values()])
