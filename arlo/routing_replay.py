@@ -32,6 +32,12 @@ def pack_experts(experts: np.ndarray, num_experts: int) -> bytes:
     return np.ascontiguousarray(experts, dtype=expert_dtype(num_experts)).tobytes()
 
 
+def pack_recorded(experts: np.ndarray | None, routing: tuple[int, int, int] | None) -> bytes:
+    """A sample's record packed (`routing`: the model's `routing_shape`), or b"" when it has none
+    (not asked for, or a model without routed experts)."""
+    return b"" if experts is None or routing is None else pack_experts(experts, routing[2])
+
+
 def unpack_experts(data: bytes, *, tokens: int, routed_layers: int, top_k: int, num_experts: int) -> np.ndarray:
     """bytes -> int32 [tokens, routed_layers, top_k]; ValueError when the length is not that shape's."""
     want = tokens * bytes_per_token(routed_layers=routed_layers, top_k=top_k, num_experts=num_experts)

@@ -94,7 +94,7 @@ class Engine:
         self.adapter_slots = max(adapters, 1)
         slot_len = min(base.max_seq_len, self.config.max_seq_len or base.max_seq_len)
         self.model_cfg = dataclasses.replace(base, max_seq_len=slot_len)
-        self._routing = routing_shape(base)
+        self.routing = routing_shape(base)
         """(routed layers, top_k, num_experts); None for a model without routed experts."""
         self.tokenizer = source.tokenizer()
         self.graphdef, abstract = nnx.split(abstract_model(base))
@@ -416,7 +416,7 @@ class Engine:
         handle._tokens(TokenDelta(sample=seq.index, token_ids=tuple(seq.token_ids[before:]),
                                   logprobs=tuple(seq.logprobs[before:]),
                                   policy_versions=tuple(seq.versions[before:]), finish_reason=reason,
-                                  routed_experts=_stacked(seq.experts[before:], self._routing) if routing else None,
+                                  routed_experts=_stacked(seq.experts[before:], self.routing) if routing else None,
                                   **_top(seq, k, before)))
         if req.done:
             self._complete(req)
@@ -427,7 +427,7 @@ class Engine:
             now = time.perf_counter()
             queue_s = (req.admitted_at or now) - req.submitted_at  # an abort may come before admission
             engine_s = now - req.admitted_at if req.admitted_at else 0.0
-            routing = self._routing if req.params.return_routing else None
+            routing = self.routing if req.params.return_routing else None
             handle._done([_sample(seq, queue_s, engine_s, routing) for seq in req.seqs])
 
     def _abort(self, request_id: int) -> None:

@@ -16,7 +16,7 @@ import grpc
 
 from arlo.budget import runs_under
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
-from arlo.routing_replay import pack_experts
+from arlo.routing_replay import pack_recorded
 from services.inference.bridge import Bridge
 from services.inference.engine import Engine, Sample, SamplingRequest, TokenDelta
 from services.inference.episodes import EpisodeRecorder
@@ -61,15 +61,11 @@ def slot_of_run(run_id: str, runs: dict[str, int] | None) -> int:
     return runs[run_id]
 
 
-def to_completion(sample: Sample, num_experts: int = 0) -> inference_pb2.Completion:
-    """`num_experts`: the model's, for packing `Sample.routed_experts` (arlo/routing_replay.py)."""
-    completion = inference_pb2.Completion(
-        token_ids=sample.token_ids, logprobs=sample.logprobs,
-        policy_versions=sample.policy_versions, finish_reason=FINISH[sample.finish_reason],
-    )
-    if sample.routed_experts is not None:
-        completion.routed_experts = pack_experts(sample.routed_experts, num_experts)
-    return completion
+def to_completion(sample: Sample, routing: tuple[int, int, int] | None = None) -> inference_pb2.Completion:
+    """`routing`: the model's routing_shape, for packing `Sample.routed_experts` (arlo/routing_replay.py)."""
+    return inference_pb2.Completion(
+        token_ids=sample.token_ids, logprobs=sample.logprobs, policy_versions=sample.policy_versions,
+        finish_reason=FINISH[sample.finish_reason], routed_experts=pack_recorded(sample.routed_experts, routing))
 
 
 def _put_at(bridge: Bridge, index: int, result: list[Sample] | BaseException) -> None:
@@ -103,9 +99,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _response(self, result: list[Sample]) -> inference_pb2.GenerateResponse:
         first = result[0].policy_versions[:1] if result else []
-        routed = any(s.routed_experts is not None for s in result)  # only a routed model records them
-        num_experts = self.engine.model_cfg.moe.num_experts if routed else 0
-        return inference_pb2.GenerateResponse(completions=[to_completion(s, num_experts) for s in result],
+        return inference_pb2.GenerateResponse(completions=[to_completion(s, self.engine.routing) for s in result],
                                               policy_version=first[0] if first else self.engine.version,
                                               queue_s=result[0].queue_s if result else 0.0,
                                               engine_s=result[0].engine_s if result else 0.0)
@@ -191,7 +185,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 finished = item.finish_reason is not None
                 yield inference_pb2.GenerateStreamResponse(
                     token_ids=item.token_ids, logprobs=item.logprobs, policy_versions=item.policy_versions,
-                    finish_reason=FINISH[item.finish_reason] if finished else inference_pb2.FINISH_REASON_UNSPECIFIED)
+                    finish_reason=FINISH[item.finish_reason] if finished else inference_pb2.FINISH_REASON_UNSPECIFIED,
+                    routed_experts=pack_recorded(item.routed_experts, self.engine.routing))
         finally:
             if not finished:  # the client went away (CancelledError) or the stream broke
                 self.engine.cancel(request_id)
@@ -219,5 +214,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             prompt_token_ids=c.prompt_token_ids, kind=c.kind, continued=c.continued, created_at=c.created_at,
             choices=[inference_pb2.RecordedChoice(token_ids=ch.token_ids, logprobs=ch.logprobs,
                                                   policy_versions=ch.policy_versions,
-                                                  finish_reason=FINISH[ch.finish_reason]) for ch in c.choices])
+                                                  finish_reason=FINISH[ch.finish_reason],
+                                                  routed_experts=ch.routed_experts) for ch in c.choices])
             for c in log.calls])

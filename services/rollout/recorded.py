@@ -42,5 +42,6 @@ class GrpcRecordings:
         reply = await stub.GetEpisode(inference_pb2.GetEpisodeRequest(episode_id=episode_id), timeout=self.timeout_s)
         return [Call(prompt=tuple(c.prompt_token_ids), choices=tuple(
             Turn(token_ids=list(ch.token_ids), logprobs=list(ch.logprobs), policy_versions=list(ch.policy_versions),
-                 finished_by_stop=ch.finish_reason == inference_pb2.FINISH_REASON_STOP) for ch in c.choices))
+                 finished_by_stop=ch.finish_reason == inference_pb2.FINISH_REASON_STOP,
+                 routed_experts=ch.routed_experts) for ch in c.choices))
             for c in reply.calls]

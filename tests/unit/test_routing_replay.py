@@ -80,7 +80,7 @@ def test_engine_records_the_routers_choice_and_the_bytes_round_trip(moe_dir: Pat
             # Token i was sampled from position len(prompt) - 1 + i (prefill's last token, then each fed token).
             at = full[len(prompt) - 1:]
             np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(at, -1))
-            data = to_completion(sample, num_experts).routed_experts
+            data = to_completion(sample, routing_shape(source.cfg)).routed_experts
             assert len(data) == len(sample.token_ids) * routing_bytes(source.cfg)
             back = unpack_experts(data, tokens=len(sample.token_ids), routed_layers=layers, top_k=top_k,
                                   num_experts=num_experts)

@@ -292,8 +292,13 @@ class GenerateStreamResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSIONS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Set on the last message only."""
+    routed_experts: _builtins.bytes
+    """With GenerateRequest.return_routing: these tokens' experts, as Completion.routed_experts
+    encodes them; the messages' bytes joined are the whole completion's.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens produced since the previous message."""
@@ -309,10 +314,11 @@ class GenerateStreamResponse(_message.Message):
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         policy_versions: _abc.Iterable[_builtins.int] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
+        routed_experts: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "routed_experts", b"routed_experts", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
