@@ -101,7 +101,8 @@ class AlgorithmConfig:
     """Routing replay ("R3", a model with routed experts: Qwen3-MoE). The rollout asks inference
     for the experts every routed layer chose at each generated token's predicting position (the
     last prompt token for a turn's first token, the previous generated token for the others),
-    carries them in the trajectory (`Trajectory.routed_experts`), and the trainer's policy forward
+    carries them in the trajectory (`Trajectory.routed_experts`; a black-box agent's calls to the
+    OpenAI endpoint are recorded with them too, and GenerateStream streams them), and the trainer's policy forward
     (its logprobs, and the proximal policy's) uses them at exactly those positions; its own router
     everywhere else (prompt, observations). The KL reference and the critic route themselves.
     Reported per step whenever routing was recorded, replay on or off: `routing_mismatch`, the
