@@ -82,6 +82,7 @@ class RunConfig:
         self._check_step_fits_backlog()
         self._check_lora_fits()
         self._check_routing_replay()
+        self._check_attention_kernel()
         runs = self.inference.runs
         _check("inference.runs", not runs or self.trainer.lora.rank > 0,
                "several runs share one inference service through LoRA adapter slots over one base: "
@@ -99,6 +100,17 @@ class RunConfig:
         what = f"model.path {self.model.path!r}" if self.model.path else f"model.name {self.model.name!r}"
         _check("trainer.algorithm.routing_replay", routing_shape(m) is not None,
                f"{what} has no routed experts (a Qwen3-MoE checkpoint has); set it to false")
+
+    def _check_attention_kernel(self) -> None:
+        """The paged-attention kernels have no sliding window: refused at load, not at the engine's start."""
+        if self.inference.attention_kernel != "pallas":
+            return
+        from arlo.model.config import ModelConfig
+
+        m = ModelConfig.from_hf_dir(self.model.path) if self.model.path else ModelConfig.named(self.model.name)
+        what = f"model.path {self.model.path!r}" if self.model.path else f"model.name {self.model.name!r}"
+        _check("inference.attention_kernel", not any(m.is_sliding(i) for i in range(m.num_layers)),
+               f"'pallas' has no sliding window, and {what} has sliding-window layers (Gemma 2/3); use 'xla'")
 
     def _check_lora_fits(self) -> None:
         """A rank at or above a targeted projection's narrower side is no low-rank update: full

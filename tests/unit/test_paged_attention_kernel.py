@@ -7,6 +7,7 @@ the engine's gather path on the same requests."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,20 @@ def test_a_model_or_mesh_the_kernels_cannot_serve_is_refused_by_the_settings_nam
     with pytest.raises(ValueError, match=r"inference\.attention_kernel.*inference\.mesh"):
         decode_kernel("pallas", preset_source("tiny").cfg, mesh)
     assert decode_kernel("xla", gemma, mesh) is None
+
+
+def test_a_sliding_window_checkpoint_with_the_kernel_is_refused_at_config_load(tmp_path: Path) -> None:
+    """A Gemma 3 checkpoint (transformers-written, sliding and global layers) with the kernel: the
+    run's config is refused at load naming the setting, not the inference service at its start."""
+    pytest.importorskip("transformers")
+    from arlo.config.base import ConfigError
+    from arlo.model.tiny_checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "gemma3", "gemma3")
+    overrides = {"model": {"path": str(path)}, "rollout": {"max_episode_tokens": 256}}
+    load_config(overrides=overrides)  # the gather path serves it
+    with pytest.raises(ConfigError, match=r"inference\.attention_kernel: 'pallas' has no sliding window.*gemma3"):
+        load_config(overrides={**overrides, "inference": {"attention_kernel": "pallas"}})
 
 
 PROMPTS = [tuple(range(10, 10 + n)) for n in (3, 17, 31, 40)]
