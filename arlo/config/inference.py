@@ -48,8 +48,9 @@ class InferenceConfig:
     """How a decode step reads the KV pages. "xla": each chunk gathers its rows' windows (a copy)
     and attends them, on every platform and mesh. "pallas": each step writes its token into the
     page and attends the rows' pages in place with the paged-attention kernels JAX ships (Triton
-    on a GPU, Mosaic on a TPU; on a CPU the GPU kernel in interpret mode, for tests, slow); one
-    device (no inference.mesh), no sliding-window layers (Gemma 2/3), otherwise refused at start."""
+    on a GPU, Mosaic on a TPU; on a CPU the GPU kernel in interpret mode, for tests, slow). On one
+    device, or a mesh of `tensor` alone (each device attends its own kv heads); a mesh with data
+    axes, or a model with sliding-window layers (Gemma 2/3), is refused naming this field."""
     decode_steps: int = ranged(8, ge=1, le=1024)
     """Tokens decoded per host round trip: more amortises the sync, fewer admits new requests sooner."""
     prefill_tokens: int = ranged(2048, ge=1)

@@ -19,7 +19,7 @@ from flax import nnx
 from arlo.model import lora
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import write_rows, write_slot
-from arlo.model.paged_attention import attend_pages
+from arlo.model.paged_attention import PagedKernel
 from arlo.model.paged_kv import write_token
 from arlo.model.rope import RopeScaling, apply_rope
 
@@ -165,7 +165,7 @@ class Attention(nnx.Module):
         return self._project_out_grouped(out_bktgh), (buf_k, buf_v)
 
     def decode_paged(self, x_btd: jax.Array, positions_bt: jax.Array, pages: tuple[jax.Array, jax.Array],
-                     tables_bp: jax.Array, kernel: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                     tables_bp: jax.Array, kernel: PagedKernel) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """One token per row, its key/value written into its page, then attention over the row's
         pages in place (a KernelPool layer; arlo/model/paged_attention.py). No sliding window."""
         q_btnh, k_btkh, v_btkh = self._project_qkv(x_btd)
@@ -174,8 +174,8 @@ class Attention(nnx.Module):
         pos_b = positions_bt[:, 0]
         pages = write_token(*pages, k_btkh[:, 0], v_btkh[:, 0], tables_bp, pos_b)
         q_bnh = q_btnh[:, 0] * jnp.asarray(self.score_scale, q_btnh.dtype)
-        out_bnh = attend_pages(q_bnh, pages[0].astype(q_bnh.dtype), pages[1].astype(q_bnh.dtype), tables_bp,
-                               pos_b + 1, cap=self.softcap, kernel=kernel)
+        out_bnh = kernel.attend(q_bnh, pages[0].astype(q_bnh.dtype), pages[1].astype(q_bnh.dtype), tables_bp,
+                                pos_b + 1, cap=self.softcap)
         return self._project_out(out_bnh[:, None]), pages
 
     def _project_out(self, out_btnh: jax.Array) -> jax.Array:

@@ -8,6 +8,11 @@ ships (`jax.experimental.pallas.ops`): Triton on a GPU, Mosaic on a TPU. Both re
 the query already scaled and apply the logit soft-cap themselves; neither has a sliding window,
 so a model with sliding layers keeps the gather path (the engine says so at start).
 
+On a mesh of `tensor` alone (inference tensor parallelism) the kernel runs under shard_map, each
+device over its own kv heads and the query heads that read them (`PagedKernel.heads_axis`): a
+pallas_call is not partitioned by XLA. A mesh that spreads pages over data axes is refused (a
+row's pages would live on several devices).
+
 On a CPU the GPU kernel runs in Pallas interpret mode: the same kernel body, evaluated by XLA,
 so the tests check the kernel's indexing, masking and online softmax against `reference` here;
 it is for tests, not speed. `reference` is the pure-JAX form (gather the pages, one softmax).
@@ -16,15 +21,40 @@ it is for tests, not speed. `reference` is the pure-JAX form (gather the pages, 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 GPU_K_SPLITS = 16
 """Partitions of a row's pages the GPU kernel spreads over thread blocks (its default)."""
 PAGES_PER_BLOCK = 8
 """Pages one kernel iteration loads (both kernels' block of keys)."""
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclass(frozen=True)
+class PagedKernel:
+    """Which kernel a decode step runs, and where: hashable, a static argument of the programs."""
+
+    name: str
+    """"gpu", "tpu", "interpret" (the GPU kernel on a CPU) or "reference" (`kernel_for`)."""
+    mesh: Mesh | None = None
+    """The inference mesh (tensor axis only); None on one device."""
+    heads_axis: str | None = None
+    """The mesh axis the kv heads (and the pool's first dim) are split over; None: replicated."""
+
+    def attend(self, q_bnh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables_bp: jax.Array,
+               lengths_b: jax.Array, *, cap: float | None) -> jax.Array:
+        """`attend_pages` with this kernel, per device on a mesh."""
+        run = functools.partial(attend_pages, cap=cap, kernel=self.name)
+        if self.mesh is None:
+            return run(q_bnh, k_pages, v_pages, tables_bp, lengths_b)
+        heads, pages = P(None, self.heads_axis, None), P(self.heads_axis, None, None, None)
+        return jax.shard_map(run, mesh=self.mesh, in_specs=(heads, pages, pages, P(), P()), out_specs=heads,
+                             check_vma=False)(q_bnh, k_pages, v_pages, tables_bp, lengths_b)
 
 
 def kernel_for(platform: str) -> str:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache, cache_shapes, cache_shardings, init_cache
@@ -67,9 +67,19 @@ def init_pool(cfg: ModelConfig, *, pages: int, page_size: int, dtype: jnp.dtype 
                       v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)))
 
 
-def pool_shardings(cfg: ModelConfig, mesh: Mesh, *, pages: int, page_size: int) -> KVCache:
-    """Pages over the data-parallel axes, kv heads over `tensor`, each only where it divides."""
-    return cache_shardings(cfg, mesh, batch=pages, length=page_size)
+def pool_shardings(cfg: ModelConfig, mesh: Mesh, *, pages: int, page_size: int, kernel_layout: bool = False) -> Pool:
+    """Pages over the data-parallel axes, kv heads over `tensor`, each only where it divides; a
+    KernelPool's kv heads alone (`kernel_heads_axis`: its mesh has no data axes to split)."""
+    if not kernel_layout:
+        return cache_shardings(cfg, mesh, batch=pages, length=page_size)
+    one = NamedSharding(mesh, PartitionSpec(kernel_heads_axis(cfg, mesh)))
+    return KernelPool(k=(one,) * cfg.num_layers, v=(one,) * cfg.num_layers)
+
+
+def kernel_heads_axis(cfg: ModelConfig, mesh: Mesh) -> str | None:
+    """The mesh axis a KernelPool's kv heads split over: `tensor` where it divides them, else None."""
+    ways = mesh.shape.get("tensor", 1)
+    return "tensor" if ways > 1 and cfg.num_kv_heads % ways == 0 else None
 
 
 def table_pages(window: int, page_size: int) -> int:

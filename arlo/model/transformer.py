@@ -26,6 +26,7 @@ from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache
 from arlo.model.layers import MLP, Attention, Embedder, Part, RMSNorm, softcap
 from arlo.model.moe import MoE, Routing
+from arlo.model.paged_attention import PagedKernel
 from arlo.model.paged_kv import KernelPool
 
 Masks = tuple[jax.Array, jax.Array]
@@ -70,7 +71,7 @@ class Block(nnx.Module):
         return x_btd + self._post(self._mlp(self.mlp_norm(x_btd), experts), "post_mlp_norm"), new_buf
 
     def decode_paged(self, x_btd: jax.Array, positions_bt: jax.Array, pages: tuple[jax.Array, jax.Array],
-                     tables_bp: jax.Array, kernel: str, experts: list[jax.Array] | None = None,
+                     tables_bp: jax.Array, kernel: PagedKernel, experts: list[jax.Array] | None = None,
                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         h_btd, pages = self.attn.decode_paged(self.attn_norm(x_btd), positions_bt, pages, tables_bp, kernel)
         x_btd = x_btd + self._post(h_btd, "post_attn_norm")
@@ -229,7 +230,8 @@ class Transformer(nnx.Module):
         return _decoded(self._logits(self.final_norm(x_btd))[:, 0], KVCache(k=tuple(new_k), v=tuple(new_v)), experts)
 
     def decode_step_paged(
-        self, tokens_b: jax.Array, positions_b: jax.Array, pool: KernelPool, tables_bp: jax.Array, *, kernel: str,
+        self, tokens_b: jax.Array, positions_b: jax.Array, pool: KernelPool, tables_bp: jax.Array, *,
+        kernel: PagedKernel,
         with_experts: bool = False,
     ) -> tuple[jax.Array, KernelPool] | tuple[jax.Array, KernelPool, jax.Array]:
         """`decode_step` on the paged pool in the kernels' layout: each layer writes the fed token's

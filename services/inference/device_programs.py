@@ -27,9 +27,10 @@ from jax.sharding import Mesh
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache, init_cache
 from arlo.model.lora import select_adapters
-from arlo.model.paged_attention import kernel_for
-from arlo.model.paged_kv import KernelPool, gather_pages, write_positions, write_prefill
+from arlo.model.paged_attention import PagedKernel, kernel_for
+from arlo.model.paged_kv import KernelPool, gather_pages, kernel_heads_axis, write_positions, write_prefill
 from arlo.model.sampling import sample, sample_with_top
+from arlo.model.sharding import BATCH_AXES
 from arlo.routing_replay import routing_shape
 
 
@@ -93,7 +94,7 @@ def _draw(logits_rv: jax.Array, row_keys: jax.Array, count_r: jax.Array, params:
     return token, logprob, {"top_ids": top_ids, "top_logprobs": top_logprobs}
 
 
-def _keep_layout(cache: KVCache, sharding: KVCache | None) -> KVCache:
+def _keep_layout(cache: KVCache | KernelPool, sharding: KVCache | KernelPool | None) -> KVCache | KernelPool:
     # On a mesh the cache leaves every program sharded as it came in: the next call then
     # finds the layout it was compiled for, and the donated buffers are reused.
     return cache if sharding is None else jax.lax.with_sharding_constraint(cache, sharding)
@@ -143,8 +144,8 @@ def _decode(graphdef: nnx.GraphDef, steps: int, window: int, sharding: KVCache |
     return _keep_layout(write_positions(cache, buf, batch.table, batch.pos), sharding), out
 
 
-def _decode_paged(graphdef: nnx.GraphDef, steps: int, kernel: str, state: nnx.State, pool: KernelPool,
-                  batch: DecodeBatch, top: int = 0) -> tuple[KernelPool, tuple]:
+def _decode_paged(graphdef: nnx.GraphDef, steps: int, kernel: PagedKernel, sharding: KernelPool | None,
+                  state: nnx.State, pool: KernelPool, batch: DecodeBatch, top: int = 0) -> tuple[KernelPool, tuple]:
     """`_decode` against the pages in place (inference.attention_kernel: pallas): every step writes
     its token's keys/values into the row's page and attends the row's pages with the paged
     attention `kernel` (arlo/model/paged_attention.py); no window, no buffer, no write-back."""
@@ -155,7 +156,8 @@ def _decode_paged(graphdef: nnx.GraphDef, steps: int, kernel: str, state: nnx.St
         out = model.decode_step_paged(token, pos, pool, batch.table, kernel=kernel, with_experts=records)
         return out[0], out[1], out[2] if records else None
 
-    return _decode_loop(batch, steps, top, pool, forward)
+    pool, out = _decode_loop(batch, steps, top, pool, forward)
+    return _keep_layout(pool, sharding), out
 
 
 def _decode_loop(batch: DecodeBatch, steps: int, top: int, kv: Any, forward: Any) -> tuple[Any, tuple]:
@@ -180,9 +182,9 @@ def _decode_loop(batch: DecodeBatch, steps: int, top: int, kv: Any, forward: Any
     return kv, out
 
 
-def decode_kernel(setting: str, cfg: ModelConfig, mesh: Mesh | None) -> str | None:
-    """The paged-attention kernel `inference.attention_kernel` asks for on this device, or None
-    (gather); a model or mesh the kernels cannot serve is refused by name."""
+def decode_kernel(setting: str, cfg: ModelConfig, mesh: Mesh | None) -> PagedKernel | None:
+    """The paged-attention kernel `inference.attention_kernel` asks for on this device and mesh, or
+    None (gather); a model or mesh the kernels cannot serve is refused by name."""
     if setting == "xla":
         return None
     if setting != "pallas":
@@ -190,14 +192,18 @@ def decode_kernel(setting: str, cfg: ModelConfig, mesh: Mesh | None) -> str | No
     if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
         raise ValueError("inference.attention_kernel: 'pallas' has no sliding window, and this model has "
                          "sliding-window layers (model.layer_types); use 'xla'")
-    if mesh is not None:
-        raise ValueError(f"inference.attention_kernel: 'pallas' runs on one device, and this engine's mesh "
-                         f"(inference.mesh) spans {mesh.devices.size}; use 'xla' on a mesh")
-    return kernel_for(jax.devices()[0].platform)
+    name = kernel_for(jax.devices()[0].platform)
+    if mesh is None:
+        return PagedKernel(name)
+    spread = {a: mesh.shape[a] for a in BATCH_AXES if mesh.shape.get(a, 1) > 1}
+    if spread:
+        raise ValueError(f"inference.attention_kernel: 'pallas' reads a row's pages on one device, and "
+                         f"inference.mesh spreads pages over {spread}; use a mesh of tensor alone, or 'xla'")
+    return PagedKernel(name, mesh=mesh, heads_axis=kernel_heads_axis(cfg, mesh))
 
 
 # Module-level so every engine over the same graphdef shares the compiled programs.
 # `top` is a static keyword: callers that leave it out (memory_plan's K = 0) lower the plain programs.
 prefill_jit = jax.jit(_prefill, static_argnums=(0, 1, 2, 3), static_argnames=("top",), donate_argnums=(5,))
 decode_jit = jax.jit(_decode, static_argnums=(0, 1, 2, 3), static_argnames=("top",), donate_argnums=(5,))
-decode_paged_jit = jax.jit(_decode_paged, static_argnums=(0, 1, 2), static_argnames=("top",), donate_argnums=(4,))
+decode_paged_jit = jax.jit(_decode_paged, static_argnums=(0, 1, 2, 3), static_argnames=("top",), donate_argnums=(5,))

@@ -58,8 +58,9 @@ def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[s
     # (runner.Runner.__init__).
     ways = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
     pages, cache_len = -(-(kv.pages + 1) // ways) * ways, kv.cache_len
-    sharding = None if mesh is None else pool_shardings(model_cfg, mesh, pages=pages, page_size=kv.page_size)
     kernel = decode_kernel(ic.attention_kernel, model_cfg, mesh)
+    sharding = None if mesh is None else pool_shardings(model_cfg, mesh, pages=pages, page_size=kv.page_size,
+                                                        kernel_layout=kernel is not None)
     cache = jax.eval_shape(lambda: init_pool(model_cfg, pages=pages, page_size=kv.page_size,
                                              kernel_layout=kernel is not None))
     cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
@@ -69,7 +70,8 @@ def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[s
     b = buckets.decode_rows(kv.max_seqs)
     w = buckets.decode_window(min(ic.max_prompt_tokens + ic.max_tokens, slot_len))
     batch = _decode_batch([], b, kv.table_len)
-    lowered = (decode_paged_jit.lower(graphdef, ic.decode_steps, kernel, state, cache, batch, top=ic.max_top_logprobs)
+    lowered = (decode_paged_jit.lower(graphdef, ic.decode_steps, kernel, sharding, state, cache, batch,
+                                      top=ic.max_top_logprobs)
                if kernel is not None else
                decode_jit.lower(graphdef, ic.decode_steps, w, sharding, state, cache, batch, top=ic.max_top_logprobs))
     decode = compiled_figures(lowered.compile())

@@ -52,7 +52,7 @@ from jax.sharding import Mesh
 
 from arlo.model.config import ModelConfig
 from arlo.model.kv_cache import KVCache
-from arlo.model.paged_kv import init_pool, pool_shardings
+from arlo.model.paged_kv import KernelPool, init_pool, pool_shardings
 from arlo.model.sharding import BATCH_AXES
 from services.inference.device_programs import (
     DecodeBatch,
@@ -122,8 +122,8 @@ class Runner:
         self.pool_pages = -(-(pages + 1) // ways) * ways
         self.pages = self.pool_pages - 1
         """Pages the scheduler may hand out (1..pages; the rounding's extra pages are usable too)."""
-        self.cache_sharding: KVCache | None = None if mesh is None else pool_shardings(
-            model_cfg, mesh, pages=self.pool_pages, page_size=page_size)
+        self.cache_sharding: KVCache | KernelPool | None = None if mesh is None else pool_shardings(
+            model_cfg, mesh, pages=self.pool_pages, page_size=page_size, kernel_layout=self.kernel is not None)
         self.cache = self._new_cache()
         self.prefill_rows = 0
         """Prompt rows prefilled so far (n samples of one prompt count once)."""
@@ -190,7 +190,7 @@ class Runner:
         """(the decode chunk's jitted program over window w, its static leading arguments): call it,
         or `.lower` it, with those, then (state, cache, batch, top=...). The kernel decode has no window."""
         if self.kernel is not None:
-            return decode_paged_jit, (self.graphdef, self.decode_steps, self.kernel)
+            return decode_paged_jit, (self.graphdef, self.decode_steps, self.kernel, self.cache_sharding)
         return decode_jit, (self.graphdef, self.decode_steps, w, self.cache_sharding)
 
     def _span(self, t: int) -> int:

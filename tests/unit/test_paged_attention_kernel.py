@@ -7,6 +7,10 @@ the engine's gather path on the same requests."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -23,6 +27,7 @@ from arlo.model.source import preset_source
 from services.inference.device_programs import decode_kernel
 from services.inference.engine import Engine, SamplingRequest
 
+ROOT = Path(__file__).resolve().parents[2]
 B, N, KV, H, PAGES, PAGE, PER_ROW = 4, 8, 2, 32, 40, 8, 12
 
 
@@ -113,15 +118,62 @@ def test_the_kernel_follows_the_platform() -> None:
     assert [kernel_for(p) for p in ("gpu", "cuda", "tpu", "cpu")] == ["gpu", "gpu", "tpu", "interpret"]
 
 
-def test_a_model_or_mesh_the_kernels_cannot_serve_is_refused_by_the_settings_name() -> None:
+def test_a_sliding_window_model_is_refused_by_the_settings_name() -> None:
     gemma = dataclasses.replace(preset_source("tiny").cfg, layer_types=("sliding_attention", "full_attention"),
                                 sliding_window=8)
     with pytest.raises(ValueError, match=r"inference\.attention_kernel.*sliding"):
         decode_kernel("pallas", gemma, None)
-    mesh = jax.make_mesh((1,), ("data",))
-    with pytest.raises(ValueError, match=r"inference\.attention_kernel.*inference\.mesh"):
-        decode_kernel("pallas", preset_source("tiny").cfg, mesh)
-    assert decode_kernel("xla", gemma, mesh) is None
+    assert decode_kernel("xla", gemma, None) is None
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import dataclasses
+    import jax
+    import pytest
+    from arlo.config import InferenceConfig, MeshConfig
+    from arlo.distributed import make_mesh
+    from arlo.model.source import preset_source
+    from services.inference.engine import Engine, SamplingRequest
+
+    config = InferenceConfig(max_n=2, max_tokens=16, max_prompt_tokens=32, max_batch=4, max_seq_len=64,
+                             decode_steps=4, page_size=16)
+    reqs = [SamplingRequest(prompt=(5, 17, 42, 99, 7), n=2, max_tokens=14, temperature=0.0, ignore_eos=True),
+            SamplingRequest(prompt=tuple(range(30, 52)), max_tokens=10, temperature=0.0, ignore_eos=True)]
+
+    def serve(mesh, kernel):
+        engine = Engine(preset_source("tiny"), config=dataclasses.replace(config, attention_kernel=kernel), mesh=mesh)
+        try:
+            return [[(s.token_ids, s.logprobs) for s in h.result(300)] for h in engine.submit_many(reqs)], engine
+        finally:
+            engine.close()
+
+    want, _ = serve(None, "xla")
+    tensor = make_mesh(MeshConfig(axis_sizes=(1, 1, 2)), jax.devices()[:2])
+    got, engine = serve(tensor, "pallas")
+    assert engine.runner.kernel.heads_axis == "tensor"
+    k = engine.runner.cache.k[0]  # [kv heads, pages, page, head_dim]: a kv head per device
+    assert k.addressable_shards[0].data.shape[0] == k.shape[0] // 2, k.sharding
+    for a, b in zip(got, want):
+        for (ta, la), (tb, lb) in zip(a, b):
+            assert ta == tb, (ta, tb)
+            assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5
+    data = make_mesh(MeshConfig(axis_sizes=(2, 1, 1)), jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"inference.attention_kernel.*spreads pages over .'data': 2"):
+        serve(data, "pallas")
+    print("ok")
+""")
+
+
+@pytest.mark.timeout(400)
+def test_on_a_tensor_parallel_mesh_each_device_attends_its_own_kv_heads() -> None:
+    """Two fake CPU devices, kv heads split over `tensor`: the kernel runs under shard_map and gives
+    the one-device gather path's greedy tokens; a mesh that spreads pages over `data` is refused."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=360)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok"), proc.stdout[-2000:]
 
 
 def test_a_sliding_window_checkpoint_with_the_kernel_is_refused_at_config_load(tmp_path: Path) -> None:
