@@ -90,9 +90,11 @@ def attend_pages(q_bnh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table
 
 def _gpu_blocks(pages: int) -> tuple[int, int]:
     """(k_splits, pages_per_compute_block) for a table of `pages` entries: the kernel needs the
-    table to split evenly into k_splits partitions of whole blocks; short tables use fewer."""
+    table to split evenly into k_splits partitions of whole blocks (short tables use fewer), and
+    Triton a power-of-two block of keys (page_size is one, so the pages per block are too)."""
     splits = min(GPU_K_SPLITS, pages)
-    return splits, min(PAGES_PER_BLOCK, -(-pages // splits))
+    per_partition = -(-pages // splits)
+    return splits, min(PAGES_PER_BLOCK, 1 << (per_partition - 1).bit_length())
 
 
 def _pad_pages(tables_bp: jax.Array, multiple: int) -> jax.Array:

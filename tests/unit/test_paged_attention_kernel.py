@@ -21,7 +21,7 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention_refe
 
 from arlo.config import InferenceConfig, load_config
 from arlo.model import ModelConfig
-from arlo.model.paged_attention import attend_pages, kernel_for, reference
+from arlo.model.paged_attention import _gpu_blocks, attend_pages, kernel_for, reference
 from arlo.model.paged_kv import KernelPool, gather_pages, init_pool, write_prefill, write_token
 from arlo.model.source import preset_source
 from services.inference.device_programs import decode_kernel
@@ -31,18 +31,18 @@ ROOT = Path(__file__).resolve().parents[2]
 B, N, KV, H, PAGES, PAGE, PER_ROW = 4, 8, 2, 32, 40, 8, 12
 
 
-def _inputs(dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, ...]:
+def _inputs(dtype: jnp.dtype = jnp.float32, per_row: int = PER_ROW) -> tuple[jax.Array, ...]:
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (B, N, H), dtype)
     k_pages = jax.random.normal(ks[1], (KV, PAGES, PAGE, H), dtype)
     v_pages = jax.random.normal(ks[2], (KV, PAGES, PAGE, H), dtype)
     # Each row holds its own shuffled pages; entries past its length name the null page (0).
-    lengths = jnp.array([1, PAGE, PAGE + 1, PER_ROW * PAGE - 3], jnp.int32)
+    lengths = jnp.array([1, PAGE, PAGE + 1, per_row * PAGE - 3], jnp.int32)
     perm = np.asarray(jax.random.permutation(ks[3], np.arange(1, PAGES)))
-    tables = np.zeros((B, PER_ROW), np.int32)
+    tables = np.zeros((B, per_row), np.int32)
     for b, length in enumerate(np.asarray(lengths)):
         held = -(-int(length) // PAGE)
-        tables[b, :held] = perm[b * 9: b * 9 + held]
+        tables[b, :held] = np.roll(perm, -b * 9)[:held]  # rows may share pages: reads only
     return q, k_pages, v_pages, jnp.asarray(tables), lengths
 
 
@@ -50,7 +50,7 @@ def _dense_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table
                      cap: float | None) -> jax.Array:
     """JAX's own dense reference for its kernel, on the rows' pages laid out as dense [b, s, kv, h]."""
     def dense(pages: jax.Array) -> jax.Array:
-        return jnp.transpose(pages[:, tables], (1, 2, 3, 0, 4)).reshape(B, PER_ROW * PAGE, KV, H)
+        return jnp.transpose(pages[:, tables], (1, 2, 3, 0, 4)).reshape(B, tables.shape[1] * PAGE, KV, H)
 
     return paged_attention_reference(q, dense(k_pages), dense(v_pages), lengths, attn_logits_soft_cap=cap)
 
@@ -63,6 +63,18 @@ def test_paged_attention_matches_the_dense_reference(kernel: str, cap: float | N
     q, k_pages, v_pages, tables, lengths = _inputs()
     got = attend_pages(q, k_pages, v_pages, tables, lengths, cap=cap, kernel=kernel)
     want = _dense_reference(q, k_pages, v_pages, tables, lengths, cap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_row", [20, 36])
+def test_tables_the_gpu_kernel_blocks_unevenly_are_padded_to_whole_power_of_two_blocks(per_row: int) -> None:
+    """20 and 36 pages a row: 16 partitions of 2 and 4 pages (Triton wants a power-of-two block of
+    keys), the table padded with null entries the kernel never reaches."""
+    splits, per_block = _gpu_blocks(per_row)
+    assert per_block & (per_block - 1) == 0 and splits * per_block * -(-per_row // (splits * per_block)) >= per_row
+    q, k_pages, v_pages, tables, lengths = _inputs(per_row=per_row)
+    got = attend_pages(q, k_pages, v_pages, tables, lengths, cap=None, kernel="interpret")
+    want = _dense_reference(q, k_pages, v_pages, tables, lengths, None)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
