@@ -215,6 +215,8 @@ class Engine:
         return handles
 
     def _request(self, req: SamplingRequest) -> Request:
+        if not isinstance(req.prompt, tuple):  # the prefix cache and the shared rows key on it (hashable)
+            req = dataclasses.replace(req, prompt=tuple(int(t) for t in req.prompt))
         seed = req.seed if req.seed is not None else secrets.randbits(64)  # never a shared stream
         stop_ids = tuple(req.stop_token_ids) or (() if req.ignore_eos else (self.tokenizer.eos_id,))
         return Request(id=next(self._ids), params=req, seed=seed, stop_ids=stop_ids, submitted_at=time.perf_counter())
@@ -334,7 +336,10 @@ class Engine:
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
             for req in inbox:
-                self.scheduler.add(req)
+                try:
+                    self.scheduler.add(req)
+                except Exception as e:  # that request alone: the loop must live on
+                    self._fail_requests([req], e)
             for request_id in cancels:
                 self._abort(request_id)
             started = time.perf_counter()
@@ -355,6 +360,9 @@ class Engine:
                 self.stats.recomputed += self.scheduler.preempt_all(adapters=swapped)
             self._served_versions = policy.versions
         items = self.scheduler.schedule(policy.versions, steps=self.config.decode_steps)
+        for req, error in self.scheduler.take_refused():
+            log.error("request %d could not be scheduled (%s: %s); it fails alone", req.id, type(error).__name__, error)
+            self._fail_requests([req], error)
         now = time.perf_counter()
         for item in items:
             for seq in item.seqs:
@@ -437,14 +445,19 @@ class Engine:
             self._complete(req)
 
     def _fail_running(self, error: BaseException) -> None:
-        for req in self.scheduler.iter_running():
-            self.scheduler.abort(req.id)
-            handle = self._handles.pop(req.id, None)
-            if handle is not None:
-                handle._done(error)
+        self._fail_requests(list(self.scheduler.iter_running()), error)
         # A failed program may have consumed the donated cache: start from a fresh one.
         self.scheduler.reset()
         self.runner.reset_cache()
+
+    def _fail_requests(self, reqs: Sequence[Request], error: BaseException) -> None:
+        """Ends each of `reqs` (waiting, running or never queued) with `error`."""
+        for req in reqs:
+            self.scheduler.abort(req.id)
+            with self._cv:
+                handle = self._handles.pop(req.id, None)
+            if handle is not None:
+                handle._done(error)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cv:

@@ -145,6 +145,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.preemptions = 0
         self._planned: dict[tuple[int, tuple[int, ...]], _Plan] = {}
+        self._refused: list[tuple[Request, Exception]] = []
 
     @property
     def page_size(self) -> int:
@@ -179,7 +180,12 @@ class Scheduler:
             live = [s for s in req.seqs if not s.finished]
             if in_flight + len(live) > self.max_seqs:
                 break
-            plans = self._plans(req, live, versions[req.params.adapter])
+            try:
+                plans = self._plans(req, live, versions[req.params.adapter])
+            except Exception as e:  # nothing taken yet: that request leaves alone, the queue moves on
+                self.waiting.popleft()
+                self._refused.append((req, e))
+                continue
             if plans is None:  # it would read pages this step's prefill has yet to write
                 break
             tokens = sum(p.prefill_tokens for p in plans)
@@ -199,6 +205,11 @@ class Scheduler:
             budget -= tokens
             items += [p.item for p in plans]
         return items
+
+    def take_refused(self) -> list[tuple[Request, Exception]]:
+        """Requests `schedule` could not plan (each with why), taken out of the queue; once each."""
+        refused, self._refused = self._refused, []
+        return refused
 
     def _plans(self, req: Request, live: list[Sequence], version: int) -> list[_Plan] | None:
         adapter = req.params.adapter

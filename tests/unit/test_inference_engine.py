@@ -164,3 +164,35 @@ def test_top_logprobs_are_the_sampling_distributions_best(engine: Engine) -> Non
         assert cut.top_ids is not None and len(cut.top_ids) == len(cut.token_ids) < len(first.token_ids) + 1
         np.testing.assert_array_equal(cut.top_ids, first.top_ids[: len(cut.token_ids)])
     with_top.close()
+
+
+def test_a_request_the_scheduler_cannot_plan_fails_alone_and_the_rest_are_served(engine: Engine,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in planning one waiting request (injected: the scheduler raises for its prompt) made
+    every engine step raise before anything ran, for ever: that request stayed at the head of the
+    queue, and every request behind it waited without end. It now fails alone, at once."""
+    from services.inference.scheduler import Scheduler
+
+    poison = (7, 7, 7, 7, 7)
+    plan = Scheduler._plan
+
+    def planning_fails_for_the_poison(self: Scheduler, tokens: tuple[int, ...], *args: object, **kw: object) -> object:
+        if tokens[: len(poison)] == poison:
+            raise RuntimeError("cannot plan this prompt")
+        return plan(self, tokens, *args, **kw)
+
+    monkeypatch.setattr(Scheduler, "_plan", planning_fails_for_the_poison)
+    bad, good = engine.submit_many([SamplingRequest(prompt=poison, max_tokens=4),
+                                    SamplingRequest(prompt=PROMPT, max_tokens=4)])
+    with pytest.raises(RuntimeError, match="cannot plan this prompt"):
+        bad.result(60)
+    assert len(good.result(120)[0].token_ids) >= 1
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+def test_a_prompt_given_as_a_list_is_served_like_the_tuple(engine: Engine) -> None:
+    """The prefix cache keys on the prompt: a list (what a Python caller builds) reached the
+    scheduler unhashable and failed in the engine thread instead of being served."""
+    want = engine.generate(SamplingRequest(prompt=PROMPT, max_tokens=6, temperature=0.0), 120)
+    got = engine.generate(SamplingRequest(prompt=list(PROMPT), max_tokens=6, temperature=0.0), 120)  # type: ignore[arg-type]
+    assert got[0].token_ids == want[0].token_ids
