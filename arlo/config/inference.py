@@ -19,6 +19,10 @@ from arlo.config.base import (
 )
 
 
+MIN_KERNEL_PAGE = 16
+"""Smallest page the paged-attention kernels take (inference.attention_kernel: pallas)."""
+
+
 @_frozen
 class InferenceConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051, metrics_port=9101))
@@ -115,5 +119,9 @@ class InferenceConfig:
         _check(f"{path}.runs", len(set(self.runs)) == len(self.runs), "lists a run twice")
         _check(f"{path}.min_rows", self.min_rows & (self.min_rows - 1) == 0, "must be 0 (automatic) or a power of two")
         _check(f"{path}.page_size", self.page_size & (self.page_size - 1) == 0, "must be 0 (dense) or a power of two")
+        _check(f"{path}.page_size", self.attention_kernel != "pallas" or self.page_size >= MIN_KERNEL_PAGE,
+               f"must be at least {MIN_KERNEL_PAGE} with attention_kernel 'pallas' (a kernel block of keys is "
+               f"whole pages, and Triton's matmuls want 16 or more; 0, the dense layout, is one page of "
+               f"max_seq_len, not a power of two), got {self.page_size}")
         _check(f"{path}.max_batch", self.max_batch >= self.max_n, "must be >= max_n (a request's samples run together)")
         self.mesh.validate(f"{path}.mesh")

@@ -182,9 +182,10 @@ def _decode_loop(batch: DecodeBatch, steps: int, top: int, kv: Any, forward: Any
     return kv, out
 
 
-def decode_kernel(setting: str, cfg: ModelConfig, mesh: Mesh | None) -> PagedKernel | None:
+def decode_kernel(setting: str, cfg: ModelConfig, mesh: Mesh | None, platform: str = "") -> PagedKernel | None:
     """The paged-attention kernel `inference.attention_kernel` asks for on this device and mesh, or
-    None (gather); a model or mesh the kernels cannot serve is refused by name."""
+    None (gather); a model or mesh the kernels cannot serve is refused by name. `platform`: the
+    device's (default: JAX's first device)."""
     if setting == "xla":
         return None
     if setting != "pallas":
@@ -192,7 +193,10 @@ def decode_kernel(setting: str, cfg: ModelConfig, mesh: Mesh | None) -> PagedKer
     if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
         raise ValueError("inference.attention_kernel: 'pallas' has no sliding window, and this model has "
                          "sliding-window layers (model.layer_types); use 'xla'")
-    name = kernel_for(jax.devices()[0].platform)
+    name = kernel_for(platform or jax.devices()[0].platform)
+    if name == "tpu" and cfg.head_dim % 128:
+        raise ValueError(f"inference.attention_kernel: 'pallas' on a TPU needs a head_dim that is a multiple of "
+                         f"128 (Mosaic's block), and this model's is {cfg.head_dim}; use 'xla'")
     if mesh is None:
         return PagedKernel(name)
     spread = {a: mesh.shape[a] for a in BATCH_AXES if mesh.shape.get(a, 1) > 1}

@@ -138,6 +138,22 @@ def test_a_sliding_window_model_is_refused_by_the_settings_name() -> None:
     assert decode_kernel("xla", gemma, None) is None
 
 
+def test_what_the_kernels_cannot_take_is_refused_before_a_compile() -> None:
+    """Found lowering JAX's kernels for CUDA and TPU from this CPU: Mosaic takes head_dim only in
+    multiples of 128 (Qwen2.5-0.5B's is 64), and Triton only power-of-two key blocks of 16 or more
+    (page_size 0, the dense layout, is one page of max_seq_len)."""
+    from arlo.config.base import ConfigError
+
+    tiny = preset_source("tiny").cfg
+    assert tiny.head_dim % 128
+    with pytest.raises(ValueError, match=r"inference\.attention_kernel.*TPU.*multiple of 128"):
+        decode_kernel("pallas", tiny, None, platform="tpu")
+    assert decode_kernel("pallas", tiny, None, platform="gpu").name == "gpu"
+    for page in (0, 8):
+        with pytest.raises(ConfigError, match=r"inference\.page_size: must be at least 16 with attention_kernel"):
+            load_config(overrides={"inference": {"attention_kernel": "pallas", "page_size": page}})
+
+
 MESH_SCRIPT = textwrap.dedent("""
     import dataclasses
     import jax
