@@ -18,7 +18,6 @@ from arlo.config.base import (
     ranged,
 )
 
-
 MIN_KERNEL_PAGE = 16
 """Smallest page the paged-attention kernels take (inference.attention_kernel: pallas)."""
 
