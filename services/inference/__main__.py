@@ -93,8 +93,7 @@ def start_openai(cfg: RunConfig, engine: Engine, recorder: EpisodeRecorder, task
     ic, tls = cfg.inference, cfg.auth.tls
     sock = bind(ic.server.host, ic.openai_port)
     endpoint = OpenAIEndpoint(engine, recorder, token=load_token(cfg.auth), tool_format=cfg.model.tool_format,
-                              runs=runs, read_timeout_s=ic.openai_read_timeout_s,
-                              record_routing=cfg.trainer.algorithm.routing_replay)
+                              runs=runs, read_timeout_s=ic.openai_read_timeout_s)
     tasks.spawn("openai-http", lambda: serve_openai(endpoint, sock, cert_file=tls.cert_file if tls.enabled else "",
                                                     key_file=tls.key_file if tls.enabled else "",
                                                     grace_s=ic.server.grace_s,

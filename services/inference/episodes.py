@@ -33,9 +33,9 @@ class RecordedChoice:
     policy_versions: tuple[int, ...]
     finish_reason: str
     routed_experts: bytes = b""
-    """Each token's experts, packed as Completion.routed_experts (arlo/routing_replay.py), with
-    trainer.algorithm.routing_replay on a model with routed experts (a black-box episode is then
-    replayed like any other); else empty."""
+    """Each token's experts, packed as Completion.routed_experts (arlo/routing_replay.py), on a
+    model with routed experts (a black-box episode of a run with routing replay is then replayed
+    like any other); else empty."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

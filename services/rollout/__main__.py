@@ -73,7 +73,8 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
         prefetch_max_age_s=min(MAX_AGE_S, cfg.env_gateway.session_idle_timeout_s / 2),
         **({"episode_fn": BlackBoxRunner(agent=load_agent(rc.agent), token=token, timeout_s=rc.episode_timeout_s,
                                          client_timeout_s=rc.rpc_timeout_s,
-                                         recordings=GrpcRecordings(inference, timeout_s=rc.rpc_timeout_s))}
+                                         recordings=GrpcRecordings(inference, timeout_s=rc.rpc_timeout_s,
+                                                                   routing=cfg.trainer.algorithm.routing_replay))}
            if rc.agent else {}),
         tracer=tracer, max_prompt_tokens=cfg.inference.max_prompt_tokens,
     )

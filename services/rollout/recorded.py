@@ -18,10 +18,14 @@ from services.rollout.types import BackendError
 
 
 class GrpcRecordings:
-    def __init__(self, channel: grpc.aio.Channel | ReplicaSet, *, timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel | ReplicaSet, *, timeout_s: float, routing: bool = False) -> None:
+        """`routing`: keep each turn's recorded experts (this run's trainer.algorithm.routing_replay).
+        The endpoint records them for every call on a model with routed experts, whatever the run:
+        a service shared by several runs cannot know each one's setting; each run keeps or drops them."""
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.channel = None if self.replicas else channel
         self.timeout_s = timeout_s
+        self.routing = routing
 
     async def _stub(self, episode_id: str) -> inference_pb2_grpc.InferenceStub:
         channel = self.channel if self.replicas is None else await self.replicas.channel(episode_id)
@@ -43,5 +47,5 @@ class GrpcRecordings:
         return [Call(prompt=tuple(c.prompt_token_ids), choices=tuple(
             Turn(token_ids=list(ch.token_ids), logprobs=list(ch.logprobs), policy_versions=list(ch.policy_versions),
                  finished_by_stop=ch.finish_reason == inference_pb2.FINISH_REASON_STOP,
-                 routed_experts=ch.routed_experts) for ch in c.choices))
+                 routed_experts=ch.routed_experts if self.routing else b"") for ch in c.choices))
             for c in reply.calls]

@@ -32,13 +32,10 @@ class Served:
 
 @asynccontextmanager
 async def inference_service(monkeypatch: pytest.MonkeyPatch, redis_url: str, run_id: str,
-                            model: Mapping[str, object] | None = None, trainer: Mapping[str, object] | None = None,
-                            **inference: object) -> AsyncIterator[Served]:
-    """`model`: the run's `model` settings (default: the tiny byte-tokenizer preset); `trainer`: its
-    `trainer` settings (the service reads trainer.algorithm.routing_replay)."""
+                            model: Mapping[str, object] | None = None, **inference: object) -> AsyncIterator[Served]:
+    """`model`: the run's `model` settings (default: the tiny byte-tokenizer preset)."""
     monkeypatch.setenv("ARLO_TOKEN", TOKEN)
-    cfg = load_config(overrides={"run_id": run_id, "redis": {"url": redis_url}, "model": dict(model or {}),
-                                 "trainer": dict(trainer or {}), "inference": {
+    cfg = load_config(overrides={"run_id": run_id, "redis": {"url": redis_url}, "model": dict(model or {}), "inference": {
         "server": {"port": 0, "metrics_port": -1, "grace_s": 0.5}, "max_tokens": 64, "max_prompt_tokens": 1024,
         "max_batch": 8, "max_n": 4, "decode_steps": 4, **inference}})
     tasks = TaskGroup()
