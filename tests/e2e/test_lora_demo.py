@@ -8,9 +8,10 @@ Without `trainer.lora.train_norms` the bar is far from met (docs/quickstart.md, 
 adapters cannot scale the logits, since the final norm and the tied embeddings stay frozen at
 their random init, which caps every token's probability at 0.87 on average (best case) and so a
 sampled episode's success far below 0.7. The example trains the norms beside the adapters, which
-brought two runs to 0.695 and 0.855 at the end: at the bar, not reliably above it, so the test
-asserts everything else and reports a run below the bar as an expected failure with the curve,
-and passes when the bar is met.
+brought two runs to 0.695 and 0.855 at the end; since the calculator's schema lost its example
+expression (a distractor the tool call copied), five runs of the unchanged example ended at 0.820,
+0.832, 0.852, 0.867 and 0.895 (load 1-7 on 2 cores; sweeps of alpha and both learning rates did
+no better beyond noise), so the bar is asserted.
 """
 
 from __future__ import annotations
@@ -76,6 +77,5 @@ def test_lora_demo_learns_through_every_service_publishing_adapters_alone(tmp_pa
     assert len(rl) == RL_STEPS
     assert {r.get("publish_full_bytes") for r in rl} == {adapters}
 
-    if report["reward_end"] < BAR:
-        pytest.xfail(f"issue 35's learning bar: held-out sampled reward {report['reward_end']:.3f} < {BAR} "
-                     f"(sampled, greedy per evaluation: {curve})")
+    assert report["reward_end"] >= BAR, (f"issue 35's learning bar: held-out sampled reward "
+                                         f"{report['reward_end']:.3f} < {BAR} (sampled, greedy per evaluation: {curve})")
