@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def test_train_started_while_up_restarts_the_trainer_rides_it_out(tmp_path: Path
                      timeout=600)
         said = " ".join(train.stderr.split())
         assert train.returncode == 0, train.stderr[-4000:]
-        assert "waiting up to 180s (--outage-s) for trainer" in said, said[-4000:]
+        # The trainer among the services waited for (a loaded host may find inference's heartbeat late too).
+        assert re.search(r"waiting up to 180s \(--outage-s\) for [a-z_, ]*\btrainer\b", said), said[-4000:]
         report = json.loads((tmp_path / "train.json").read_text())
         assert report["rl_steps"] >= 2 and report["failed"] is None
         print(f"arlo train after the trainer's kill -9: rc 0 in {time.monotonic() - started:.0f}s")
