@@ -174,8 +174,9 @@ class Attention(nnx.Module):
         pos_b = positions_bt[:, 0]
         pages = write_token(*pages, k_btkh[:, 0], v_btkh[:, 0], tables_bp, pos_b)
         q_bnh = q_btnh[:, 0] * jnp.asarray(self.score_scale, q_btnh.dtype)
-        out_bnh = kernel.attend(q_bnh, pages[0].astype(q_bnh.dtype), pages[1].astype(q_bnh.dtype), tables_bp,
-                                pos_b + 1, cap=self.softcap)
+        # The pool is kept in the compute dtype: a cast here would copy the whole layer's pages every step.
+        assert pages[0].dtype == q_bnh.dtype, (pages[0].dtype, q_bnh.dtype)
+        out_bnh = kernel.attend(q_bnh, *pages, tables_bp, pos_b + 1, cap=self.softcap)
         return self._project_out(out_bnh[:, None]), pages
 
     def _project_out(self, out_btnh: jax.Array) -> jax.Array:
