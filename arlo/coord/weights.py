@@ -164,6 +164,14 @@ class WeightPointer:
         return bool(fenced_result(done, f"recording checkpoint {version}", self._fence) == 1)
 
     @cancel_safe
+    async def check_fence(self, what: str) -> None:
+        """Raises LeaseLost when another trainer has taken the run: for writes outside Redis (a
+        checkpoint's files), which no script can fence, checked before they start."""
+        holder = await self._redis.get(self._fence.key)
+        if self._fence.token and holder is not None and holder.decode() != self._fence.token:
+            fenced_result(-1, what, self._fence)
+
+    @cancel_safe
     async def get(self) -> WeightPointerState | None:
         raw = await self._redis.hgetall(self._keys.weights)
         return WeightPointerState.from_hash(raw) if raw else None

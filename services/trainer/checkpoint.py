@@ -230,6 +230,15 @@ class Checkpointer:
             raise RuntimeError(f"orbax declined to save checkpoint {meta.version} (not newer than "
                                f"{self._manager.latest_step()})")
 
+    def discard(self, version: int) -> None:
+        """Removes checkpoint `version`, which this process wrote and whose record the run's fence
+        refused (another trainer took the run during the write): left on disk it would be a
+        second lineage's state, restored as the newest by whoever restarts the run next. Only a
+        save of ours that completed can be discarded: a directory of that name existing before
+        would have failed our write."""
+        shutil.rmtree(self.directory / f"{version:0{STEP_DIGITS}d}", ignore_errors=True)
+        self._manager.reload()
+
     def wait(self) -> None:
         """Blocks until the save in flight is complete; raises if it failed."""
         try:

@@ -19,6 +19,7 @@ from typing import Any
 
 from arlo.background import MustRestart
 from arlo.coord import WeightPointer
+from arlo.coord.lease import LeaseLost
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, NonFiniteState, Restored, SaveArrays
 from services.trainer.core.records import Acknowledge, Checkpoint, Decision
 from services.trainer.core.trainer import TrainerCore
@@ -78,6 +79,12 @@ class Saves:
             return done
         published = self.store.get(version)
         assert published is not None
+        try:  # a trainer that lost the run while paused writes no files (LeaseLost stops it)
+            await self.pointer.check_fence(f"writing checkpoint {version}")
+        except BaseException as e:
+            self.core.holds.not_started(checkpoint)
+            self._damaged(version, e)
+            raise
         # The checkpoint keeps the float32 master copy: its checksum is the publish's only when
         # the published bytes are that copy (param_dtype float32); otherwise start_save computes it.
         meta = CheckpointMeta(version=version, step=self.learner.step_count,
@@ -121,6 +128,11 @@ class Saves:
         try:
             await self.pointer.set_checkpoint(version, uri)
             await self.perform([acknowledge])  # durable now; a failed ack is retried by the next checkpoint
+        except LeaseLost as e:  # taken over during the write: the files are another lineage's now
+            await asyncio.to_thread(self.checkpointer.discard, version)
+            log.error("checkpoint %d discarded: %s", version, e)
+            self._damaged(version, e)
+            raise
         except BaseException as e:
             self._damaged(version, e)
             self.core.holds.checkpointed(version, uri)  # complete on disk all the same

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from arlo.background import MustRestart
 from arlo.coord import WeightPointerState
 from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.loop import TrainingLoop
@@ -76,6 +77,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             version, uri = await self.loop.checkpoint()
         except ValueError as e:  # no checkpoint_dir, or nothing published yet
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except MustRestart as e:  # the run was taken over, or the state is damaged: this trainer stops
+            await context.abort(grpc.StatusCode.ABORTED, f"checkpoint refused: {e}")
         except Exception as e:  # the write itself failed (disk full, permissions, ...)
             await context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {type(e).__name__}: {e}")
         return trainer_pb2.SaveCheckpointResponse(checkpoint_version=version, checkpoint_uri=uri)

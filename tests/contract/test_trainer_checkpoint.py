@@ -17,7 +17,7 @@ import pytest
 
 from arlo.background import TaskGroup
 from arlo.config import RunConfig, load_config
-from arlo.coord import TrajectoryStream, WeightPointer, connect, delete_run
+from arlo.coord import Keys, TrajectoryStream, WeightPointer, connect, delete_run
 from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from services.trainer.__main__ import start_trainer
@@ -185,19 +185,75 @@ async def test_save_checkpoint_rpc_returns_a_complete_checkpoint(env: dict) -> N
         async with make_channel(address, token=TOKEN) as ch:
             stub = trainer_pb2_grpc.TrainerStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+                await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "nothing to checkpoint" in err.value.details()
             await add_groups(env["stream"], 1)
             await wait_for(lambda: loop.state.version >= 1)
-            resp = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+            resp = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60)
             assert resp.checkpoint_version == 1 and complete(env["ckpt"], 1)
             pointer = await env["pointer"].get()
             assert (pointer.checkpoint_version, pointer.checkpoint_uri) == (1, resp.checkpoint_uri)
             status = await stub.GetStatus(trainer_pb2.GetStatusRequest())
             assert status.checkpoint_version == 1
-            again = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest())
+            again = await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60)
             assert (again.checkpoint_version, again.checkpoint_uri) == (1, resp.checkpoint_uri)
         params, meta = load_checkpoint(resp.checkpoint_uri, loop.learner.state)
         assert meta == {"step": 1, "version": 1}
         assert params_sha256(params) == pointer.sha256
+
+
+async def take_the_run(env: dict, run_id: str) -> None:
+    """What a successor's lease acquisition writes (arlo/coord/lease.py): this trainer is fenced out."""
+    await env["redis"].set(Keys(run_id).trainer_holder, "a-successor's-token")
+
+
+async def recorded_checkpoint(env: dict) -> int:
+    """The pointer's checkpoint version (0: none; no pointer when the fence refused the first publish too)."""
+    state = await env["pointer"].get()
+    return state.checkpoint_version if state is not None else 0
+
+
+def step_dirs(ckpt: Path) -> list[str]:
+    return sorted(p.name for p in ckpt.iterdir()) if ckpt.exists() else []
+
+
+async def test_a_trainer_that_lost_the_run_writes_no_checkpoint_files(env: dict, run_id: str) -> None:
+    """A trainer paused past its lease wakes with a checkpoint due: its files would be a second
+    lineage's state in the run's directory (restored as the newest by the next restart)."""
+    async with trainer(env["cfg"](0)) as (address, loop):
+        await add_groups(env["stream"], 1)
+        await wait_for(lambda: loop.state.version >= 1)
+        await take_the_run(env, run_id)
+        async with make_channel(address, token=TOKEN) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60)
+        assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+        assert "another trainer holds" in err.value.details()
+        assert "another trainer holds" in loop.state.must_restart  # the driver stops at its next turn
+    assert step_dirs(env["ckpt"]) == []
+    assert await recorded_checkpoint(env) == 0
+
+
+async def test_a_checkpoint_written_while_the_run_was_taken_is_discarded(env: dict, run_id: str) -> None:
+    """Taken over during the write (the fence is checked before it starts): the record is refused,
+    and the files written go too."""
+    async with trainer(env["cfg"](0)) as (address, loop):
+        await add_groups(env["stream"], 1)
+        await wait_for(lambda: loop.state.version >= 1)
+        write = loop.saves.write
+
+        async def write_then_lose_the_run(*args):
+            uri = await write(*args)
+            assert complete(env["ckpt"], 1)  # on disk, not yet recorded
+            await take_the_run(env, run_id)
+            return uri
+
+        loop.saves.write = write_then_lose_the_run
+        async with make_channel(address, token=TOKEN) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60)
+        assert err.value.code() == grpc.StatusCode.ABORTED, err.value
+        assert "another trainer holds" in loop.state.must_restart
+    assert step_dirs(env["ckpt"]) == []
+    assert await recorded_checkpoint(env) == 0
