@@ -73,10 +73,18 @@ class Publisher:
         # Hashed off the event loop (a second or more at 0.5B, with pulls to serve meanwhile), the
         # chunks a pull sends with it, beside the whole.
         digests = await asyncio.to_thread(hashed_payload, data)
+        await self._check_fence(version)
         return await self.encoder.put(version, data, sha256=digests.sha256, chunk_digests=digests.chunks)
+
+    async def _check_fence(self, version: int) -> None:
+        """Before a write to shared storage, which no Redis script fences: a trainer that lost the
+        run while paused would replace the successor's file of the same version (LeaseLost stops it)."""
+        if self.encoder.files is not None:
+            await self.pointer.check_fence(f"writing version {version} to {self.encoder.storage}")
 
     async def renumbered(self, published: PublishedVersion, version: int) -> None:
         """The same weights stored again under `version` (re-numbered above a foreign pointer), full."""
+        await self._check_fence(version)
         await self.encoder.put(version, published.data, sha256=published.sha256, full=True,
                                chunk_digests={k: v for k, v in published.chunk_digests.items() if isinstance(v, str)})
 

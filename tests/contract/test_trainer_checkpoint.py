@@ -1,6 +1,7 @@
 """Trainer checkpoints against the real Redis and real Orbax writes: asynchronous saves, the
 pointer's checkpoint field only after completion, acks held until a checkpoint covers the
-step, resume skipping a damaged newest checkpoint, and the SaveCheckpoint RPC."""
+step, resume skipping a damaged newest checkpoint, the SaveCheckpoint RPC, and a trainer that lost its
+run (another took the lease) writing no files: no checkpoint, no version in shared storage."""
 
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ from services.trainer.loop import TrainingLoop
 TOKEN = "checkpoint-token"
 
 
-def run_config(redis_url: str, run_id: str, ckpt: Path, every: int) -> RunConfig:
+def run_config(redis_url: str, run_id: str, ckpt: Path, every: int, storage: str = "") -> RunConfig:
     server = {"port": 0, "metrics_port": -1, "grace_s": 0.2}
     return load_config(overrides={
         "run_id": run_id, "redis": {"url": redis_url},
         "trainer": {"server": server, "groups_per_step": 1, "read_block_ms": 50, "max_staleness": 1000,
-                    "checkpoint_dir": str(ckpt), "checkpoint_every": every},
+                    "checkpoint_dir": str(ckpt), "checkpoint_every": every, "weights": {"storage": storage}},
     })
 
 
@@ -257,3 +258,24 @@ async def test_a_checkpoint_written_while_the_run_was_taken_is_discarded(env: di
         assert "another trainer holds" in loop.state.must_restart
     assert step_dirs(env["ckpt"]) == []
     assert await recorded_checkpoint(env) == 0
+
+
+async def test_a_trainer_that_lost_the_run_writes_no_version_to_shared_storage(
+        env: dict, run_id: str, redis_url: str, tmp_path: Path) -> None:
+    """Its file would replace the successor's of the same version (replicas would refuse it on its
+    checksum and pull the version from the trainer instead: a slower sync, every version)."""
+    storage = tmp_path / "weights"
+    tasks = TaskGroup()
+    running, loop = await start_trainer(run_config(redis_url, run_id, env["ckpt"], 0, storage=f"file://{storage}"),
+                                        tasks)
+    try:
+        await take_the_run(env, run_id)
+        await add_groups(env["stream"], 1)
+        await wait_for(lambda: tasks.fatal is not None)  # the loop stopped for a restart
+        assert "another trainer holds" in str(tasks.fatal) and loop.state.version == 1, tasks.fatal
+    finally:
+        await tasks.cancel_all()
+        await loop.close()
+        await running.stop(0.1)
+    assert not storage.exists() or not any(storage.iterdir()), sorted(p.name for p in storage.iterdir())
+    assert await env["pointer"].get() is None
