@@ -6,15 +6,11 @@ Weights shard by their logical axes, the KV cache by slots (data axes) and kv he
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.fake_devices import run_on_fake_devices
 
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
@@ -68,12 +64,8 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(660)
 def test_sharded_engine_matches_single_device() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok"), proc.stdout[-2000:]
+    out = run_on_fake_devices(SCRIPT, timeout_s=600)
+    assert out.strip().endswith("ok"), out[-2000:]
 
 
 def test_service_builds_no_mesh_on_one_device() -> None:

@@ -10,9 +10,6 @@ the same logits; replayed experts are the ones used. Needs the `hf` extra; skipp
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -29,12 +26,12 @@ from arlo.model.hf import INDEX_FILE, load_hf_model
 from arlo.model.kv_cache import write_band
 from arlo.model.moe import MoE, load_balancing_loss
 from arlo.model.tokenizer import get_tokenizer
+from tests.support.fake_devices import run_on_fake_devices
 
 _SKIP = "needs the hf extra: pip install -e '.[hf]'"
 torch = pytest.importorskip("torch", reason=_SKIP)
 transformers = pytest.importorskip("transformers", reason=_SKIP)
 
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 264  # the byte tokenizer's ids fit, so the export's own tokenizer files match the model
 _BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
              num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -342,9 +339,5 @@ def test_expert_parallel_learner_matches_one_device() -> None:
 
 
 def _run_on_8_devices(script: str) -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok"), proc.stdout[-2000:]
+    out = run_on_fake_devices(script, timeout_s=600)
+    assert out.strip().endswith("ok"), out[-2000:]

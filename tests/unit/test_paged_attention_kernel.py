@@ -7,9 +7,6 @@ the engine's gather path on the same requests."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -26,8 +23,8 @@ from arlo.model.paged_kv import KernelPool, gather_pages, init_pool, write_prefi
 from arlo.model.source import preset_source
 from services.inference.device_programs import decode_kernel
 from services.inference.engine import Engine, SamplingRequest
+from tests.support.fake_devices import run_on_fake_devices
 
-ROOT = Path(__file__).resolve().parents[2]
 B, N, KV, H, PAGES, PAGE, PER_ROW = 4, 8, 2, 32, 40, 8, 12
 
 
@@ -196,12 +193,8 @@ MESH_SCRIPT = textwrap.dedent("""
 def test_on_a_tensor_parallel_mesh_each_device_attends_its_own_kv_heads() -> None:
     """Two fake CPU devices, kv heads split over `tensor`: the kernel runs under shard_map and gives
     the one-device gather path's greedy tokens; a mesh that spreads pages over `data` is refused."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=360)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok"), proc.stdout[-2000:]
+    out = run_on_fake_devices(MESH_SCRIPT, devices=2, timeout_s=360)
+    assert out.strip().endswith("ok"), out[-2000:]
 
 
 def test_a_sliding_window_checkpoint_with_the_kernel_is_refused_at_config_load(tmp_path: Path) -> None:

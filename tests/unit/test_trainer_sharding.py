@@ -5,15 +5,11 @@ XLA flags must be set before JAX starts, so the check runs in a fresh interprete
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.fake_devices import run_on_fake_devices
 
 SCRIPT = textwrap.dedent("""
     import jax, numpy as np
@@ -42,12 +38,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(660)
 def test_sharded_learner_matches_single_device() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("ok")
+    assert run_on_fake_devices(SCRIPT, timeout_s=600).startswith("ok")
 
 
 KV_SCRIPT = textwrap.dedent("""
@@ -97,12 +88,7 @@ def test_tensor_parallel_trainer_replicates_kv_heads_the_mesh_does_not_divide(tm
     from tests.support.hf_checkpoints import write_checkpoint
 
     path = write_checkpoint(tmp_path / "qwen2", "qwen2")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", KV_SCRIPT, str(path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("ok")
+    assert run_on_fake_devices(KV_SCRIPT, str(path), timeout_s=600).startswith("ok")
 
 
 def test_a_mesh_the_devices_cannot_lay_out_is_a_config_error() -> None:
