@@ -180,8 +180,8 @@ def run_until_signal(start: Callable[[], Awaitable[RunningServer]], *,
     Health turns NOT_SERVING first, in-flight calls get `grace_s`, then `on_stop` runs. A
     startup ConfigError or busy port exits with a one-line message instead of a traceback.
     `tasks`: the service's background tasks; one that stops with MustRestart (arlo/background.py)
-    stops the service the same way, then the process exits 1 saying why, so that its supervisor
-    restarts it from durable state.
+    stops the service the same way but without the grace, then the process exits 1 saying why,
+    so that its supervisor restarts it from durable state.
     """
     try:
         asyncio.run(_serve(start, on_stop, grace_s, tasks))
@@ -228,7 +228,9 @@ async def _serve(start: Callable[[], Awaitable[RunningServer]],
         fatal = tasks.fatal if tasks is not None else None
         log.info("%s: %s", running.service, f"stopping to be restarted: {fatal}" if fatal else
                  "signal received" if stop_requested.is_set() else "server ended")
-        await running.stop(grace_s)
+        # A fatal stop does not drain: what this process would still do can no longer be trusted
+        # (its weights went bad, or another trainer took its run and its unfenced writes must end).
+        await running.stop(0.0 if fatal else grace_s)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

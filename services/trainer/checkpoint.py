@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ STEP_DIGITS = 8
 KEEP = 3
 """Complete checkpoints kept; more than one, so a corrupt newest one still leaves a fallback."""
 _TMP_MARK = ".orbax-checkpoint-tmp"
+SET_ASIDE = "set-aside"
+"""Where checkpoints the run must not restore go (`Checkpointer.set_aside`): Orbax lists only step names."""
 MIN_ROOM_BYTES = 1 << 20
 """Below this much free space (or the newest checkpoint's size, if larger) a save cannot succeed."""
 
@@ -230,14 +233,25 @@ class Checkpointer:
             raise RuntimeError(f"orbax declined to save checkpoint {meta.version} (not newer than "
                                f"{self._manager.latest_step()})")
 
-    def discard(self, version: int) -> None:
-        """Removes checkpoint `version`, which this process wrote and whose record the run's fence
-        refused (another trainer took the run during the write): left on disk it would be a
-        second lineage's state, restored as the newest by whoever restarts the run next. Only a
-        save of ours that completed can be discarded: a directory of that name existing before
-        would have failed our write."""
-        shutil.rmtree(self.directory / f"{version:0{STEP_DIGITS}d}", ignore_errors=True)
+    def set_aside(self, version: int, why: str) -> Path:
+        """Moves checkpoint `version` out of the restore's reach, into `set-aside/` (kept for an
+        operator, never listed as a checkpoint); returns where it went."""
+        source = self.directory / f"{version:0{STEP_DIGITS}d}"
+        target = self.directory / SET_ASIDE / f"{source.name}-{why}-{time.time_ns()}"
+        target.parent.mkdir(exist_ok=True)
+        source.rename(target)
         self._manager.reload()
+        return target
+
+    def set_aside_unrecorded(self, recorded: int) -> list[Path]:
+        """Sets aside every checkpoint newer than `recorded`, the run's record of its newest
+        complete checkpoint (the pointer's `checkpoint_version`, a fenced write made before any
+        trajectory it covers is acknowledged). One newer was never recorded: written by a trainer
+        that lost the run (a second lineage), or by one that died before the record; restoring
+        the recorded one instead loses nothing (what the newer one covers is still unacknowledged)."""
+        self._manager.reload()
+        return [self.set_aside(version, "unrecorded") for version in sorted(self._manager.all_steps())
+                if version > recorded]
 
     def wait(self) -> None:
         """Blocks until the save in flight is complete; raises if it failed."""
