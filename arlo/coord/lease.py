@@ -16,9 +16,10 @@ restores anything:
   writer's token. A trainer paused past its ttl (SIGSTOP, a long GC, a partition) that wakes after
   a successor took the run, even one that has stopped since, can therefore move nothing; its
   renewal finds the loss too, and it stops.
-- Checkpoint files, which no script can fence, are checked against the holder key before a
-  write starts, and a write whose fenced record is refused (taken over mid-write) is removed:
-  left on disk it would be a second lineage, restored as the newest (services/trainer/saves.py).
+- Files, which no script can fence (a checkpoint, a version in shared weight storage), are
+  written only after a check of the holder key. A checkpoint written all the same (taken over
+  mid-write) is never recorded, and a restore sets aside every checkpoint newer than the run's
+  record instead of restoring a second lineage (services/trainer/saves.py).
 A lease that expired with no successor (a Redis outage longer than the ttl) is taken back by its
 holder's next renewal, since the holder key still names it; its writes meanwhile are allowed.
 """
