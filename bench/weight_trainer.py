@@ -162,7 +162,7 @@ class Harness:
 
         def faulty(v: int, kind: str, *parts: bytes) -> Any:
             if mode == "stall":
-                tmp = files.root / f"{v:012d}.{kind}.stall.tmp"
+                tmp = files.root / f"{v:012d}.{kind}.{files.tag}.tmp"  # named as its own write names it
                 tmp.write_bytes(bytes(parts[0])[: max(1, len(parts[0]) // 2)])
                 print(json.dumps({"stalled": v}), flush=True)
                 time.sleep(3600)

@@ -6,18 +6,55 @@
 A file is written under a temporary name, flushed to disk and renamed into place, so a reader
 sees a whole file or none: a writer killed mid-write leaves only a `.tmp` file, which the next
 writer's prune removes. The envelope's body sha256 still guards against a file damaged at rest.
+
+A temporary name carries its writer (host, pid and a random tag): two trainers of a run can
+write the same version at once for a moment (one that lost the run while paused, and its
+successor), and containers share pids (each trainer is often pid 1). Prune removes only its
+own, those of a writer on this host whose process is gone, and any older than STALE_TMP_S.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import socket
+import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
 from arlo.model.weight_delta import KINDS, PayloadKind
 
 TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 3600.0
+"""A temporary file older than this is a dead writer's, whoever wrote it (a version takes seconds)."""
+
+
+def _writer_tag() -> str:
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+    return f"{host}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+def _gone(tag: str, own: str) -> bool:
+    """Whether the writer a temporary file names is provably not writing it any more."""
+    if tag == own:
+        return True  # ours, and this writer writes one file at a time: a leftover of a failed write
+    parts = tag.split("_")
+    if len(parts) == 1 and tag.isdigit():  # an older arlo's name: the pid alone, on this host
+        return int(tag) != os.getpid()
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False
+    host, pid = parts[0], int(parts[1])
+    if host != own.split("_")[0]:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
 
 
 def storage_dir(uri: str) -> Path:
@@ -51,12 +88,13 @@ class VersionFiles:
         self.root = storage_dir(uri)
         self.root.mkdir(parents=True, exist_ok=True)
         self.bytes_written = 0
+        self.tag = _writer_tag()
 
     def write(self, version: int, kind: PayloadKind, *parts: bytes | memoryview) -> Path:
         """Writes the envelope (its parts one after the other: `envelope_parts`) whole or not at
         all. Blocking: run it in a worker thread."""
         final = version_path(self.root, version, kind)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}{TMP_SUFFIX}")
+        tmp = final.with_name(f"{final.name}.{self.tag}{TMP_SUFFIX}")
         with open(tmp, "wb") as f:
             for part in parts:
                 f.write(part)
@@ -73,13 +111,15 @@ class VersionFiles:
         return final
 
     def prune(self, keep_from: int) -> None:
-        """Removes the versions older than `keep_from` and any writer's leftover temporary files.
-        Called with the full version before the newest full: a replica one chain behind still
-        finds its way, one further behind starts from the newest full."""
+        """Removes the versions older than `keep_from` and dead writers' leftover temporary files
+        (the module's docstring). Called with the full version before the newest full: a replica
+        one chain behind still finds its way, one further behind starts from the newest full."""
         for path in self.root.iterdir():
             name = path.name
-            if name.endswith(TMP_SUFFIX) and not name.split(".")[-2] == str(os.getpid()):
-                path.unlink(missing_ok=True)
+            if name.endswith(TMP_SUFFIX):
+                with contextlib.suppress(OSError):  # gone meanwhile: its writer renamed or removed it
+                    if _gone(name.split(".")[-2], self.tag) or time.time() - path.stat().st_mtime > STALE_TMP_S:
+                        path.unlink(missing_ok=True)
                 continue
             stem, _, kind = name.partition(".")
             if kind in KINDS and stem.isdigit() and int(stem) < keep_from:

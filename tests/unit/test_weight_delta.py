@@ -141,3 +141,23 @@ def test_a_writer_killed_mid_write_leaves_no_version(tmp_path) -> None:
     while any(tmp_path.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(tmp_path.iterdir())
+
+
+def test_prune_keeps_a_live_writers_temporary_file_and_two_writers_never_share_one(tmp_path) -> None:
+    """Two trainers of a run can write the same version for a moment (one that lost the run while
+    paused, and its successor), both often pid 1 in their containers: their temporary files must
+    differ, and neither's prune may remove the other's file mid-write."""
+    uri = f"file://{tmp_path}"
+    mine, theirs = VersionFiles(uri), VersionFiles(uri)
+    assert mine.tag != theirs.tag and mine.tag.split("_")[1] == theirs.tag.split("_")[1]  # one pid, two writers
+    writing = tmp_path / "000000000003.full.otherhost_1_0123abcd.tmp"  # another pod's write in progress
+    writing.write_bytes(b"half")
+    dead_here = tmp_path / "000000000003.full.{}_{}_89abcdef.tmp".format(mine.tag.split("_")[0], 2**22 + 7)
+    dead_here.write_bytes(b"half")  # a writer of this host whose pid is gone
+    abandoned = tmp_path / "000000000002.full.otherhost_1_fedcba98.tmp"
+    abandoned.write_bytes(b"half")
+    old = time.time() - 2 * 3600
+    os.utime(abandoned, (old, old))
+    mine.write(3, "full", b"x")
+    mine.prune(0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000000000003.full", writing.name]
