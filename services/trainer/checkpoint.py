@@ -21,6 +21,7 @@ older complete one is used. A state holding NaN or inf is never saved (`NonFinit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -250,8 +251,13 @@ class Checkpointer:
         that lost the run (a second lineage), or by one that died before the record; restoring
         the recorded one instead loses nothing (what the newer one covers is still unacknowledged)."""
         self._manager.reload()
-        return [self.set_aside(version, "unrecorded") for version in sorted(self._manager.all_steps())
-                if version > recorded]
+        moved = []
+        for version in sorted(self._manager.all_steps()):
+            if version > recorded:
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile (the other trainer's cleanup)
+                    moved.append(self.set_aside(version, "unrecorded"))
+        self._manager.reload()
+        return moved
 
     def wait(self) -> None:
         """Blocks until the save in flight is complete; raises if it failed."""
