@@ -291,9 +291,8 @@ class TrainerConfig:
     Bounded because a rollout worker may have died with the group; 0: never wait (it is dropped)."""
     checkpoint_dir: str = ""
     """Orbax checkpoint directory, local or mounted (every trainer host must see the same one);
-    empty disables checkpoints. Not a URI: `gs://` and the like are refused. A restart restores
-    the newest checkpoint the run recorded; newer ones it never recorded (a save that landed after
-    another trainer took the run) are moved to `set-aside/` under it."""
+    empty disables checkpoints. Not a URI: `gs://` and the like are refused. A save that lands
+    after another trainer took the run is moved to `set-aside/` under it, never restored."""
     checkpoint_every: int = ranged(0, ge=0)
     """Write a checkpoint every k versions; 0 disables."""
     lease_ttl_s: float = ranged(10.0, ge=1.0, le=600.0)

@@ -17,9 +17,9 @@ restores anything:
   a successor took the run, even one that has stopped since, can therefore move nothing; its
   renewal finds the loss too, and it stops.
 - Files, which no script can fence (a checkpoint, a version in shared weight storage), are
-  written only after a check of the holder key. A checkpoint written all the same (taken over
-  mid-write) is never recorded, and a restore sets aside every checkpoint newer than the run's
-  record instead of restoring a second lineage (services/trainer/saves.py).
+  written only after a check of the holder key; a checkpoint written all the same (taken over
+  mid-write) has its record refused, and is then moved to `set-aside/` unless the successor
+  recorded that very version (services/trainer/saves.py).
 A lease that expired with no successor (a Redis outage longer than the ttl) is taken back by its
 holder's next renewal, since the holder key still names it; its writes meanwhile are allowed.
 """

@@ -21,7 +21,6 @@ older complete one is used. A state holding NaN or inf is never saved (`NonFinit
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -243,21 +242,6 @@ class Checkpointer:
         source.rename(target)
         self._manager.reload()
         return target
-
-    def set_aside_unrecorded(self, recorded: int) -> list[Path]:
-        """Sets aside every checkpoint newer than `recorded`, the run's record of its newest
-        complete checkpoint (the pointer's `checkpoint_version`, a fenced write made before any
-        trajectory it covers is acknowledged). One newer was never recorded: written by a trainer
-        that lost the run (a second lineage), or by one that died before the record; restoring
-        the recorded one instead loses nothing (what the newer one covers is still unacknowledged)."""
-        self._manager.reload()
-        moved = []
-        for version in sorted(self._manager.all_steps()):
-            if version > recorded:
-                with contextlib.suppress(FileNotFoundError):  # removed meanwhile (the other trainer's cleanup)
-                    moved.append(self.set_aside(version, "unrecorded"))
-        self._manager.reload()
-        return moved
 
     def wait(self) -> None:
         """Blocks until the save in flight is complete; raises if it failed."""

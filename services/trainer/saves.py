@@ -72,10 +72,7 @@ class Saves:
             raise RuntimeError(f"version {version} is not held (its publish failed); the next one is saved")
         checkpoint = self.core.holds.begin(version, why)
         if version == self.core.state.checkpoint_version:
-            if checkpoint.covers:  # complete on disk, but recording or acknowledging it failed: again now
-                # Recorded first: a restore sets aside any checkpoint the record does not name,
-                # so nothing may be acknowledged against one it could set aside.
-                await self.pointer.set_checkpoint(version, self.core.state.checkpoint_uri)
+            if checkpoint.covers:  # complete on disk, but acknowledging its steps failed: again now
                 await self.perform([Acknowledge(checkpoint.covers)])
             done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
             done.set_result((version, self.core.state.checkpoint_uri))
@@ -148,15 +145,15 @@ class Saves:
         return version, uri
 
     async def _set_aside_refused(self, version: int, e: LeaseLost) -> None:
-        """Taken over during the write: the files are a second lineage's, set aside before the
-        process stops (the successor's restore would set them aside too: never recorded). Kept
-        where the successor recorded this very version (it restored them: its lineage now)."""
+        """Taken over during the write: the files are a second lineage's, which the next restart
+        would restore as the newest, so they are set aside before the process stops. Kept where
+        the successor recorded this very version (it restored them: its lineage now)."""
         try:
             current = await self.pointer.get()
             if current is None or current.checkpoint_version != version:
                 where = await asyncio.to_thread(self.checkpointer.set_aside, version, "fenced")
                 log.error("checkpoint %d set aside in %s: %s", version, where, e)
-        except Exception:  # Redis or the disk: the successor's restore sets it aside all the same
+        except Exception:  # Redis or the disk: left in place, logged for an operator
             log.exception("could not set aside checkpoint %d, written after the run was taken over", version)
 
     def _damaged(self, version: int, e: BaseException) -> None:
@@ -181,14 +178,7 @@ class Saves:
 
 
     async def restore(self) -> Restored | None:
-        """The newest complete, intact checkpoint the run recorded, loaded into the learner (None:
-        none). Newer ones the record does not name are set aside first (`set_aside_unrecorded`);
-        with no pointer at all (a new or wiped Redis) there is no record, and the newest is taken."""
-        current = await self.pointer.get()
-        if current is not None:
-            for where in await asyncio.to_thread(self.checkpointer.set_aside_unrecorded, current.checkpoint_version):
-                log.warning("checkpoint %s was never recorded (the run records checkpoint %d): set aside, not restored",
-                            where, current.checkpoint_version, extra={"checkpoint_set_aside": str(where)})
+        """The newest complete, intact checkpoint, loaded into the learner (None: none)."""
         async with self.jax_lock:
             return await asyncio.to_thread(self.replica.restore_newest)
 

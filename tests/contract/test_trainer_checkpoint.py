@@ -285,19 +285,3 @@ async def test_a_trainer_that_lost_the_run_writes_no_version_to_shared_storage(
         await running.stop(0.1)
     assert not storage.exists() or not any(storage.iterdir()), sorted(p.name for p in storage.iterdir())
     assert await env["pointer"].get() is None
-
-
-async def test_a_restart_sets_aside_checkpoints_the_run_never_recorded(env: dict) -> None:
-    """Checkpoint 2 on disk, the run's record at 1 (a fenced-out trainer's write, one whose save
-    outlived its process, or a death before the record): the restart restores 1 and sets 2 aside.
-    (What an unrecorded checkpoint covers is never acknowledged, since acknowledgements follow the
-    record, so the restart trains it again; here the record is moved back by hand after the acks.)"""
-    async with trainer(env["cfg"](1)) as (_, loop):
-        await add_groups(env["stream"], 2)
-        await wait_for(lambda: loop.state.checkpoint_version >= 2)
-    assert step_dirs(env["ckpt"]) == ["00000001", "00000002"]
-    await env["redis"].hset(env["stream"].keys.weights, "checkpoint_version", 1)
-    async with trainer(env["cfg"](0)) as (_, loop):
-        assert loop.state.checkpoint_version == 1 and loop.learner.step_count == 1
-        assert step_dirs(env["ckpt"]) == ["00000001"]
-        assert [name.split("-")[:2] for name in set_aside(env["ckpt"])] == [["00000002", "unrecorded"]]
