@@ -33,7 +33,6 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -41,6 +40,7 @@ from redis.exceptions import RedisError
 from arlo.background import MustRestart
 from arlo.coord.client import cancel_safe, text
 from arlo.coord.keys import Keys
+from arlo.process_namespace import process_namespace
 
 log = logging.getLogger(__name__)
 
@@ -204,16 +204,6 @@ class TrainerLease:
 async def lease_holder(redis: Redis, run_id: str) -> str:
     """Who holds the run's trainer lease ("host:pid", "" when nobody does): `arlo status` shows it."""
     return text(await redis.hget(Keys(run_id).trainer_lease, "owner") or b"")
-
-
-def process_namespace() -> str:
-    """This boot and pid namespace ('' where unknown): pids compare only within one. Two containers
-    with one hostname (host networking, a fixed --hostname) have pids the other cannot see."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
 
 
 def _gone_from_this_host(owner: str) -> bool:

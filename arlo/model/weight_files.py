@@ -7,7 +7,7 @@ A file is written under a temporary name, flushed to disk and renamed into place
 sees a whole file or none: a writer killed mid-write leaves only a `.tmp` file, which the next
 writer's prune removes. The envelope's body sha256 still guards against a file damaged at rest.
 
-A temporary name carries its writer (host, pid and a random tag): two trainers of a run can
+A temporary name carries its writer (host and pid namespace, pid, a random tag): two trainers of a run can
 write the same version at once for a moment (one that lost the run while paused, and its
 successor), and containers share pids (each trainer is often pid 1). Prune removes only its
 own, those of a writer on this host whose process is gone, and any older than STALE_TMP_S.
@@ -16,6 +16,7 @@ own, those of a writer on this host whose process is gone, and any older than ST
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import socket
@@ -25,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from arlo.model.weight_delta import KINDS, PayloadKind
+from arlo.process_namespace import process_namespace
 
 TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 3600.0
@@ -32,8 +34,11 @@ STALE_TMP_S = 3600.0
 
 
 def _writer_tag() -> str:
+    """host-namespace_pid_tag: the pid compares only within one boot and pid namespace (two
+    containers can share a hostname: host networking, a fixed --hostname)."""
     host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
-    return f"{host}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    namespace = hashlib.sha256(process_namespace().encode()).hexdigest()[:8]
+    return f"{host}-{namespace}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
 
 def _gone(tag: str, own: str) -> bool:
