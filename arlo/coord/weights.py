@@ -166,7 +166,8 @@ class WeightPointer:
     @cancel_safe
     async def check_fence(self, what: str) -> None:
         """Raises LeaseLost when another trainer has taken the run: for writes outside Redis (a
-        checkpoint's files), which no script can fence, checked before they start."""
+        checkpoint, a version in shared weight storage), which no script can fence: checked before
+        they start."""
         holder = await self._redis.get(self._fence.key)
         if self._fence.token and holder is not None and text(holder) != self._fence.token:
             fenced_result(-1, what, self._fence)
