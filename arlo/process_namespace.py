@@ -1,4 +1,5 @@
-"""Which boot and pid namespace this process runs in: a pid names the same process only within one."""
+"""Which boot and pid namespace this process runs in (a pid names the same process only within one),
+and whether a pid of it is gone."""
 
 from __future__ import annotations
 
@@ -14,3 +15,14 @@ def process_namespace() -> str:
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether no process of this pid namespace has `pid` (one of another user's is alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

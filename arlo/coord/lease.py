@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 from arlo.background import MustRestart
 from arlo.coord.client import cancel_safe, text
 from arlo.coord.keys import Keys
-from arlo.process_namespace import process_namespace
+from arlo.process_namespace import pid_gone, process_namespace
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +211,4 @@ def _gone_from_this_host(owner: str) -> bool:
     host, _, pid = owner.rpartition(":")
     if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    return pid_gone(int(pid))

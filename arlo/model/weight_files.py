@@ -7,10 +7,11 @@ A file is written under a temporary name, flushed to disk and renamed into place
 sees a whole file or none: a writer killed mid-write leaves only a `.tmp` file, which the next
 writer's prune removes. The envelope's body sha256 still guards against a file damaged at rest.
 
-A temporary name carries its writer (host and pid namespace, pid, a random tag): two trainers of a run can
-write the same version at once for a moment (one that lost the run while paused, and its
-successor), and containers share pids (each trainer is often pid 1). Prune removes only its
-own, those of a writer on this host whose process is gone, and any older than STALE_TMP_S.
+A temporary name carries its writer (host and pid namespace, pid, a random tag): two trainers
+of a run can write the same version at once for a moment (one that lost the run while paused,
+and its successor), and containers share pids (each trainer is often pid 1). Prune removes only
+its own, those of a writer of this host and namespace whose process is gone, and any older than
+STALE_TMP_S.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from arlo.model.weight_delta import KINDS, PayloadKind
-from arlo.process_namespace import process_namespace
+from arlo.process_namespace import pid_gone, process_namespace
 
 TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 3600.0
@@ -50,16 +51,7 @@ def _gone(tag: str, own: str) -> bool:
         return int(tag) != os.getpid()
     if len(parts) != 3 or not parts[1].isdigit():
         return False
-    host, pid = parts[0], int(parts[1])
-    if host != own.split("_")[0]:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, someone else's
-        return False
-    return False
+    return parts[0] == own.split("_")[0] and pid_gone(int(parts[1]))  # pids compare within one host and namespace
 
 
 def storage_dir(uri: str) -> Path:

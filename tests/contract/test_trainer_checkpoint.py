@@ -22,7 +22,7 @@ from arlo.coord import Keys, TrajectoryStream, WeightPointer, connect, delete_ru
 from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from services.trainer.__main__ import start_trainer
-from services.trainer.checkpoint import load_checkpoint, params_sha256
+from services.trainer.checkpoint import SET_ASIDE, load_checkpoint, params_sha256
 from services.trainer.loop import TrainingLoop
 
 TOKEN = "checkpoint-token"
@@ -38,8 +38,9 @@ def run_config(redis_url: str, run_id: str, ckpt: Path, every: int, storage: str
 
 
 @asynccontextmanager
-async def trainer(cfg: RunConfig) -> AsyncIterator[tuple[str, TrainingLoop]]:
-    tasks = TaskGroup()
+async def trainer(cfg: RunConfig, tasks: TaskGroup | None = None) -> AsyncIterator[tuple[str, TrainingLoop]]:
+    """`tasks`: the trainer's background tasks, for a test that watches them (a fatal stop)."""
+    tasks = tasks or TaskGroup()
     running, loop = await start_trainer(cfg, tasks)
     try:
         yield f"127.0.0.1:{running.port}", loop
@@ -221,7 +222,7 @@ def step_dirs(ckpt: Path) -> list[str]:
 
 
 def set_aside(ckpt: Path) -> list[str]:
-    return sorted(p.name for p in (ckpt / "set-aside").iterdir()) if (ckpt / "set-aside").exists() else []
+    return sorted(p.name for p in (ckpt / SET_ASIDE).iterdir()) if (ckpt / SET_ASIDE).exists() else []
 
 
 async def test_a_trainer_that_lost_the_run_writes_no_checkpoint_files(env: dict, run_id: str) -> None:
@@ -272,16 +273,10 @@ async def test_a_trainer_that_lost_the_run_writes_no_version_to_shared_storage(
     checksum and pull the version from the trainer instead: a slower sync, every version)."""
     storage = tmp_path / "weights"
     tasks = TaskGroup()
-    running, loop = await start_trainer(run_config(redis_url, run_id, env["ckpt"], 0, storage=f"file://{storage}"),
-                                        tasks)
-    try:
+    async with trainer(run_config(redis_url, run_id, env["ckpt"], 0, storage=f"file://{storage}"), tasks) as (_, loop):
         await take_the_run(env, run_id)
         await add_groups(env["stream"], 1)
         await wait_for(lambda: tasks.fatal is not None)  # the loop stopped for a restart
         assert "another trainer holds" in str(tasks.fatal) and loop.state.version == 1, tasks.fatal
-    finally:
-        await tasks.cancel_all()
-        await loop.close()
-        await running.stop(0.1)
     assert not storage.exists() or not any(storage.iterdir()), sorted(p.name for p in storage.iterdir())
     assert await env["pointer"].get() is None

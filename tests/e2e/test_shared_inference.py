@@ -256,9 +256,8 @@ def test_two_runs_share_one_inference_service_without_mixing_or_stale_drops(
         assert all(0 <= r["staleness_max"] <= RUNS[name]["max_staleness"] for r in rows), rows
         # Neither dropped anything as stale: its own admission rule keeps its own bound, and
         # the other run's publishes neither paused nor replaced this run's adapter.
-        timeouts = [r.get("expiring_timeouts", 0) for r in rows][-1:]
         assert stale[name] == 0 and int(status[name].get("dropped_stale", 0)) == 0, (
-            name, stale, status[name], {"expiring_timeouts": timeouts})
+            name, stale, status[name], {"expiring_timeouts": rows[-1].get("expiring_timeouts") if rows else None})
         # The shared service reports, under each run's own keys, that run's own version.
         assert 1 <= served[name] <= pointer[name], (name, served, pointer)
         # Every model token's version is one this run's trainer published (or the base's 0),
