@@ -39,10 +39,16 @@ redis.call('PUBLISH', ARGV[6], ARGV[2])
 return 1
 """
 
+# The recorder's token (the fence's, ARGV[1]) is kept with the record; recording the version already
+# recorded (a restarted trainer adopting the checkpoint it restored) changes only that.
 _CHECKPOINT_LUA = FENCE_LUA + """
 local cur = redis.call('HGET', KEYS[2], 'checkpoint_version')
-if cur and tonumber(cur) >= tonumber(ARGV[2]) then return 0 end
-redis.call('HSET', KEYS[2], 'checkpoint_version', ARGV[2], 'checkpoint_uri', ARGV[3])
+if cur and tonumber(cur) > tonumber(ARGV[2]) then return 0 end
+if cur and tonumber(cur) == tonumber(ARGV[2]) then
+  redis.call('HSET', KEYS[2], 'checkpoint_writer', ARGV[1])
+  return 0
+end
+redis.call('HSET', KEYS[2], 'checkpoint_version', ARGV[2], 'checkpoint_uri', ARGV[3], 'checkpoint_writer', ARGV[1])
 return 1
 """
 
@@ -67,6 +73,9 @@ class WeightPointerState:
     scope: WeightScope = "model"
     """What the payload holds: the whole policy, or a LoRA run's "adapters" alone (the reader
     applies them onto the base it holds)."""
+    checkpoint_writer: str = ""
+    """The lease token of the trainer that recorded `checkpoint_version` (empty: recorded unfenced,
+    or before writers were recorded); see services/trainer/core/lineage.py. Not in the contract."""
 
     @property
     def chain_start(self) -> int:
@@ -98,7 +107,7 @@ class WeightPointerState:
                    checkpoint_uri=h.get("checkpoint_uri", ""), time=float(h.get("time") or 0.0),
                    payload=payload, base_version=int(h.get("base_version") or 0),  # type: ignore[arg-type]
                    full_version=int(h.get("full_version") or 0), storage=h.get("storage", ""),
-                   scope=_scope(h.get("scope", "")))
+                   scope=_scope(h.get("scope", "")), checkpoint_writer=h.get("checkpoint_writer", ""))
 
 
 WeightScope = Literal["model", "adapters"]
@@ -157,7 +166,8 @@ class WeightPointer:
 
     @cancel_safe
     async def set_checkpoint(self, version: int, uri: str) -> bool:
-        """Records a complete checkpoint if it is newer than the recorded one."""
+        """Records a complete checkpoint if it is newer than the recorded one (True), with this
+        trainer's token as its recorder; the version already recorded is adopted (False)."""
         if version < 1:
             raise ValueError(f"version: must be >= 1, got {version}")
         done = await self._checkpoint(keys=self._fence.keys(self._keys.weights), args=self._fence.args(str(version), uri))

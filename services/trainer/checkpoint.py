@@ -1,5 +1,6 @@
 """Orbax checkpoints of the trainer under `<dir>/<version:08d>`: params, optimizer state and a
-JSON record (version, step, params checksum, trajectory ids trained since the previous one),
+JSON record (version, step, params checksum, trajectory ids trained since the previous one, the
+lease tokens of the trainers whose training it holds),
 and with a learned critic (`advantage: gae`) its params and optimizer state as a `critic` item
 with its own checksum. A checkpoint without that item restores with `Restored.critic` None
 (logged): the learner then starts a fresh critic from the restored policy.
@@ -29,6 +30,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,9 @@ class CheckpointMeta:
     """sha256 of the optimizer state's leaves (`tree_sha256`), filled in by `start_save`."""
     critic_sha256: str = ""
     """sha256 (`tree_sha256`) of the critic's {"params", "opt_state"}; empty: no critic saved."""
+    writers: tuple[str, ...] = ()
+    """Lease tokens of the trainers whose training this holds, oldest first (core/lineage.py);
+    empty: written before they were kept, or without a lease."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +97,8 @@ class Restored:
     """{"params", "opt_state"} of the critic; None when not asked for or not in the checkpoint."""
     skipped: tuple[str, ...] = ()
     """Newer checkpoints passed over as damaged or unreadable ("uri: why"), newest first."""
+    set_aside: tuple[str, ...] = ()
+    """Newer checkpoints moved to `set-aside/` as not the run's ("uri: why"), newest first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +147,8 @@ def _meta_from_record(raw: dict[str, Any]) -> CheckpointMeta:
     return CheckpointMeta(version=int(raw["version"]), step=int(raw["step"]), params_sha256=str(raw["params_sha256"]),
                           trajectory_ids=tuple(str(t) for t in raw.get("trajectory_ids", ())),
                           opt_state_sha256=str(raw.get("opt_state_sha256", "")),
-                          critic_sha256=str(raw.get("critic_sha256", "")))
+                          critic_sha256=str(raw.get("critic_sha256", "")),
+                          writers=tuple(str(w) for w in raw.get("writers", ())))
 
 
 def _tree_bytes(directory: Path) -> int:
@@ -218,6 +226,7 @@ class Checkpointer:
         record = dataclasses.asdict(dataclasses.replace(
             meta, opt_state_sha256=tree_sha256(opt_state), critic_sha256=tree_sha256(critic) if critic else ""))
         record["trajectory_ids"] = list(record["trajectory_ids"])
+        record["writers"] = list(record["writers"])
         record["meta_sha256"] = meta_sha256(record)
         items = {"params": ocp.args.StandardSave(params), "opt_state": ocp.args.StandardSave(opt_state),
                  "meta": ocp.args.JsonSave(record)}
@@ -270,16 +279,27 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=dataclasses.replace(self._options, cleanup_tmp_directories=False))
 
-    def restore_newest(self, params_like: nnx.State, opt_state_like: Any, critic_like: Any = None) -> Restored | None:
+    def restore_newest(self, params_like: nnx.State, opt_state_like: Any, critic_like: Any = None, *,
+                       foreign: Callable[[CheckpointMeta], str | None] | None = None) -> Restored | None:
         """The newest complete, intact checkpoint; None when there is none. `critic_like`: the
         live critic's {"params", "opt_state"}, to restore the critic too (None: not read).
+        `foreign`: why a checkpoint (its record, read first) is not the run's, or None; such a
+        one is set aside (by the primary process; the others pass it over) and an older one used.
         Raises ConfigError when checkpoints exist but none restores."""
         self._manager.reload()
         skipped: list[str] = []
+        set_aside: list[str] = []
         for version in sorted(self._manager.all_steps(), reverse=True):
+            why = self._foreign(version, foreign)
+            if why:
+                log.error("checkpoint %s is not this run's, setting it aside: %s", self.uri(version), why)
+                set_aside.append(f"{self.uri(version)}: {why}"[:500])
+                if jax.process_index() == 0:
+                    self.set_aside(version, "foreign")
+                continue
             try:
                 restored = self._restore(version, params_like, opt_state_like, critic_like)
-                return dataclasses.replace(restored, skipped=tuple(skipped))
+                return dataclasses.replace(restored, skipped=tuple(skipped), set_aside=tuple(set_aside))
             except Exception as e:  # orbax raises many types for damaged files; all mean "unusable"
                 log.error("checkpoint %s is corrupt or unreadable (%s: %s); falling back to an older one",
                           self.uri(version), type(e).__name__, e)
@@ -294,6 +314,18 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+    def _foreign(self, version: int, foreign: Callable[[CheckpointMeta], str | None] | None) -> str | None:
+        """`foreign` of checkpoint `version`'s record; None when its record cannot be read (the
+        restore then finds it damaged, or it was set aside meanwhile by the primary process)."""
+        if foreign is None:
+            return None
+        try:
+            raw = self._manager.restore(version, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            return foreign(_meta_from_record(dict(raw)))
+        except Exception as e:  # unreadable: the full restore says why, or it is gone
+            log.debug("record of checkpoint %s unreadable: %s", self.uri(version), e)
+            return None
 
     def _restore(self, version: int, params_like: nnx.State, opt_state_like: Any, critic_like: Any = None) -> Restored:
         items = {"params": ocp.args.StandardRestore(_abstract(params_like)),

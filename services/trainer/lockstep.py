@@ -31,11 +31,28 @@ import numpy as np
 from arlo.model.weights import NonFiniteWeights, ServingCopy, serving_copy
 from services.trainer.batching import Batch
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, Restored, SaveArrays, host_copy
+from services.trainer.core.lineage import foreign_checkpoint
 from services.trainer.gather import state_bytes
 from services.trainer.learner import Learner, StepMetrics
 from services.trainer.sft import SFTBatch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedCheckpoint:
+    """The run's checkpoint as the weight pointer records it: its version and recorder's token."""
+
+    version: int = 0
+    writer: str = ""
+
+    def foreign(self, meta: CheckpointMeta) -> str | None:
+        return foreign_checkpoint(version=meta.version, writers=meta.writers, recorded_version=self.version,
+                                  recorded_writer=self.writer)
+
+
+NOTHING_RECORDED = RecordedCheckpoint()
+
 
 KEY_PREFIX = "arlo/trainer/op/"
 POLL_MS = 1000
@@ -184,11 +201,13 @@ class Replica:
         assert self.checkpointer is not None
         self.checkpointer.start_save(arrays.params, arrays.opt_state, meta, critic=arrays.critic)
 
-    def restore_newest(self) -> Restored | None:
-        """Loads the newest intact checkpoint into the learner; returns it (None: there is none)."""
-        self.channel.announce("restore", {})
+    def restore_newest(self, recorded: RecordedCheckpoint = NOTHING_RECORDED) -> Restored | None:
+        """Loads the newest intact checkpoint of the run into the learner; returns it (None: there
+        is none). `recorded`: the weight pointer's record, which tells the run's checkpoints from
+        another trainer's (core/lineage.py); every process applies the same rule to it."""
+        self.channel.announce("restore", dataclasses.asdict(recorded))
         assert self.checkpointer is not None
-        return restore_learner(self.checkpointer, self.learner)
+        return restore_learner(self.checkpointer, self.learner, recorded)
 
     def stop(self) -> None:
         """Releases the followers (they finish their checkpoint writes and return)."""
@@ -206,9 +225,12 @@ def save_learner(checkpointer: Checkpointer, learner: Learner, meta: CheckpointM
     checkpointer.start_save(arrays.params, arrays.opt_state, meta, critic=arrays.critic)
 
 
-def restore_learner(checkpointer: Checkpointer, learner: Learner) -> Restored | None:
-    """Loads the newest intact checkpoint into the learner (critic included); None: there is none."""
-    restored = checkpointer.restore_newest(learner.state, learner.opt_state, learner.critic_checkpoint())
+def restore_learner(checkpointer: Checkpointer, learner: Learner,
+                    recorded: RecordedCheckpoint = NOTHING_RECORDED) -> Restored | None:
+    """Loads the newest intact checkpoint of the run into the learner (critic included); None:
+    there is none. Checkpoints above `recorded` that are not the run's are set aside."""
+    restored = checkpointer.restore_newest(learner.state, learner.opt_state, learner.critic_checkpoint(),
+                                           foreign=recorded.foreign)
     if restored is not None:
         learner.restore(restored.params, restored.opt_state, restored.meta.step, critic=restored.critic)
     return restored
@@ -267,13 +289,14 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
             learner.set_reference()
         elif op.name == "save":
             assert ckpt is not None, "the leader checkpoints, so every process needs trainer.checkpoint_dir"
-            meta = CheckpointMeta(**{**op.header, "trajectory_ids": tuple(op.header["trajectory_ids"])})
+            meta = CheckpointMeta(**{**op.header, "trajectory_ids": tuple(op.header["trajectory_ids"]),
+                                     "writers": tuple(op.header["writers"])})
             save_learner(ckpt, learner, meta)
             waiter = threading.Thread(target=ckpt.wait, name=f"checkpoint-{meta.version}", daemon=True)
             waiter.start()
         elif op.name == "restore":
             assert ckpt is not None
-            restore_learner(ckpt, learner)
+            restore_learner(ckpt, learner, RecordedCheckpoint(**op.header))
         elif op.name == "stop":
             log.info("leader stopped after %d ops", done)
             return done

@@ -116,10 +116,14 @@ class TrainingLoop:
                         "durable; a restart begins again from the initial weights while every trajectory "
                         "trained before stays acknowledged", extra={"checkpoints": False})
             return 0
-        restored = await self.saves.restore()
+        restored = await self.saves.restore(self.lease.token if self.lease is not None else "")
         if restored is None:
             return 0
         meta = restored.meta
+        if restored.set_aside:
+            log.error("set aside %d newer checkpoint(s) another trainer wrote after it lost the run: %s",
+                      len(restored.set_aside), "; ".join(restored.set_aside),
+                      extra={"checkpoints_set_aside": len(restored.set_aside)})
         if restored.skipped:
             self.core.restored_past(len(restored.skipped))
             log.error("fell back to checkpoint %s past %d damaged newer one(s): %s; trajectories acknowledged "

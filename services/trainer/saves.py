@@ -21,10 +21,11 @@ from arlo.background import MustRestart
 from arlo.coord import WeightPointer
 from arlo.coord.lease import LeaseLost
 from services.trainer.checkpoint import Checkpointer, CheckpointMeta, NonFiniteState, Restored, SaveArrays
+from services.trainer.core.lineage import writers_after_restore
 from services.trainer.core.records import Acknowledge, Checkpoint, Decision
 from services.trainer.core.trainer import TrainerCore
 from services.trainer.learner import Learner
-from services.trainer.lockstep import Replica
+from services.trainer.lockstep import NOTHING_RECORDED, RecordedCheckpoint, Replica
 from services.trainer.publish import VersionStore
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class Saves:
         self.core, self.learner, self.store, self.pointer, self.perform = core, learner, store, pointer, perform
         self.job: asyncio.Task[tuple[int, str]] | None = None
         self.job_version = 0
+        self.writers: tuple[str, ...] = ()
+        """Named in every checkpoint this trainer writes (core/lineage.py); set by `restore`."""
 
     @property
     def saving(self) -> bool:
@@ -89,7 +92,8 @@ class Saves:
         # the published bytes are that copy (param_dtype float32); otherwise start_save computes it.
         meta = CheckpointMeta(version=version, step=self.learner.step_count,
                               params_sha256=published.sha256 if self.learner.param_dtype == "float32" else "",
-                              trajectory_ids=tuple(t for s in checkpoint.covers for t in s.trajectory_ids))
+                              trajectory_ids=tuple(t for s in checkpoint.covers for t in s.trajectory_ids),
+                              writers=self.writers)
         try:
             snapshot = await self.start(meta)
         except BaseException as e:
@@ -177,10 +181,18 @@ class Saves:
         self.job = None
 
 
-    async def restore(self) -> Restored | None:
-        """The newest complete, intact checkpoint, loaded into the learner (None: none)."""
+    async def restore(self, token: str) -> Restored | None:
+        """The run's newest complete, intact checkpoint, loaded into the learner (None: none).
+        Newer ones another trainer wrote after it lost the run are set aside first (the pointer's
+        record says whose are the run's). `token`: this trainer's lease token, named with the
+        restored checkpoint's writers in every checkpoint it writes."""
+        current = await self.pointer.get()
+        recorded = (RecordedCheckpoint(current.checkpoint_version, current.checkpoint_writer) if current
+                    else NOTHING_RECORDED)
         async with self.jax_lock:
-            return await asyncio.to_thread(self.replica.restore_newest)
+            restored = await asyncio.to_thread(self.replica.restore_newest, recorded)
+        self.writers = writers_after_restore(restored.meta.writers if restored else (), token)
+        return restored
 
     async def start(self, meta: CheckpointMeta) -> SaveArrays | None:
         """Copies the state to host for `meta`'s save (None: several processes, the save already

@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 
 from arlo.config import RedisConfig
 from arlo.coord import Keys, WeightPointer, WeightPointerState, connect, delete_run
+from arlo.coord.lease import Fence
 
 SHA = "0" * 64
 
@@ -61,6 +62,25 @@ async def test_checkpoint_only_moves_forward_and_survives_publish(r: Redis, run_
     assert state is not None
     assert (state.version, state.checkpoint_version, state.checkpoint_uri) == (5, 2, "file:///ckpt/2")
     assert WeightPointerState.from_proto(state.to_proto()) == state
+
+
+async def test_a_checkpoint_record_names_its_recorder_and_a_restart_adopts_it(r: Redis, run_id: str) -> None:
+    """The recorder's lease token tells the run's checkpoints from a fenced-out trainer's
+    (services/trainer/core/lineage.py): a successor re-recording the version it restored becomes
+    the recorder, and nothing else of the record changes."""
+    holder = Keys(run_id).trainer_holder
+    await r.set(holder, "first")
+    first = WeightPointer(r, run_id, fence=Fence(holder, "first"))
+    assert await first.set_checkpoint(3, "file:///ckpt/3")
+    state = await first.get()
+    assert state is not None and (state.checkpoint_version, state.checkpoint_writer) == (3, "first")
+    await r.set(holder, "second")
+    second = WeightPointer(r, run_id, fence=Fence(holder, "second"))
+    assert not await second.set_checkpoint(3, "file:///elsewhere/3")  # adopted, not recorded anew
+    assert not await second.set_checkpoint(2, "file:///ckpt/2")
+    state = await second.get()
+    assert state is not None
+    assert (state.checkpoint_version, state.checkpoint_uri, state.checkpoint_writer) == (3, "file:///ckpt/3", "second")
 
 
 async def test_publish_announces_the_version(r: Redis, run_id: str) -> None:

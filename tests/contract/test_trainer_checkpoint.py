@@ -1,7 +1,8 @@
 """Trainer checkpoints against the real Redis and real Orbax writes: asynchronous saves, the
 pointer's checkpoint field only after completion, acks held until a checkpoint covers the
 step, resume skipping a damaged newest checkpoint, the SaveCheckpoint RPC, and a trainer that lost its
-run (another took the lease) writing no files: no checkpoint, no version in shared storage."""
+run (another took the lease) writing no files: no checkpoint, no version in shared storage, and a
+restart setting aside a checkpoint such a trainer left behind."""
 
 from __future__ import annotations
 
@@ -22,7 +23,15 @@ from arlo.coord import Keys, TrajectoryStream, WeightPointer, connect, delete_ru
 from arlo.proto.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from arlo.rpc import make_channel
 from services.trainer.__main__ import start_trainer
-from services.trainer.checkpoint import SET_ASIDE, load_checkpoint, params_sha256
+from services.trainer.checkpoint import (
+    SET_ASIDE,
+    Checkpointer,
+    CheckpointMeta,
+    load_checkpoint,
+    params_sha256,
+)
+from services.trainer.learner import Learner
+from services.trainer.lockstep import learner_arrays
 from services.trainer.loop import TrainingLoop
 
 TOKEN = "checkpoint-token"
@@ -280,3 +289,42 @@ async def test_a_trainer_that_lost_the_run_writes_no_version_to_shared_storage(
         assert "another trainer holds" in str(tasks.fatal) and loop.state.version == 1, tasks.fatal
     assert not storage.exists() or not any(storage.iterdir()), sorted(p.name for p in storage.iterdir())
     assert await env["pointer"].get() is None
+
+
+def write_checkpoint(ckpt: Path, learner: Learner, version: int, writers: tuple[str, ...]) -> None:
+    """A checkpoint of `learner` as a trainer whose lineage is `writers` writes it, unrecorded."""
+    checkpointer = Checkpointer(str(ckpt))
+    try:
+        arrays = learner_arrays(learner)
+        checkpointer.start_save(arrays.params, arrays.opt_state, CheckpointMeta(
+            version=version, step=learner.step_count, params_sha256="", writers=writers))
+        checkpointer.wait()
+    finally:
+        checkpointer.close()
+
+
+async def test_a_restart_sets_aside_a_checkpoint_a_fenced_out_trainer_left_and_keeps_its_own_lineage(
+        env: dict) -> None:
+    """Trainer "a" checkpoints 1; "b" takes over, restores it and records it as its own. Then two
+    unrecorded checkpoints land: 5 from "a" (a save that outlived its fencing, its process killed
+    before it could set it aside) and 4 from "b" (a save whose record failed). The next trainer
+    must not restore 5 (a second lineage) and must keep 4 (the run's own, merely unrecorded)."""
+    async with trainer(env["cfg"](1)) as (_, loop):
+        await add_groups(env["stream"], 1)
+        await wait_for(lambda: loop.state.checkpoint_version == 1)
+        a = loop.lease.token
+    async with trainer(env["cfg"](1)) as (_, loop):
+        b, b_learner = loop.lease.token, loop.learner
+        assert loop.state.checkpoint_version == 1 and loop.saves.writers == (a, b)
+        recorded = await env["pointer"].get()
+        assert (recorded.checkpoint_version, recorded.checkpoint_writer) == (1, b)
+    write_checkpoint(env["ckpt"], b_learner, 4, (a, b))
+    write_checkpoint(env["ckpt"], b_learner, 5, (a,))
+    async with trainer(env["cfg"](1)) as (_, loop):
+        c = loop.lease.token
+        assert loop.state.checkpoint_version == 4 and loop.saves.writers == (a, b, c)
+        assert loop.state.version == 5  # the fenced-out trainer published nothing under that number
+        recorded = await env["pointer"].get()
+        assert (recorded.checkpoint_version, recorded.checkpoint_writer) == (4, c)
+    assert step_dirs(env["ckpt"]) == ["00000001", "00000004"]
+    assert [name.split("-")[:2] for name in set_aside(env["ckpt"])] == [["00000005", "foreign"]]

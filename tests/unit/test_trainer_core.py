@@ -13,6 +13,7 @@ import pytest
 
 from arlo.proto.v1 import common_pb2
 from services.trainer.core.book import STEP_ATTEMPTS
+from services.trainer.core.lineage import WRITERS_KEPT, foreign_checkpoint, writers_after_restore
 from services.trainer.core.records import Ack, Acknowledge, CountStale, DeadLetter, StartCheckpoint, Wait
 from services.trainer.core.trainer import REFUSED_IN_A_ROW, CoreConfig, TrainerCore
 
@@ -299,3 +300,28 @@ def test_a_batch_takes_the_oldest_groups_of_one_size_and_waits_for_one_about_to_
     batch = c.book.next_batch(1, now=6.0, in_flight={"old"})  # the wait is bounded
     assert not isinstance(batch, Wait) and batch[0].trajectories[0].group_id == "young"
     assert (c.book.expiring.waits, c.book.expiring.timeouts) == (1, 1)
+
+
+def test_a_checkpoint_above_the_record_is_the_runs_only_when_its_recorder_is_among_its_writers() -> None:
+    """Whose checkpoint is the run's (core/lineage.py). The recorder "b" restored "a"'s checkpoint 60."""
+    def foreign(version: int, writers: tuple[str, ...], recorded: int = 60, recorder: str = "b") -> bool:
+        return foreign_checkpoint(version=version, writers=writers, recorded_version=recorded,
+                                  recorded_writer=recorder) is not None
+
+    assert foreign(64, ("a",))  # "a" saved after it was fenced out, then died before setting it aside
+    assert not foreign(64, ("a", "b"))  # "b"'s own save whose record failed
+    assert not foreign(80, ("a", "b"), recorder="a")  # a Redis restored from before "b" took over
+    assert not foreign(60, ("a",)) and not foreign(50, ("z",))  # at or below the record: the run's own
+    assert not foreign(64, ())  # written before writers were kept: cannot tell
+    assert not foreign(64, ("a",), recorder="")  # recorded unfenced: cannot tell
+    long_lineage = tuple(f"t{i}" for i in range(WRITERS_KEPT))
+    assert not foreign(64, long_lineage)  # the recorder may have been cut off the front
+
+
+def test_a_trainer_writes_the_writers_it_restored_and_its_own_token_last_and_bounded() -> None:
+    assert writers_after_restore((), "c") == ("c",)
+    assert writers_after_restore(("a", "b"), "c") == ("a", "b", "c")
+    assert writers_after_restore(("a", "b"), "") == ("a", "b")  # no lease: nothing to name
+    assert writers_after_restore(("a", "c"), "c") == ("a", "c")
+    many = tuple(f"t{i}" for i in range(WRITERS_KEPT))
+    assert writers_after_restore(many, "new") == (*many[1:], "new")

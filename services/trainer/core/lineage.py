@@ -15,11 +15,21 @@ Three rules live here:
 - **The warm start is a boundary.** Groups sampled before the SFT warm start's version was
   published are never trained after it: they come from the policy before SFT, and their
   importance ratios against the warm-started policy are meaningless (issue 32, item 2).
+- **Whose checkpoint is the run's.** Every trainer holding the run's lease has a token; a
+  checkpoint names the tokens of the trainers whose training it holds (`writers`), and the weight
+  pointer names the token that recorded the run's checkpoint. A checkpoint on disk newer than the
+  recorded one is this run's when the recorder is among its writers (a save whose record failed,
+  a Redis restored from an older snapshot); otherwise it was written by a trainer that had lost the
+  run (its save landed after it was fenced out and killed) and restoring it would make a second
+  lineage: it is set aside (issue 33, item 9).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+WRITERS_KEPT = 64
+"""Tokens a checkpoint keeps of the trainers before it (the newest); one per restart of the run."""
 
 MAX_VERSION = 2**53 - 2
 """The highest version a pointer may hold: above 2^53 versions lose precision in JSON readers and
@@ -91,3 +101,25 @@ class Lineage:
     def warm_started(self, version: int) -> None:
         """The warm start published `version`: nothing sampled before it is trained from now on."""
         self.boundary = max(self.boundary, version)
+
+
+def writers_after_restore(restored: tuple[str, ...], token: str) -> tuple[str, ...]:
+    """The writers of this trainer's checkpoints: those of the checkpoint it restored, then its own
+    token (none without a lease: it cannot be told apart from another unleased trainer)."""
+    writers = (*restored, token) if token and token not in restored else restored
+    return writers[-WRITERS_KEPT:]
+
+
+def foreign_checkpoint(*, version: int, writers: tuple[str, ...], recorded_version: int,
+                       recorded_writer: str) -> str | None:
+    """Why checkpoint `version` (written by `writers`) is not the run's, or None when it is or
+    cannot be told: at or below the recorded version (records only rise, so those are the run's
+    own), no recorder named (a pointer from before writers were recorded, or an unleased trainer),
+    no writers (a checkpoint from before they were kept), or a lineage long enough to have lost
+    its oldest writers."""
+    if version <= recorded_version or not recorded_writer or not writers:
+        return None
+    if recorded_writer in writers or len(writers) >= WRITERS_KEPT:
+        return None
+    return (f"checkpoint {version} was written by trainer {writers[-1][:12]}, which had lost the run: the run's "
+            f"checkpoint {recorded_version} was recorded by trainer {recorded_writer[:12]}, not among its writers")
