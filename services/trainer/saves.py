@@ -75,7 +75,12 @@ class Saves:
             raise RuntimeError(f"version {version} is not held (its publish failed); the next one is saved")
         checkpoint = self.core.holds.begin(version, why)
         if version == self.core.state.checkpoint_version:
-            if checkpoint.covers:  # complete on disk, but acknowledging its steps failed: again now
+            if checkpoint.covers:  # complete on disk, but recording it or acknowledging its steps failed: again now
+                try:
+                    await self.pointer.set_checkpoint(version, self.core.state.checkpoint_uri)
+                except BaseException:
+                    self.core.holds.put_back(checkpoint.covers)
+                    raise
                 await self.perform([Acknowledge(checkpoint.covers)])
             done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
             done.set_result((version, self.core.state.checkpoint_uri))
@@ -132,14 +137,19 @@ class Saves:
         try:
             try:
                 await self.pointer.set_checkpoint(version, uri)
-            except LeaseLost as e:
-                await self._set_aside_refused(version, e)
+            except BaseException as e:
+                # Held again: acknowledged once a record succeeds (the next save, owed at once), or
+                # re-delivered after a restart; dropped here they pinned the backlog until then.
+                self.core.holds.put_back(checkpoint.covers)
+                if isinstance(e, LeaseLost):
+                    await self._set_aside_refused(version, e)
                 raise
             await self.perform([acknowledge])  # durable now; a failed ack is retried by the next checkpoint
         except BaseException as e:
             self._damaged(version, e)
             self.core.holds.checkpointed(version, uri)  # complete on disk all the same
-            log.exception("checkpoint %d is complete but acknowledging its steps failed; the next one does", version)
+            log.exception("checkpoint %d is complete but recording it or acknowledging its steps failed; the next "
+                          "save does", version)
             raise
         # Reported once its steps are acknowledged: a reader that sees checkpoint v sees its acks.
         self.core.holds.checkpointed(version, uri)

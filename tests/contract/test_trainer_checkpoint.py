@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from arlo.background import TaskGroup
 from arlo.config import RunConfig, load_config
@@ -154,6 +155,30 @@ async def test_trajectories_are_acked_only_once_a_checkpoint_covers_their_step(e
         pointer = await env["pointer"].get()
         assert pointer is not None and pointer.checkpoint_version == 2
         assert pointer.checkpoint_uri == f"file://{env['ckpt'].resolve() / '00000002'}"
+
+
+async def test_a_checkpoint_whose_record_failed_is_recorded_and_its_steps_acknowledged_without_new_data(
+        env: dict) -> None:
+    """Redis refusing the record of a complete checkpoint (a failover, a blip) must not leave its
+    steps pending until a restart: they pin the backlog producers wait on."""
+    async with trainer(env["cfg"](1)) as (_, loop):
+        record, failed = loop.saves.pointer.set_checkpoint, []
+
+        async def fail_once(version: int, uri: str) -> bool:
+            if not failed:
+                failed.append(version)
+                raise RedisConnectionError("Redis went away while recording the checkpoint")
+            return await record(version, uri)
+
+        loop.saves.pointer.set_checkpoint = fail_once
+        await add_groups(env["stream"], 1)
+        await wait_for(lambda: failed == [1])
+        deadline = asyncio.get_running_loop().time() + 60
+        while await pending(env):
+            assert asyncio.get_running_loop().time() < deadline, "the checkpoint's steps stayed pending"
+            await asyncio.sleep(0.05)
+        assert loop.state.held_entries == 0 and loop.state.version == 1  # no new step was needed
+    assert await recorded_checkpoint(env) == 1
 
 
 def corrupt(ckpt: Path, version: int, how: str) -> None:
