@@ -292,7 +292,7 @@ class TrainerConfig:
     checkpoint_dir: str = ""
     """Orbax checkpoint directory, local or mounted (every trainer host must see the same one);
     empty disables checkpoints. Not a URI: `gs://` and the like are refused. A save that lands
-    after another trainer took the run is moved to `set-aside/` under it, never restored."""
+    after another trainer took the run is moved to `set-aside/` under it (the newest 3 kept), never restored."""
     checkpoint_every: int = ranged(0, ge=0)
     """Write a checkpoint every k versions; 0 disables."""
     lease_ttl_s: float = ranged(10.0, ge=1.0, le=600.0)

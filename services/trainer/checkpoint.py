@@ -52,6 +52,9 @@ KEEP = 3
 _TMP_MARK = ".orbax-checkpoint-tmp"
 SET_ASIDE = "set-aside"
 """Where checkpoints the run must not restore go (`Checkpointer.set_aside`): Orbax lists only step names."""
+SET_ASIDE_KEEP = 3
+"""Set-aside checkpoints kept for an operator (the newest); each is a whole state, and a run taken
+over again and again must not fill the disk with them."""
 MIN_ROOM_BYTES = 1 << 20
 """Below this much free space (or the newest checkpoint's size, if larger) a save cannot succeed."""
 
@@ -243,13 +246,17 @@ class Checkpointer:
                                f"{self._manager.latest_step()})")
 
     def set_aside(self, version: int, why: str) -> Path:
-        """Moves checkpoint `version` out of the restore's reach, into `set-aside/` (kept for an
-        operator, never listed as a checkpoint); returns where it went."""
+        """Moves checkpoint `version` out of the restore's reach, into `set-aside/` (the newest
+        SET_ASIDE_KEEP kept for an operator, never listed as a checkpoint); returns where it went."""
         source = self.directory / f"{version:0{STEP_DIGITS}d}"
         target = self.directory / SET_ASIDE / f"{source.name}-{why}-{time.time_ns()}"
         target.parent.mkdir(exist_ok=True)
         source.rename(target)
         self._manager.reload()
+        older = sorted(target.parent.iterdir(), key=lambda p: p.name.rsplit("-", 1)[-1], reverse=True)[SET_ASIDE_KEEP:]
+        for path in older:
+            log.warning("removing set-aside checkpoint %s (the newest %d are kept)", path, SET_ASIDE_KEEP)
+            shutil.rmtree(path, ignore_errors=True)
         return target
 
     def wait(self) -> None:

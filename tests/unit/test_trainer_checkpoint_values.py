@@ -102,3 +102,18 @@ def test_a_directory_where_no_checkpoint_restores_is_refused_not_started_over(
         assert restore(empty) is None  # nothing saved yet: a fresh start
     finally:
         empty.close()
+
+
+def test_set_aside_checkpoints_leave_the_restore_and_only_the_newest_few_stay_on_disk(tmp_path: Path) -> None:
+    """A run taken over again and again must not fill the disk with set-aside states."""
+    ckpt = Checkpointer(str(tmp_path), keep=10)
+    try:
+        for version in range(1, 7):
+            save(ckpt, version)
+        for version in range(6, 1, -1):
+            ckpt.set_aside(version, "foreign")
+        kept = sorted(p.name.split("-")[0] for p in (tmp_path / checkpoint.SET_ASIDE).iterdir())
+        assert kept == ["00000002", "00000003", "00000004"]  # the three set aside last
+        assert restore(ckpt).meta.version == 1
+    finally:
+        ckpt.close()
