@@ -34,7 +34,9 @@ class SamplingConfig:
     """Nucleus sampling mass; 1 disables. Without top_k it costs the trainer a full vocabulary
     sort per token (top_k caps that to a top-k)."""
     top_k: int = ranged(0, ge=0)
-    """Sample among the k most likely tokens; 0 disables."""
+    """Sample among the k most likely tokens; 0 disables. 1 to 20 (with a temperature that samples):
+    each token's kept set is recorded and the trainer scores the token over exactly that set
+    (filter replay, arlo/filter_replay.py: 4 bytes per id per model token in the stream)."""
     max_tokens: int = ranged(8, ge=1)
     """New tokens per model turn."""
     min_p: float = ranged(0.0, ge=0, lt=1)

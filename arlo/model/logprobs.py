@@ -17,16 +17,32 @@ the entropy together) a chunk of positions at a time from the hidden states, so 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from arlo.model.sampling import GREEDY_BELOW
 
-LogprobFn = Callable[[jax.Array, jax.Array], Any]
-"""(logits_btv, targets_bt) -> logprobs_bt float32, or a tuple of [b, t] arrays whose first is
-the logprobs (`sampled_token_logprobs_and_outside`)."""
+LogprobFn = Callable[[jax.Array, Any], Any]
+"""(logits_btv, targets) -> logprobs_bt float32, or a tuple of [b, t] arrays whose first is
+the logprobs (`sampled_token_logprobs_and_outside`). `targets`: targets_bt int32, or
+`SampledTargets` for the sampler's distribution with the kept sets the sampler recorded."""
+
+
+class SampledTargets(NamedTuple):
+    """Sampled targets with the kept set each was drawn from (filter replay): `kept_btk` int32
+    [b, t, K], the token ids the sampler's top-k / top-p / min-p filter kept, -1 padded; a
+    position with no id at all (no record: a prompt token, a trajectory without kept sets) is
+    scored with the trainer's own filter."""
+
+    ids_bt: jax.Array
+    kept_btk: jax.Array
+
+
+def target_ids(targets: Any) -> jax.Array:
+    """The target token ids of `targets` (an array, or `SampledTargets`)."""
+    return targets.ids_bt if isinstance(targets, SampledTargets) else targets
 
 
 def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
@@ -53,7 +69,7 @@ def token_entropy(logits_btv: jax.Array) -> jax.Array:
     return -(jnp.exp(logp) * logp).sum(axis=-1)
 
 
-def sampled_token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, *, temperature: float, top_k: int,
+def sampled_token_logprobs(logits_btv: jax.Array, targets_bt: Any, *, temperature: float, top_k: int,
                            top_p: float, min_p: float) -> jax.Array:
     """The sampler's logprob of each sampled target, float32 [b, t]: `sampled_token_logprobs_and_outside`'s
     first half (its docstring says how a target outside the trainer's filter is scored)."""
@@ -61,10 +77,14 @@ def sampled_token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, *, temp
                                               top_p=top_p, min_p=min_p)[0]
 
 
-def sampled_token_logprobs_and_outside(logits_btv: jax.Array, targets_bt: jax.Array, *, temperature: float,
+def sampled_token_logprobs_and_outside(logits_btv: jax.Array, targets: Any, *, temperature: float,
                                        top_k: int, top_p: float, min_p: float) -> tuple[jax.Array, jax.Array]:
     """(logprobs float32 [b, t], outside bool [b, t]): each target is a token the sampler drew
     (arlo.model.sampling.sample), scored under the distribution it was drawn from.
+
+    With `SampledTargets` (filter replay) a position the sampler recorded is scored over exactly
+    the kept set that sampled it: the same set on both sides whatever the numerics, so no token
+    is outside it (the sampled token is always in its own kept set). Only the logits differ.
 
     The rule: **a sampled token is always in the kept set it is scored with.** The trainer's
     kept set is its own filter's (tempered logits, then top-k, top-p, min-p, as the sampler)
@@ -87,6 +107,7 @@ def sampled_token_logprobs_and_outside(logits_btv: jax.Array, targets_bt: jax.Ar
     renormalised mass before a token, min-p against the top token; temperature below
     GREEDY_BELOW is greedy, whose logprob is the untempered, unfiltered one.
     """
+    targets_bt = target_ids(targets)
     x = logits_btv.astype(jnp.float32)
     nowhere = jnp.zeros(targets_bt.shape, bool)
     if temperature < GREEDY_BELOW:
@@ -98,9 +119,24 @@ def sampled_token_logprobs_and_outside(logits_btv: jax.Array, targets_bt: jax.Ar
     if kept is None:  # no filter: the tempered softmax is the sampling distribution
         return tempered, nowhere
     lse, inside = kept
+    if isinstance(targets, SampledTargets):
+        lse, inside = _recorded_logsumexp(x, targets, lse, inside)
     value = target - jnp.where(inside, lse, jnp.logaddexp(lse, target))
     # The value of `value`, the gradient of `tempered` (g - stop_gradient(g) is exactly 0).
     return jax.lax.stop_gradient(value) + (tempered - jax.lax.stop_gradient(tempered)), ~inside
+
+
+def _recorded_logsumexp(x: jax.Array, targets: SampledTargets, own_lse: jax.Array,
+                        own_inside: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(logsumexp of the tempered logits `x` over each position's recorded kept set, whether the
+    target is in it), [b, t] each; the trainer's own filter's (`own_*`) where nothing is recorded."""
+    kept = targets.kept_btk.astype(jnp.int32)
+    valid = kept >= 0
+    recorded = valid.any(axis=-1)
+    values = jnp.take_along_axis(x, jnp.where(valid, kept, 0), axis=-1)
+    lse = jax.nn.logsumexp(jnp.where(valid, values, -jnp.inf), axis=-1)
+    inside = jnp.any(valid & (kept == targets.ids_bt[..., None].astype(jnp.int32)), axis=-1)
+    return jnp.where(recorded, lse, own_lse), jnp.where(recorded, inside, own_inside)
 
 
 def _kept_logsumexp(x: jax.Array, targets_bt: jax.Array, *, top_k: int, top_p: float,
@@ -128,7 +164,7 @@ def _kept_logsumexp(x: jax.Array, targets_bt: jax.Array, *, top_k: int, top_p: f
     return jax.nn.logsumexp(jnp.where(keep, values, -jnp.inf), axis=-1), inside
 
 
-def chunked_token_logprobs(model, h_btd: jax.Array, targets_bt: jax.Array, chunk: int,
+def chunked_token_logprobs(model, h_btd: jax.Array, targets: Any, chunk: int,
                            logprob_fn: LogprobFn = token_logprobs) -> Any:
     """`logprob_fn` (token_logprobs by default) without ever holding [batch, length, vocab]
     logits whole; returns what `logprob_fn` returns (any tree of [b, t] arrays: several terms
@@ -139,18 +175,18 @@ def chunked_token_logprobs(model, h_btd: jax.Array, targets_bt: jax.Array, chunk
     (jax.checkpoint: the scan keeps only each piece's hidden states and targets), so peak
     memory holds one piece's logits instead of the whole sequence's.
     """
-    b, t, d = h_btd.shape
+    b, t, _ = h_btd.shape
     pad = (-t) % chunk
-    h = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
-    tg = jnp.pad(targets_bt, ((0, 0), (0, pad)))
     n = (t + pad) // chunk
-    h_nbcd = h.reshape(b, n, chunk, d).transpose(1, 0, 2, 3)
-    t_nbc = tg.reshape(b, n, chunk).transpose(1, 0, 2)
+
+    def pieces(x: jax.Array) -> jax.Array:  # [b, t, ...] -> [n, b, chunk, ...]
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
     @jax.checkpoint
-    def piece(args: tuple[jax.Array, jax.Array]) -> Any:
+    def piece(args: tuple[jax.Array, Any]) -> Any:
         h_bcd, t_bc = args
         return logprob_fn(model.logits_from_hidden(h_bcd), t_bc)
 
-    out = jax.lax.map(piece, (h_nbcd, t_nbc))
+    out = jax.lax.map(piece, (pieces(h_btd), jax.tree.map(pieces, targets)))
     return jax.tree.map(lambda x_nbc: x_nbc.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t], out)

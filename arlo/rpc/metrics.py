@@ -47,7 +47,7 @@ TRAINER_GAUGES = {
     "entropy": "Mean token entropy (last RL step; only with an entropy bonus).",
     "grad_norm": "Global gradient norm before clipping (last step).",
     "logprob_mismatch": "Mean |behaviour - trainer| logprob on the model tokens both kept (last RL step).",
-    "logprob_outside": "Fraction of model tokens outside the trainer's top-k/top-p/min-p set (last RL step).",
+    "logprob_outside": "Fraction of model tokens outside the set that scored them: the sampler's recorded kept set, else the trainer's own top-k/top-p/min-p filter (last RL step).",
     "is_weight": "Mean importance weight on model tokens (last RL step).",
     "routing_mismatch": "Fraction of recorded model tokens whose experts in the trainer's forward differ from the "
                         "sampler's in any routed layer (last RL step; only with recorded routing, 0 with replay).",

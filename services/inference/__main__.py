@@ -22,6 +22,7 @@ from arlo.config import MeshConfig, RunConfig
 from arlo.coord import Heartbeat, WeightPointer, connect
 from arlo.coord.heartbeat import instance_id
 from arlo.distributed import initialize_from_env, make_mesh
+from arlo.filter_replay import serving_inference
 from arlo.model.weights import nonfinite_param
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.rpc import (
@@ -48,7 +49,7 @@ async def start_inference(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWat
                           tracing: Tracing | None = None) -> tuple[RunningServer, Engine]:
     """`compiles`: this process's compile counter (installed before any JAX work); its figures go
     into the heartbeat and /metrics, and every compile after the warm-up is logged."""
-    ic = cfg.inference
+    ic = serving_inference(cfg)  # top logprobs wide enough for the run's kept sets (filter replay)
     compiles = compiles or CompileWatch().install()
     source = cfg.model_source()
     slots = run_slots(cfg)

@@ -30,6 +30,7 @@ from jax.sharding import SingleDeviceSharding
 
 from arlo.config import RunConfig
 from arlo.distributed import make_mesh
+from arlo.filter_replay import serving_inference
 from arlo.memory_plan import compiled_figures, per_device_bytes, placed, plan_main, plan_source
 from arlo.model import abstract_model
 from arlo.model.kv_budget import kv_layout
@@ -41,7 +42,7 @@ from services.inference.runner import _decode_batch, _prefill_batch
 
 
 def engine_plan(cfg: RunConfig, hf_config: str = "", devices: int = 1) -> dict[str, Any]:
-    ic = cfg.inference
+    ic = serving_inference(cfg)  # top logprobs wide enough for the run's kept sets (filter replay)
     source = plan_source(cfg, hf_config)
     base = source.cfg
     slot_len = min(base.max_seq_len, ic.max_seq_len or base.max_seq_len)

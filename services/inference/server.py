@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from arlo.budget import runs_under
+from arlo.filter_replay import GREEDY_BELOW, MAX_KEPT_WIDTH, kept_ids, kept_width, pack_kept
 from arlo.proto.v1 import inference_pb2, inference_pb2_grpc
 from arlo.routing_replay import pack_recorded
 from services.inference.bridge import Bridge
@@ -47,8 +48,20 @@ def to_sampling_request(req: inference_pb2.GenerateRequest, runs: dict[str, int]
         stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop),
         # Sessions park KV written by one run's adapter: another run's request must never reuse it.
         session_id=f"{adapter}:{req.session_id}" if adapter and req.session_id else req.session_id,
-        adapter=adapter, return_routing=req.return_routing,
+        adapter=adapter, return_routing=req.return_routing, top_logprobs=_kept_of(req),
     )
+
+
+def _kept_of(req: inference_pb2.GenerateRequest) -> int:
+    """The K of the kept sets `req` asks for (filter replay; 0: none)."""
+    if not req.return_kept:
+        return 0
+    s = req.sampling
+    width = kept_width(temperature=s.temperature, top_k=s.top_k)
+    if not width:
+        raise ValueError(f"return_kept needs sampling.top_k in [1, {MAX_KEPT_WIDTH}] and a temperature of at least "
+                         f"{GREEDY_BELOW} (got top_k {s.top_k}, temperature {s.temperature})")
+    return width
 
 
 def slot_of_run(run_id: str, runs: dict[str, int] | None) -> int:
@@ -61,11 +74,15 @@ def slot_of_run(run_id: str, runs: dict[str, int] | None) -> int:
     return runs[run_id]
 
 
-def to_completion(sample: Sample, routing: tuple[int, int, int] | None = None) -> inference_pb2.Completion:
-    """`routing`: the model's routing_shape, for packing `Sample.routed_experts` (arlo/routing_replay.py)."""
+def to_completion(sample: Sample, routing: tuple[int, int, int] | None = None, kept: int = 0) -> inference_pb2.Completion:
+    """`routing`: the model's routing_shape, for packing `Sample.routed_experts` (arlo/routing_replay.py).
+    `kept`: the K of the kept sets asked for (filter replay), read off `Sample.top_ids`; 0: none."""
+    kept_ids_ = (kept_ids(sample.top_ids, sample.top_logprobs, kept)
+                 if kept and sample.top_ids is not None and sample.top_logprobs is not None else None)
     return inference_pb2.Completion(
         token_ids=sample.token_ids, logprobs=sample.logprobs, policy_versions=sample.policy_versions,
-        finish_reason=FINISH[sample.finish_reason], routed_experts=pack_recorded(sample.routed_experts, routing))
+        finish_reason=FINISH[sample.finish_reason], routed_experts=pack_recorded(sample.routed_experts, routing),
+        kept_token_ids=pack_kept(kept_ids_))
 
 
 def _put_at(bridge: Bridge, index: int, result: list[Sample] | BaseException) -> None:
@@ -97,9 +114,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return handle.id, bridge
         raise AssertionError("unreachable: abort raises")
 
-    def _response(self, result: list[Sample]) -> inference_pb2.GenerateResponse:
+    def _response(self, result: list[Sample], request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
         first = result[0].policy_versions[:1] if result else []
-        return inference_pb2.GenerateResponse(completions=[to_completion(s, self.engine.routing) for s in result],
+        kept = _kept_of(request)
+        return inference_pb2.GenerateResponse(completions=[to_completion(s, self.engine.routing, kept) for s in result],
                                               policy_version=first[0] if first else self.engine.version,
                                               queue_s=result[0].queue_s if result else 0.0,
                                               engine_s=result[0].engine_s if result else 0.0)
@@ -113,7 +131,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise
         if isinstance(result, BaseException):
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {result}")
-        return self._response(result)
+        return self._response(result, request)
 
     async def GenerateBatch(  # noqa: N802
         self, request: inference_pb2.GenerateBatchRequest, context: grpc.aio.ServicerContext
@@ -153,18 +171,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     finished.append(bridge.queue.get_nowait())
                 for i, _ in finished:
                     running.pop(i, None)
-                for results in runs_under([self._batch_result(i, r) for i, r in finished],
+                for results in runs_under([self._batch_result(i, r, request.requests[i]) for i, r in finished],
                                           inference_pb2.GenerateBatchResult.ByteSize, MAX_BATCH_MESSAGE_BYTES):
                     yield inference_pb2.GenerateBatchResponse(results=results)
         finally:
             for request_id in running.values():  # the client went away (CancelledError) or the stream broke
                 self.engine.cancel(request_id)
 
-    def _batch_result(self, index: int, result: list[Sample] | BaseException) -> inference_pb2.GenerateBatchResult:
+    def _batch_result(self, index: int, result: list[Sample] | BaseException,
+                      request: inference_pb2.GenerateRequest) -> inference_pb2.GenerateBatchResult:
         if isinstance(result, BaseException):
             return inference_pb2.GenerateBatchResult(index=index, code=grpc.StatusCode.INTERNAL.value[0],
                                                      message=f"generation failed: {result}")
-        return inference_pb2.GenerateBatchResult(index=index, response=self._response(result))
+        return inference_pb2.GenerateBatchResult(index=index, response=self._response(result, request))
 
     async def GenerateStream(  # noqa: N802
         self, request: inference_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext

@@ -42,6 +42,9 @@ class Turn:
     routed_experts: bytes = b""
     """Routing replay: each token's recorded experts (Completion.routed_experts' encoding); empty
     when the generator was not asked for them."""
+    kept_token_ids: bytes = b""
+    """Filter replay: each token's kept set (Completion.kept_token_ids' encoding); empty when the
+    generator was not asked for them."""
 
 
 class Generator(Protocol):
@@ -145,6 +148,8 @@ class _Builder:
     tool_call_errors: int = 0
     routed: list[bytes] = field(default_factory=list)
     """Each model turn's Turn.routed_experts: together, the loss-mask-1 tokens' records in order."""
+    kept: list[tuple[int, bytes]] = field(default_factory=list)
+    """Each model turn's (tokens, Turn.kept_token_ids)."""
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.tokens += ids
@@ -158,6 +163,16 @@ class _Builder:
         self.mask += [1] * len(turn.token_ids)
         self.versions += turn.policy_versions
         self.routed.append(turn.routed_experts)
+        self.kept.append((len(turn.token_ids), turn.kept_token_ids))
+
+    def kept_token_ids(self) -> bytes:
+        """The model tokens' kept sets in order, or nothing unless every model turn has them at
+        one width (a turn from a generator that recorded none: the trainer applies its own filter
+        to the whole trajectory rather than refuse it)."""
+        sizes = {len(k) // n for n, k in self.kept if n}
+        if len(sizes) != 1 or 0 in sizes or any(len(k) != n * next(iter(sizes)) for n, k in self.kept):
+            return b""
+        return b"".join(k for _, k in self.kept)
 
 
 async def run_episode(spec: EpisodeSpec, tok: Tokenizer, gen: Generator, env: EnvClient,
@@ -226,7 +241,7 @@ def _trajectory(spec: EpisodeSpec, episode_id: str, task_id: str, b: _Builder, p
         group_size=spec.group_size, token_ids=b.tokens, logprobs=b.logprobs, loss_mask=b.mask,
         policy_versions=b.versions, prompt_length=prompt_length, finish_reason=finish,
         num_turns=turns, timings=timings, created_at=time.time(), turn_rewards=b.turn_rewards,
-        tool_call_errors=b.tool_call_errors, routed_experts=b"".join(b.routed),
+        tool_call_errors=b.tool_call_errors, routed_experts=b"".join(b.routed), kept_token_ids=b.kept_token_ids(),
     )
     if score is None:
         # A limit ended the episode before an answer: trainable, with reward 0 for no answer.

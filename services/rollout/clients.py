@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 import grpc
 
 from arlo.config import SamplingConfig
+from arlo.filter_replay import kept_width
 from arlo.proto.v1 import (
     common_pb2,
     env_pb2,
@@ -105,9 +106,11 @@ class InferenceClient:
         as one GenerateBatch (services/rollout/coalescing.py); 0: one Generate each. `run_id`: the
         run this worker generates for, sent with every call (an inference service shared by several
         runs picks that run's adapter and version; one serving another run refuses it).
-        `return_routing`: ask for each token's routed experts (trainer.algorithm.routing_replay)."""
+        `return_routing`: ask for each token's routed experts (trainer.algorithm.routing_replay).
+        Each token's kept set is asked for whenever `sampling` records one (arlo/filter_replay.py)."""
         self.run_id = run_id
         self.return_routing = return_routing
+        self.return_kept = kept_width(temperature=sampling.temperature, top_k=sampling.top_k) > 0
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.channel = None if self.replicas else channel
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)
@@ -183,12 +186,13 @@ class InferenceClient:
             params.seed = seed
         resp = await self._call(inference_pb2.GenerateRequest(
             prompt_token_ids=prompt, n=1, session_id=session_id, sampling=params, run_id=self.run_id,
-            return_routing=self.return_routing))
+            return_routing=self.return_routing, return_kept=self.return_kept))
         c = resp.completions[0]
         return Turn(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                     policy_versions=list(c.policy_versions),
                     finished_by_stop=c.finish_reason == inference_pb2.FINISH_REASON_STOP,
-                    queue_s=resp.queue_s, engine_s=resp.engine_s, routed_experts=c.routed_experts)
+                    queue_s=resp.queue_s, engine_s=resp.engine_s, routed_experts=c.routed_experts,
+                    kept_token_ids=c.kept_token_ids)
 
 
 class EnvironmentClient:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from arlo.config import AlgorithmConfig
+from arlo.filter_replay import NOT_KEPT, unpack_kept
 from arlo.proto.v1 import common_pb2
 from arlo.routing_replay import expert_dtype, unpack_experts
 from services.trainer.advantages import overlong_penalty
@@ -42,6 +43,10 @@ class Batch:
     replay_bt: np.ndarray | None = None
     """float32 [rows, length], 1 where experts_btlk holds a record (the positions before model
     tokens of trajectories that carry Trajectory.routed_experts), 0 elsewhere."""
+    kept_btk: np.ndarray | None = None
+    """Filter replay (int32 [rows, length, K], arlo/filter_replay.py): the ids the sampler's filter
+    kept when it drew token t of row b, at position t (NOT_KEPT padded; all NOT_KEPT where nothing
+    was recorded). None: no trajectory in the batch carries any."""
 
     @property
     def num_groups(self) -> int:
@@ -73,13 +78,15 @@ def bucket_length(n: int, minimum: int = 16, *, longest_episode: int = 0) -> int
 
 def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: int, pad_id: int,
                 *, overlong: tuple[int, int] | None = None, longest_episode: int = 0,
-                routing: tuple[int, int, int] | None = None) -> Batch:
+                routing: tuple[int, int, int] | None = None, kept_width: int = 0) -> Batch:
     """Right-pads whole groups into one batch; sequences longer than the model's context are cut.
 
     `overlong` = (max_tokens, buffer_tokens) adds DAPO's soft penalty on generated tokens to rewards.
     `longest_episode`: rollout.max_episode_tokens, a length bucket of its own (`bucket_length`).
     `routing`: the model's (routed layers, top_k, num_experts) (arlo.routing_replay.routing_shape):
     the trajectories' routed_experts become `experts_btlk` / `replay_bt` (None when none carries any).
+    `kept_width`: K of the run's filter replay (arlo.filter_replay.kept_width; 0: off): the
+    trajectories' kept_token_ids become `kept_btk`.
     """
     trajs = [t for g in groups for t in g]
     group_size = len(groups[0])
@@ -110,7 +117,7 @@ def build_batch(groups: Sequence[Sequence[common_pb2.Trajectory]], max_seq_len: 
         tokens_bt=tokens, behaviour_logprobs_bt=logprobs, mask_bt=mask, rewards_gk=rewards,
         token_rewards_bt=token_rewards,
         trajectory_ids=tuple(t.id for t in trajs), num_tokens=int(mask.sum()),
-        experts_btlk=experts, replay_bt=replay,
+        experts_btlk=experts, replay_bt=replay, kept_btk=_kept_arrays(trajs, length, kept_width),
     )
 
 
@@ -133,6 +140,22 @@ def _routing_arrays(trajs: Sequence[common_pb2.Trajectory], length: int,
         experts[row, model_pos[keep] - 1] = records[keep]
         replay[row, model_pos[keep] - 1] = 1.0
     return experts, replay
+
+
+def _kept_arrays(trajs: Sequence[common_pb2.Trajectory], length: int, width: int) -> np.ndarray | None:
+    """`Batch.kept_btk`; None when off or no trajectory carries a record. Token t's kept set goes
+    to position t; a model token cut off by the length is left out with it."""
+    if not width or not any(t.kept_token_ids for t in trajs):
+        return None
+    kept = np.full((len(trajs), length, width), NOT_KEPT, np.int32)
+    for row, t in enumerate(trajs):
+        if not t.kept_token_ids:
+            continue
+        model_pos = np.flatnonzero(np.asarray(t.loss_mask, bool))
+        records = unpack_kept(t.kept_token_ids, tokens=len(model_pos), width=width)
+        keep = model_pos < min(len(t.token_ids), length)
+        kept[row, model_pos[keep]] = records[keep]
+    return kept
 
 
 def objective_rewards(batch: Batch, cfg: AlgorithmConfig) -> tuple[np.ndarray, np.ndarray]:

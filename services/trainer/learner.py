@@ -231,6 +231,8 @@ class Learner:
             # Routing replay's records (or, replay off, what routing_mismatch is measured against;
             # packed rows carry none: trainer.pack and routing replay exclude each other).
             rows["experts_btlk"], rows["replay_bt"] = batch.experts_btlk, batch.replay_bt
+        if batch.kept_btk is not None and not self.cfg.pack:  # filter replay (packed rows: the own filter)
+            rows["kept_btk"] = batch.kept_btk
         return rewards_gk, self._on_device(rows, mini_batches=mini_batches, pack=self.cfg.pack)
 
     def _on_device(self, rows: dict[str, np.ndarray], *, mini_batches: int = 1,

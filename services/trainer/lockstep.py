@@ -60,6 +60,9 @@ POLL_MS = 1000
 KEEP_KEYS = 8
 """Announcements kept on the coordinator; older ones are deleted (see CoordinatorChannel)."""
 BATCH_FIELDS = ("tokens_bt", "behaviour_logprobs_bt", "mask_bt", "rewards_gk", "token_rewards_bt")
+OPTIONAL_BATCH_FIELDS = ("experts_btlk", "replay_bt", "kept_btk")
+"""A Batch's records (routing replay, filter replay): sent when the leader's batch has them, so
+every process compiles and runs the same step."""
 SFT_BATCH_FIELDS = ("tokens_bt", "mask_bt")
 AnyBatch = TypeVar("AnyBatch", Batch, SFTBatch)
 
@@ -160,8 +163,9 @@ class Replica:
         self.channel = channel
 
     def step(self, batch: Batch) -> StepMetrics:
-        self.channel.announce("step", _batch_header(batch, BATCH_FIELDS))
-        return self.learner.step(_broadcast_batch(batch, BATCH_FIELDS))
+        fields = step_fields(batch)
+        self.channel.announce("step", _batch_header(batch, fields))
+        return self.learner.step(_broadcast_batch(batch, fields))
 
     def sft_step(self, batch: SFTBatch) -> StepMetrics:
         self.channel.announce("sft_step", _batch_header(batch, SFT_BATCH_FIELDS))
@@ -236,6 +240,11 @@ def restore_learner(checkpointer: Checkpointer, learner: Learner,
     return restored
 
 
+def step_fields(batch: Batch) -> tuple[str, ...]:
+    """The arrays of an RL step's batch every process needs: BATCH_FIELDS and the records it has."""
+    return BATCH_FIELDS + tuple(k for k in OPTIONAL_BATCH_FIELDS if getattr(batch, k) is not None)
+
+
 def _batch_header(batch: Batch | SFTBatch, fields: tuple[str, ...]) -> dict[str, Any]:
     return {k: [list(getattr(batch, k).shape), str(getattr(batch, k).dtype)] for k in fields} | {
         "num_tokens": batch.num_tokens}
@@ -256,7 +265,8 @@ def _placeholder_arrays(header: dict[str, Any], fields: tuple[str, ...]) -> dict
 
 
 def _placeholder(header: dict[str, Any]) -> Batch:
-    return Batch(**_placeholder_arrays(header, BATCH_FIELDS), trajectory_ids=(), num_tokens=int(header["num_tokens"]))
+    fields = BATCH_FIELDS + tuple(k for k in OPTIONAL_BATCH_FIELDS if k in header)
+    return Batch(**_placeholder_arrays(header, fields), trajectory_ids=(), num_tokens=int(header["num_tokens"]))
 
 
 def _sft_placeholder(header: dict[str, Any]) -> SFTBatch:
@@ -277,7 +287,8 @@ def follow(replica: Replica, stop: threading.Event | None = None) -> int:
             waiter.join()  # the leader, too, waits for the previous save first
             waiter = None
         if op.name == "step":
-            learner.step(_broadcast_batch(_placeholder(op.header), BATCH_FIELDS))
+            batch = _placeholder(op.header)
+            learner.step(_broadcast_batch(batch, step_fields(batch)))
         elif op.name == "sft_step":
             learner.sft_step(_broadcast_batch(_sft_placeholder(op.header), SFT_BATCH_FIELDS))
         elif op.name == "publish":

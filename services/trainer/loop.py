@@ -419,7 +419,7 @@ class TrainingLoop:
         try:
             batch = build_batch([g.trajectories for g in groups], self.learner.model_cfg.max_seq_len, self.pad_id,
                                 overlong=self.overlong, longest_episode=self.longest_episode,
-                                routing=routing_shape(self.learner.model_cfg))
+                                routing=routing_shape(self.learner.model_cfg), kept_width=self.core.cfg.kept_width)
             train_at = time.time()
             step = asyncio.create_task(self._jitted_step(batch), name="trainer-step")
             if overlap:

@@ -27,6 +27,11 @@ carries recorded experts, replay on or off, the step reports `routing_mismatch` 
 replayed positions where any routed layer's experts in the forward differ as a set from the
 recorded ones: 0 with replay) and `routing_own_mismatch` (the same for the routers' own top-k,
 which replay overrides: what the mismatch would be without it).
+
+Filter replay (arlo/filter_replay.py, `rollout.sampling.top_k` > 0): a micro-batch whose
+trajectories carry the kept set each token was drawn from has them as "kept_btk"; the behaviour
+distribution's logprobs (`sampled_targets`) are then taken over exactly those sets, so no sampled
+token is outside the set that scores it.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ from arlo.config import AlgorithmConfig, Remat, SamplingConfig, TrainerConfig
 from arlo.model import token_logprobs
 from arlo.model.logprobs import (
     LogprobFn,
+    SampledTargets,
     chunked_token_logprobs,
     sampled_token_logprobs,
     sampled_token_logprobs_and_outside,
+    target_ids,
     token_entropy,
 )
 from arlo.model.moe import load_balancing_loss, routing_mismatch_bt
@@ -75,7 +82,7 @@ def behaviour_logprob_fn(sampling: SamplingConfig, *, with_outside: bool = False
                              min_p=sampling.min_p)
 
 
-def forward_logprobs(model, inputs: Array, targets: Array, *, remat: Remat = "none", logprob_chunk: int = 0,
+def forward_logprobs(model, inputs: Array, targets: Any, *, remat: Remat = "none", logprob_chunk: int = 0,
                      logprob_fn: LogprobFn = token_logprobs, h: Array | None = None,
                      layout: dict[str, Array] | None = None) -> tuple[Any, Array | None, Array]:
     """(logprobs_bt (or what `logprob_fn` returns), logits_btv or None when chunked, hidden_btd):
@@ -158,11 +165,11 @@ def policy_terms_fn(sampling: SamplingConfig, *, model_logprobs: bool, entropy: 
     Chunked (`forward_logprobs` with `logprob_chunk`), each chunk's logits serve all of them."""
     behaviour = behaviour_logprob_fn(sampling, with_outside=True)
 
-    def terms(logits_btv: Array, targets_bt: Array) -> dict[str, Array]:
-        logprobs, outside = behaviour(logits_btv, targets_bt)
+    def terms(logits_btv: Array, targets: Any) -> dict[str, Array]:
+        logprobs, outside = behaviour(logits_btv, targets)
         out = {"logprobs": logprobs, "outside": outside}
         if model_logprobs:
-            out["model_logprobs"] = token_logprobs(logits_btv, targets_bt)
+            out["model_logprobs"] = token_logprobs(logits_btv, target_ids(targets))
         if entropy:
             out["entropy"] = token_entropy(logits_btv)
         return out
@@ -201,7 +208,8 @@ def old_logprobs(model, mb: dict[str, Array], tc: TrainerConfig, sampling: Sampl
     proximal policy of several updates per batch), under the behaviour distribution; no gradient.
     `with_outside`: (logprobs, outside), for `mb["old_outside_bt"]` (see rl_objective)."""
     out = batch_logprobs(model, mb, logprob_chunk=tc.logprob_chunk,
-                         logprob_fn=behaviour_logprob_fn(sampling, with_outside=with_outside), replay=tc)
+                         logprob_fn=behaviour_logprob_fn(sampling, with_outside=with_outside), replay=tc,
+                         sampled=True)
     return jax.lax.stop_gradient(out)
 
 
@@ -249,13 +257,26 @@ def to_batch_layout(out: Any, mb: dict[str, Array]) -> Any:
     return jax.tree.map(lambda x: unpack(x, mb["packed_index_bt"]), out)
 
 
+def sampled_targets(mb: dict[str, Array], targets: Array) -> Any:
+    """The forward's targets with the kept sets the sampler recorded (filter replay,
+    arlo/filter_replay.py) when the micro-batch carries them, for the behaviour distribution's
+    logprobs; the targets alone otherwise. Packed rows carry none (trainer.pack: the trainer's own
+    filter scores them)."""
+    if "kept_btk" not in mb or "packed_tokens_bt" in mb:
+        return targets
+    return SampledTargets(targets, mb["kept_btk"][:, 1:])
+
+
 def batch_logprobs(model, mb: dict[str, Array], *, remat: Remat = "none", logprob_chunk: int = 0,
-                   logprob_fn: LogprobFn = token_logprobs, replay: TrainerConfig | None = None) -> Any:
+                   logprob_fn: LogprobFn = token_logprobs, replay: TrainerConfig | None = None,
+                   sampled: bool = False) -> Any:
     """`forward_logprobs` of the micro-batch's targets, in its own layout (packed or not).
     `replay`: the trainer config, to replay the micro-batch's recorded experts when its
-    `algorithm.routing_replay` says so (the policy's forwards); None: the model routes itself."""
+    `algorithm.routing_replay` says so (the policy's forwards); None: the model routes itself.
+    `sampled`: `logprob_fn` scores the behaviour distribution (`sampled_targets`)."""
     inputs, targets, _, mask = shifted(mb)
     inputs, targets, layout, _ = forward_layout(mb, inputs, targets, mask)
+    targets = sampled_targets(mb, targets) if sampled else targets
     out, _, _ = forward_logprobs(model, inputs, targets, remat=remat, logprob_chunk=logprob_chunk,
                                  logprob_fn=logprob_fn, layout=layout, h=replayed_hidden(model, mb, inputs, replay))
     return to_batch_layout(out, mb)
@@ -286,7 +307,7 @@ def rl_objective(model, mb: dict[str, Array], denominator: Array, tc: TrainerCon
     inputs, targets, layout, count = forward_layout(mb, inputs, targets, mask)
     h, router_aux, routing_metrics = routed_hidden(model, inputs, count, tc, layout, mb)
     terms, _, _ = forward_logprobs(
-        model, inputs, targets, remat=tc.remat, logprob_chunk=tc.logprob_chunk,
+        model, inputs, sampled_targets(mb, targets), remat=tc.remat, logprob_chunk=tc.logprob_chunk,
         logprob_fn=policy_terms_fn(sampling, model_logprobs=kl_in_loss, entropy=cfg.entropy_coef > 0), h=h)
     terms = to_batch_layout(terms, mb)
     logprobs, outside = terms["logprobs"], terms["outside"]

@@ -6,6 +6,8 @@ trainer's top-k / top-p can rank a sampled token just outside. Before, such a to
 -1e4 floor: ratio ~0, no gradient, and a `logprob_mismatch` of 30 to 67 nats that hid the
 numeric mismatch (issue 32). Now it is scored with its own mass added to the kept set's
 (arlo.model.logprobs.sampled_token_logprobs_and_outside) and counted in `logprob_outside`.
+With filter replay (arlo/filter_replay.py) the engine's own kept sets are applied and nothing is
+outside: the issue's bar.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import pytest
 from flax import nnx
 
 from arlo.config import InferenceConfig, SamplingConfig, TrainerConfig
+from arlo.filter_replay import NOT_KEPT, kept_ids
+from arlo.model.logprobs import SampledTargets
 from arlo.model.sampling import LOGPROB_FLOOR
 from arlo.model.source import preset_source
 from arlo.model.transformer import create_model
@@ -38,24 +42,34 @@ def bf16():
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(bf16(), config=InferenceConfig(max_n=8, max_tokens=LENGTH, max_prompt_tokens=64))
+    return Engine(bf16(), config=InferenceConfig(max_n=8, max_tokens=LENGTH, max_prompt_tokens=64,
+                                                 max_top_logprobs=20))
 
 
 def samples(engine: Engine, s: SamplingConfig) -> list:
-    """32 samples of up to 48 tokens: on CPU each setting has near-ties at the filter's edge."""
+    """32 samples of up to 48 tokens: on CPU each setting has near-ties at the filter's edge.
+    With the engine's top logprobs on, each also records its kept sets (filter replay)."""
     return [smp for seed in range(4) for smp in engine.generate(SamplingRequest(
         prompt=PROMPT, n=8, max_tokens=LENGTH, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        min_p=s.min_p, seed=seed))]
+        min_p=s.min_p, seed=seed, top_logprobs=min(s.top_k, engine.config.max_top_logprobs)))]
 
 
-def trainer_view(engine: Engine, s: SamplingConfig, drawn: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(engine logprobs, trainer logprobs, outside) of every sampled token, one padded forward."""
+def trainer_view(engine: Engine, s: SamplingConfig, drawn: list,
+                 replay: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(engine logprobs, trainer logprobs, outside) of every sampled token, one padded forward;
+    `replay`: over the kept sets the engine recorded."""
     model = nnx.merge(engine.graphdef, engine.state)
     rows = [[*PROMPT, *d.token_ids] + [0] * (LENGTH - len(d.token_ids)) for d in drawn]
     seq = jnp.asarray(rows, jnp.int32)
-    (lp, outside), _, _ = forward_logprobs(model, seq[:, :-1], seq[:, 1:],
-                                           logprob_fn=behaviour_logprob_fn(s, with_outside=True))
     start = len(PROMPT) - 1
+    targets = seq[:, 1:]
+    if replay:
+        kept = np.full((*targets.shape, s.top_k), NOT_KEPT, np.int32)
+        for i, d in enumerate(drawn):
+            kept[i, start:start + len(d.token_ids)] = kept_ids(d.top_ids, d.top_logprobs, s.top_k)
+        targets = SampledTargets(targets, jnp.asarray(kept))
+    (lp, outside), _, _ = forward_logprobs(model, seq[:, :-1], targets,
+                                           logprob_fn=behaviour_logprob_fn(s, with_outside=True))
     pick = [(i, start + j) for i, d in enumerate(drawn) for j in range(len(d.token_ids))]
     rows_i, cols_j = (np.asarray(x) for x in zip(*pick, strict=True))
     engine_lp = np.concatenate([np.asarray(d.logprobs) for d in drawn])
@@ -76,6 +90,20 @@ def test_the_trainer_scores_every_token_the_bf16_engine_sampled(engine: Engine) 
         outside_total += int(outside.sum())
     # Without a near-tie this test would not exercise the rule; CPU numerics give a dozen.
     assert outside_total > 0
+
+
+def test_with_the_engines_kept_sets_no_bf16_token_is_outside_and_the_mismatch_is_numeric(engine: Engine) -> None:
+    """The issue's bar: on the same near-ties the trainer's own filter ranks outside, scoring over
+    the kept sets the engine recorded leaves 0 tokens outside, the mean mismatch <= 0.05."""
+    for name, s in SETTINGS.items():
+        drawn = samples(engine, s)
+        _, _, own_outside = trainer_view(engine, s, drawn)
+        engine_lp, trainer_lp, outside = trainer_view(engine, s, drawn, replay=True)
+        assert not outside.any(), (name, int(outside.sum()))
+        assert np.abs(trainer_lp - engine_lp).mean() <= BAR, name
+        assert np.abs(trainer_lp - engine_lp).max() < 1.0, name
+        if name == "t1.3-k5":  # the setting whose near-ties the own filter is known to miss on CPU
+            assert own_outside.any()
 
 
 def test_the_learner_splits_the_bf16_mismatch_from_the_tokens_outside(engine: Engine) -> None:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from arlo.compile_watch import CompileWatch
-from arlo.config import SFTConfig, TrainerConfig
+from arlo.config import SamplingConfig, SFTConfig, TrainerConfig
+from arlo.filter_replay import NOT_KEPT, pack_kept
 from arlo.model.source import preset_source
 from arlo.proto.v1 import common_pb2
 from services.trainer.batching import bucket_length, build_batch, trained_length
@@ -40,8 +41,11 @@ def test_trailing_context_is_not_trained_on_so_it_takes_no_bucket() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_warmed_length_steps_without_compiling() -> None:
-    learner = Learner(preset_source("tiny"), cfg=TrainerConfig(groups_per_step=1))
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_warmed_length_steps_without_compiling(top_k: int) -> None:
+    """top_k 5: every batch carries the sampler's kept sets (filter replay), so the warm-up must too."""
+    sampling = SamplingConfig(temperature=1.0, top_k=top_k)
+    learner = Learner(preset_source("tiny"), cfg=TrainerConfig(groups_per_step=1), sampling=sampling)
     before = [np.asarray(x) for x in jax.tree.leaves(learner.state)]
     watch = CompileWatch().install()
     try:
@@ -49,10 +53,14 @@ def test_a_warmed_length_steps_without_compiling() -> None:
         assert all(np.array_equal(a, np.asarray(b))
                    for a, b in zip(before, jax.tree.leaves(learner.state), strict=True))
         watch.mark_warm()
+        kept = pack_kept(np.asarray([[t] + [NOT_KEPT] * (top_k - 1) for t in (3, 4, 5)], np.int32)) if top_k else b""
         trajs = [common_pb2.Trajectory(token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 1], reward=r,
-                                       logprobs=[0.0, 0.0, -1.0, -1.0, -1.0], policy_versions=[-1, -1, 0, 0, 0])
+                                       logprobs=[0.0, 0.0, -1.0, -1.0, -1.0], policy_versions=[-1, -1, 0, 0, 0],
+                                       kept_token_ids=kept)
                  for r in (0.0, 1.0)]
-        metrics = learner.step(build_batch([trajs], learner.model_cfg.max_seq_len, 0))
+        batch = build_batch([trajs], learner.model_cfg.max_seq_len, 0, kept_width=top_k)
+        assert (batch.kept_btk is not None) == bool(top_k)
+        metrics = learner.step(batch)
         assert not metrics.skipped and watch.late == 0, list(watch.late_names)
     finally:
         watch.close()

@@ -265,6 +265,7 @@ class Trajectory(_message.Message):
     TURN_REWARDS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_ERRORS_FIELD_NUMBER: _builtins.int
     ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
+    KEPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Globally unique id; the trainer de-duplicates on it."""
     run_id: _builtins.str
@@ -299,6 +300,11 @@ class Trajectory(_message.Message):
     in order, each as Completion.routed_experts encodes it ([model tokens, routed_layers, top_k]
     row-major, uint8 per expert id for at most 256 experts, else uint16 little-endian). Empty:
     none recorded.
+    """
+    kept_token_ids: _builtins.bytes
+    """Filter replay (arlo/filter_replay.py): the loss_mask-1 tokens' kept sets in order, as
+    Completion.kept_token_ids encodes them ([model tokens, rollout.sampling.top_k] int32
+    little-endian, -1 padded). Empty: none recorded (the trainer applies its own filter).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -353,10 +359,11 @@ class Trajectory(_message.Message):
         turn_rewards: _abc.Iterable[Global___TurnReward] | None = ...,
         tool_call_errors: _builtins.int = ...,
         routed_experts: _builtins.bytes = ...,
+        kept_token_ids: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "env_name", b"env_name", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "routed_experts", b"routed_experts", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids", "tool_call_errors", b"tool_call_errors", "turn_rewards", b"turn_rewards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "env_name", b"env_name", "error", b"error", "finish_reason", b"finish_reason", "group_id", b"group_id", "group_size", b"group_size", "id", b"id", "kept_token_ids", b"kept_token_ids", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_turns", b"num_turns", "policy_versions", b"policy_versions", "prompt_length", b"prompt_length", "reward", b"reward", "reward_components", b"reward_components", "routed_experts", b"routed_experts", "run_id", b"run_id", "status", b"status", "task_id", b"task_id", "timings", b"timings", "token_ids", b"token_ids", "tool_call_errors", b"tool_call_errors", "turn_rewards", b"turn_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from arlo.proto.v1 import common_pb2 as arlo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61rlo/v1/inference.proto\x12\x07\x61rlo.v1\x1a\x14\x61rlo/v1/common.proto\"\xb1\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\t\n\x01n\x18\x02 \x01(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.arlo.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x16\n\x0ereturn_routing\x18\x07 \x01(\x08\"\x90\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.arlo.v1.FinishReason\x12\x16\n\x0erouted_experts\x18\x05 \x01(\x0c\"w\n\x10GenerateResponse\x12(\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x13.arlo.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ngine_s\x18\x04 \x01(\x01\"B\n\x14GenerateBatchRequest\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.arlo.v1.GenerateRequest\"p\n\x13GenerateBatchResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12+\n\x08response\x18\x04 \x01(\x0b\x32\x19.arlo.v1.GenerateResponse\"F\n\x15GenerateBatchResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.arlo.v1.GenerateBatchResult\"B\n\x15GenerateStreamRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.arlo.v1.GenerateRequest\"\x9c\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.arlo.v1.FinishReason\x12\x16\n\x0erouted_experts\x18\x05 \x01(\x0c\"%\n\x13GetModelInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xe6\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\r\n\x05max_n\x18\x07 \x01(\r\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\x12\n\nopenai_url\x18\n \x01(\t\"5\n\x11GetEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0c\n\x04keep\x18\x02 \x01(\x08\"\x94\x01\n\x0eRecordedChoice\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.arlo.v1.FinishReason\x12\x16\n\x0erouted_experts\x18\x05 \x01(\x0c\"\x87\x01\n\x0cRecordedCall\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12(\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x17.arlo.v1.RecordedChoice\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\tcontinued\x18\x04 \x01(\x08\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\"Q\n\x12GetEpisodeResponse\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.arlo.v1.RecordedCall\x12\x15\n\rdropped_calls\x18\x02 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x87\x03\n\tInference\x12?\n\x08Generate\x12\x18.arlo.v1.GenerateRequest\x1a\x19.arlo.v1.GenerateResponse\x12P\n\rGenerateBatch\x12\x1d.arlo.v1.GenerateBatchRequest\x1a\x1e.arlo.v1.GenerateBatchResponse0\x01\x12S\n\x0eGenerateStream\x12\x1e.arlo.v1.GenerateStreamRequest\x1a\x1f.arlo.v1.GenerateStreamResponse0\x01\x12K\n\x0cGetModelInfo\x12\x1c.arlo.v1.GetModelInfoRequest\x1a\x1d.arlo.v1.GetModelInfoResponse\x12\x45\n\nGetEpisode\x12\x1a.arlo.v1.GetEpisodeRequest\x1a\x1b.arlo.v1.GetEpisodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61rlo/v1/inference.proto\x12\x07\x61rlo.v1\x1a\x14\x61rlo/v1/common.proto\"\xc6\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\t\n\x01n\x18\x02 \x01(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.arlo.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x16\n\x0ereturn_routing\x18\x07 \x01(\x08\x12\x13\n\x0breturn_kept\x18\x08 \x01(\x08\"\xa8\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.arlo.v1.FinishReason\x12\x16\n\x0erouted_experts\x18\x05 \x01(\x0c\x12\x16\n\x0ekept_token_ids\x18\x06 \x01(\x0c\"w\n\x10GenerateResponse\x12(\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x13.arlo.v1.Completion\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ngine_s\x18\x04 \x01(\x01\"B\n\x14GenerateBatchRequest\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.arlo.v1.GenerateRequest\"p\n\x13GenerateBatchResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12+\n\x08response\x18\x04 \x01(\x0b\x32\x19.arlo.v1.GenerateResponse\"F\n\x15GenerateBatchResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.arlo.v1.GenerateBatchResult\"B\n\x15GenerateStreamRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.arlo.v1.GenerateRequest\"\x9c\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.arlo.v1.FinishReason\x12\x16\n\x0erouted_experts\x18\x05 \x01(\x0c\"%\n\x13GetModelInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xe6\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\r\n\x05max_n\x18\x07 \x01(\r\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\x12\n\nopenai_url\x18\n \x01(\t\"5\n\x11GetEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0c\n\x04keep\x18\x02 \x01(\x08\"\x94\x01\n\x0eRecordedChoice\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.arlo.v1.FinishReason\x12\x16\n\x0erouted_experts\x18\x05 \x01(\x0c\"\x87\x01\n\x0cRecordedCall\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12(\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x17.arlo.v1.RecordedChoice\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\tcontinued\x18\x04 \x01(\x08\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\"Q\n\x12GetEpisodeResponse\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.arlo.v1.RecordedCall\x12\x15\n\rdropped_calls\x18\x02 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x87\x03\n\tInference\x12?\n\x08Generate\x12\x18.arlo.v1.GenerateRequest\x1a\x19.arlo.v1.GenerateResponse\x12P\n\rGenerateBatch\x12\x1d.arlo.v1.GenerateBatchRequest\x1a\x1e.arlo.v1.GenerateBatchResponse0\x01\x12S\n\x0eGenerateStream\x12\x1e.arlo.v1.GenerateStreamRequest\x1a\x1f.arlo.v1.GenerateStreamResponse0\x01\x12K\n\x0cGetModelInfo\x12\x1c.arlo.v1.GetModelInfoRequest\x1a\x1d.arlo.v1.GetModelInfoResponse\x12\x45\n\nGetEpisode\x12\x1a.arlo.v1.GetEpisodeRequest\x1a\x1b.arlo.v1.GetEpisodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'arlo.proto.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1686
-  _globals['_FINISHREASON']._serialized_end=1806
+  _globals['_FINISHREASON']._serialized_start=1731
+  _globals['_FINISHREASON']._serialized_end=1851
   _globals['_GENERATEREQUEST']._serialized_start=59
-  _globals['_GENERATEREQUEST']._serialized_end=236
-  _globals['_COMPLETION']._serialized_start=239
-  _globals['_COMPLETION']._serialized_end=383
-  _globals['_GENERATERESPONSE']._serialized_start=385
-  _globals['_GENERATERESPONSE']._serialized_end=504
-  _globals['_GENERATEBATCHREQUEST']._serialized_start=506
-  _globals['_GENERATEBATCHREQUEST']._serialized_end=572
-  _globals['_GENERATEBATCHRESULT']._serialized_start=574
-  _globals['_GENERATEBATCHRESULT']._serialized_end=686
-  _globals['_GENERATEBATCHRESPONSE']._serialized_start=688
-  _globals['_GENERATEBATCHRESPONSE']._serialized_end=758
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=760
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=826
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=829
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=985
-  _globals['_GETMODELINFOREQUEST']._serialized_start=987
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1024
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1027
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1257
-  _globals['_GETEPISODEREQUEST']._serialized_start=1259
-  _globals['_GETEPISODEREQUEST']._serialized_end=1312
-  _globals['_RECORDEDCHOICE']._serialized_start=1315
-  _globals['_RECORDEDCHOICE']._serialized_end=1463
-  _globals['_RECORDEDCALL']._serialized_start=1466
-  _globals['_RECORDEDCALL']._serialized_end=1601
-  _globals['_GETEPISODERESPONSE']._serialized_start=1603
-  _globals['_GETEPISODERESPONSE']._serialized_end=1684
-  _globals['_INFERENCE']._serialized_start=1809
-  _globals['_INFERENCE']._serialized_end=2200
+  _globals['_GENERATEREQUEST']._serialized_end=257
+  _globals['_COMPLETION']._serialized_start=260
+  _globals['_COMPLETION']._serialized_end=428
+  _globals['_GENERATERESPONSE']._serialized_start=430
+  _globals['_GENERATERESPONSE']._serialized_end=549
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=551
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=617
+  _globals['_GENERATEBATCHRESULT']._serialized_start=619
+  _globals['_GENERATEBATCHRESULT']._serialized_end=731
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=733
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=803
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=805
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=871
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=874
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1030
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1032
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1069
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1072
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1302
+  _globals['_GETEPISODEREQUEST']._serialized_start=1304
+  _globals['_GETEPISODEREQUEST']._serialized_end=1357
+  _globals['_RECORDEDCHOICE']._serialized_start=1360
+  _globals['_RECORDEDCHOICE']._serialized_end=1508
+  _globals['_RECORDEDCALL']._serialized_start=1511
+  _globals['_RECORDEDCALL']._serialized_end=1646
+  _globals['_GETEPISODERESPONSE']._serialized_start=1648
+  _globals['_GETEPISODERESPONSE']._serialized_end=1729
+  _globals['_INFERENCE']._serialized_start=1854
+  _globals['_INFERENCE']._serialized_end=2245
 # @@protoc_insertion_point(module_scope)

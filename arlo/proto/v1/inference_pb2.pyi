@@ -57,6 +57,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     RETURN_ROUTING_FIELD_NUMBER: _builtins.int
+    RETURN_KEPT_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     """Number of samples, 1 to the server's max_n."""
     session_id: _builtins.str
@@ -70,6 +71,11 @@ class GenerateRequest(_message.Message):
     return_routing: _builtins.bool
     """Routing replay: return each completion's routed_experts. INVALID_ARGUMENT on a model without
     routed experts.
+    """
+    return_kept: _builtins.bool
+    """Filter replay (arlo/filter_replay.py): return each completion's kept_token_ids. Needs
+    sampling.top_k in [1, 20] within the server's compiled top logprobs and a temperature that
+    samples (greedy filters nothing); INVALID_ARGUMENT otherwise.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -89,10 +95,11 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         run_id: _builtins.str = ...,
         return_routing: _builtins.bool = ...,
+        return_kept: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_routing", b"return_routing", "run_id", b"run_id", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_kept", b"return_kept", "return_routing", b"return_routing", "run_id", b"run_id", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -109,12 +116,18 @@ class Completion(_message.Message):
     POLICY_VERSIONS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
+    KEPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     routed_experts: _builtins.bytes
     """With GenerateRequest.return_routing: for each token, the experts every routed layer chose at
     the position that sampled it (the last prompt token for the first token, the previous token
     for the others). Shape [tokens, routed_layers, top_k] row-major, one uint8 per expert id when
     the model has at most 256 experts, else uint16 little-endian (arlo/routing_replay.py).
+    """
+    kept_token_ids: _builtins.bytes
+    """With GenerateRequest.return_kept: for each token, the ids the sampler's top-k / top-p /
+    min-p filter kept at the position that drew it (the token among them). Shape
+    [tokens, sampling.top_k] row-major, int32 little-endian, -1 where fewer were kept.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -136,10 +149,11 @@ class Completion(_message.Message):
         policy_versions: _abc.Iterable[_builtins.int] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         routed_experts: _builtins.bytes = ...,
+        kept_token_ids: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "routed_experts", b"routed_experts", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "kept_token_ids", b"kept_token_ids", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "routed_experts", b"routed_experts", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,7 +21,6 @@ from services.trainer.core.groups import (
     ReadyGroup,
     group_oldest_version,
     has_reward_spread,
-    validate_trajectory,
 )
 from services.trainer.core.lineage import Lineage
 from services.trainer.core.records import Ack, CountStale, DeadLetter, Decision, Screened, TrainedStep, Wait
@@ -35,13 +34,13 @@ class GroupBook:
 
     def __init__(self, *, lineage: Lineage, groups_per_step: int, vocab_size: int, filter_zero_variance: bool,
                  expiring_wait_s: float, held_for_durability: Callable[[], Iterable[TrainedStep]],
-                 routing_bytes: int = 0) -> None:
+                 routing_bytes: int = 0, kept_width: int = 0) -> None:
         self.lineage = lineage
         self.groups_per_step = groups_per_step
         self.filter_zero_variance = filter_zero_variance
         self.held_for_durability = held_for_durability
         self.assembler = GroupAssembler(max_staleness=lineage.max_staleness, vocab_size=vocab_size, lineage=lineage,
-                                        routing_bytes=routing_bytes)
+                                        routing_bytes=routing_bytes, kept_width=kept_width)
         self.expiring = ExpiringWait(bound_s=expiring_wait_s)
         self.ready: list[ReadyGroup] = []
         self.in_step: list[ReadyGroup] = []
@@ -75,7 +74,7 @@ class GroupBook:
         dead = self.assembler.take_dead()
         for kind in ("malformed", "poisoned"):
             # The count covers whole groups judged malformed too (acknowledged, not dead-lettered).
-            items = tuple(d for d in dead if (kind == "malformed") == bool(validate_trajectory(d[1])))
+            items = tuple(d for d in dead if (kind == "malformed") == bool(self.assembler.malformed(d[1])))
             count = getattr(drops, kind) - getattr(before, kind)
             if items or count:
                 decisions.append(DeadLetter(items, kind, count))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from arlo import groups
+from arlo.filter_replay import unpack_kept
 from arlo.groups import MAX_ABS_REWARD, REWARD_ATOL, group_failed
 from arlo.proto.v1 import common_pb2
 from services.trainer.core.lineage import MAX_VERSION, Lineage
@@ -40,9 +41,10 @@ class DropCounts:
         return self.stale + self.failed + self.malformed + self.poisoned
 
 
-def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0) -> str | None:
+def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0, kept_width: int = 0) -> str | None:
     """Why a trajectory cannot be trained on, or None when it is well formed. `routing_bytes`: the
-    model's bytes of routed_experts per model token (arlo/routing_replay.py; 0: not checked)."""
+    model's bytes of routed_experts per model token (arlo/routing_replay.py; 0: not checked).
+    `kept_width`: the run's filter replay K (arlo/filter_replay.py; 0: kept_token_ids ignored)."""
     n = len(traj.token_ids)
     if n < 2:
         return "fewer than 2 tokens"
@@ -62,6 +64,24 @@ def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0) -> 
         if len(traj.routed_experts) != want:
             return (f"routed_experts has {len(traj.routed_experts)} bytes; the model tokens x {routing_bytes} bytes "
                     f"per token is {want}")
+    if kept_width and traj.kept_token_ids:
+        return kept_sets_reason(traj, kept_width)
+    return None
+
+
+def kept_sets_reason(traj: common_pb2.Trajectory, width: int) -> str | None:
+    """Why a trajectory's kept sets are unusable: the wrong size, or a model token its own kept set
+    does not hold (the sampler draws only from it; such a record would score the token over a
+    set that never sampled it)."""
+    model_pos = np.flatnonzero(np.asarray(traj.loss_mask, bool))
+    try:
+        kept = unpack_kept(traj.kept_token_ids, tokens=len(model_pos), width=width)
+    except ValueError as e:
+        return str(e)
+    drawn = np.asarray(traj.token_ids, np.int64)[model_pos]
+    missing = np.flatnonzero(~(kept == drawn[:, None]).any(axis=1))
+    if missing.size:
+        return f"kept_token_ids: model token {int(model_pos[missing[0]])} is not in the kept set it was drawn from"
     return None
 
 
@@ -182,6 +202,8 @@ class GroupAssembler:
     incomplete_timeout_s: float = 600.0
     routing_bytes: int = 0
     """Bytes of routed_experts per model token (validate_trajectory); 0: not checked."""
+    kept_width: int = 0
+    """Filter replay's K (validate_trajectory); 0: kept_token_ids ignored."""
     pending: dict[str, dict[str, common_pb2.Trajectory]] = field(default_factory=dict)
     drops: DropCounts = field(default_factory=DropCounts)
     _first_seen: dict[str, float] = field(default_factory=dict)
@@ -206,7 +228,7 @@ class GroupAssembler:
                 self._close(gid, reason)
             elif reason is None and (why := self._invalid(traj, newest)) is not None:
                 # The member itself is dead-lettered with its reason (inspectable); its group closes.
-                kind = "malformed" if validate_trajectory(traj, self.routing_bytes) else "poisoned"
+                kind = "malformed" if self.malformed(traj) else "poisoned"
                 log.warning("group %r dropped: member %r is %s (%s)", gid[:64], traj.id[:64], kind, why)
                 self._close(gid, kind)
                 setattr(self.drops, kind, getattr(self.drops, kind) + 1)
@@ -254,8 +276,12 @@ class GroupAssembler:
         dead, self._dead = self._dead, []
         return dead
 
+    def malformed(self, traj: common_pb2.Trajectory) -> str | None:
+        """`validate_trajectory` with this run's record sizes."""
+        return validate_trajectory(traj, self.routing_bytes, self.kept_width)
+
     def _invalid(self, traj: common_pb2.Trajectory, newest: int | None) -> str | None:
-        return validate_trajectory(traj, self.routing_bytes) or poison_reason(traj, self.vocab_size) \
+        return self.malformed(traj) or poison_reason(traj, self.vocab_size) \
             or (None if newest is None else future_reason(traj, newest))
 
     def _close(self, gid: str, reason: str) -> None:
@@ -276,7 +302,7 @@ class GroupAssembler:
 
     def _judge(self, group: Sequence[common_pb2.Trajectory], trainer_version: int) -> str | None:
         # One bad member masks the whole group: GRPO advantages of a half group are wrong.
-        if any(validate_trajectory(t) for t in group):
+        if any(self.malformed(t) for t in group):
             self.drops.malformed += len(group)
             return "malformed"
         if group_failed(group):

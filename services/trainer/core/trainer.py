@@ -38,6 +38,8 @@ class CoreConfig:
     routing_bytes: int = 0
     """Bytes of Trajectory.routed_experts per model token for this model (arlo/routing_replay.py);
     0: a model without routed experts (the field is not checked)."""
+    kept_width: int = 0
+    """Filter replay's K (arlo/filter_replay.py kept_width of the run's rollout.sampling); 0: off."""
 
 
 REFUSED_IN_A_ROW = 3
@@ -63,7 +65,8 @@ class TrainerCore:
         self.holds = Holds(policy, self.state)
         self.book = GroupBook(lineage=self.lineage, groups_per_step=cfg.groups_per_step, vocab_size=cfg.vocab_size,
                               filter_zero_variance=cfg.filter_zero_variance, expiring_wait_s=cfg.expiring_wait_s,
-                              held_for_durability=self.holds.held, routing_bytes=cfg.routing_bytes)
+                              held_for_durability=self.holds.held, routing_bytes=cfg.routing_bytes,
+                              kept_width=cfg.kept_width)
         self.owes_publish = False
         """The newest version's publish failed or met a foreign pointer: publish before the next step."""
 
