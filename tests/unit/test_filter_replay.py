@@ -1,7 +1,7 @@
 """Filter replay's pieces (arlo/filter_replay.py): the wire format, which settings record kept
 sets, a trajectory's record assembled from its turns, its placement in a batch, and the checks
 that refuse a record that would score a token over a set that never sampled it. Through the
-services: tests/contract/test_filter_replay.py; against the engine: test_trainer_bf16_logprobs.py."""
+services: tests/contract/test_filter_replay_services.py; against the engine: test_trainer_bf16_logprobs.py."""
 
 from __future__ import annotations
 

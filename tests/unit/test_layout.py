@@ -51,3 +51,12 @@ def test_a_service_does_not_import_another_service() -> None:
 def test_the_library_does_not_import_the_services() -> None:
     library = modules("arlo")
     assert library and offenders(library, "services") == []
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    """pytest imports test modules by their file name (the test folders are not packages): a second
+    tests/*/test_x.py stops the whole run at collection ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
