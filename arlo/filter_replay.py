@@ -38,8 +38,19 @@ LOGPROB_FLOOR = -1e4
 
 def kept_width(*, temperature: float, top_k: int) -> int:
     """K ids recorded per sampled token under these settings; 0: nothing to record (greedy, no
-    top-k cap, or one wider than MAX_KEPT_WIDTH)."""
-    return top_k if 0 < top_k <= MAX_KEPT_WIDTH and temperature >= GREEDY_BELOW else 0
+    top-k cap, or one wider than MAX_KEPT_WIDTH). The temperature is compared as the engine
+    does, in float32 (the proto carries a float32: 1e-5 arrives as 9.99999975e-06)."""
+    samples = np.float32(temperature) >= np.float32(GREEDY_BELOW)
+    return top_k if 0 < top_k <= MAX_KEPT_WIDTH and samples else 0
+
+
+def run_kept_width(cfg: RunConfig) -> int:
+    """The run's filter replay K (0: off): its sampling's `kept_width`, and off with trainer.pack
+    (packed rows carry no kept sets: recording them would cost the stream and the intake for
+    nothing). One rule for the rollout that asks, the trainer that reads and the engine that
+    compiles."""
+    s = cfg.rollout.sampling
+    return 0 if cfg.trainer.pack else kept_width(temperature=s.temperature, top_k=s.top_k)
 
 
 def kept_ids(top_ids: np.ndarray, top_logprobs: np.ndarray, width: int) -> np.ndarray:
@@ -66,7 +77,7 @@ def unpack_kept(data: bytes, *, tokens: int, width: int) -> np.ndarray:
 def serving_inference(cfg: RunConfig) -> InferenceConfig:
     """The run's inference section as its engine serves it: top logprobs compiled at least as
     wide as the run's kept sets (inference.max_top_logprobs is otherwise the OpenAI door's own),
-    so the run's rollouts can record them."""
-    s = cfg.rollout.sampling
-    width = max(cfg.inference.max_top_logprobs, kept_width(temperature=s.temperature, top_k=s.top_k))
-    return dataclasses.replace(cfg.inference, max_top_logprobs=width)
+    so the run's rollouts can record them; MAX_KEPT_WIDTH wide on a service shared by several
+    runs (inference.runs), whose samplings it does not know."""
+    width = MAX_KEPT_WIDTH if cfg.inference.runs else run_kept_width(cfg)
+    return dataclasses.replace(cfg.inference, max_top_logprobs=max(cfg.inference.max_top_logprobs, width))

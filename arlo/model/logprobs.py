@@ -133,7 +133,10 @@ def _recorded_logsumexp(x: jax.Array, targets: SampledTargets, own_lse: jax.Arra
     kept = targets.kept_btk.astype(jnp.int32)
     valid = kept >= 0
     recorded = valid.any(axis=-1)
-    values = jnp.take_along_axis(x, jnp.where(valid, kept, 0), axis=-1)
+    # "clip": an id past the vocabulary (refused at intake) must not read NaN into the step.
+    values = jnp.take_along_axis(x, jnp.where(valid, kept, 0), axis=-1, mode="clip")
+    # A position with no record has logsumexp(-inf, ...) = -inf here, replaced below; its
+    # gradient would be NaN, which is why the caller takes the kept mass's value only.
     lse = jax.nn.logsumexp(jnp.where(valid, values, -jnp.inf), axis=-1)
     inside = jnp.any(valid & (kept == targets.ids_bt[..., None].astype(jnp.int32)), axis=-1)
     return jnp.where(recorded, lse, own_lse), jnp.where(recorded, inside, own_inside)

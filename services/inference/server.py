@@ -190,6 +190,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
         if request.request.n > 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "GenerateStream takes n = 1")
+        if request.request.return_kept:  # GenerateStreamResponse has no kept sets to carry them
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "GenerateStream does not return kept sets "
+                                "(return_kept): use Generate or GenerateBatch")
         request_id, bridge = await self._submit(request.request, context, stream=True)
         finished = False
         try:

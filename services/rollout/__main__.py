@@ -15,6 +15,7 @@ from arlo.config import RunConfig
 from arlo.coord import Heartbeat, RolloutStatus, TrajectoryStream, connect
 from arlo.coord.evals import EvalQueue
 from arlo.coord.heartbeat import instance_id
+from arlo.filter_replay import run_kept_width
 from arlo.model.tokenizer import get_tokenizer, tokenizer_name
 from arlo.rpc import RunningServer, load_token, make_channel, run_until_signal, setup_logging, start_server
 from arlo.rpc.metrics import rollout_collector
@@ -55,7 +56,7 @@ async def start_rollout(cfg: RunConfig, tasks: TaskGroup,
     instance = instance_id()
     gen = InferenceClient(inference, rc.sampling, stop_token_ids=tok.stop_token_ids, timeout_s=rc.rpc_timeout_s,
                           batch_window_s=rc.batch_window_s, tracer=tracer, run_id=cfg.run_id,
-                          return_routing=cfg.trainer.algorithm.routing_replay)
+                          return_routing=cfg.trainer.algorithm.routing_replay, return_kept=run_kept_width(cfg) > 0)
     # Admission counts the version inference serves, so no episode starts on weights older than the rule assumes.
     gate = AdmissionGate(redis, cfg.run_id, instance=instance, max_staleness=cfg.trainer.max_staleness,
                          batch_size=cfg.trainer.groups_per_step * rc.group_size, poll_s=rc.admission_poll_s,

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 import grpc
 
 from arlo.config import SamplingConfig
-from arlo.filter_replay import kept_width
 from arlo.proto.v1 import (
     common_pb2,
     env_pb2,
@@ -100,17 +99,19 @@ class InferenceClient:
 
     def __init__(self, channel: grpc.aio.Channel | ReplicaSet, sampling: SamplingConfig, *,
                  stop_token_ids: Sequence[int], timeout_s: float, batch_window_s: float = 0.0,
-                 tracer: Tracer | None = None, run_id: str = "", return_routing: bool = False) -> None:
+                 tracer: Tracer | None = None, run_id: str = "", return_routing: bool = False,
+                 return_kept: bool = False) -> None:
         """`stop_token_ids`: the tokenizer's (every eos id of the model); sampling.stop_token_ids
         are added to them. `batch_window_s` > 0: calls to one replica that arrive together leave
         as one GenerateBatch (services/rollout/coalescing.py); 0: one Generate each. `run_id`: the
         run this worker generates for, sent with every call (an inference service shared by several
         runs picks that run's adapter and version; one serving another run refuses it).
         `return_routing`: ask for each token's routed experts (trainer.algorithm.routing_replay).
-        Each token's kept set is asked for whenever `sampling` records one (arlo/filter_replay.py)."""
+        `return_kept`: ask for each token's kept set (filter replay, arlo/filter_replay.py
+        `run_kept_width`)."""
         self.run_id = run_id
         self.return_routing = return_routing
-        self.return_kept = kept_width(temperature=sampling.temperature, top_k=sampling.top_k) > 0
+        self.return_kept = return_kept
         self.replicas = channel if isinstance(channel, ReplicaSet) else None
         self.channel = None if self.replicas else channel
         self.stub = None if self.replicas else inference_pb2_grpc.InferenceStub(channel)

@@ -24,7 +24,7 @@ from arlo.coord.heartbeat import instance_id
 from arlo.coord.lease import LeaseHeld, TrainerLease
 from arlo.coord.metrics import MetricsStream
 from arlo.distributed import initialize_from_env, make_mesh
-from arlo.filter_replay import kept_width
+from arlo.filter_replay import run_kept_width
 from arlo.gc_pauses import freeze_startup
 from arlo.proto.v1 import trainer_pb2, trainer_pb2_grpc
 from arlo.routing_replay import routing_bytes
@@ -82,8 +82,7 @@ async def start_trainer(cfg: RunConfig, tasks: TaskGroup, compiles: CompileWatch
                       checkpoint_every=tc.checkpoint_every, max_backlog=cfg.redis.max_backlog,
                       sft_steps=warm_start.steps if warm_start else 0, start_paused=tc.start_paused,
                       routing_bytes=routing_bytes(learner.model_cfg),
-                      kept_width=kept_width(temperature=cfg.rollout.sampling.temperature,
-                                            top_k=cfg.rollout.sampling.top_k))
+                      kept_width=run_kept_width(cfg))
     loop = TrainingLoop(
         learner=learner, stream=stream, pointer=WeightPointer(redis, cfg.run_id, fence=lease.fence),
         store=VersionStore(),

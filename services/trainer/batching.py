@@ -46,7 +46,7 @@ class Batch:
     kept_btk: np.ndarray | None = None
     """Filter replay (int32 [rows, length, K], arlo/filter_replay.py): the ids the sampler's filter
     kept when it drew token t of row b, at position t (NOT_KEPT padded; all NOT_KEPT where nothing
-    was recorded). None: no trajectory in the batch carries any."""
+    was recorded). None: filter replay is off."""
 
     @property
     def num_groups(self) -> int:
@@ -143,9 +143,10 @@ def _routing_arrays(trajs: Sequence[common_pb2.Trajectory], length: int,
 
 
 def _kept_arrays(trajs: Sequence[common_pb2.Trajectory], length: int, width: int) -> np.ndarray | None:
-    """`Batch.kept_btk`; None when off or no trajectory carries a record. Token t's kept set goes
-    to position t; a model token cut off by the length is left out with it."""
-    if not width or not any(t.kept_token_ids for t in trajs):
+    """`Batch.kept_btk`; None when off. With replay on every batch has one (NOT_KEPT where nothing
+    was recorded: the trainer's own filter), so every step is the program the warm-up compiled.
+    Token t's kept set goes to position t; a model token cut off by the length is left out with it."""
+    if not width:
         return None
     kept = np.full((len(trajs), length, width), NOT_KEPT, np.int32)
     for row, t in enumerate(trajs):

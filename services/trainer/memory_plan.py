@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from arlo.config import RunConfig, TrainerConfig
 from arlo.distributed import make_mesh
+from arlo.filter_replay import run_kept_width
 from arlo.memory_plan import compiled_figures, per_device_bytes, placed, plan_main, plan_source
 from arlo.model import abstract_model
 from arlo.model.lora import split_adapters
@@ -49,18 +50,24 @@ def _replicated(mesh: Mesh | None) -> Any:
     return NamedSharding(mesh, PartitionSpec()) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
 
 
-def batch_rows(tc: TrainerConfig, *, rows: int, length: int, mesh: Mesh | None) -> tuple[dict[str, Any], int]:
+def batch_rows(tc: TrainerConfig, *, rows: int, length: int, mesh: Mesh | None,
+               kept: int = 0) -> tuple[dict[str, Any], int]:
     """The step's rows as `Learner._on_device` lays them out ([micro-batches, size, length],
     padded to whole micro-batches per mini-batch, rows over the data axes), abstract; and the
-    number of mini-batches."""
+    number of mini-batches. `kept`: filter replay's K (the kept sets ride along, [..., K] int32)."""
     mini = min(tc.mini_batches, rows)
     mini_rows = -(-rows // mini)
     size = tc.micro_batch_size or mini_rows
     padded = mini * size * -(-mini_rows // size)
     sharding = batch_sharding(mesh, size, ndim=3) if mesh is not None else _replicated(None)
     dtypes = {"tokens_bt": np.int32, "behaviour_logprobs_bt": np.float32, "mask_bt": np.float32}
-    return {name: jax.ShapeDtypeStruct((padded // size, size, length), dtype, sharding=sharding)
-            for name, dtype in dtypes.items()}, mini
+    out = {name: jax.ShapeDtypeStruct((padded // size, size, length), dtype, sharding=sharding)
+           for name, dtype in dtypes.items()}
+    if kept:
+        out["kept_btk"] = jax.ShapeDtypeStruct(
+            (padded // size, size, length, kept), np.int32,
+            sharding=batch_sharding(mesh, size, ndim=4) if mesh is not None else _replicated(None))
+    return out, mini
 
 
 def train_step_plan(source: ModelSource, cfg: RunConfig, *, mesh: Mesh | None, groups: int, group_size: int,
@@ -85,7 +92,7 @@ def train_step_plan(source: ModelSource, cfg: RunConfig, *, mesh: Mesh | None, g
         tx, lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(tx.init, state),
         shardings, transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_replicated(mesh)))
     ref = cast_state(state, source.param_dtype) if tc.algorithm.kl_coef else None
-    rows, mini = batch_rows(tc, rows=groups * group_size, length=length, mesh=mesh)
+    rows, mini = batch_rows(tc, rows=groups * group_size, length=length, mesh=mesh, kept=run_kept_width(cfg))
     rewards = jax.ShapeDtypeStruct((groups, group_size), np.float32, sharding=_replicated(mesh))
     key = jax.ShapeDtypeStruct((2,), np.uint32, sharding=_replicated(mesh))
     step = jax.jit(functools.partial(_rl_step, graphdef, tx, tc, source.param_dtype, cfg.rollout.sampling),

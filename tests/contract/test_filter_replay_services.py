@@ -19,7 +19,7 @@ from arlo.background import TaskGroup
 from arlo.config import RunConfig, load_config
 from arlo.coord import TrajectoryStream, connect, delete_run
 from arlo.coord.metrics import MetricsStream
-from arlo.filter_replay import NOT_KEPT, unpack_kept
+from arlo.filter_replay import NOT_KEPT, run_kept_width, unpack_kept
 from arlo.proto.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from arlo.rpc import make_channel
 from services.inference.__main__ import start_inference
@@ -74,8 +74,10 @@ def trajectory(group: str, turn, reward: float) -> common_pb2.Trajectory:
 async def test_bf16_top_k_tokens_are_scored_over_the_kept_sets_the_server_returned(services: dict) -> None:
     cfg = services["cfg"]
     async with make_channel(services["inference"], token=TOKEN) as channel:
-        client = InferenceClient(channel, cfg.rollout.sampling, stop_token_ids=[], timeout_s=120, run_id=cfg.run_id)
-        assert client.return_kept
+        # As the rollout's __main__ builds it: run_kept_width, and its default batch window (GenerateBatch).
+        client = InferenceClient(channel, cfg.rollout.sampling, stop_token_ids=[], timeout_s=120, run_id=cfg.run_id,
+                                 batch_window_s=cfg.rollout.batch_window_s, return_kept=run_kept_width(cfg) > 0)
+        assert client.return_kept and client.batch_window_s > 0
         turns = await asyncio.gather(*(client.generate(PROMPT, max_tokens=MAX_TOKENS, seed=seed)
                                        for seed in range(GROUPS * GROUP_SIZE)))
     for turn in turns:  # each token is in its own kept set, at most top_k wide
@@ -99,10 +101,18 @@ async def test_bf16_top_k_tokens_are_scored_over_the_kept_sets_the_server_return
     assert np.isfinite(record["loss"]) and record["dropped"]["malformed"] == 0
 
 
-async def test_kept_sets_are_refused_where_the_sampler_keeps_no_top_k(services: dict) -> None:
-    sampling = common_pb2.SamplingParams(max_tokens=4, temperature=1.0, top_k=0, top_p=0.9)
+async def test_kept_sets_are_refused_where_the_sampler_keeps_no_top_k_or_the_stream_cannot_carry_them(
+        services: dict) -> None:
+    no_top_k = common_pb2.SamplingParams(max_tokens=4, temperature=1.0, top_k=0, top_p=0.9)
+    top_k = common_pb2.SamplingParams(max_tokens=4, temperature=1.0, top_k=TOP_K)
     async with make_channel(services["inference"], token=TOKEN) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await inference_pb2_grpc.InferenceStub(channel).Generate(inference_pb2.GenerateRequest(
-                prompt_token_ids=PROMPT, n=1, sampling=sampling, return_kept=True))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_k" in err.value.details()
+            await stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=PROMPT, n=1, sampling=no_top_k,
+                                                              return_kept=True))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_k" in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.GenerateStream(inference_pb2.GenerateStreamRequest(request=inference_pb2.GenerateRequest(
+                    prompt_token_ids=PROMPT, n=1, sampling=top_k, return_kept=True))):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "return_kept" in err.value.details()

@@ -29,8 +29,15 @@ def test_which_settings_record_kept_sets() -> None:
     assert fr.kept_width(temperature=0.0, top_k=5) == 0  # greedy: nothing filtered
     assert fr.kept_width(temperature=1.0, top_k=0) == 0  # top-p alone: unbounded sets
     assert fr.kept_width(temperature=1.0, top_k=fr.MAX_KEPT_WIDTH + 1) == 0
+    # The proto carries a float32: the server sees 1e-5 as 9.99999975e-06 and must agree with the rollout.
+    assert fr.kept_width(temperature=float(np.float32(1e-5)), top_k=5) == fr.kept_width(temperature=1e-5, top_k=5) == 5
     cfg = load_config(overrides={"rollout": {"sampling": {"top_k": 8}}})
     assert cfg.inference.max_top_logprobs == 0 and fr.serving_inference(cfg).max_top_logprobs == 8
+    assert fr.run_kept_width(cfg) == 8
+    packed = load_config(overrides={"rollout": {"sampling": {"top_k": 8}}, "trainer": {"pack": True}})
+    assert fr.run_kept_width(packed) == 0  # packed rows carry none: nothing asked, nothing compiled
+    shared = load_config(overrides={"inference": {"runs": ["other"]}, "trainer": {"lora": {"rank": 4}}})  # unknown samplings
+    assert fr.serving_inference(shared).max_top_logprobs == fr.MAX_KEPT_WIDTH
 
 
 def test_the_wire_format_round_trips_and_refuses_a_wrong_size() -> None:
@@ -78,6 +85,12 @@ def test_a_record_that_does_not_hold_its_token_or_has_the_wrong_size_is_malforme
     assert "model token 4 is not in the kept set" in validate_trajectory(trajectory(missing), kept_width=2)
     assert "x 3 ids" in validate_trajectory(trajectory(good), kept_width=3)
     assert validate_trajectory(trajectory(good), kept_width=0) is None  # replay off: the record is ignored
+    # An id past the vocabulary would gather NaN and sink the step; a set holding an id twice was never kept.
+    past = np.asarray([[3, 300], [5, fr.NOT_KEPT]], np.int32)
+    assert "outside [0, 256)" in validate_trajectory(trajectory(past), kept_width=2, vocab_size=256)
+    assert "outside" in validate_trajectory(trajectory(np.asarray([[3, -7], [5, 1]], np.int32)), kept_width=2)
+    twice = np.asarray([[3, 3], [5, fr.NOT_KEPT]], np.int32)
+    assert "twice" in validate_trajectory(trajectory(twice), kept_width=2)
 
 
 def test_a_batch_places_each_kept_set_at_its_token() -> None:
@@ -87,14 +100,20 @@ def test_a_batch_places_each_kept_set_at_its_token() -> None:
     assert batch.kept_btk[0, 2].tolist() == [3, 8] and batch.kept_btk[0, 4].tolist() == [5, fr.NOT_KEPT]
     assert (batch.kept_btk[0, [0, 1, 3, *range(5, 16)]] == fr.NOT_KEPT).all()
     assert build_batch([[trajectory(kept)]], max_seq_len=64, pad_id=0).kept_btk is None  # replay off
+    # Replay on, nothing recorded (a black-box agent's run): still an array, so the step is the warmed one.
+    bare = common_pb2.Trajectory()
+    bare.CopyFrom(trajectory(kept))
+    bare.ClearField("kept_token_ids")
+    empty = build_batch([[bare]], max_seq_len=64, pad_id=0, kept_width=2).kept_btk
+    assert empty is not None and (empty == fr.NOT_KEPT).all()
 
 
 def test_a_recorded_set_decides_membership_and_chunking_changes_nothing() -> None:
     """Position 0's recorded set is {2, 3}: the target 2 is scored over exactly those two even though
     the own top-2 filter ({0, 1}) would leave it out; position 1 has no record (own filter)."""
-    logits = jnp.asarray([[[4.0, 3.0, 2.9, 2.8, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]]])
-    ids = jnp.asarray([[2, 4]])
-    kept = jnp.asarray([[[2, 3], [fr.NOT_KEPT, fr.NOT_KEPT]]])
+    logits = jnp.asarray([[[4.0, 3.0, 2.9, 2.8, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0], [1.0, 0.0, 0.0, 0.0, 0.5]]])
+    ids = jnp.asarray([[2, 4, 4]])
+    kept = jnp.asarray([[[2, 3], [fr.NOT_KEPT, fr.NOT_KEPT], [0, 4]]])
     knobs = {"temperature": 1.0, "top_k": 2, "top_p": 1.0, "min_p": 0.0}
     own_lp, own_out = sampled_token_logprobs_and_outside(logits, ids, **knobs)
     lp, out = sampled_token_logprobs_and_outside(logits, SampledTargets(ids, kept), **knobs)
@@ -107,5 +126,6 @@ def test_a_recorded_set_decides_membership_and_chunking_changes_nothing() -> Non
             return h
 
     fn = jax.tree_util.Partial(sampled_token_logprobs_and_outside, **knobs)
-    chunked = chunked_token_logprobs(Head(), logits, SampledTargets(ids, kept), 1, fn)
-    assert np.allclose(chunked[0], lp) and np.array_equal(chunked[1], out)
+    for chunk in (1, 2):  # 2: three positions, the last chunk padded
+        chunked = chunked_token_logprobs(Head(), logits, SampledTargets(ids, kept), chunk, fn)
+        assert np.allclose(chunked[0], lp) and np.array_equal(chunked[1], out)

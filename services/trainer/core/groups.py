@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from arlo import groups
-from arlo.filter_replay import unpack_kept
+from arlo.filter_replay import NOT_KEPT, unpack_kept
 from arlo.groups import MAX_ABS_REWARD, REWARD_ATOL, group_failed
 from arlo.proto.v1 import common_pb2
 from services.trainer.core.lineage import MAX_VERSION, Lineage
@@ -41,10 +41,12 @@ class DropCounts:
         return self.stale + self.failed + self.malformed + self.poisoned
 
 
-def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0, kept_width: int = 0) -> str | None:
+def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0, kept_width: int = 0,
+                        vocab_size: int = 0) -> str | None:
     """Why a trajectory cannot be trained on, or None when it is well formed. `routing_bytes`: the
     model's bytes of routed_experts per model token (arlo/routing_replay.py; 0: not checked).
-    `kept_width`: the run's filter replay K (arlo/filter_replay.py; 0: kept_token_ids ignored)."""
+    `kept_width`: the run's filter replay K (arlo/filter_replay.py; 0: kept_token_ids ignored);
+    `vocab_size` bounds its ids (0: not checked)."""
     n = len(traj.token_ids)
     if n < 2:
         return "fewer than 2 tokens"
@@ -65,19 +67,25 @@ def validate_trajectory(traj: common_pb2.Trajectory, routing_bytes: int = 0, kep
             return (f"routed_experts has {len(traj.routed_experts)} bytes; the model tokens x {routing_bytes} bytes "
                     f"per token is {want}")
     if kept_width and traj.kept_token_ids:
-        return kept_sets_reason(traj, kept_width)
+        return kept_sets_reason(traj, kept_width, vocab_size)
     return None
 
 
-def kept_sets_reason(traj: common_pb2.Trajectory, width: int) -> str | None:
-    """Why a trajectory's kept sets are unusable: the wrong size, or a model token its own kept set
-    does not hold (the sampler draws only from it; such a record would score the token over a
-    set that never sampled it)."""
+def kept_sets_reason(traj: common_pb2.Trajectory, width: int, vocab_size: int = 0) -> str | None:
+    """Why a trajectory's kept sets are unusable: the wrong size, an id outside the vocabulary
+    (a gather past it reads NaN: the whole step would be skipped) or twice in one set (a set the
+    sampler cannot have kept), or a model token its own kept set does not hold (the sampler draws
+    only from it; such a record would score the token over a set that never sampled it)."""
     model_pos = np.flatnonzero(np.asarray(traj.loss_mask, bool))
     try:
         kept = unpack_kept(traj.kept_token_ids, tokens=len(model_pos), width=width)
     except ValueError as e:
         return str(e)
+    if kept.size and (kept.min() < NOT_KEPT or (vocab_size > 0 and kept.max() >= vocab_size)):
+        return f"kept_token_ids: an id outside [0, {vocab_size}) (or -1 for none): {int(kept.min())}..{int(kept.max())}"
+    ordered = np.sort(kept, axis=1)
+    if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != NOT_KEPT)).any():
+        return "kept_token_ids: an id twice in one kept set"
     drawn = np.asarray(traj.token_ids, np.int64)[model_pos]
     missing = np.flatnonzero(~(kept == drawn[:, None]).any(axis=1))
     if missing.size:
@@ -278,7 +286,7 @@ class GroupAssembler:
 
     def malformed(self, traj: common_pb2.Trajectory) -> str | None:
         """`validate_trajectory` with this run's record sizes."""
-        return validate_trajectory(traj, self.routing_bytes, self.kept_width)
+        return validate_trajectory(traj, self.routing_bytes, self.kept_width, self.vocab_size)
 
     def _invalid(self, traj: common_pb2.Trajectory, newest: int | None) -> str | None:
         return self.malformed(traj) or poison_reason(traj, self.vocab_size) \
