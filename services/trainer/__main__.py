@@ -148,7 +148,7 @@ async def warm_up(cfg: RunConfig, loop: TrainingLoop, compiles: CompileWatch) ->
             async with loop.jax_lock:
                 if kind == "RL":
                     await asyncio.to_thread(warm_up_learner, learner, lengths=lengths, groups=tc.groups_per_step,
-                                            group_size=cfg.rollout.group_size)
+                                            group_size=cfg.rollout.group_size, kept_width=loop.core.cfg.kept_width)
                 else:
                     assert warm_start is not None
                     await asyncio.to_thread(warm_up_sft, learner, lengths=lengths, rows=warm_start.batch_size)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from arlo.filter_replay import NOT_KEPT, kept_width
+from arlo.filter_replay import NOT_KEPT
 from arlo.model.weights import nonfinite_param, serving_copy
 from arlo.routing_replay import expert_dtype, routing_shape
 from services.trainer.batching import Batch, bucket_length
@@ -39,9 +39,11 @@ def length_buckets(longest: int, max_seq_len: int) -> list[int]:
     return [*out, top]
 
 
-def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, group_size: int) -> int:
+def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, group_size: int,
+                    kept_width: int = 0) -> int:
     """Compiles the RL step (and the critic's, with GAE) for batches of groups x group_size rows
-    at each length; returns the number of lengths compiled (0 with several JAX processes)."""
+    at each length; returns the number of lengths compiled (0 with several JAX processes).
+    `kept_width`: the K every batch's kept sets have (filter replay; `build_batch`'s), 0: off."""
     if jax.process_count() > 1:
         return 0
     if learner.cfg.pack:  # a packed step's shape depends on how the batch packs: known with the batch only
@@ -53,8 +55,7 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
     # With routing replay every batch carries the sampler's experts (batching.py `_routing_arrays`):
     # a warm-up without them compiled a program no step uses, and each length compiled mid-run.
     routing = routing_shape(learner.model_cfg) if learner.cfg.algorithm.routing_replay else None
-    # So does filter replay's kept sets, whenever the run samples with top-k (batching.py `_kept_arrays`).
-    width = kept_width(temperature=learner.sampling.temperature, top_k=learner.sampling.top_k)
+    # So does filter replay's kept sets, whenever it is on (batching.py `_kept_arrays`).
     for length in lengths:
         zeros = np.zeros((rows, length), np.float32)
         experts = (np.zeros((rows, length, routing[0], routing[1]), expert_dtype(routing[2]))
@@ -63,7 +64,7 @@ def warm_up_learner(learner: Learner, *, lengths: Sequence[int], groups: int, gr
                       rewards_gk=np.zeros((groups, group_size), np.float32), token_rewards_bt=zeros,
                       trajectory_ids=(), num_tokens=0, experts_btlk=experts,
                       replay_bt=zeros if routing is not None else None,
-                      kept_btk=np.full((rows, length, width), NOT_KEPT, np.int32) if width else None)
+                      kept_btk=np.full((rows, length, kept_width), NOT_KEPT, np.int32) if kept_width else None)
         # The same conversions Learner.step makes (each compiles a small program per shape).
         rewards_gk, device_rows = learner.device_inputs(batch, mini_batches=mini)
         key = learner._replicated(jax.random.key_data(jax.random.key(learner.step_count)))

@@ -49,7 +49,7 @@ def test_a_warmed_length_steps_without_compiling(top_k: int) -> None:
     before = [np.asarray(x) for x in jax.tree.leaves(learner.state)]
     watch = CompileWatch().install()
     try:
-        assert warm_up_learner(learner, lengths=[16], groups=1, group_size=2) == 1
+        assert warm_up_learner(learner, lengths=[16], groups=1, group_size=2, kept_width=top_k) == 1
         assert all(np.array_equal(a, np.asarray(b))
                    for a, b in zip(before, jax.tree.leaves(learner.state), strict=True))
         watch.mark_warm()
